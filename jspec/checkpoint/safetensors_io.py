@@ -1,0 +1,78 @@
+"""Reading tensors from a HF folder: ``model.safetensors`` or a sharded index.
+
+Tensors are read one at a time (``safe_open`` maps the file; only the requested tensor is
+materialised), so loading never holds a second full copy of the model in host memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+
+import numpy as np
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match what the config promises; the message names it."""
+
+
+class SafetensorsReader:
+    """Name -> file index over a single file or a sharded checkpoint."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        single = os.path.join(folder, "model.safetensors")
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no 'weight_map' object")
+            self.files = {name: os.path.join(folder, fn) for name, fn in weight_map.items()}
+            for fn in set(self.files.values()):
+                if not os.path.exists(fn):
+                    raise CheckpointError(f"{index} names shard {os.path.basename(fn)!r}, which is missing")
+        elif os.path.exists(single):
+            from safetensors import safe_open
+
+            with safe_open(single, framework="np") as f:
+                self.files = {name: single for name in f.keys()}
+        else:
+            raise CheckpointError(
+                f"no model.safetensors or model.safetensors.index.json in {folder!r}"
+            )
+        self._handles = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def names(self) -> Iterable[str]:
+        return self.files.keys()
+
+    def _handle(self, fn):
+        from safetensors import safe_open
+
+        if fn not in self._handles:
+            # "flax" keeps bfloat16 intact (numpy has no bf16); arrays land on the default
+            # device one tensor at a time and are cast / placed by the caller.
+            self._handles[fn] = safe_open(fn, framework="flax")
+        return self._handles[fn]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+
+    def get(self, name: str):
+        if name not in self.files:
+            raise CheckpointError(f"checkpoint in {self.folder!r} is missing tensor {name!r}")
+        return self._handle(self.files[name]).get_tensor(name)
+
+    def nbytes(self) -> int:
+        return sum(os.path.getsize(fn) for fn in set(self.files.values()))
+
+    def close(self):
+        self._handles.clear()
+
+
+def to_numpy(x) -> np.ndarray:
+    return np.asarray(x)

@@ -1,0 +1,196 @@
+"""Model configuration: the one place where a Hugging Face ``config.json`` is translated.
+
+``ModelConfig`` is frozen and hashable so it can be a static argument of jitted functions.
+Every key of the HF config is either understood, known to be irrelevant to inference
+(metadata, training knobs), or rejected with an error naming it: a silently ignored key
+could change the maths (a new rope type, sliding windows) without anyone noticing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+# architecture name -> model family. Only decoder-only Llama 3.x / Qwen3 shapes.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_MODEL_TYPES = {"llama", "qwen3"}
+
+# Keys that carry no meaning for inference here (metadata, training-only knobs, tokens
+# handled by the tokenizer / engine). Accepted and ignored.
+_IGNORED_KEYS = {
+    "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype",
+    "dtype", "initializer_range", "use_cache", "attention_dropout", "bos_token_id",
+    "pad_token_id", "output_attentions", "output_hidden_states", "return_dict",
+    "pretraining_tp", "layer_types", "max_window_layers",
+    "sliding_window", "use_sliding_window", "id2label", "label2id", "tokenizer_class",
+    "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention",
+    "tie_encoder_decoder", "problem_type", "finetuning_task", "prefix", "task_specific_params",
+    "torchscript", "use_bfloat16", "tf_legacy_loss", "pruned_heads", "cross_attention_hidden_size",
+    "decoder_start_token_id", "sep_token_id", "architectures_version", "hidden_dropout",
+    "embd_pdrop", "resid_pdrop",
+}
+# Keys that we read (below).
+_READ_KEYS = {
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+    "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "attention_bias",
+    "mlp_bias", "eos_token_id", "max_position_embeddings",
+}
+
+
+class ConfigError(ValueError):
+    """A config.json that jspec cannot serve; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default" | "llama3"
+    # llama3 scaling (only meaningful for rope_type == "llama3")
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    family: str  # "llama" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    eos_token_ids: tuple[int, ...] = ()
+    max_position_embeddings: int = 8192
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def default_aux_layers(self) -> tuple[int, int, int]:
+        """EAGLE3's default canonical capture indices [2, L//2, L-3]."""
+        L = self.num_layers
+        return (2, L // 2, L - 3)
+
+    def num_params(self) -> int:
+        h, i, L, v = self.hidden_size, self.intermediate_size, self.num_layers, self.vocab_size
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        return L * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
+    # transformers < 5 writes rope_theta + rope_scaling; transformers 5 writes rope_parameters.
+    params = d.get("rope_parameters")
+    scaling = d.get("rope_scaling")
+    if params is not None and scaling is not None and params != scaling:
+        # transformers 5 may write both; rope_parameters is the newer, complete form.
+        scaling = None
+    src = dict(params or scaling or {})
+    theta = float(src.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    rope_type = src.pop("rope_type", src.pop("type", "default"))
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if rope_type != "llama3":
+        key = "rope_parameters" if params is not None else "rope_scaling"
+        raise ConfigError(
+            f"config.json: {key}.rope_type={rope_type!r} is not supported (supported: 'default', 'llama3')"
+        )
+    try:
+        return RopeConfig(
+            theta=theta,
+            rope_type="llama3",
+            factor=float(src["factor"]),
+            low_freq_factor=float(src["low_freq_factor"]),
+            high_freq_factor=float(src["high_freq_factor"]),
+            original_max_position_embeddings=int(src["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise ConfigError(f"config.json: llama3 rope scaling is missing key {e.args[0]!r}") from None
+
+
+def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
+    """Translate a HF config dict (Llama 3.x or Qwen3) into a ModelConfig."""
+    archs = d.get("architectures") or []
+    model_type = d.get("model_type")
+    for a in archs:
+        if a not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"config.json: architecture {a!r} is not supported "
+                f"(supported: {sorted(SUPPORTED_ARCHITECTURES)})"
+            )
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"config.json: model_type {model_type!r} is not supported "
+            f"(supported: {sorted(SUPPORTED_MODEL_TYPES)})"
+        )
+    unknown = sorted(k for k in d if k not in _READ_KEYS and k not in _IGNORED_KEYS)
+    if unknown:
+        raise ConfigError(f"config.json: unsupported key(s) {unknown} for model_type {model_type!r}")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config.json: hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
+    if d.get("use_sliding_window"):
+        raise ConfigError("config.json: use_sliding_window=true is not supported")
+    if int(d.get("pretraining_tp", 1)) != 1:
+        raise ConfigError("config.json: pretraining_tp != 1 is not supported")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if key not in d:
+            raise ConfigError(f"config.json: required key {key!r} is missing")
+    heads = int(d["num_attention_heads"])
+    kv_heads = int(d.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise ConfigError(
+            f"config.json: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
+    head_dim = d.get("head_dim") or int(d["hidden_size"]) // heads
+    eos = d.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    return ModelConfig(
+        family=model_type,
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        num_layers=int(d["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(head_dim),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope=_rope_from_hf(d),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        attention_bias=bool(d.get("attention_bias", False)),
+        mlp_bias=bool(d.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        eos_token_ids=eos_ids,
+        max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
+    )
+
+
+def load_model_config(path: str | os.PathLike) -> ModelConfig:
+    """Read ``PATH/config.json`` (or a config.json path) into a ModelConfig."""
+    path = os.fspath(path)
+    cfg_path = path if path.endswith(".json") else os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"no config.json at {cfg_path}")
+    with open(cfg_path) as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
+    return model_config_from_hf(d)

@@ -1,0 +1,144 @@
+"""Host-side page allocator with ref-counted prefix caching (plain Python).
+
+A page holds ``page_size`` consecutive tokens of one sequence. A *full* page of committed
+tokens gets a hash chained on its parent's (``hash((parent, tokens))``); identical prefixes
+then share pages. Shared or hashed pages are never written again: a sequence only writes at
+positions >= its ``num_computed``, and hits are capped so that at least one token (and, for
+EAGLE-style drafters, the whole last matched page) is recomputed into a page of its own.
+
+Free pages: ``_free`` (never hashed, or evicted) and ``_evictable`` (ref count 0 but still
+hashed, in LRU order: a later request may revive them). Allocation takes ``_free`` first
+and evicts the least recently freed cached page only when it must.
+
+Drafts are never hashed: only tokens below ``num_committed`` count, and the caller passes
+how many trailing committed tokens are not yet final (``hash_lag``: EAGLE-style drafters
+write their own KV for position p only once token p + 1 is known).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from jspec.engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref = [0] * num_pages
+        self.page_hash: dict[int, int] = {}  # page -> hash (registered full pages)
+        self.hash_page: dict[int, int] = {}  # hash -> page
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # stack, page 0 handed out first
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.hits = 0  # pages served from the cache (prefix hits), cumulative
+        self.queries = 0  # full prompt pages looked up, cumulative
+
+    # ---- accounting -------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    def pages_needed(self, seq: Sequence, num_slots: int) -> int:
+        """Extra pages for ``seq`` to hold ``num_slots`` token slots."""
+        return max(0, -(-num_slots // self.page_size) - len(seq.pages))
+
+    # ---- hashing ----------------------------------------------------------------------
+    @staticmethod
+    def chain_hash(parent: int | None, tokens) -> int:
+        return hash((parent, tuple(tokens)))
+
+    def _prompt_hashes(self, tokens: list[int], limit_pages: int) -> list[int]:
+        hashes, parent = [], None
+        ps = self.page_size
+        for i in range(limit_pages):
+            parent = self.chain_hash(parent, tokens[i * ps : (i + 1) * ps])
+            hashes.append(parent)
+        return hashes
+
+    # ---- allocation -------------------------------------------------------------------
+    def _take(self) -> int:
+        if self._free:
+            page = self._free.pop()
+        else:
+            page, _ = self._evictable.popitem(last=False)  # least recently freed
+            del self.hash_page[self.page_hash.pop(page)]
+        self.ref[page] = 1
+        return page
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free_pages
+
+    def allocate_prefix(self, seq: Sequence, drop_last_hit: bool) -> int:
+        """Attach cached pages for the longest hashed prefix of ``seq``'s tokens.
+
+        Returns the number of tokens covered (also stored in ``seq.num_computed``). At least
+        one token is always left to compute, so the step that follows has logits to sample.
+        """
+        assert not seq.pages
+        if not self.enable_prefix_caching:
+            return 0
+        tokens = seq.token_ids
+        full = (len(tokens) - 1) // self.page_size
+        hashes = self._prompt_hashes(tokens, full)
+        self.queries += full
+        hit = []
+        for h in hashes:
+            page = self.hash_page.get(h)
+            if page is None:
+                break
+            hit.append((h, page))
+        if drop_last_hit and hit:
+            hit.pop()
+        for h, page in hit:
+            if self.ref[page] == 0:
+                del self._evictable[page]
+            self.ref[page] += 1
+            seq.pages.append(page)
+            seq.block_hashes.append(h)
+        self.hits += len(hit)
+        seq.num_computed = len(hit) * self.page_size
+        seq.num_cached_prefix = seq.num_computed
+        return seq.num_computed
+
+    def ensure_slots(self, seq: Sequence, num_slots: int) -> bool:
+        """Grow ``seq.pages`` to hold ``num_slots`` slots; False (and no change) if short."""
+        need = self.pages_needed(seq, num_slots)
+        if need > self.num_free_pages:
+            return False
+        for _ in range(need):
+            seq.pages.append(self._take())
+        return True
+
+    def commit(self, seq: Sequence, num_final: int):
+        """Register newly full pages whose first ``num_final`` tokens are final."""
+        if not self.enable_prefix_caching:
+            return
+        ps = self.page_size
+        tokens = seq.token_ids
+        while (len(seq.block_hashes) + 1) * ps <= num_final:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = self.chain_hash(parent, tokens[i * ps : (i + 1) * ps])
+            seq.block_hashes.append(h)
+            page = seq.pages[i]
+            if h not in self.hash_page and page not in self.page_hash:
+                self.hash_page[h] = page
+                self.page_hash[page] = h
+
+    def free(self, seq: Sequence):
+        # Reverse order: a sequence's tail pages are evicted before its (more shareable) head.
+        for page in reversed(seq.pages):
+            self.ref[page] -= 1
+            assert self.ref[page] >= 0, f"page {page} freed twice"
+            if self.ref[page] == 0:
+                if page in self.page_hash:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+        seq.pages = []
+        seq.block_hashes = []
+
+    def is_shared_or_cached(self, page: int) -> bool:
+        return self.ref[page] > 1 or page in self.page_hash

@@ -1,0 +1,261 @@
+"""LLMEngine: requests in, tokens out, one scheduling step at a time (synchronous).
+
+Not thread-safe: one thread drives it (jspec.LLM.generate, or the server's engine loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+
+from jspec.checkpoint.target import load_target, resolve_dtype
+from jspec.engine.block_manager import BlockManager
+from jspec.engine.buckets import Buckets
+from jspec.engine.runner import ModelRunner
+from jspec.engine.scheduler import Scheduler, SchedulerConfig
+from jspec.engine.sequence import Sequence, SpecMetrics, Status
+from jspec.kv_cache import KVCache
+from jspec.sampling_params import SamplingParams
+from kernels_pallas.dispatch import ENV_VAR, resolve_impl
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated so far
+    text: str | None  # None without a tokenizer (filled when finished)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    metrics: dict
+
+    @property
+    def new_token_ids(self) -> list[int]:  # set by LLMEngine.step for streaming
+        return self._new
+
+    _new: list = dataclasses.field(default_factory=list, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    max_num_seqs: int = 8
+    max_model_len: int | None = None  # None: min(max_position_embeddings, 4096)
+    page_size: int = 16
+    num_pages: int | None = None  # None: from gpu_memory_utilization (accelerators) or full capacity
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int | None = None  # None: max(max_prefill_chunk, max_num_seqs)
+    max_prefill_chunk: int = 256
+    seed: int = 0
+    # Kernel choice ("auto" | "reference" | "gpu" | "tpu" | "interpret" | "tpu_interpret"):
+    # "auto" means the Pallas kernels on GPU/TPU and the jnp references on CPU (interpret
+    # mode is for checking kernels, far too slow to serve with); JSPEC_KERNEL_IMPL overrides.
+    attn_impl: str = "auto"
+    sample_impl: str = "auto"
+    speculative_config: dict | None = None
+
+
+def engine_impl(impl: str) -> str:
+    if impl == "auto" and not os.environ.get(ENV_VAR) and jax.default_backend() == "cpu":
+        return "reference"
+    return resolve_impl(impl)
+
+
+def _load_tokenizer(path):
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _generation_eos(path) -> tuple[int, ...]:
+    fn = os.path.join(path, "generation_config.json")
+    if not os.path.exists(fn):
+        return ()
+    with open(fn) as f:
+        eos = json.load(f).get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, sharding=None):
+        self.config = c = config
+        self.model_cfg, params = load_target(c.model, c.dtype, sharding=sharding)
+        mc = self.model_cfg
+        self.model_name = os.path.basename(os.path.normpath(c.model))
+        self.tokenizer = _load_tokenizer(c.model)
+        self.eos_token_ids = set(mc.eos_token_ids) | set(_generation_eos(c.model))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.max_model_len = c.max_model_len or min(mc.max_position_embeddings, 4096)
+        if c.page_size < 1 or c.max_num_seqs < 1:
+            raise ValueError(f"page_size and max_num_seqs must be >= 1 (got {c.page_size}, {c.max_num_seqs})")
+        self.lookahead = 0
+        pages_per_seq = -(-(self.max_model_len + self.lookahead) // c.page_size)
+        num_pages = c.num_pages or self._pages_from_memory(pages_per_seq)
+        if num_pages < pages_per_seq:
+            raise ValueError(
+                f"num_pages={num_pages} x page_size={c.page_size} cannot hold one sequence of "
+                f"max_model_len={self.max_model_len}: need at least {pages_per_seq} pages"
+            )
+        chunk = min(c.max_prefill_chunk, self.max_model_len)
+        sched_cfg = SchedulerConfig(
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens or max(chunk, c.max_num_seqs),
+            max_prefill_chunk=chunk,
+            max_model_len=self.max_model_len,
+            lookahead=self.lookahead,
+        )
+        self.blocks = BlockManager(num_pages, c.page_size, c.enable_prefix_caching)
+        self.scheduler = Scheduler(sched_cfg, self.blocks)
+        dtype = resolve_dtype(c.dtype)
+        kv = KVCache.create(mc.num_layers, num_pages, c.page_size, mc.num_kv_heads, mc.head_dim, dtype)
+        buckets = Buckets.create(c.max_num_seqs, chunk, pages_per_seq)
+        self.runner = ModelRunner(
+            mc, params, kv, buckets, dtype=dtype, attn_impl=engine_impl(c.attn_impl), sample_impl=engine_impl(c.sample_impl)
+        )
+        self._rng = np.random.default_rng(c.seed)
+        self._seqs: dict[str, Sequence] = {}
+        self._arrivals = 0
+        self.spec_metrics = SpecMetrics()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    def _pages_from_memory(self, pages_per_seq: int) -> int:
+        mc, c = self.model_cfg, self.config
+        stats = jax.devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        if not limit or jax.default_backend() == "cpu":
+            return c.max_num_seqs * pages_per_seq
+        itemsize = np.dtype(resolve_dtype(c.dtype)).itemsize
+        page_bytes = 2 * mc.num_layers * c.page_size * mc.num_kv_heads * mc.head_dim * itemsize
+        free = limit * c.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+        return max(pages_per_seq, int(free // page_bytes))
+
+    # ---- requests ---------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.blocks.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.blocks.num_free_pages
+
+    def tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is a string but the model folder has no tokenizer; pass token ids")
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, np.ndarray):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return list(prompt)
+
+    def validate(self, prompt, params) -> list[int]:
+        """Token ids of a valid request; ValueError naming the problem otherwise."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be jspec.SamplingParams, got {type(params).__name__}")
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        V = self.model_cfg.vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < V:
+                raise ValueError(f"prompt token {i} = {t!r} is not a token id in [0, {V})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate"
+            )
+        return [int(t) for t in ids]
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams, *, prompt_token_ids=None):
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = prompt_token_ids if prompt_token_ids is not None else self.validate(prompt, params)
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
+        seq = Sequence(request_id, ids, params, seed, self._arrivals)
+        seq.prompt_text = prompt if isinstance(prompt, str) else None
+        self.num_prompt_tokens += len(ids)
+        self._arrivals += 1
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str):
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None and seq.status is not Status.FINISHED:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step ---------------------------------------------------------------------
+    def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """Append emitted tokens up to the first stop; sets finish_reason when done."""
+        p = seq.params
+        new = []
+        for t in tokens:
+            seq.output_token_ids.append(t)
+            new.append(t)
+            if (not p.ignore_eos and t in self.eos_token_ids) or (p.stop_token_ids and t in p.stop_token_ids):
+                seq.finish_reason = "stop"
+            elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                break
+        return new
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched is None or not sched.seqs:
+            return []
+        emitted = self.runner.execute(sched)
+        outputs = []
+        for r, toks in zip(sched.seqs, emitted):
+            seq = r.seq
+            seq.num_computed += r.num_new
+            new = self._append(seq, toks)
+            self.num_generation_tokens += len(new)
+            if seq.finish_reason:
+                self.scheduler.finish(seq, seq.finish_reason)
+                self._seqs.pop(seq.request_id, None)
+            else:
+                self.blocks.commit(seq, seq.num_computed)
+            if new or seq.finish_reason:
+                outputs.append(self._output(seq, new))
+        return outputs
+
+    def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        finished = seq.finish_reason is not None
+        text = None
+        if finished and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        out = RequestOutput(
+            seq.request_id, seq.prompt_text, seq.prompt_token_ids,
+            list(seq.output_token_ids), text, finished, seq.finish_reason, seq.metrics.as_dict(),
+        )
+        out._new = new
+        return out
+
+    def stats(self) -> dict:
+        return {
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
+            **self.spec_metrics.as_dict(),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hits": self.blocks.hits,
+            "prefix_cache_queries": self.blocks.queries,
+            "num_free_pages": self.num_free_pages,
+            "num_pages": self.num_pages,
+            "num_compilations": self.runner.num_compilations,
+        }

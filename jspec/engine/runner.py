@@ -1,0 +1,143 @@
+"""The one place where host bookkeeping becomes device arrays, and the jitted step.
+
+``ModelRunner.execute`` turns a ``SchedulerOutput`` into a ``StepInput`` padded to a
+bucket (batch B, query width Q, page-table width W), calls the jitted step with the KV
+cache donated, and hands back per-sequence tokens. The number of distinct compiled shapes
+is at most |batch buckets| x (|prefill buckets| + 1) x |page buckets|.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jspec.config import ModelConfig
+from jspec.engine.buckets import Buckets, pick
+from jspec.engine.scheduler import SchedulerOutput
+from jspec.kv_cache import AttentionMetadata, KVCache
+from jspec.models.transformer import Transformer
+from kernels_pallas.rejection_sampling import rejection_sample
+
+
+@struct.dataclass
+class StepInput:
+    tokens: jax.Array  # i32[B, Q]   uncomputed tokens of each sequence (padding: 0)
+    meta: AttentionMetadata
+    q_lens: jax.Array  # i32[B]      real tokens per row (0: empty batch slot)
+    temperature: jax.Array  # f32[B]
+    top_k: jax.Array  # i32[B]
+    top_p: jax.Array  # f32[B]
+    seeds: jax.Array  # i32[B]      request seed folded to 32 bits
+    sample_pos: jax.Array  # i32[B]  position of the token being sampled (RNG key)
+
+
+def fold_seed(seed: int) -> int:
+    s = (seed ^ (seed >> 32)) & 0xFFFFFFFF
+    return s - (1 << 32) if s >= (1 << 31) else s
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params,
+        kv: KVCache,
+        buckets: Buckets,
+        *,
+        dtype,
+        attn_impl: str = "reference",
+        sample_impl: str = "auto",
+    ):
+        self.cfg = cfg
+        self.params = params
+        self.kv = kv
+        self.buckets = buckets
+        self.page_size = kv.page_size
+        self.num_pages = kv.num_pages
+        self.model = Transformer(cfg, dtype=dtype, attn_impl=attn_impl)
+        self.sample_impl = sample_impl
+        self.num_compilations = 0  # traces of the step function (one per new shape)
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+
+    # ---- device side ------------------------------------------------------------------
+    def _step_impl(self, params, kv, inp: StepInput):
+        self.num_compilations += 1  # runs at trace time only
+        h, _, kv = self.model.apply({"params": params}, inp.tokens, inp.meta, kv)
+        B = h.shape[0]
+        last = h[jnp.arange(B), jnp.maximum(inp.q_lens - 1, 0)]  # [B, H]
+        logits = self.model.apply({"params": params}, last, method=Transformer.logits)  # f32[B, V]
+        tokens, _ = rejection_sample(
+            logits[:, None, :],
+            jnp.zeros((B, 0), jnp.int32),
+            jnp.zeros((B,), jnp.int32),
+            None,
+            inp.temperature,
+            inp.top_k,
+            inp.top_p,
+            inp.seeds,
+            inp.sample_pos,
+            impl=self.sample_impl,
+        )
+        return kv, tokens[:, 0]
+
+    # ---- host side --------------------------------------------------------------------
+    def build_input(self, sched: SchedulerOutput) -> tuple[StepInput, int]:
+        rows = sched.seqs
+        n = len(rows)
+        B = pick(self.buckets.batch, n)
+        max_new = max(r.num_new for r in rows)
+        Q = 1 if sched.kind == "decode" else pick(self.buckets.prefill_q, max_new)
+        W = pick(self.buckets.pages, max(len(r.seq.pages) for r in rows))
+        ps, drop = self.page_size, self.num_pages * self.page_size
+        tokens = np.zeros((B, Q), np.int32)
+        positions = np.zeros((B, Q), np.int32)
+        slots = np.full((B, Q), drop, np.int32)
+        table = np.zeros((B, W), np.int32)
+        kv_lens = np.zeros((B,), np.int32)
+        q_lens = np.zeros((B,), np.int32)
+        temp = np.zeros((B,), np.float32)
+        top_k = np.zeros((B,), np.int32)
+        top_p = np.ones((B,), np.float32)
+        seeds = np.zeros((B,), np.int32)
+        sample_pos = np.zeros((B,), np.int32)
+        for b, r in enumerate(rows):
+            s, k = r.seq, r.num_new
+            start = s.num_computed
+            pos = np.arange(start, start + k)
+            pages = np.asarray(s.pages, np.int32)
+            tokens[b, :k] = s.token_ids[start : start + k]
+            positions[b, :k] = pos
+            slots[b, :k] = pages[pos // ps] * ps + pos % ps
+            table[b, : len(pages)] = pages
+            kv_lens[b] = start + k
+            q_lens[b] = k
+            p = s.params
+            temp[b] = p.temperature
+            top_k[b] = p.top_k if p.top_k > 0 else 0
+            top_p[b] = p.top_p
+            seeds[b] = fold_seed(s.seed)
+            sample_pos[b] = start + k
+        meta = AttentionMetadata(
+            page_table=table, kv_lens=kv_lens, positions=positions, slot_mapping=slots,
+            causal=np.ones((B,), bool),
+        )
+        inp = StepInput(tokens, meta, q_lens, temp, top_k, top_p, seeds, sample_pos)
+        return jax.tree.map(jnp.asarray, inp), n
+
+    def execute(self, sched: SchedulerOutput) -> list[list[int]]:
+        """Run one step; returns, per scheduled sequence, the tokens it emitted ([] if none)."""
+        inp, n = self.build_input(sched)
+        self.kv, sampled = self._step(self.params, self.kv, inp)
+        sampled = np.asarray(sampled)
+        return [[int(sampled[i])] if sched.seqs[i].sample else [] for i in range(n)]
+
+    def warmup_shapes(self):
+        """Every (B, Q, W) the step may compile for: the bounded, known set."""
+        for B in self.buckets.batch:
+            for Q in (1,) + self.buckets.prefill_q:
+                for W in self.buckets.pages:
+                    yield B, Q, W

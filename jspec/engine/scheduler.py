@@ -1,0 +1,146 @@
+"""Continuous batching (plain Python).
+
+Every step processes, per scheduled sequence, its uncomputed tokens
+``token_ids[num_computed : num_computed + n]``; when that reaches the last token the step
+also samples (and, with speculation, verifies the drafts appended after it). Prefill and
+decode are the same operation with different n, which keeps preemption-by-recompute
+trivial: reset ``num_computed`` and the sequence prefills its prompt *and* outputs again.
+
+Policy (FCFS):
+  1. Admit waiting requests while fewer than ``max_num_seqs`` run and pages allow their
+     first chunk plus lookahead (prefix-cache hits attach shared pages first).
+  2. If any running sequence still has more than one uncomputed token, the step is a
+     prefill step: chunks of up to ``max_prefill_chunk`` tokens, ``max_num_batched_tokens``
+     in all. Otherwise it is a decode (or verify) step over every running sequence.
+  3. A decode step that cannot get pages preempts the most recently admitted sequences
+     (their pages are freed; they go back to the front of the queue).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from jspec.engine.block_manager import BlockManager
+from jspec.engine.sequence import Sequence, Status
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_prefill_chunk: int
+    max_model_len: int
+    lookahead: int = 0  # K for EAGLE3/PEagle, K + 1 for DFlash, 0 without speculation
+    drop_last_prefix_hit: bool = False  # EAGLE-style drafters recompute the last hit page
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # uncomputed tokens processed this step
+    sample: bool  # reaches the last token: sample (and verify drafts)
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    kind: str  # "prefill" | "decode"
+    seqs: list[ScheduledSeq]
+    preempted: list[Sequence]
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager):
+        self.cfg = cfg
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _slots_needed(self, seq: Sequence, num_new: int) -> int:
+        # The drafter writes up to `lookahead` slots past the last token, capped at the
+        # model window: a sequence near max_model_len drafts fewer tokens instead.
+        return min(seq.num_computed + num_new + self.cfg.lookahead, self.cfg.max_model_len + self.cfg.lookahead)
+
+    def _admit(self):
+        budget = self.cfg.max_num_batched_tokens
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            self.blocks.allocate_prefix(seq, self.cfg.drop_last_prefix_hit)
+            first = min(seq.num_tokens - seq.num_computed, self.cfg.max_prefill_chunk, budget)
+            if first <= 0 or not self.blocks.ensure_slots(seq, self._slots_needed(seq, first)):
+                self.blocks.free(seq)  # give the prefix hits back; try again next step
+                seq.num_computed = 0
+                break
+            budget -= first
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+
+    def preempt(self, seq: Sequence):
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.draft_token_ids = []
+        seq.status = Status.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str):
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+
+    def schedule(self) -> SchedulerOutput | None:
+        self._admit()
+        if not self.running:
+            return None
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        if prefilling:
+            return self._schedule_prefill(prefilling)
+        return self._schedule_decode()
+
+    def _schedule_prefill(self, prefilling: list[Sequence]) -> SchedulerOutput:
+        budget = self.cfg.max_num_batched_tokens
+        out = []
+        for seq in sorted(prefilling, key=lambda s: s.arrival):
+            n = min(seq.num_tokens - seq.num_computed, self.cfg.max_prefill_chunk, budget)
+            if n <= 0:
+                break
+            if not self.blocks.ensure_slots(seq, self._slots_needed(seq, n)):
+                continue  # pages are short: this chunk waits; decodes free pages as they end
+            budget -= n
+            out.append(ScheduledSeq(seq, n, seq.num_computed + n == seq.num_tokens))
+        if not out:
+            # Nothing fits: preempt the newest sequence so the oldest can make progress.
+            victim = max(self.running, key=lambda s: s.arrival)
+            self.preempt(victim)
+            return SchedulerOutput("prefill", [], [victim])
+        return SchedulerOutput("prefill", out, [])
+
+    def _schedule_decode(self) -> SchedulerOutput:
+        preempted = []
+        out = []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status is not Status.RUNNING:
+                continue
+            n = seq.num_tokens - seq.num_computed  # 1
+            while not self.blocks.ensure_slots(seq, self._slots_needed(seq, n)):
+                victim = max(self.running, key=lambda s: s.arrival)
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                out.append(ScheduledSeq(seq, n, True))
+        return SchedulerOutput("decode", out, preempted)

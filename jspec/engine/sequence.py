@@ -1,0 +1,92 @@
+"""Host-side request state (plain Python)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from jspec.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class SpecMetrics:
+    """Speculative counters (vLLM names); all zero without speculation."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list = dataclasses.field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int, k: int):
+        if len(self.accepted_per_position) < k:
+            self.accepted_per_position.extend([0] * (k - len(self.accepted_per_position)))
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def merge(self, other: "SpecMetrics"):
+        self.record_totals(other.num_drafts, other.num_draft_tokens, other.num_accepted_tokens, other.accepted_per_position)
+
+    def record_totals(self, drafts, draft_tokens, accepted, per_pos):
+        if len(self.accepted_per_position) < len(per_pos):
+            self.accepted_per_position.extend([0] * (len(per_pos) - len(self.accepted_per_position)))
+        self.num_drafts += drafts
+        self.num_draft_tokens += draft_tokens
+        self.num_accepted_tokens += accepted
+        for i, n in enumerate(per_pos):
+            self.accepted_per_position[i] += n
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "mean_acceptance_length": self.mean_acceptance_length,
+        }
+
+
+@dataclasses.dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # always set: the user's, or one the engine drew
+    arrival: int  # admission order, for FCFS and preemption choice
+    prompt_text: str | None = None
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # Tokens whose K/V sit in the cache (prompt and outputs); the rest are computed next.
+    num_computed: int = 0
+    num_cached_prefix: int = 0  # tokens served from the prefix cache at the last admission
+    pages: list[int] = dataclasses.field(default_factory=list)
+    block_hashes: list[int] = dataclasses.field(default_factory=list)  # hashes of full committed blocks
+    finish_reason: str | None = None
+    num_emitted_reported: int = 0  # tokens already handed out by LLMEngine.step
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)  # proposals for the next step
+    metrics: SpecMetrics = dataclasses.field(default_factory=SpecMetrics)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        # The last token is computed by the decode step that samples its successor.
+        return self.num_computed < self.num_tokens - 1 or (self.num_computed == 0)

@@ -1,0 +1,71 @@
+"""Device state of the paged KV cache and the per-step attention metadata (pytrees).
+
+Shapes (P = num_pages, S = page_size, B = batch bucket, Q = query bucket,
+W = page-table width bucket):
+  KVCache.k[l], KVCache.v[l]:  [P, S, kv_heads, head_dim] per layer l
+  AttentionMetadata.page_table: i32[B, W]   page ids of each sequence, in order
+  AttentionMetadata.kv_lens:    i32[B]      keys valid after this step's writes
+  AttentionMetadata.positions:  i32[B, Q]   position of each query token
+  AttentionMetadata.slot_mapping: i32[B, Q] flat slot page*S+offset to write; P*S = drop
+  AttentionMetadata.causal:     bool[B]     False: queries see all kv_lens keys (DFlash)
+
+Per-layer arrays (rather than one stacked [L, ...] array) let XLA update each layer's
+buffer in place under donation without slicing a giant array.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class KVCache:
+    k: tuple  # of [P, S, KVH, D]
+    v: tuple  # of [P, S, KVH, D]
+
+    @classmethod
+    def create(cls, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, sharding=None):
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+
+        def z():
+            return jnp.zeros(shape, dtype, device=sharding)
+
+        return cls(k=tuple(z() for _ in range(num_layers)), v=tuple(z() for _ in range(num_layers)))
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[1]
+
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in self.k + self.v)
+
+
+@struct.dataclass
+class AttentionMetadata:
+    page_table: jax.Array  # i32[B, W]
+    kv_lens: jax.Array  # i32[B]
+    positions: jax.Array  # i32[B, Q]
+    slot_mapping: jax.Array  # i32[B, Q]
+    causal: jax.Array  # bool[B]
+
+    @classmethod
+    def for_single_sequence(cls, pages, page_size, start, q_len, num_pages):
+        """Metadata for one sequence writing tokens [start, start + q_len) (tests, tools)."""
+        import numpy as np
+
+        pos = np.arange(start, start + q_len, dtype=np.int32)
+        pages = np.asarray(pages, np.int32)
+        slots = pages[pos // page_size] * page_size + pos % page_size
+        return cls(
+            page_table=jnp.asarray(pages[None]),
+            kv_lens=jnp.asarray([start + q_len], jnp.int32),
+            positions=jnp.asarray(pos[None]),
+            slot_mapping=jnp.asarray(slots[None].astype(np.int32)),
+            causal=jnp.ones((1,), bool),
+        )

@@ -1,0 +1,98 @@
+"""The user-facing API: ``jspec.LLM`` and the one-call ``jspec.generate`` (vLLM style)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from jspec.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from jspec.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine over one target model (and optionally a drafter).
+
+    ``model=None`` serves the embedded default: a tiny random Llama built on first use
+    (jspec.default_model), loaded through the same checkpoint path as any HF folder.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "float32",
+        max_num_seqs: int = 8,
+        max_model_len: int | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        speculative_config: dict | None = None,
+        seed: int = 0,
+        **engine_args,
+    ):
+        if model is None:
+            from jspec.default_model import default_model_path
+
+            model = default_model_path()
+        if speculative_config is not None:
+            engine_args["speculative_config"] = speculative_config
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=str(model), dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                page_size=page_size, num_pages=num_pages, gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching, seed=seed, **engine_args,
+            )
+        )
+        self._next_id = 0
+
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for a prompt or a list of prompts (strings or token-id lists).
+
+        All requests are validated before any is queued, so one bad prompt raises a
+        ValueError and leaves the engine (and requests already in it) untouched.
+        Synchronous: safe to call from inside a running event loop (Jupyter, Colab).
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, Seq) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        eng = self.engine
+        ids = [eng.validate(p, sp) for p, sp in zip(prompts, params)]
+        rids = []
+        for p, sp, tok in zip(prompts, params, ids):
+            rid = f"gen-{self._next_id}"
+            self._next_id += 1
+            eng.add_request(rid, p, sp, prompt_token_ids=tok)
+            rids.append(rid)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(rids), desc="generating", unit="req")
+        pending = set(rids)
+        while pending:
+            for out in eng.step():
+                if out.finished and out.request_id in pending:
+                    done[out.request_id] = out
+                    pending.discard(out.request_id)
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[r] for r in rids]
+
+
+def generate(prompts, model: str | None = None, sampling_params=None, speculative_config=None, **engine_args):
+    """One call: build an engine, generate, return the outputs."""
+    return LLM(model, speculative_config=speculative_config, **engine_args).generate(prompts, sampling_params)

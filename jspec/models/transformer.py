@@ -1,0 +1,115 @@
+"""Llama 3.x / Qwen3 decoder over the paged KV cache (Flax linen).
+
+One forward serves prefill chunks, decode and multi-token verification: queries are
+``tokens: i32[B, Q]`` at ``positions`` (inside ``AttentionMetadata``); the new K/V are
+scattered into the paged cache first, then every query attends over its sequence's pages.
+
+Besides the final-normed hidden states, the forward returns the residual stream at any
+requested *canonical* indices (c = input of decoder layer c; c = 0 is the embedding output,
+c = L the last layer's output before the final norm), captured in the same pass.
+
+Parameter tree (HF names -> ours are mapped in jspec/checkpoint/target.py):
+  embed_tokens/embedding [V, H]; layers_i/{input_layernorm, post_attention_layernorm}/weight [H];
+  layers_i/attn/qkv_proj/weight [(Hq + 2 Hkv) * D, H] (+ bias); layers_i/attn/o_proj/weight;
+  layers_i/attn/{q_norm,k_norm}/weight [D] (Qwen3); layers_i/mlp/gate_up_proj/weight [2I, H];
+  layers_i/mlp/down_proj/weight [H, I]; norm/weight [H]; lm_head [V, H] (untied only).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import linen as nn
+
+from jspec.config import ModelConfig
+from jspec.kv_cache import AttentionMetadata, KVCache
+from jspec.models.layers import GatedMLP, Linear, RMSNorm, apply_rope, rope_inv_freq
+from kernels_pallas.paged_attention import paged_attention, write_kv
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+    dtype: jnp.dtype
+    attn_impl: str = "reference"
+
+    @nn.compact
+    def __call__(self, x, meta: AttentionMetadata, k_pages, v_pages):
+        c = self.cfg
+        B, Q, _ = x.shape
+        qkv = Linear(c.q_size + 2 * c.kv_size, c.hidden_size, c.attention_bias, self.dtype, name="qkv_proj")(x)
+        q = qkv[..., : c.q_size].reshape(B, Q, c.num_heads, c.head_dim)
+        k = qkv[..., c.q_size : c.q_size + c.kv_size].reshape(B, Q, c.num_kv_heads, c.head_dim)
+        v = qkv[..., c.q_size + c.kv_size :].reshape(B, Q, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
+        inv_freq = rope_inv_freq(c.rope, c.head_dim)
+        q = apply_rope(q, meta.positions, inv_freq)
+        k = apply_rope(k, meta.positions, inv_freq)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
+        o = paged_attention(
+            q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions, meta.causal,
+            sm_scale=c.head_dim**-0.5, impl=self.attn_impl,
+        )
+        o = Linear(c.hidden_size, c.q_size, c.attention_bias, self.dtype, name="o_proj")(o.reshape(B, Q, c.q_size))
+        return o, k_pages, v_pages
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    dtype: jnp.dtype
+    attn_impl: str = "reference"
+
+    @nn.compact
+    def __call__(self, x, meta, k_pages, v_pages):
+        c = self.cfg
+        h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(x)
+        a, k_pages, v_pages = Attention(c, self.dtype, self.attn_impl, name="attn")(h, meta, k_pages, v_pages)
+        x = x + a
+        h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x)
+        x = x + GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, name="mlp")(h)
+        return x, k_pages, v_pages
+
+
+class Transformer(nn.Module):
+    cfg: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+    attn_impl: str = "reference"
+
+    def setup(self):
+        c = self.cfg
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
+        self.layers = [DecoderLayer(c, self.dtype, self.attn_impl, name=f"layers_{i}") for i in range(c.num_layers)]
+        self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        if not c.tie_word_embeddings:
+            # a bare [V, H] array so logits can accumulate in float32 (see logits()).
+            self.lm_head = self.param("lm_head", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size), self.dtype)
+
+    def __call__(
+        self,
+        tokens,  # i32[B, Q]
+        meta: AttentionMetadata,
+        kv: KVCache,
+        aux_layers: tuple[int, ...] = (),  # canonical indices to capture, static
+    ):  # -> (hidden f[B, Q, H] after the final norm, aux f[B, Q, len(aux), H] | None, KVCache)
+        L = self.cfg.num_layers
+        for c in aux_layers:
+            if not 0 <= c <= L:
+                raise ValueError(f"aux layer index {c} out of range [0, {L}] for a {L}-layer target")
+        x = self.embed_tokens(tokens)
+        captured = {}
+        ks, vs = list(kv.k), list(kv.v)
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                captured[i] = x
+            x, ks[i], vs[i] = layer(x, meta, ks[i], vs[i])
+        if L in aux_layers:
+            captured[L] = x
+        aux = jnp.stack([captured[c] for c in aux_layers], axis=2) if aux_layers else None
+        return self.norm(x), aux, KVCache(k=tuple(ks), v=tuple(vs))
+
+    def embed(self, tokens):
+        return self.embed_tokens(tokens)
+
+    def logits(self, h):  # f[..., H] (already normed) -> f32[..., V]
+        w = self.embed_tokens.embedding if self.cfg.tie_word_embeddings else self.lm_head
+        return jnp.einsum("...d,vd->...v", h.astype(w.dtype), w, preferred_element_type=jnp.float32)

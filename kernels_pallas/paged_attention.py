@@ -1,0 +1,131 @@
+"""Ragged paged attention over jspec's KV layout: the jnp reference and the public entry.
+
+Layout (per layer): ``k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim]``.
+A flat slot index ``page * page_size + offset`` addresses one token's K/V, so writing new
+tokens is a single scatter over ``[num_pages * page_size, kv_heads, head_dim]``.
+
+Queries come per sequence, padded: ``q: [B, Q, num_heads, head_dim]``. Each sequence b
+carries ``q_lens[b]`` real query tokens (0 = empty batch slot) at ``positions[b, :]``, and
+``kv_lens[b]`` valid keys (the tokens of this step already written). This one layout serves
+every query mode of a speculative engine:
+  - decode: Q = 1;  verification: Q = K + 1, causal;  prefill chunk: Q = chunk, causal;
+  - DFlash block: ``causal[b] = False``: every query sees all ``kv_lens[b]`` keys, i.e.
+    the context plus the whole block (the block's K/V were just written at its positions).
+Causal masking is by position: key j is visible to a query at position p iff j <= p.
+
+Pages past a sequence's length may hold anything (tests poison them with NaN), so the
+reference zeroes masked values rather than relying on exp(-inf) * v == 0.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30
+
+
+def validate(q, k_pages, v_pages, page_table, kv_lens, positions, causal):
+    """Trace-time shape checks with messages that name the argument."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, Q, num_heads, head_dim], got shape {q.shape}")
+    B, Q, H, D = q.shape
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(
+            f"k_pages/v_pages must both be [num_pages, page_size, kv_heads, head_dim], "
+            f"got {k_pages.shape} and {v_pages.shape}"
+        )
+    if k_pages.shape[-1] != D:
+        raise ValueError(f"head_dim mismatch: q has {D}, k_pages has {k_pages.shape[-1]}")
+    if H % k_pages.shape[2]:
+        raise ValueError(f"num_heads={H} is not a multiple of kv_heads={k_pages.shape[2]}")
+    if page_table.ndim != 2 or page_table.shape[0] != B:
+        raise ValueError(f"page_table must be [B={B}, pages_per_seq], got {page_table.shape}")
+    if kv_lens.shape != (B,):
+        raise ValueError(f"kv_lens must be [B={B}], got {kv_lens.shape}")
+    if positions.shape != (B, Q):
+        raise ValueError(f"positions must be [B={B}, Q={Q}], got {positions.shape}")
+    if causal is not None and causal.shape != (B,):
+        raise ValueError(f"causal must be [B={B}] bool, got {causal.shape}")
+
+
+def ref_paged_attention(
+    q,  # [B, Q, H, D]
+    k_pages,  # [P, S, KVH, D]
+    v_pages,  # [P, S, KVH, D]
+    page_table,  # i32[B, pages_per_seq]
+    kv_lens,  # i32[B]
+    positions,  # i32[B, Q]
+    causal=None,  # bool[B] | None (None: all causal)
+    *,
+    sm_scale: float,
+):  # -> [B, Q, H, D] in q.dtype
+    B, Q, H, D = q.shape
+    P, S, KVH, _ = k_pages.shape
+    G = H // KVH
+    pages = jnp.clip(page_table, 0, P - 1)
+    k = k_pages[pages].reshape(B, -1, KVH, D)  # [B, L, KVH, D], L = pages_per_seq * S
+    v = v_pages[pages].reshape(B, -1, KVH, D)
+    L = k.shape[1]
+    kj = jnp.arange(L, dtype=jnp.int32)
+    valid_k = kj[None, :] < kv_lens[:, None]  # [B, L]
+    v = jnp.where(valid_k[:, :, None, None], v, jnp.zeros((), v.dtype))
+    qg = q.reshape(B, Q, KVH, G, D)
+    s = jnp.einsum("bqhgd,blhd->bhgql", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    visible = valid_k[:, None, :]  # [B, 1, L]
+    causal_mask = kj[None, None, :] <= positions[:, :, None]  # [B, Q, L]
+    if causal is not None:
+        causal_mask = causal_mask | ~causal[:, None, None]
+    mask = visible & causal_mask  # [B, Q, L]
+    s = jnp.where(mask[:, None, None], s, NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - m)
+    p = jnp.where(mask[:, None, None], p, 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0, 1.0, denom)  # rows with no visible key (padding) -> 0
+    o = jnp.einsum("bhgql,blhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(B, Q, H, D).astype(q.dtype)
+
+
+def write_kv(
+    k_pages,  # [P, S, KVH, D]
+    v_pages,  # [P, S, KVH, D]
+    k_new,  # [B, Q, KVH, D]
+    v_new,  # [B, Q, KVH, D]
+    slot_mapping,  # i32[B, Q]: page * S + offset; padding tokens carry P * S (dropped)
+):  # -> (k_pages, v_pages)
+    P, S, KVH, D = k_pages.shape
+    idx = slot_mapping.reshape(-1)
+    k = k_pages.reshape(P * S, KVH, D).at[idx].set(k_new.reshape(-1, KVH, D).astype(k_pages.dtype), mode="drop")
+    v = v_pages.reshape(P * S, KVH, D).at[idx].set(v_new.reshape(-1, KVH, D).astype(v_pages.dtype), mode="drop")
+    return k.reshape(P, S, KVH, D), v.reshape(P, S, KVH, D)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "impl"))
+def paged_attention(q, k_pages, v_pages, page_table, kv_lens, positions, causal=None, *, sm_scale, impl="reference"):
+    """Public entry. ``impl`` picks the jnp reference or a Pallas kernel.
+
+    impl: "reference" (jnp), "gpu" (Triton-backend Pallas kernel), "tpu" (Mosaic TPU),
+    "interpret" (the GPU kernel body in Pallas' interpreter, any backend), "tpu_interpret"
+    (the TPU kernel under pltpu.InterpretParams), or "auto" (kernels_pallas.dispatch:
+    JSPEC_KERNEL_IMPL, else by jax.default_backend()). Kernels run in the KV cache dtype;
+    the output is in q.dtype like the reference's.
+    """
+    from kernels_pallas.dispatch import resolve_impl  # local: keeps this module's imports light
+
+    validate(q, k_pages, v_pages, page_table, kv_lens, positions, causal)
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return ref_paged_attention(q, k_pages, v_pages, page_table, kv_lens, positions, causal, sm_scale=sm_scale)
+    args = (q.astype(k_pages.dtype), k_pages, v_pages, page_table, kv_lens, positions, causal)
+    if impl in ("gpu", "interpret"):
+        from kernels_pallas.paged_attention_gpu import paged_attention_gpu
+
+        out = paged_attention_gpu(*args, sm_scale=sm_scale, interpret=impl == "interpret")
+    else:  # "tpu" | "tpu_interpret"
+        from kernels_pallas.paged_attention_tpu import paged_attention_tpu
+
+        out = paged_attention_tpu(*args, sm_scale=sm_scale, interpret=impl == "tpu_interpret")
+    return out.astype(q.dtype)
