@@ -86,19 +86,50 @@ def _generation_eos(path) -> tuple[int, ...]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, sharding=None):
+    def __init__(self, config: EngineConfig, sharding=None, *, preloaded=None, preloaded_drafter=None):
+        """``preloaded=(ModelConfig, params)`` (and ``preloaded_drafter=(DrafterConfig,
+        params)``) skip the checkpoint: benchmarks use random weights made on the device."""
         self.config = c = config
-        self.model_cfg, params = load_target(c.model, c.dtype, sharding=sharding)
+        if preloaded is None:
+            self.model_cfg, params = load_target(c.model, c.dtype, sharding=sharding)
+            self.tokenizer = _load_tokenizer(c.model)
+            gen_eos = _generation_eos(c.model)
+        else:
+            (self.model_cfg, params), self.tokenizer, gen_eos = preloaded, None, ()
         mc = self.model_cfg
         self.model_name = os.path.basename(os.path.normpath(c.model))
-        self.tokenizer = _load_tokenizer(c.model)
-        self.eos_token_ids = set(mc.eos_token_ids) | set(_generation_eos(c.model))
+        self.eos_token_ids = set(mc.eos_token_ids) | set(gen_eos)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.max_model_len = c.max_model_len or min(mc.max_position_embeddings, 4096)
         if c.page_size < 1 or c.max_num_seqs < 1:
             raise ValueError(f"page_size and max_num_seqs must be >= 1 (got {c.page_size}, {c.max_num_seqs})")
-        self.lookahead = 0
+        self.spec = self._spec_config(c.speculative_config)
+        if self.spec is not None:
+            from jspec.drafters import load_drafter
+
+            if preloaded_drafter is not None:
+                self.dcfg, dparams = preloaded_drafter
+            else:
+                self.dcfg, dparams = load_drafter(self.spec.model, mc, c.dtype, sharding=sharding)
+            if self.dcfg.method != self.spec.method:
+                raise ValueError(
+                    f"speculative_config.method={self.spec.method!r} but the checkpoint at "
+                    f"{self.spec.model!r} is a {self.dcfg.method!r} drafter"
+                )
+            K = self.spec.num_speculative_tokens or self.dcfg.num_speculative_tokens
+            if self.dcfg.method == "dflash" and K > self.dcfg.block_size - 1:
+                raise ValueError(
+                    f"speculative_config.num_speculative_tokens={K} exceeds the DFlash block's "
+                    f"{self.dcfg.block_size - 1} drafts (block_size={self.dcfg.block_size})"
+                )
+            self.spec = self.spec.resolved(K)
+            self.K = K
+            # DFlash writes a whole block (bonus + drafts) past the last token.
+            self.lookahead = self.dcfg.block_size if self.dcfg.method == "dflash" else K
+        else:
+            self.K = 0
+            self.lookahead = 0
         pages_per_seq = -(-(self.max_model_len + self.lookahead) // c.page_size)
         num_pages = c.num_pages or self._pages_from_memory(pages_per_seq)
         if num_pages < pages_per_seq:
@@ -113,21 +144,47 @@ class LLMEngine:
             max_prefill_chunk=chunk,
             max_model_len=self.max_model_len,
             lookahead=self.lookahead,
+            # EAGLE-style drafters need the target hidden states of the last hit page
+            # (and their own KV there depends on the token after it): recompute it.
+            drop_last_prefix_hit=self.spec is not None and self.dcfg.method in ("eagle3", "peagle"),
         )
         self.blocks = BlockManager(num_pages, c.page_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.blocks)
         dtype = resolve_dtype(c.dtype)
         kv = KVCache.create(mc.num_layers, num_pages, c.page_size, mc.num_kv_heads, mc.head_dim, dtype)
         buckets = Buckets.create(c.max_num_seqs, chunk, pages_per_seq)
-        self.runner = ModelRunner(
-            mc, params, kv, buckets, dtype=dtype, attn_impl=engine_impl(c.attn_impl), sample_impl=engine_impl(c.sample_impl)
-        )
+        impls = dict(attn_impl=engine_impl(c.attn_impl), sample_impl=engine_impl(c.sample_impl))
+        if self.spec is None:
+            self.runner = ModelRunner(mc, params, kv, buckets, dtype=dtype, **impls)
+        else:
+            from jspec.drafters import create_kv_cache
+            from jspec.engine.spec_runner import SpecModelRunner
+
+            dkv = create_kv_cache(self.dcfg, num_pages, c.page_size, dtype)
+            self.runner = SpecModelRunner(
+                mc, params, kv, buckets, dtype=dtype, **impls, spec=self.spec, dcfg=self.dcfg,
+                dparams=dparams, dkv=dkv, max_num_seqs=c.max_num_seqs,
+            )
+        self._prob_rows: dict[str, int] = {}
         self._rng = np.random.default_rng(c.seed)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = 0
         self.spec_metrics = SpecMetrics()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+
+    @staticmethod
+    def _spec_config(d):
+        if d is None:
+            return None
+        from jspec.speculative_config import SpeculativeConfig
+
+        spec = d if isinstance(d, SpeculativeConfig) else SpeculativeConfig.from_dict(d)
+        if not spec.enabled:
+            return None
+        if not spec.model:
+            raise ValueError("speculative_config.model (the drafter checkpoint path) is required")
+        return spec
 
     def _pages_from_memory(self, pages_per_seq: int) -> int:
         mc, c = self.model_cfg, self.config
@@ -194,6 +251,10 @@ class LLMEngine:
         if seq is not None and seq.status is not Status.FINISHED:
             self.scheduler.finish(seq, "abort")
 
+    def warmup(self):
+        """Compile every shape bucket now, so serving never stalls on a compilation."""
+        self.runner.warmup()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
@@ -213,15 +274,44 @@ class LLMEngine:
                 break
         return new
 
+    def _run(self, sched) -> list[tuple[list[int], int]]:
+        """Execute a step; per scheduled row, (emitted tokens, positions newly computed)."""
+        if self.spec is None:
+            return [(t, r.num_new) for r, t in zip(sched.seqs, self.runner.execute(sched))]
+        live = {s.request_id for s in self.scheduler.running}
+        for rid in [r for r in self._prob_rows if r not in live]:
+            del self._prob_rows[rid]
+        free = sorted(set(range(self.config.max_num_seqs)) - set(self._prob_rows.values()))
+        for r in sched.seqs:
+            if r.seq.request_id not in self._prob_rows:
+                self._prob_rows[r.seq.request_id] = free.pop(0)
+        res = self.runner.execute_spec(sched, self._prob_rows)
+        out = []
+        for i, r in enumerate(sched.seqs):
+            seq = r.seq
+            if sched.kind == "decode":
+                n_emit = int(res.num_emitted[i])
+                n_draft = len(seq.draft_token_ids)
+                if n_draft:
+                    seq.metrics.record(n_draft, n_emit - 1, self.K)
+                    self.spec_metrics.record(n_draft, n_emit - 1, self.K)
+                out.append((res.tokens[i, :n_emit].tolist(), n_emit))
+            else:
+                out.append(([int(res.tokens[i, 0])] if r.sample else [], r.num_new))
+            # Next proposals; near the window a sequence drafts fewer (verification of n
+            # drafts may emit n + 1 tokens, which must stay within max_model_len).
+            room = self.max_model_len - (seq.num_tokens + len(out[-1][0])) - 1
+            seq.draft_token_ids = res.drafts[i, : max(0, min(self.K, room))].tolist() if r.sample else []
+        return out
+
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched is None or not sched.seqs:
             return []
-        emitted = self.runner.execute(sched)
         outputs = []
-        for r, toks in zip(sched.seqs, emitted):
+        for r, (toks, computed) in zip(sched.seqs, self._run(sched)):
             seq = r.seq
-            seq.num_computed += r.num_new
+            seq.num_computed += computed
             new = self._append(seq, toks)
             self.num_generation_tokens += len(new)
             if seq.finish_reason:

@@ -85,12 +85,14 @@ class ModelRunner:
         return kv, tokens[:, 0]
 
     # ---- host side --------------------------------------------------------------------
-    def build_input(self, sched: SchedulerOutput) -> tuple[StepInput, int]:
+    def build_input(self, sched: SchedulerOutput, q_override: int | None = None) -> tuple[StepInput, int]:
+        """Pad the scheduled rows to buckets. Decode rows carry [last token, drafts...]."""
         rows = sched.seqs
         n = len(rows)
+        decode = sched.kind == "decode"
         B = pick(self.buckets.batch, n)
         max_new = max(r.num_new for r in rows)
-        Q = 1 if sched.kind == "decode" else pick(self.buckets.prefill_q, max_new)
+        Q = q_override or (1 if decode else pick(self.buckets.prefill_q, max_new))
         W = pick(self.buckets.pages, max(len(r.seq.pages) for r in rows))
         ps, drop = self.page_size, self.num_pages * self.page_size
         tokens = np.zeros((B, Q), np.int32)
@@ -109,7 +111,7 @@ class ModelRunner:
             start = s.num_computed
             pos = np.arange(start, start + k)
             pages = np.asarray(s.pages, np.int32)
-            tokens[b, :k] = s.token_ids[start : start + k]
+            tokens[b, :k] = s.tokens_between(start, start + k)
             positions[b, :k] = pos
             slots[b, :k] = pages[pos // ps] * ps + pos % ps
             table[b, : len(pages)] = pages
@@ -120,7 +122,9 @@ class ModelRunner:
             top_k[b] = p.top_k if p.top_k > 0 else 0
             top_p[b] = p.top_p
             seeds[b] = fold_seed(s.seed)
-            sample_pos[b] = start + k
+            # RNG key of the first sampled token: the position right after the last
+            # committed token (verification emits tokens at sample_pos, sample_pos + 1, ...).
+            sample_pos[b] = start + (1 if decode else k)
         meta = AttentionMetadata(
             page_table=table, kv_lens=kv_lens, positions=positions, slot_mapping=slots,
             causal=np.ones((B,), bool),
@@ -141,3 +145,13 @@ class ModelRunner:
             for Q in (1,) + self.buckets.prefill_q:
                 for W in self.buckets.pages:
                     yield B, Q, W
+
+    def warmup(self):
+        """Compile every bucket with empty rows (all writes dropped: the cache is unchanged)."""
+        drop = self.num_pages * self.page_size
+        for B, Q, W in self.warmup_shapes():
+            zi = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
+            meta = AttentionMetadata(zi(B, W), zi(B), zi(B, Q), jnp.full((B, Q), drop, jnp.int32), jnp.ones((B,), bool))
+            inp = StepInput(zi(B, Q), meta, zi(B), jnp.zeros((B,), jnp.float32), zi(B), jnp.ones((B,), jnp.float32), zi(B), zi(B))
+            self.kv, _ = self._step(self.params, self.kv, inp)
+        jax.block_until_ready(self.kv)

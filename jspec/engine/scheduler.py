@@ -8,7 +8,7 @@ trivial: reset ``num_computed`` and the sequence prefills its prompt *and* outpu
 
 Policy (FCFS):
   1. Admit waiting requests while fewer than ``max_num_seqs`` run and pages allow their
-     first chunk plus lookahead (prefix-cache hits attach shared pages first).
+     whole prompt plus lookahead (prefix-cache hits attach shared pages first).
   2. If any running sequence still has more than one uncomputed token, the step is a
      prefill step: chunks of up to ``max_prefill_chunk`` tokens, ``max_num_batched_tokens``
      in all. Otherwise it is a decode (or verify) step over every running sequence.
@@ -64,21 +64,34 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _slots_needed(self, seq: Sequence, num_new: int) -> int:
-        # The drafter writes up to `lookahead` slots past the last token, capped at the
-        # model window: a sequence near max_model_len drafts fewer tokens instead.
-        return min(seq.num_computed + num_new + self.cfg.lookahead, self.cfg.max_model_len + self.cfg.lookahead)
+        # The drafter writes up to `lookahead` slots past this step's tokens, so those pages
+        # must exist before the step (prefill too: vLLM #42971). The engine caps the drafts
+        # of a sequence near max_model_len, so this never exceeds max_model_len + lookahead.
+        return seq.num_computed + num_new + self.cfg.lookahead
 
     def _admit(self):
+        """Admit FCFS while the whole prompt (plus lookahead) fits.
+
+        Reserving the full prompt up front means a running prefill never starves midway
+        (admitting on the first chunk alone lets several long prompts each hold part of
+        the pool and none finish). One page of headroom per running sequence keeps
+        admissions from immediately forcing decode-time preemptions.
+        """
         budget = self.cfg.max_num_batched_tokens
-        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             self.blocks.allocate_prefix(seq, self.cfg.drop_last_prefix_hit)
-            first = min(seq.num_tokens - seq.num_computed, self.cfg.max_prefill_chunk, budget)
-            if first <= 0 or not self.blocks.ensure_slots(seq, self._slots_needed(seq, first)):
+            need = self.blocks.pages_needed(seq, seq.num_tokens + self.cfg.lookahead)
+            headroom = len(self.running)
+            if need + headroom > self.blocks.num_free_pages and self.running:
                 self.blocks.free(seq)  # give the prefix hits back; try again next step
                 seq.num_computed = 0
                 break
-            budget -= first
+            if not self.blocks.ensure_slots(seq, seq.num_tokens + self.cfg.lookahead):
+                self.blocks.free(seq)
+                seq.num_computed = 0
+                break
+            budget -= min(seq.num_tokens - seq.num_computed, self.cfg.max_prefill_chunk)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -134,7 +147,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status is not Status.RUNNING:
                 continue
-            n = seq.num_tokens - seq.num_computed  # 1
+            n = seq.num_tokens - seq.num_computed + len(seq.draft_token_ids)  # last token + drafts
             while not self.blocks.ensure_slots(seq, self._slots_needed(seq, n)):
                 victim = max(self.running, key=lambda s: s.arrival)
                 self.preempt(victim)

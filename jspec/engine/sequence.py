@@ -82,6 +82,17 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] followed by drafts, without concatenating the whole history
+        (a decode step reads one token of a possibly very long sequence)."""
+        n_p = len(self.prompt_token_ids)
+        out = self.prompt_token_ids[start:min(end, n_p)]
+        if end > n_p:
+            out = out + self.output_token_ids[max(start - n_p, 0) : end - n_p]
+        if end > self.num_tokens:
+            out = out + self.draft_token_ids[max(start - self.num_tokens, 0) : end - self.num_tokens]
+        return out
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -1,0 +1,93 @@
+"""DFlash block-diffusion drafter (Flax linen) over its own paged KV cache.
+
+Per step, two calls (see propose.dflash_propose):
+  1. ``write_context(aux, ctx_meta, kv)``: ctx = hidden_norm(fc(concat of target aux
+     states)) at the newly verified positions; every layer projects ctx with its
+     k_proj/v_proj (k_norm, RoPE at the true positions; no input_layernorm) and writes
+     it into the drafter cache at those positions, where it stays across steps.
+  2. ``__call__(block_tokens, block_meta, kv, embed_table)``: the block
+     [bonus, MASK x (block_size - 1)] at positions start .. start + block_size - 1,
+     embedded with the target's embeddings, goes through Qwen3-style layers whose block
+     K/V (input_layernorm -> k_proj/v_proj, same weights as the context) are written at
+     the block positions; attention is non-causal (``block_meta.causal = False``) over
+     all context K/V plus the whole block. The block K/V are overwritten by the next
+     step's context write.
+Logits come from the target's lm_head (full vocab) or the drafter's own reduced-vocab
+lm_head + d2t; drafts are read at block positions 1 .. block_size - 1.
+
+This matches speculators' Qwen3DFlashAttention: k = k_norm(k_proj(cat[ctx, norm(block)])),
+v = v_proj(same), q = q_norm(q_proj(norm(block))), RoPE over the concatenated positions.
+
+Parameter tree: fc/weight [H, n*Ht]; hidden_norm/weight [H]; layers_i/{input_layernorm,
+post_attention_layernorm}/weight; layers_i/attn/{q_proj [Hq*D, H], kv_proj [2*Hkv*D, H],
+o_proj, q_norm, k_norm}; layers_i/mlp/{gate_up_proj, down_proj}; norm/weight;
+lm_head [Vd, H] + d2t i32[Vd] (reduced vocab only).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import linen as nn
+
+from jspec.drafters.config import DrafterConfig
+from jspec.drafters.eagle3 import draft_probs_to_target, draft_to_target_ids, embed
+from jspec.drafters.layers import DFlashLayer
+from jspec.kv_cache import AttentionMetadata, KVCache
+from jspec.models.layers import Linear, RMSNorm
+
+
+class DFlashDrafter(nn.Module):
+    cfg: DrafterConfig
+    dtype: jnp.dtype = jnp.float32
+    attn_impl: str = "reference"
+
+    def setup(self):
+        c = self.cfg
+        if c.method != "dflash":
+            raise ValueError(f"DFlashDrafter serves dflash drafters, got method={c.method!r}")
+        lc = c.layer_config()
+        self.fc = Linear(c.hidden_size, c.fc_in_features, False, self.dtype)
+        self.hidden_norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.layers = [DFlashLayer(lc, self.dtype, self.attn_impl, name=f"layers_{i}") for i in range(c.num_layers)]
+        self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        if not c.uses_target_lm_head:
+            self.lm_head = self.param("lm_head", nn.initializers.normal(0.02), (c.draft_vocab_size, c.hidden_size), self.dtype)
+        if c.has_d2t:
+            self.d2t = self.param("d2t", nn.initializers.zeros, (c.draft_vocab_size,), jnp.int32)
+
+    def write_context(
+        self,
+        aux,  # f[B, C, n*Ht]: target aux states at the newly verified positions
+        meta: AttentionMetadata,  # positions / slot_mapping of those C positions (padding: drop slot)
+        kv: KVCache,
+    ) -> KVCache:
+        ctx = self.hidden_norm(self.fc(aux.astype(self.dtype)))  # [B, C, H]
+        ks, vs = list(kv.k), list(kv.v)
+        for i, layer in enumerate(self.layers):
+            ks[i], vs[i] = layer.context_kv(ctx, meta, ks[i], vs[i])
+        return KVCache(k=tuple(ks), v=tuple(vs))
+
+    def __call__(
+        self,
+        tokens,  # i32[B, bs]: [bonus, mask_token_id x (bs - 1)]
+        meta: AttentionMetadata,  # block positions start..start+bs-1, kv_lens = start + bs, causal False
+        kv: KVCache,
+        embed_table,  # f[Vt, H]: the target's embeddings
+    ):  # -> (normed hidden f[B, bs, H], KVCache)
+        x = embed(embed_table, tokens).astype(self.dtype)
+        ks, vs = list(kv.k), list(kv.v)
+        for i, layer in enumerate(self.layers):
+            x, ks[i], vs[i] = layer(x, meta, ks[i], vs[i])
+        return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs))
+
+    def logits(self, h, target_lm_head=None):  # h: normed f[..., H]; target_lm_head: f[Vt, H] -> f32[..., V]
+        w = target_lm_head if self.cfg.uses_target_lm_head else self.lm_head
+        if w is None:
+            raise ValueError("this DFlash drafter uses the target's lm_head: pass target_lm_head=[Vt, H]")
+        return jnp.einsum("...d,vd->...v", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+    def to_target_ids(self, ids):  # i32[...] -> i32[...]
+        return draft_to_target_ids(ids, self.d2t if self.cfg.has_d2t else None)
+
+    def probs_to_target(self, probs):  # f[..., Vd] -> f[..., Vt]
+        return draft_probs_to_target(probs, self.d2t if self.cfg.has_d2t else None, self.cfg.target_vocab_size)

@@ -1,0 +1,138 @@
+"""Decoder pieces specific to drafters (Flax linen), over the drafter's own paged KV cache.
+
+Ordinary drafter layers reuse ``jspec.models.transformer.DecoderLayer`` with the drafter's
+``DrafterConfig.layer_config()``; only the EAGLE3 first layer (2H attention input) and the
+DFlash layer (context K/V injected into the cache) differ.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import linen as nn
+
+from jspec.config import ModelConfig
+from jspec.kv_cache import AttentionMetadata
+from jspec.models.layers import GatedMLP, Linear, RMSNorm, apply_rope, rope_inv_freq
+from kernels_pallas.paged_attention import paged_attention, write_kv
+
+
+class WideAttention(nn.Module):
+    """Self-attention whose q/k/v projections read ``in_features`` (EAGLE3 layer 0: 2H)."""
+
+    cfg: ModelConfig
+    in_features: int
+    dtype: jnp.dtype
+    attn_impl: str = "reference"
+
+    @nn.compact
+    def __call__(self, x, meta: AttentionMetadata, k_pages, v_pages):  # x: [B, Q, in_features]
+        c = self.cfg
+        B, Q, _ = x.shape
+        qkv = Linear(c.q_size + 2 * c.kv_size, self.in_features, c.attention_bias, self.dtype, name="qkv_proj")(x)
+        q = qkv[..., : c.q_size].reshape(B, Q, c.num_heads, c.head_dim)
+        k = qkv[..., c.q_size : c.q_size + c.kv_size].reshape(B, Q, c.num_kv_heads, c.head_dim)
+        v = qkv[..., c.q_size + c.kv_size :].reshape(B, Q, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
+        inv_freq = rope_inv_freq(c.rope, c.head_dim)
+        q = apply_rope(q, meta.positions, inv_freq)
+        k = apply_rope(k, meta.positions, inv_freq)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
+        o = paged_attention(
+            q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions, meta.causal,
+            sm_scale=c.head_dim**-0.5, impl=self.attn_impl,
+        )
+        o = Linear(c.hidden_size, c.q_size, c.attention_bias, self.dtype, name="o_proj")(o.reshape(B, Q, c.q_size))
+        return o, k_pages, v_pages
+
+
+class Eagle3FirstLayer(nn.Module):
+    """EAGLE3 layer 0: attention over concat(input_layernorm(embeds), hidden_norm(h))."""
+
+    cfg: ModelConfig
+    norm_before_residual: bool
+    dtype: jnp.dtype
+    attn_impl: str = "reference"
+
+    @nn.compact
+    def __call__(self, embeds, h, meta, k_pages, v_pages):  # embeds, h: [B, Q, H]
+        c = self.cfg
+        e = RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(embeds)
+        hn = RMSNorm(c.rms_norm_eps, self.dtype, name="hidden_norm")(h)
+        residual = hn if self.norm_before_residual else h
+        x = jnp.concatenate([e, hn], axis=-1)  # embeddings first
+        a, k_pages, v_pages = WideAttention(c, 2 * c.hidden_size, self.dtype, self.attn_impl, name="attn")(
+            x, meta, k_pages, v_pages
+        )
+        x = residual + a
+        hh = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x)
+        x = x + GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, name="mlp")(hh)
+        return x, k_pages, v_pages
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention whose keys are the target context (written by ``context_kv``) plus the block.
+
+    K/V of context and block go through the same k_proj/v_proj and k_norm; only the block
+    (queries) passes through input_layernorm first (done by the caller).
+    """
+
+    cfg: ModelConfig
+    dtype: jnp.dtype
+    attn_impl: str = "reference"
+
+    def setup(self):
+        c = self.cfg
+        self.q_proj = Linear(c.q_size, c.hidden_size, c.attention_bias, self.dtype)
+        self.kv_proj = Linear(2 * c.kv_size, c.hidden_size, c.attention_bias, self.dtype)
+        self.o_proj = Linear(c.hidden_size, c.q_size, c.attention_bias, self.dtype)
+        self.q_norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.k_norm = RMSNorm(c.rms_norm_eps, self.dtype)
+
+    def _kv(self, x, positions):  # x: [B, T, H], positions: i32[B, T] -> k, v: [B, T, KVH, D]
+        c = self.cfg
+        B, T, _ = x.shape
+        kv = self.kv_proj(x)
+        k = self.k_norm(kv[..., : c.kv_size].reshape(B, T, c.num_kv_heads, c.head_dim))
+        v = kv[..., c.kv_size :].reshape(B, T, c.num_kv_heads, c.head_dim)
+        return apply_rope(k, positions, rope_inv_freq(c.rope, c.head_dim)), v
+
+    def context_kv(self, ctx, meta: AttentionMetadata, k_pages, v_pages):  # ctx: [B, C, H]
+        k, v = self._kv(ctx, meta.positions)
+        return write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
+
+    def __call__(self, x, meta: AttentionMetadata, k_pages, v_pages):  # x: normed block [B, Q, H]
+        c = self.cfg
+        B, Q, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, Q, c.num_heads, c.head_dim))
+        q = apply_rope(q, meta.positions, rope_inv_freq(c.rope, c.head_dim))
+        k, v = self._kv(x, meta.positions)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
+        o = paged_attention(
+            q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions, meta.causal,
+            sm_scale=c.head_dim**-0.5, impl=self.attn_impl,
+        )
+        return self.o_proj(o.reshape(B, Q, c.q_size)), k_pages, v_pages
+
+
+class DFlashLayer(nn.Module):
+    cfg: ModelConfig
+    dtype: jnp.dtype
+    attn_impl: str = "reference"
+
+    def setup(self):
+        c = self.cfg
+        self.input_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.attn = DFlashAttention(c, self.dtype, self.attn_impl)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype)
+
+    def context_kv(self, ctx, meta, k_pages, v_pages):  # ctx: [B, C, H] (not input-normed)
+        return self.attn.context_kv(ctx, meta, k_pages, v_pages)
+
+    def __call__(self, x, meta, k_pages, v_pages):  # x: [B, Q, H]
+        a, k_pages, v_pages = self.attn(self.input_layernorm(x), meta, k_pages, v_pages)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k_pages, v_pages

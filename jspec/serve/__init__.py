@@ -1,0 +1,19 @@
+"""OpenAI-compatible HTTP server: ``python -m jspec.serve --model PATH``.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with ``stream``), GET
+/v1/models, /health, /metrics (Prometheus text, vLLM metric names), /v1/debug/engine.
+
+Why FastAPI/Starlette + uvicorn: they are the de-facto Python stack for OpenAI-compatible
+servers (vLLM, SGLang, TGI's Python router use them), actively maintained, and give us the
+hard parts for free and well-tested: HTTP/1.1 keep-alive and chunked streaming, ASGI
+disconnect notification (how an abandoned stream frees its KV pages at once), and
+signal-driven graceful shutdown. The engine itself is synchronous and runs on one thread
+(engine_loop.EngineLoop); the asyncio side only parses, validates, detokenizes and streams.
+
+Layout: cli.py (arguments, uvicorn), app.py (routes), protocol.py (request models, errors),
+engine_loop.py (the engine thread), text.py (incremental detokenizer), metrics.py.
+"""
+
+from jspec.serve.app import create_app
+
+__all__ = ["create_app"]

@@ -1,0 +1,5 @@
+import sys
+
+from jspec.serve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,366 @@
+"""FastAPI application: the OpenAI-compatible routes over one EngineLoop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jspec.sampling_params import SamplingParams
+from jspec.serve.engine_loop import EngineLoop, RequestStream
+from jspec.serve.metrics import Metrics
+from jspec.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                  check_unsupported, parse_request)
+from jspec.serve.text import Detokenizer
+
+logger = logging.getLogger("jspec.serve")
+
+KNOWN_HANDLERS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+                  "/v1/debug/engine"}
+
+
+class ServerState:
+    def __init__(self, engine, served_model_name: str | None, metrics: Metrics):
+        self.engine = engine
+        self.model_name = served_model_name or engine.model_name
+        self.metrics = metrics
+        self.loop = EngineLoop(engine, metrics)
+        self.draining = False
+        self.created = int(time.time())
+
+
+def create_app(engine, served_model_name: str | None = None) -> FastAPI:
+    """The app over a (synchronous) engine; the engine thread starts with the app's lifespan."""
+    name = served_model_name or engine.model_name
+    state = ServerState(engine, name, Metrics(name))
+
+    async def lifespan(app):
+        state.loop.start()
+        yield
+        state.loop.stop()
+
+    app = FastAPI(title="jspec", lifespan=lifespan)
+    app.state.jspec = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        state.metrics.reject(e.status)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        err = APIError(str(e.detail), e.status_code,
+                       code="not_found" if e.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        logger.exception("unhandled error")
+        err = APIError(f"Internal server error: {type(e).__name__}: {e}", 500)
+        return JSONResponse(err.body(), status_code=500)
+
+    app.add_middleware(_CountRequests, metrics=state.metrics)
+
+    @app.get("/health")
+    async def health():
+        if not state.loop.alive:
+            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "jspec",
+            "root": getattr(engine, "config", None) and engine.config.model,
+            "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/debug/engine")
+    async def debug_engine():
+        """Engine state as last published by the engine thread (free KV pages etc.)."""
+        return dict(state.loop.snapshot, engine_error=state.loop.error)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(state, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _serve(state, request, chat=True)
+
+    return app
+
+
+class _CountRequests:
+    """Pure ASGI middleware counting requests by handler and status (BaseHTTPMiddleware
+    would buffer/interfere with streaming and disconnect detection)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_(msg):
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_)
+        finally:
+            path = scope.get("path", "")
+            self.metrics.http(path if path in KNOWN_HANDLERS else "other", scope.get("method", ""), status)
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response that aborts its request however the response ends (disconnect,
+    cancellation, or a generator that never started)."""
+
+    def __init__(self, *a, on_close, **kw):
+        super().__init__(*a, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+# ------------------------------------------------------------------------------ requests
+def _prompt_ids(state: ServerState, req, chat: bool) -> list[int]:
+    eng = state.engine
+    if chat:
+        tok = eng.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise APIError("This model has no chat template; use /v1/completions", param="messages")
+        msgs = [m.model_dump(exclude_none=True) for m in req.messages]
+        for m in msgs:
+            if isinstance(m.get("content"), list):  # OpenAI content parts: keep the text ones
+                parts = m["content"]
+                if any(p.get("type") != "text" for p in parts):
+                    raise APIError("Only text content parts are supported", param="messages")
+                m["content"] = "".join(p.get("text", "") for p in parts)
+        extra = {k: v for k, v in (req.chat_template_kwargs or {}).items()
+                 if k not in {"tokenize", "add_generation_prompt", "return_dict", "conversation",
+                              "return_tensors", "padding", "truncation"}}
+        try:
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt is not False,
+                                          tokenize=True, **extra)
+        except Exception as e:
+            raise APIError(f"Could not apply the chat template: {e}", param="messages") from None
+        if hasattr(ids, "keys") and "input_ids" in ids:
+            ids = ids["input_ids"]
+        return list(ids)
+    p = req.prompt
+    if isinstance(p, list) and p and not isinstance(p[0], int):
+        if len(p) != 1:
+            raise APIError("Batched prompts are not supported; send one prompt per request",
+                           param="prompt")
+        p = p[0]
+    if isinstance(p, (str, list)) and len(p) == 0:
+        raise APIError("The prompt is empty", param="prompt")
+    try:
+        return eng.tokenize(p)
+    except ValueError as e:
+        raise APIError(str(e), param="prompt") from None
+
+
+def _sampling_params(state: ServerState, req, chat: bool, n_prompt: int) -> SamplingParams:
+    max_len = state.engine.max_model_len
+    if n_prompt >= max_len:
+        raise APIError(f"This model's maximum context length is {max_len} tokens. However, your "
+                       f"prompt has {n_prompt} tokens, leaving no room to generate.",
+                       param="messages" if chat else "prompt", code="context_length_exceeded")
+    max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+    if max_tokens is None:
+        max_tokens = max_len - n_prompt
+    if max_tokens < 1:
+        raise APIError(f"'{param}' must be at least 1, got {max_tokens}", param=param)
+    if n_prompt + max_tokens > max_len:
+        raise APIError(f"This model's maximum context length is {max_len} tokens. However, you "
+                       f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, "
+                       f"{max_tokens} in the completion). Please reduce the prompt or '{param}'.",
+                       param=param, code="context_length_exceeded")
+    V = state.engine.model_cfg.vocab_size if hasattr(state.engine, "model_cfg") else None
+    if req.stop_token_ids and V is not None and any(not 0 <= t < V for t in req.stop_token_ids):
+        raise APIError(f"'stop_token_ids' must be token ids in [0, {V})", param="stop_token_ids")
+    kw = dict(max_tokens=max_tokens,
+              temperature=1.0 if req.temperature is None else req.temperature,
+              top_p=1.0 if req.top_p is None else req.top_p,
+              top_k=0 if req.top_k is None else req.top_k,
+              seed=req.seed, ignore_eos=bool(req.ignore_eos),
+              stop_token_ids=tuple(req.stop_token_ids) if req.stop_token_ids else None)
+    for name, ok, what in (("temperature", kw["temperature"] >= 0, ">= 0"),
+                           ("top_p", 0 < kw["top_p"] <= 1, "in (0, 1]"),
+                           ("top_k", kw["top_k"] >= -1, "-1, 0 (off) or positive"),
+                           ("seed", req.seed is None or 0 <= req.seed < 2**63, "a non-negative integer")):
+        if not ok:
+            raise APIError(f"'{name}' must be {what}, got {getattr(req, name)}", param=name)
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        raise APIError(str(e)) from None
+
+
+async def _serve(state: ServerState, request: Request, chat: bool):
+    arrival = time.monotonic()
+    if state.draining:
+        raise APIError("The server is shutting down", 503)
+    raw = await request.body()
+    req, ignored = parse_request(raw, ChatCompletionRequest if chat else CompletionRequest)
+    if ignored:
+        logger.warning("ignoring unknown request fields: %s", ", ".join(ignored))
+    if req.model is not None and req.model != state.model_name:
+        raise APIError(f"The model `{req.model}` does not exist. This server serves "
+                       f"`{state.model_name}`.", 404, param="model", code="model_not_found")
+    check_unsupported(req)
+    ids = _prompt_ids(state, req, chat)
+    params = _sampling_params(state, req, chat, len(ids))
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    try:
+        stream = await state.loop.add_request(rid, ids, params, len(ids), arrival)
+    except ValueError as e:
+        raise APIError(str(e), param="messages" if chat else "prompt") from None
+    ctx = _Ctx(state, req, chat, rid, ids, stop)
+    if req.stream:
+        return _SSEResponse(_stream(ctx, stream), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
+                            on_close=lambda: None if stream.finished else state.loop.abort(rid))
+    return await _complete(ctx, stream, request)
+
+
+class _Ctx:
+    def __init__(self, state, req, chat, rid, prompt_ids, stop):
+        self.state, self.req, self.chat, self.rid = state, req, chat, rid
+        self.prompt_ids = prompt_ids
+        self.detok = Detokenizer(state.engine.tokenizer, stop)
+        self.created = int(time.time())
+        self.token_ids: list[int] = []
+
+    def usage(self):
+        n = len(self.token_ids)
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n,
+                "total_tokens": len(self.prompt_ids) + n}
+
+    def finish_reason(self, out):
+        return "stop" if self.detok.stopped else out.finish_reason
+
+    def chunk(self, choices, usage=None):
+        d = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+             "created": self.created, "model": self.state.model_name, "choices": choices}
+        if usage is not None:
+            d["usage"] = usage
+        return "data: " + json.dumps(d, ensure_ascii=False) + "\n\n"
+
+    def choice_delta(self, text, finish_reason, role=False, token_ids=None):
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            c = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if self.req.return_token_ids and token_ids is not None:
+            c["token_ids"] = token_ids
+        return c
+
+
+async def _next(ctx: _Ctx, stream: RequestStream):
+    """Next output of the request, applying stop strings (abort in the engine when hit)."""
+    out = await stream.get()
+    if out.error:
+        raise APIError(out.error, 500)
+    n_before = len(ctx.token_ids)
+    if out.token_ids or not out.finished:
+        ctx.token_ids = out.token_ids
+    delta = ctx.detok.update(ctx.token_ids, out.finished)
+    if ctx.detok.stopped and not out.finished:
+        ctx.state.loop.abort(ctx.rid)
+        stream.finished = True
+        out.finished = True
+    new_ids = ctx.token_ids[n_before:]
+    return out, delta, new_ids
+
+
+async def _stream(ctx: _Ctx, stream: RequestStream):
+    opts = ctx.req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.continuous_usage_stats and include_usage)
+    try:
+        if ctx.chat:
+            yield ctx.chunk([ctx.choice_delta("", None, role=True)])
+        while not stream.finished:
+            try:
+                out, delta, new_ids = await _next(ctx, stream)
+            except APIError as e:
+                yield "data: " + json.dumps(e.body()) + "\n\n"
+                break
+            fr = ctx.finish_reason(out) if stream.finished else None
+            if delta or fr or (ctx.req.return_token_ids and new_ids):
+                yield ctx.chunk([ctx.choice_delta(delta, fr, token_ids=new_ids)],
+                                ctx.usage() if continuous else None)
+        if include_usage:
+            yield ctx.chunk([], ctx.usage())
+        yield "data: [DONE]\n\n"
+    finally:
+        if not stream.finished:  # client went away (or the server is cancelling us)
+            ctx.state.loop.abort(ctx.rid)
+
+
+async def _complete(ctx: _Ctx, stream: RequestStream, request: Request):
+    async def collect():
+        out = None
+        while not stream.finished:
+            out, _, _ = await _next(ctx, stream)
+        return out
+
+    async def disconnected():
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    task = asyncio.ensure_future(collect())
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            ctx.state.loop.abort(ctx.rid)
+    if task not in done:  # client disconnected; nobody reads the answer
+        return Response(status_code=499)
+    out = task.result()
+    text = ctx.detok.sent
+    fr = ctx.finish_reason(out)
+    if ctx.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": fr}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fr}
+    if ctx.req.return_token_ids:
+        choice["token_ids"] = ctx.token_ids
+    body = {"id": ctx.rid, "object": "chat.completion" if ctx.chat else "text_completion",
+            "created": ctx.created, "model": ctx.state.model_name, "choices": [choice],
+            "usage": ctx.usage()}
+    if ctx.req.return_token_ids:
+        body["prompt_token_ids"] = ctx.prompt_ids
+    return JSONResponse(body)

@@ -1,0 +1,104 @@
+"""``python -m jspec.serve``: argument parsing, engine construction, uvicorn with graceful
+shutdown."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+logger = logging.getLogger("jspec.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jspec.serve",
+                                description="OpenAI-compatible HTTP server over a jspec engine.")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint folder (default: the embedded tiny default model)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients must use (default: the folder's basename)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    # engine arguments: the jspec.LLM keyword arguments
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--speculative-config", type=json.loads, default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--seed", type=int, default=0)
+    # server behaviour
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGINT/SIGTERM, seconds in-flight requests may run before they are "
+                        "aborted (they still end cleanly, finish_reason 'abort')")
+    p.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
+                   help="compile every shape bucket before serving (engine.warmup()); auto: on "
+                        "except on the CPU backend, where compiling all buckets takes minutes")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def engine_kwargs(args) -> dict:
+    kw = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              page_size=args.page_size, num_pages=args.num_pages,
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+    if args.speculative_config is not None:
+        kw["speculative_config"] = args.speculative_config
+    return kw
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import prometheus_client
+    import uvicorn
+
+    from jspec.llm import LLM
+    from jspec.serve.app import create_app
+
+    prometheus_client.disable_created_metrics()
+    llm = LLM(args.model, **engine_kwargs(args))
+    if args.warmup == "on" or (args.warmup == "auto" and _backend() != "cpu"):
+        if hasattr(llm.engine, "warmup"):
+            import time
+
+            t = time.monotonic()
+            llm.engine.warmup()
+            logger.info("warmup: compiled all shape buckets in %.1fs", time.monotonic() - t)
+    app = create_app(llm.engine, args.served_model_name)
+    state = app.state.jspec
+    logger.info("serving %s on http://%s:%d (max_model_len=%d, %d KV pages)", state.model_name,
+                args.host, args.port, llm.engine.max_model_len, llm.engine.num_pages)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises captured signals after shutdown (exit status 130/143);
+            # a clean drain is a normal exit here.
+            self._captured_signals.clear()
+            if first:
+                state.draining = True
+                loop = state.loop._loop
+                if loop is not None:
+                    loop.call_soon_threadsafe(loop.call_later, args.shutdown_timeout, state.loop.abort_all)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5, access_log=False)
+    Server(config).run()
+    return 0
+
+
+def _backend() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Prometheus metrics, under vLLM's names where vLLM has one (so dashboards carry over).
+
+Counters are declared without ``_total``; prometheus_client appends it in the text format
+(``vllm:prompt_tokens`` -> ``vllm:prompt_tokens_total``), exactly as vLLM does. All metrics
+carry the ``model_name`` label like vLLM's. Updated from the engine thread (prometheus_client
+is thread-safe) and from the HTTP middleware.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+E2E_BUCKETS = [0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+               40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        L = ["model_name"]
+        self.model_name = model_name
+
+        def counter(name, doc, labels=()):
+            return Counter(name, doc, L + list(labels), registry=r)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, L, registry=r).labels(model_name)
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, L, buckets=buckets, registry=r).labels(model_name)
+
+        # scheduler / cache state
+        self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1 (1 = full).")
+        self.free_pages = gauge("jspec:kv_cache_free_pages", "Free KV-cache pages.")
+        self.total_pages = gauge("jspec:kv_cache_total_pages", "Total KV-cache pages.")
+        self.active_streams = gauge("jspec:num_active_requests",
+                                    "Requests the server is tracking (added, not finished).")
+        self.num_compilations = gauge("jspec:num_compilations", "Jitted step shapes compiled so far.")
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions (KV pages ran out).").labels(model_name)
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix-cache lookups (tokens).").labels(model_name)
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits (tokens).").labels(model_name)
+        # tokens and requests
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.").labels(model_name)
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.").labels(model_name)
+        self._success = counter("vllm:request_success", "Finished requests, by finish reason.",
+                                ["finished_reason"])
+        self.rejected = counter("jspec:request_rejected",
+                                "Requests refused with an error status, by status code.", ["status"])
+        self.http_requests = counter("jspec:http_requests",
+                                     "HTTP requests by handler, method and status.",
+                                     ["handler", "method", "status"])
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between engine outputs of a request.",
+                        ITL_BUCKETS)
+        self.req_prompt_tokens = hist("vllm:request_prompt_tokens", "Prompt tokens per request.",
+                                      TOKEN_BUCKETS)
+        self.req_gen_tokens = hist("vllm:request_generation_tokens", "Generated tokens per request.",
+                                   TOKEN_BUCKETS)
+        # speculative decoding (vLLM v1 names)
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Draft proposals.").labels(model_name)
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.").labels(model_name)
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.").labels(model_name)
+        self._spec_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted draft tokens by position in the draft.", ["position"])
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)
+
+    def success(self, reason: str):
+        self._success.labels(self.model_name, reason or "stop").inc()
+
+    def accepted_at(self, position: int, n: float):
+        self._spec_per_pos.labels(self.model_name, str(position)).inc(n)
+
+    def reject(self, status: int):
+        self.rejected.labels(self.model_name, str(status)).inc()
+
+    def http(self, handler: str, method: str, status: int):
+        self.http_requests.labels(self.model_name, handler, method, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,171 @@
+"""OpenAI request bodies (pydantic) and OpenAI-style errors.
+
+Validation policy (documented for clients):
+
+* Bodies are parsed as JSON by us, then validated in pydantic's *strict* JSON mode: a known
+  field of the wrong type (``"max_tokens": "5"``, ``"temperature": "hot"``, ``"stream": 1``)
+  is a 400 naming the field. Integers are accepted where floats are expected.
+* Unknown top-level fields are *ignored* (and logged), as vLLM does: the OpenAI API grows new
+  optional fields all the time and clients send them; refusing them would break clients for
+  no safety gain.
+* Known fields whose non-default values we do not implement (``n > 1``, ``logprobs``,
+  ``echo``, ``suffix``, ``best_of``, penalties, ``logit_bias``, tools, ``response_format``)
+  are rejected with 400 rather than silently ignored: ignoring them would change results.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class APIError(Exception):
+    """An error returned to the client as ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, message: str, status: int = 400, *, param: str | None = None,
+                 type: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.type = type or _default_type(status)
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def _default_type(status: int) -> str:
+    if status == 404:
+        return "not_found_error"
+    if status == 503:
+        return "service_unavailable_error"
+    if status >= 500:
+        return "internal_server_error"
+    return "invalid_request_error"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Strict):
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False
+
+
+class _SamplingFields(_Strict):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None  # vLLM extension; 0 or -1 = disabled
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None  # vLLM extension
+    ignore_eos: Optional[bool] = False  # vLLM extension
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = 1
+    user: Optional[str] = None
+    presence_penalty: Optional[float] = 0.0
+    frequency_penalty: Optional[float] = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    return_token_ids: Optional[bool] = False  # vLLM extension: token ids in the response
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: Optional[int] = None
+    echo: Optional[bool] = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    response_format: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM extension
+    add_generation_prompt: Optional[bool] = True  # vLLM extension
+
+
+def parse_request(raw: bytes, cls: type[_Strict]) -> tuple[_Strict, list[str]]:
+    """Parse and validate a request body; returns (request, ignored unknown field names)."""
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"Malformed JSON in request body: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError("Request body must be a JSON object", code="invalid_json")
+    try:
+        req = cls.model_validate_json(raw)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = ".".join(str(x) for x in err["loc"] if not _is_union_tag(x))
+        field = loc.split(".")[0] if loc else None
+        got = _short(err.get("input"))
+        if err["type"] == "missing":
+            msg = f"Missing required field '{loc}'"
+        else:
+            msg = f"Invalid value for '{loc}': {err['msg']} (got {got})"
+        raise APIError(msg, param=field, code="invalid_type" if err["type"] != "missing"
+                       else "missing_required_parameter") from None
+    ignored = sorted(k for k in obj if k not in cls.model_fields)
+    return req, ignored
+
+
+def _is_union_tag(x) -> bool:
+    # pydantic puts the union member's type name into loc ("list[int]", "str", ...)
+    return isinstance(x, str) and (x in {"str", "int", "float", "bool"} or "[" in x)
+
+
+def _short(v) -> str:
+    s = json.dumps(v) if not isinstance(v, str) else repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def check_unsupported(req: _Strict) -> None:
+    """400 for known OpenAI fields we do not implement with a non-default value."""
+    def bad(param, what):
+        raise APIError(f"'{param}' is not supported by this server ({what})", param=param,
+                       code="unsupported_parameter")
+    if req.n not in (None, 1):
+        bad("n", "only n=1")
+    if req.presence_penalty not in (None, 0, 0.0):
+        bad("presence_penalty", "only 0")
+    if req.frequency_penalty not in (None, 0, 0.0):
+        bad("frequency_penalty", "only 0")
+    if req.logit_bias:
+        bad("logit_bias", "not implemented")
+    if isinstance(req, CompletionRequest):
+        if req.logprobs is not None:
+            bad("logprobs", "log-probabilities are not returned")
+        if req.echo:
+            bad("echo", "not implemented")
+        if req.suffix:
+            bad("suffix", "not implemented")
+        if req.best_of not in (None, 1):
+            bad("best_of", "only 1")
+    else:
+        if req.logprobs:
+            bad("logprobs", "log-probabilities are not returned")
+        if req.top_logprobs is not None:
+            bad("top_logprobs", "log-probabilities are not returned")
+        if req.tools:
+            bad("tools", "tool calling is not implemented")
+        if req.response_format and req.response_format.get("type") not in (None, "text"):
+            bad("response_format", "only {'type': 'text'}")

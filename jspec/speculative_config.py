@@ -1,0 +1,143 @@
+"""SpeculativeConfig: the `speculative_config` dict of vLLM, validated when built.
+
+Keys (vLLM names and meanings):
+- method: "eagle3" | "peagle" | "dflash" | None (no speculation).
+- model: drafter checkpoint path / HF id.
+- num_speculative_tokens: K >= 1; None means "take it from the drafter checkpoint", then
+  call `resolved(K)` to fill it in and validate what depends on K.
+- rejection_sample_method: "standard" (Leviathan rejection sampling, lossless) or
+  "synthetic" (accept decisions forced at chosen rates, for benchmarking).
+- synthetic_acceptance_rates: K unconditional rates, entry i = P(first i+1 drafts
+  accepted), in [0, 1], non-increasing. Only with "synthetic".
+- synthetic_acceptance_length: mean accepted tokens per step including the bonus, in
+  [1, K+1]; turned into the minimum-variance schedule. Only with "synthetic"; exactly one
+  of the two synthetic keys must be set.
+- draft_sample_method: "greedy" (argmax drafts; the verifier treats q as one-hot) or
+  "probabilistic" (drafts sampled from q, which the drafter passes to the verifier).
+Unknown keys raise ValueError naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from kernels_pallas.synthetic import (
+    conditional_rates,
+    synthetic_rates_from_length,
+    validate_synthetic,
+    validate_unconditional,
+)
+
+METHODS = ("eagle3", "peagle", "dflash")
+REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+
+__all__ = [
+    "SpeculativeConfig",
+    "conditional_rates",
+    "synthetic_rates_from_length",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str | None = None
+    model: str | None = None
+    num_speculative_tokens: int | None = None
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_rates: tuple[float, ...] | None = None
+    synthetic_acceptance_length: float | None = None
+    draft_sample_method: str = "greedy"
+
+    def __post_init__(self):
+        if self.method is not None and self.method not in METHODS:
+            raise ValueError(f"speculative_config 'method' must be one of {METHODS} or None, got {self.method!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config 'model' must be a string, got {self.model!r}")
+        k = self.num_speculative_tokens
+        if k is not None:
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ValueError(f"speculative_config 'num_speculative_tokens' must be an int >= 1, got {k!r}")
+        if self.rejection_sample_method not in REJECTION_SAMPLE_METHODS:
+            raise ValueError(
+                f"speculative_config 'rejection_sample_method' must be one of "
+                f"{REJECTION_SAMPLE_METHODS}, got {self.rejection_sample_method!r}")
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(
+                f"speculative_config 'draft_sample_method' must be one of "
+                f"{DRAFT_SAMPLE_METHODS}, got {self.draft_sample_method!r}")
+        rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
+        if rates is not None:
+            if isinstance(rates, (str, bytes)) or not hasattr(rates, "__iter__"):
+                raise ValueError(f"'synthetic_acceptance_rates' must be a list of numbers, got {rates!r}")
+            # Stored as a tuple so the config stays hashable (static under jit).
+            object.__setattr__(self, "synthetic_acceptance_rates", tuple(float(r) for r in rates))
+            rates = self.synthetic_acceptance_rates
+        if length is not None:
+            if isinstance(length, bool) or not isinstance(length, (int, float)) or not math.isfinite(length):
+                raise ValueError(f"'synthetic_acceptance_length' must be a number, got {length!r}")
+            object.__setattr__(self, "synthetic_acceptance_length", float(length))
+            length = self.synthetic_acceptance_length
+        if self.rejection_sample_method != "synthetic":
+            for key, val in (("synthetic_acceptance_rates", rates), ("synthetic_acceptance_length", length)):
+                if val is not None:
+                    raise ValueError(
+                        f"'{key}' is only valid with rejection_sample_method='synthetic' "
+                        f"(got rejection_sample_method={self.rejection_sample_method!r})")
+            return
+        if k is not None:
+            validate_synthetic(rates, length, k)
+            return
+        # K unknown until the drafter checkpoint is read: check what does not depend on it.
+        if (rates is None) == (length is None):
+            validate_synthetic(rates, length, 0)  # raises the both/neither error
+        if rates is not None:
+            validate_unconditional(rates, len(rates))
+        elif length < 1.0:
+            raise ValueError(f"synthetic_acceptance_length must be >= 1, got {length}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SpeculativeConfig":
+        """Builds from vLLM's `speculative_config` dict; unknown keys raise ValueError."""
+        d = dict(d or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(
+                f"unknown speculative_config key {unknown[0]!r}"
+                + (f" (and {unknown[1:]})" if len(unknown) > 1 else "")
+                + f"; known keys: {sorted(names)}")
+        return cls(**d)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    def resolved(self, num_speculative_tokens: int) -> "SpeculativeConfig":
+        """A copy with K filled in (if it was None) and the synthetic part validated."""
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens != num_speculative_tokens:
+            raise ValueError(
+                f"num_speculative_tokens={self.num_speculative_tokens} in the config differs "
+                f"from {num_speculative_tokens} given to resolved()")
+        return dataclasses.replace(self, num_speculative_tokens=int(num_speculative_tokens))
+
+    @property
+    def synthetic_conditional_rates(self) -> tuple[float, ...]:
+        """The K conditional rates the synthetic kernel uses (c_i = r_i / r_{i-1})."""
+        if self.rejection_sample_method != "synthetic":
+            raise ValueError("synthetic_conditional_rates needs rejection_sample_method='synthetic'")
+        if self.num_speculative_tokens is None:
+            raise ValueError("num_speculative_tokens is not known yet: call resolved(K) first")
+        return validate_synthetic(self.synthetic_acceptance_rates, self.synthetic_acceptance_length,
+                                  self.num_speculative_tokens)
+
+    @property
+    def synthetic_unconditional_rates(self) -> tuple[float, ...]:
+        """The K unconditional rates (given, or derived from the mean length)."""
+        if self.rejection_sample_method != "synthetic" or self.num_speculative_tokens is None:
+            raise ValueError("needs rejection_sample_method='synthetic' and a known num_speculative_tokens")
+        if self.synthetic_acceptance_rates is not None:
+            return self.synthetic_acceptance_rates
+        return synthetic_rates_from_length(self.synthetic_acceptance_length, self.num_speculative_tokens)

@@ -1,0 +1,265 @@
+"""Ragged paged attention for NVIDIA GPUs: a Pallas kernel on the Triton backend.
+
+Same contract as ``ref_paged_attention`` in paged_attention.py (layout, masking, a zero
+output for rows that see no key). One kernel serves decode (Q = 1), causal verification
+(Q = K + 1), DFlash blocks (causal[b] = False) and prefill chunks.
+
+Why the Triton backend and not Mosaic GPU: Mosaic GPU (the default GPU lowering since
+jax 0.9, preferred by issue 7) moves data with TMA/bulk copies of rectangular blocks, so
+a paged kernel there issues one copy per page (page ids read from SMEM) in a
+warp-specialised pipeline; that is a larger kernel than this issue's time allowed, and
+it could not be tested on our CPU machines beyond interpret mode. The
+Triton backend is deprecated in jax 0.11 but present and working there (seen on the H200,
+2026-11-21): a pointer gather over per-token page ids turns the page table into ordinary
+(coalesced: one 2*D-byte row per token and head) loads that Triton software-pipelines.
+Revisit with ``plgpu.kernel`` once the Triton backend is removed.
+
+Design (flash-decoding, GQA-packed):
+- Grid (batch, kv_head, row_block, kv_split). The "rows" of one program are all query
+  tokens of one sequence times all G = H / KVH query heads sharing its kv head
+  (row r = q_token * G + g), so each K/V page is read once per kv head no matter how
+  many query tokens (verification) or heads (GQA) use it: verifying 8 tokens reads the
+  same bytes as decoding one.
+- Each program runs an online softmax over blocks of ``block_kv`` tokens in its split of
+  the sequence; splits of the kv range fill the GPU when batch * kv_heads is small
+  (batch 1 decode has 8 programs per split). A small jnp combine merges the splits.
+- Causality is folded into a per-row "last visible position": positions for causal rows,
+  a huge value for DFlash rows, -1 for padding rows; a key j is visible to row r iff
+  j < kv_len and j <= row_pos[r]. A program skips kv blocks past its rows' largest
+  position, so prefill chunks do not stream keys they cannot see.
+- Keys at or past kv_len (the tail of the last page, whole junk pages a split covers)
+  may be NaN: scores are masked with ``where`` and V rows are zeroed before the dot,
+  so no NaN reaches the accumulators (0 * NaN would).
+- Queries are gathered and outputs scattered by row index inside the kernel (no
+  transposes around the call): at batch 1 each extra XLA op is a launch costing about as
+  much as the attention itself.
+
+Measured on the H200 (2026-11-21, jax 0.11.2, scripts/bench_attention.py): decode at batch
+32, context 4096, 32/8 heads, D 128, bf16, page 16: 158-180 us, 3.0-3.4 TB/s of KV read,
+76-86% of the 3.92 TB/s best bandwidth measured in the same run (jnp reference: 562 us).
+At batch 1 (16.8 MB of KV) the call is launch/latency-bound (~30-45 us), far from the
+~5 us roofline; verify-8 / decode ratio there was 1.03 best-vs-best, 1.15 at kv_splits=16.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+NEG_INF = -1e30  # finite "minus infinity": exp(NEG_INF - NEG_INF) stays defined
+NONCAUSAL_POS = 2**30  # row position of DFlash rows: sees every key below kv_len
+NUM_SMS_H200 = 132
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def validate_gpu(q, k_pages, *, block_rows, block_kv, kv_splits):
+    """Trace-time checks for what the Triton lowering needs (power-of-2 tiles)."""
+    D = q.shape[-1]
+    if D & (D - 1) or D < 16:
+        raise ValueError(f"head_dim must be a power of 2 >= 16 for the Triton kernel, got {D}")
+    if q.dtype != k_pages.dtype:
+        raise ValueError(f"q dtype {q.dtype} must match the KV cache dtype {k_pages.dtype}")
+    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"dtype must be f32, bf16 or f16, got {q.dtype}")
+    for name, v in (("block_rows", block_rows), ("block_kv", block_kv)):
+        if v is not None and (v < 16 or v & (v - 1)):
+            raise ValueError(f"{name} must be a power of 2 >= 16 (Triton dot tiles), got {v}")
+    if kv_splits is not None and kv_splits < 1:
+        raise ValueError(f"kv_splits must be >= 1, got {kv_splits}")
+
+
+def _kernel(
+    # inputs (whole arrays in global memory; each program gathers what it needs)
+    kv_lens_ref,  # i32[B]
+    *refs,  # [causal_ref bool[B]] pt_ref i32[B*W], pos_ref i32[B*Q], q_ref [N, D], k_ref, v_ref, outputs
+    sm_scale: float,
+    page_size: int,
+    kv_heads: int,
+    group: int,  # G = H / KVH
+    q_len: int,  # Q
+    table_width: int,  # W
+    block_rows: int,
+    block_kv: int,
+    tokens_per_split: int,
+    has_causal: bool,
+):
+    # refs: pt_ref i32[B * W] (flattened page table), pos_ref i32[B * Q], q_ref [N = B*Q*H, D],
+    # k_ref/v_ref [P * S * KVH, D] (row = (page * S + slot) * KVH + head), then outputs:
+    # o_ref [N + 1, D] (single split) or acc_ref f32[N + 1, D], m_ref, l_ref f32[N + 1]
+    # (this split's slab). Row N is a trash row that padding rows write to: the
+    # interpreter cannot discharge masked stores, so padding rows are redirected instead.
+    causal_ref, refs = (refs[0], refs[1:]) if has_causal else (None, refs)
+    pt_ref, pos_ref, q_ref, k_ref, v_ref, *out_refs = refs
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    rb = pl.program_id(2)
+    split = pl.program_id(3)
+    D = q_ref.shape[1]
+    N = q_ref.shape[0]
+    H = kv_heads * group
+
+    # Rows of this program: r = token * G + g for the G query heads of kv head h.
+    r = rb * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    real = r < q_len * group
+    token = jnp.minimum(lax.div(r, group), q_len - 1)  # padding rows: clamp, then discard
+    q_row = (b * q_len + token) * H + h * group + lax.rem(r, group)  # row of q.reshape(N, D)
+    row_pos = pos_ref[b * q_len + token]
+    if has_causal:  # DFlash rows see every key below kv_len
+        row_pos = jnp.where(causal_ref[b], row_pos, NONCAUSAL_POS)
+    row_pos = jnp.where(real, row_pos, -1)  # padding rows see nothing
+    kv_len = jnp.minimum(kv_lens_ref[b], table_width * page_size)  # the reference sees W * S keys at most
+
+    # Keys this program can see: below kv_len, at or before its rows' largest position,
+    # inside its split.
+    end = jnp.minimum(kv_len, jnp.max(row_pos) + 1)
+    start = split * tokens_per_split
+    end = jnp.minimum(end, start + tokens_per_split)
+    num_blocks = jnp.maximum(0, lax.div(end - start + (block_kv - 1), block_kv))
+
+    q = q_ref[q_row, :]  # [block_rows, D]; scaled after the dot, in f32, as the reference does
+    # Triton's DEFAULT f32 dot is TF32 (~4e-4 relative error, seen on the H200): ask for
+    # IEEE f32 when the cache is f32; bf16 operands are unaffected.
+    prec = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
+    arange = jnp.arange(block_kv, dtype=jnp.int32)
+
+    def body(i, carry):
+        acc, m, l = carry
+        t = start + i * block_kv + arange  # i32[block_kv] token indices
+        slot = jnp.minimum(lax.div(t, page_size), table_width - 1)  # t >= W*S is masked anyway
+        page = pt_ref[b * table_width + slot]  # per-token page id
+        rows = (page * page_size + lax.rem(t, page_size)) * kv_heads + h
+        k = k_ref[rows, :]  # [block_kv, D] gather: one contiguous D-row per token
+        v = v_ref[rows, :]
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+        s = s * sm_scale
+        key_ok = t < kv_len  # [block_kv]
+        mask = key_ok[None, :] & (t[None, :] <= row_pos[:, None])  # [rows, block_kv]
+        s = jnp.where(mask, s, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + jnp.sum(p, axis=1)
+        v = jnp.where(key_ok[:, None], v, jnp.zeros_like(v))  # junk V may be NaN
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+        return acc * alpha[:, None] + pv, m_new, l
+
+    acc = jnp.zeros((block_rows, D), jnp.float32)
+    m = jnp.full((block_rows,), NEG_INF, jnp.float32)
+    l = jnp.zeros((block_rows,), jnp.float32)
+    acc, m, l = lax.fori_loop(0, num_blocks, body, (acc, m, l))
+
+    o_row = jnp.where(real, q_row, N)  # padding rows -> trash row N
+    if len(out_refs) == 3:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[o_row, :] = acc
+        m_ref[o_row] = m
+        l_ref[o_row] = l
+    else:
+        (o_ref,) = out_refs
+        o_ref[o_row, :] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+
+
+def default_kv_splits(batch, kv_heads, row_blocks, num_kv_blocks, num_sms=NUM_SMS_H200):
+    """Enough splits for ~2 programs per SM, never more than there are kv blocks.
+
+    On the H200 (2026-11-21) decode at batch 32 x 8 kv heads (256 programs) was fastest
+    with 2 splits; 1, 4 and 8 were 10-20% slower.
+    """
+    programs = batch * kv_heads * row_blocks
+    return max(1, min(num_kv_blocks, -(-2 * num_sms // programs)))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "block_rows", "block_kv", "kv_splits", "num_warps", "num_stages", "interpret"),
+)
+def paged_attention_gpu(
+    q,  # [B, Q, H, D] f32 | bf16
+    k_pages,  # [P, S, KVH, D] same dtype as q
+    v_pages,  # [P, S, KVH, D]
+    page_table,  # i32[B, W]; entries past a sequence's pages: any id in [0, P)
+    kv_lens,  # i32[B]; keys valid per sequence (0 = empty slot)
+    positions,  # i32[B, Q]; position of each query token (causal rows)
+    causal=None,  # bool[B] | None; False = DFlash block (sees all kv_lens keys)
+    *,
+    sm_scale: float,
+    block_rows: int | None = None,  # query rows (tokens x heads of one kv head) per program; pow2
+    block_kv: int = 64,  # keys per inner-loop step; pow2, need not relate to page_size
+    kv_splits: int | None = None,  # programs along the kv axis; None: ~2 per SM
+    num_warps: int = 4,
+    num_stages: int = 2,  # Triton software-pipelining depth of the kv loop
+    interpret: bool = False,  # True: run the kernel body with Pallas' interpreter (CPU CI)
+):  # -> [B, Q, H, D] in q.dtype
+    validate_gpu(q, k_pages, block_rows=block_rows, block_kv=block_kv, kv_splits=kv_splits)
+    B, Q, H, D = q.shape
+    P, S, KVH, _ = k_pages.shape
+    W = page_table.shape[1]
+    G = H // KVH
+    N = B * Q * H
+    R = Q * G
+    if block_rows is None:
+        block_rows = min(max(16, _next_pow2(R)), 128)
+    row_blocks = -(-R // block_rows)
+    num_kv_blocks = -(-(W * S) // block_kv)
+    if kv_splits is None:
+        kv_splits = default_kv_splits(B, KVH, row_blocks, num_kv_blocks)
+    kv_splits = min(kv_splits, num_kv_blocks)
+    tokens_per_split = -(-num_kv_blocks // kv_splits) * block_kv
+
+    # Only free reshapes here: at batch 1 every extra XLA op is a kernel launch that costs
+    # as much as the attention itself, so queries are gathered and outputs scattered
+    # in-kernel instead of transposed around the call.
+    has_causal = causal is not None
+    inputs = [kv_lens.astype(jnp.int32)] + ([causal] if has_causal else []) + [
+        page_table.astype(jnp.int32).reshape(B * W),
+        positions.astype(jnp.int32).reshape(B * Q),
+        q.reshape(N, D),
+        k_pages.reshape(P * S * KVH, D),
+        v_pages.reshape(P * S * KVH, D),
+    ]
+    kernel = functools.partial(
+        _kernel, sm_scale=sm_scale, page_size=S, kv_heads=KVH, group=G, q_len=Q, table_width=W,
+        block_rows=block_rows, block_kv=block_kv, tokens_per_split=tokens_per_split, has_causal=has_causal,
+    )
+    whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
+    if kv_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((N + 1, D), q.dtype)  # + trash row
+        out_specs = whole
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((kv_splits, N + 1, D), jnp.float32),
+            jax.ShapeDtypeStruct((kv_splits, N + 1), jnp.float32),
+            jax.ShapeDtypeStruct((kv_splits, N + 1), jnp.float32),
+        )
+        out_specs = (
+            pl.BlockSpec((None, N + 1, D), lambda b, h, r, s: (s, 0, 0)),
+            pl.BlockSpec((None, N + 1), lambda b, h, r, s: (s, 0)),
+            pl.BlockSpec((None, N + 1), lambda b, h, r, s: (s, 0)),
+        )
+    out = pl.pallas_call(
+        kernel,
+        grid=(B, KVH, row_blocks, kv_splits),
+        in_specs=[whole] * len(inputs),
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"paged_attention_gpu_r{block_rows}_k{block_kv}_s{kv_splits}",
+    )(*inputs)
+
+    if kv_splits == 1:
+        return out[:N].reshape(B, Q, H, D)
+    acc, m, l = out[0][:, :N], out[1][:, :N], out[2][:, :N]  # one XLA fusion with the combine
+    m_all = jnp.max(m, axis=0)
+    w = jnp.exp(m - m_all[None])  # empty splits: l = 0, so their weight is moot
+    l_all = jnp.sum(w * l, axis=0)
+    o = jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_all == 0.0, 1.0, l_all)[..., None]
+    return o.astype(q.dtype).reshape(B, Q, H, D)

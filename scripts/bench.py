@@ -1,0 +1,348 @@
+"""Decode benchmarks on the GPU: plain autoregressive and speculative (synthetic acceptance).
+
+Random bf16 weights made on the device (no checkpoint), sequences injected with their KV
+already in the cache (random, never zeros), then timed through the real engine loop
+(``LLMEngine.step``: scheduler, runner, host bookkeeping included). Every figure is printed
+next to the bound it is compared with, measured in the same run:
+  - decode roofline: (non-embedding weight bytes + KV bytes read) / HBM bandwidth, the
+    bandwidth being the best of a bf16 read-only reduction and an f32 read+write copy;
+  - speculative: measured speedup over the same engine without speculation, and ideal
+    speedup tau * T_target(1) / (T_draft + T_target(K+1)) with those times measured here.
+
+    python scripts/bench.py --section plain              # issue 3 / 7: batch 1..64, ctx 512 / 4096
+    python scripts/bench.py --section eagle3             # issue 5
+    python scripts/bench.py --section parallel           # issue 6: DFlash + PEagle on a Qwen3-8B shape
+    python scripts/bench.py --quick ...                  # tiny shapes: a CPU smoke test of the script
+Results go to $OUT/bench_<section>.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import os
+
+# cuBLAS streams [out, in] weights at ~3.1 TB/s on the H200 vs ~1.2 TB/s for XLA's Triton
+# GEMM at small batch (../shared/reference/jax_gpu_tpu.md). Read when the backend starts.
+os.environ.setdefault("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false")
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.checkpoint.target import target_param_spec
+from jspec.config import ModelConfig, RopeConfig
+from jspec.engine.llm_engine import EngineConfig, LLMEngine
+from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
+from jspec.engine.sequence import Sequence, Status
+from jspec.sampling_params import SamplingParams
+
+LLAMA_8B = ModelConfig(
+    family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+    num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+    rope=RopeConfig(500000.0, "llama3", 8.0, 1.0, 4.0, 8192), tie_word_embeddings=False,
+    attention_bias=False, mlp_bias=False, qk_norm=False, max_position_embeddings=131072,
+)
+QWEN3_8B = dataclasses.replace(
+    LLAMA_8B, family="qwen3", vocab_size=151936, intermediate_size=12288, num_layers=36, qk_norm=True,
+    rope=RopeConfig(1000000.0), rms_norm_eps=1e-6,
+)
+TINY = dataclasses.replace(
+    LLAMA_8B, vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=6, num_heads=4,
+    num_kv_heads=2, head_dim=32,
+)
+
+
+def _set(tree, path, value):
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def random_tree(specs, dtype, seed):
+    """Params for ``specs`` drawn on the device: norms ~1, matrices ~N(0, 0.02)."""
+    key = jax.random.PRNGKey(seed)
+    tree = {}
+    for i, s in enumerate(specs):
+        if getattr(s, "integer", False):
+            _set(tree, s.path, jnp.zeros(s.shape, jnp.int32))
+            continue
+        k = jax.random.fold_in(key, i)
+        scale = 0.02 if len(s.shape) > 1 else 0.1
+        base = 1.0 if len(s.shape) == 1 and "norm" in "/".join(s.path) else 0.0
+        _set(tree, s.path, (base + scale * jax.random.normal(k, s.shape, jnp.float32)).astype(dtype))
+    return tree
+
+
+def weight_bytes(tree, skip=("embed_tokens",)) -> int:
+    total = 0
+    for kp, v in jax.tree_util.tree_leaves_with_path(tree):
+        if not any(str(getattr(k, "key", "")) in skip for k in kp):
+            total += v.size * v.dtype.itemsize
+    return total
+
+
+def timeit(fn, reps=20, warmup=3):
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def measure_bandwidth(quick: bool) -> dict:
+    """Best-of HBM bandwidths: f32 read+write copy and bf16 read-only column reduction."""
+    n = (1 << 20) if quick else (1 << 30)  # 4 GiB f32 / 2 GiB... of bf16 below x4
+    xs = [jax.random.normal(jax.random.PRNGKey(i), (n,), jnp.float32) for i in range(2)]
+    copy = jax.jit(lambda x: x * 1.0001)
+    t_copy = min(timeit(lambda x=x: copy(x)) for x in xs)
+    rows = (1 << 12) if quick else (1 << 16)
+    ys = [jax.random.normal(jax.random.PRNGKey(9 + i), (rows, 65536 if not quick else 256), jnp.bfloat16) for i in range(2)]
+    red = jax.jit(lambda y: jnp.sum(y, axis=0, dtype=jnp.float32))
+    t_red = min(timeit(lambda y=y: red(y)) for y in ys)
+    out = {
+        "f32_copy_TBps": 2 * n * 4 / t_copy / 1e12,
+        "bf16_colsum_TBps": ys[0].size * 2 / t_red / 1e12,
+    }
+    out["best_TBps"] = max(out.values())
+    del xs, ys
+    return out
+
+
+def make_engine(cfg, params, *, max_num_seqs, ctx, dtype, spec=None, drafter=None, page_size=16, extra=64):
+    pages_per_seq = -(-(ctx + extra) // page_size) + 2
+    ec = EngineConfig(
+        model=f"random-{cfg.family}", dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=ctx + extra,
+        page_size=page_size, num_pages=max_num_seqs * pages_per_seq + 4, enable_prefix_caching=False,
+        speculative_config=spec,
+    )
+    eng = LLMEngine(ec, preloaded=(cfg, params), preloaded_drafter=drafter)
+    # Random KV everywhere: attention must not run on zeros.
+    kv = eng.runner.kv
+    keys = jax.random.split(jax.random.PRNGKey(7), 2 * len(kv.k))
+    rnd = lambda a, k: jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype)  # noqa: E731
+    eng.runner.kv = type(kv)(k=tuple(rnd(a, k) for a, k in zip(kv.k, keys[::2])),
+                              v=tuple(rnd(a, k) for a, k in zip(kv.v, keys[1::2])))
+    return eng
+
+
+def inject(eng, B, ctx, rng, max_tokens):
+    """B running sequences whose first ctx - 1 tokens are already in the KV cache."""
+    seqs = []
+    for i in range(B):
+        prompt = [int(t) for t in rng.integers(0, eng.model_cfg.vocab_size, ctx)]
+        s = Sequence(f"bench-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                     seed=i, arrival=eng._arrivals)
+        eng._arrivals += 1
+        assert eng.blocks.ensure_slots(s, ctx + eng.lookahead + 1)
+        s.num_computed = ctx - 1
+        s.status = Status.RUNNING
+        eng.scheduler.running.append(s)
+        eng._seqs[s.request_id] = s
+        seqs.append(s)
+    return seqs
+
+
+def clear(eng):
+    for s in list(eng.scheduler.running):
+        eng.abort_request(s.request_id)
+
+
+def engine_decode(eng, B, ctx, rng, steps):
+    """Median step time and tok/s of LLMEngine.step over ``steps`` steps (after warm-up)."""
+    inject(eng, B, ctx, rng, max_tokens=steps + 100)
+    for _ in range(3):  # compile + warm
+        eng.step()
+    n0 = eng.num_generation_tokens
+    ts = []
+    t_all = time.perf_counter()
+    for _ in range(steps):
+        t = time.perf_counter()
+        eng.step()
+        ts.append(time.perf_counter() - t)
+    wall = time.perf_counter() - t_all
+    toks = eng.num_generation_tokens - n0
+    clear(eng)
+    return statistics.median(ts), toks / wall
+
+
+def target_forward_time(eng, B, ctx, rng, q):
+    """Median time of the jitted target step at Q = q tokens per row (verification width)."""
+    seqs = inject(eng, B, ctx, rng, max_tokens=8)
+    for s in seqs:
+        s.draft_token_ids = [1] * (q - 1)
+    sched = SchedulerOutput("decode", [ScheduledSeq(s, q, True) for s in seqs], [])
+    inp, _ = eng.runner.build_input(sched, q_override=q)
+    r = eng.runner
+
+    def run():
+        r.kv, out = r._step(r.params, r.kv, inp)
+        return out
+
+    t = timeit(run, reps=15)
+    for s in seqs:
+        s.draft_token_ids = []
+    clear(eng)
+    return t
+
+
+def plain_section(args, bw):
+    cfg = TINY if args.quick else LLAMA_8B
+    dtype = "bfloat16"
+    params = random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
+    wbytes = weight_bytes(params)
+    rng = np.random.default_rng(0)
+    rows = []
+    for ctx in (512, 4096) if not args.quick else (64, 256):
+        eng = make_engine(cfg, params, max_num_seqs=64 if not args.quick else 8, ctx=ctx, dtype=dtype)
+        kv_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bytes per token, bf16
+        for B in (1, 8, 32, 64) if not args.quick else (1, 8):
+            step, tps = engine_decode(eng, B, ctx, rng, args.steps)
+            bound = (wbytes + B * ctx * kv_tok) / (bw["best_TBps"] * 1e12)
+            rows.append(dict(batch=B, ctx=ctx, step_ms=step * 1e3, tok_s=tps, roofline_ms=bound * 1e3,
+                             roofline_frac=bound / step, attn_impl=eng.runner.model.attn_impl))
+            print(f"plain B={B:3d} ctx={ctx:5d}: {step*1e3:7.2f} ms/step {tps:9.1f} tok/s "
+                  f"roofline {bound*1e3:6.2f} ms -> {bound/step:5.1%}", flush=True)
+        del eng
+    return dict(weight_bytes=wbytes, rows=rows)
+
+
+def drafter_setup(kind, cfg, quick):
+    """(DrafterConfig, random params) for a Llama-8B EAGLE3 head, a Qwen3 DFlash or PEagle."""
+    from jspec.drafters.config import DrafterConfig
+    from jspec.drafters.loader import drafter_param_spec
+
+    L = cfg.num_layers
+    common = dict(
+        family=cfg.family, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps, rope=cfg.rope, target_vocab_size=cfg.vocab_size,
+        target_hidden_size=cfg.hidden_size, norm_before_fc=False, qk_norm=cfg.qk_norm,
+        attention_bias=False, mlp_bias=False, num_speculative_tokens=None,
+    )
+    if kind == "eagle3":
+        dc = DrafterConfig(method="eagle3", source_format="speculators", num_layers=1,
+                           draft_vocab_size=256 if quick else 32000, aux_layer_ids=(2, L // 2, L - 3),
+                           norm_before_residual=True, has_own_embeddings=False, has_d2t=True,
+                           mask_token_id=None, block_size=None, **common)
+    elif kind == "peagle":
+        dc = DrafterConfig(method="peagle", source_format="speculators", num_layers=2 if quick else 4,
+                           draft_vocab_size=cfg.vocab_size, aux_layer_ids=(2, L // 2, L - 3),
+                           norm_before_residual=False, has_own_embeddings=True, has_d2t=False,
+                           mask_token_id=cfg.vocab_size - 1, block_size=None, **common)
+    else:  # DFlash layers are Qwen3-style (q/k norms) whatever the target
+        common.update(family="qwen3", qk_norm=True)
+        dc = DrafterConfig(method="dflash", source_format="speculators", num_layers=2 if quick else 5,
+                           draft_vocab_size=cfg.vocab_size, aux_layer_ids=(1, L // 4, L // 2, 3 * L // 4, L - 1),
+                           norm_before_residual=False, has_own_embeddings=False, has_d2t=False,
+                           mask_token_id=cfg.vocab_size - 1, block_size=16, **common)
+    return dc, random_tree(drafter_param_spec(dc), jnp.bfloat16, 1)
+
+
+def spec_section(args, bw, kind):
+    cfg = TINY if args.quick else (LLAMA_8B if kind == "eagle3" else QWEN3_8B)
+    params = random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
+    rng = np.random.default_rng(0)
+    ctx = 256 if args.quick else 512
+    plan = {  # method -> [(K, [acceptance lengths])]
+        "eagle3": [(3, [2.5, 3.5]), (7, [2.5, 3.5])],
+        "peagle": [(7, [3.5])],
+        "dflash": [(15, [4.24, 6.5])],
+    }[kind]
+    dc, dparams = drafter_setup(kind, cfg, args.quick)
+    base = make_engine(cfg, params, max_num_seqs=32 if not args.quick else 4, ctx=ctx, dtype="bfloat16")
+    rows = []
+    for B in (1, 32) if not args.quick else (1, 4):
+        t1, base_tps = engine_decode(base, B, ctx, rng, args.steps)
+        for K, lengths in plan:
+            tK = target_forward_time(base, B, ctx, rng, K + 1)
+            spec = {"method": kind, "model": f"random-{kind}", "num_speculative_tokens": K,
+                    "rejection_sample_method": "synthetic", "synthetic_acceptance_length": lengths[0]}
+            eng = make_engine(cfg, params, max_num_seqs=32 if not args.quick else 4, ctx=ctx, dtype="bfloat16",
+                              spec=spec, drafter=(dc, dparams))
+            t_draft = draft_time(eng, B, ctx, rng, K)
+            for length in lengths:
+                from kernels_pallas.synthetic import conditional_rates, synthetic_rates_from_length
+
+                eng.runner.synthetic_rates = jnp.asarray(conditional_rates(synthetic_rates_from_length(length, K)), jnp.float32)
+                eng.spec_metrics.__init__()
+                step, tps = engine_decode(eng, B, ctx, rng, args.steps)
+                tau = eng.spec_metrics.mean_acceptance_length
+                ideal = tau * t1 / (t_draft + tK)
+                rows.append(dict(method=kind, batch=B, K=K, synthetic_length=length, tau=tau, tok_s=tps,
+                                 base_tok_s=base_tps, speedup=tps / base_tps, ideal=ideal,
+                                 measured_over_ideal=(tps / base_tps) / ideal, t_target1_ms=t1 * 1e3,
+                                 t_targetK1_ms=tK * 1e3, t_draft_ms=t_draft * 1e3, spec_step_ms=step * 1e3))
+                print(f"{kind} B={B:2d} K={K:2d} L={length}: tau {tau:.2f} {tps:8.1f} tok/s (base {base_tps:7.1f}) "
+                      f"speedup {tps/base_tps:4.2f}x ideal {ideal:4.2f}x -> {(tps/base_tps)/ideal:5.1%}; "
+                      f"T1 {t1*1e3:.2f} TK+1 {tK*1e3:.2f} Tdraft {t_draft*1e3:.2f} ms", flush=True)
+            del eng
+    return dict(rows=rows)
+
+
+def draft_time(eng, B, ctx, rng, K):
+    """Median time of the drafter's proposal alone (first pass over K+1 pairs + the rest)."""
+    from jspec.drafters.propose import dflash_propose, eagle3_propose, peagle_propose
+
+    r = eng.runner
+    seqs = inject(eng, B, ctx, rng, max_tokens=8)
+    for s in seqs:
+        s.draft_token_ids = [1] * K
+    sched = SchedulerOutput("decode", [ScheduledSeq(s, K + 1, True) for s in seqs], [])
+    inp, _ = r.build_input(sched, q_override=K + 1)
+    Bp, Q = inp.tokens.shape
+    aux = jax.random.normal(jax.random.PRNGKey(3), (Bp, Q, r.dcfg.num_aux * r.cfg.hidden_size), jnp.bfloat16)
+    last = jnp.full((Bp,), Q - 1, jnp.int32)
+    active = jnp.ones((Bp,), bool)
+    temp = jnp.zeros((Bp,), jnp.float32)
+    embed = r.params["embed_tokens"]["embedding"]
+    if r.dcfg.method == "dflash":
+        head = r.params["lm_head"]
+        fn = jax.jit(lambda dp, dkv: dflash_propose(r.drafter, dp, dkv, inp.tokens[:, 0], aux, inp.meta, last, embed,
+                                                     head, inp.seeds, temp, active)[::2])
+    else:
+        prop = peagle_propose if r.dcfg.method == "peagle" else eagle3_propose
+        emb = None if r.dcfg.has_own_embeddings else embed
+        fn = jax.jit(lambda dp, dkv: prop(r.drafter, dp, dkv, inp.tokens, aux, inp.meta, last, emb, inp.seeds, temp,
+                                           active, num_tokens=K)[::2])
+    t = timeit(lambda: fn(r.dparams, r.dkv)[0], reps=15)
+    for s in seqs:
+        s.draft_token_ids = []
+    clear(eng)
+    return t
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--section", choices=["plain", "eagle3", "parallel", "all"], default="plain")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    info = dict(date=time.strftime("%Y-%m-%d"), jax=jax.__version__, device=str(jax.devices()[0].device_kind),
+                backend=jax.default_backend(), xla_flags=os.environ.get("XLA_FLAGS", ""))
+    print(info, flush=True)
+    bw = measure_bandwidth(args.quick)
+    print("bandwidth", {k: round(v, 3) for k, v in bw.items()}, flush=True)
+    results = dict(info=info, bandwidth=bw)
+    if args.section in ("plain", "all"):
+        results["plain"] = plain_section(args, bw)
+    if args.section in ("eagle3", "all"):
+        results["eagle3"] = spec_section(args, bw, "eagle3")
+    if args.section in ("parallel", "all"):
+        results["dflash"] = spec_section(args, bw, "dflash")
+        results["peagle"] = spec_section(args, bw, "peagle")
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, f"bench_{args.section}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

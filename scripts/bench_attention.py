@@ -1,0 +1,258 @@
+"""Paged attention on the GPU: correctness against the jnp reference, then timings.
+
+Run on the H200: ``PYTHONPATH=. python3 scripts/bench_attention.py`` (writes
+$OUT/attention.json when OUT is set). Steps, in one process so one device call does all:
+  1. kernel == reference on ragged batches (every query mode, NaN-poisoned unused pages,
+     junk page-table entries), bf16 GQA-4 and f32 GQA-1, several tuning variants;
+  2. HBM bandwidth measured now: a large bf16 read-only column reduction and a large f32
+     elementwise read+write; the best is the roofline;
+  3. (a) decode, batch 32, context 4096, 32/8 heads, D 128, bf16, page sizes 16/32/64, over
+     kernel variants: KV bytes / time against that bandwidth;
+     (b) verification Q = 8 vs decode Q = 1 at batch 1, context 4096 (ratio);
+     (c) the jnp reference on the same inputs.
+Each timed call is an unrolled lax.scan over NSETS different (q, page table) sets inside
+one jit, so per-call dispatch does not count and neither L2 nor a repeated table serves the KV: at
+batch 1 every set owns its own pages (NSETS x 16.8 MB > the 50 MB L2). Medians of REPS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.paged_attention import ref_paged_attention
+from kernels_pallas.paged_attention_gpu import paged_attention_gpu
+
+NSETS = 16  # inner scan length: distinct (q, table) sets per timed call
+REPS = 25
+RESULTS: dict = {"date": "2026-11-21", "jax": jax.__version__, "device": str(jax.devices()[0].device_kind)}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def median_time(f, *args, reps=REPS):
+    jax.block_until_ready(f(*args))  # compile
+    for _ in range(2):
+        jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+# ---------------------------------------------------------------- 1. correctness
+def ragged_batch(rng, *, B, Q, kv_heads, group, S, D, dtype, mode):
+    """Random ragged batch with poisoned unused pages (same scheme as the tests)."""
+    kv_lens = rng.integers(Q, 300, size=B).astype(np.int32)
+    kv_lens[0] = 0  # an empty slot
+    new = np.full(B, Q) if mode != "decode" else np.ones(B, int)
+    new[0] = 0
+    pages = [-(-int(n) // S) for n in kv_lens]
+    W = max(pages) + 3
+    used = sum(pages)
+    P = used + 7
+    perm = rng.permutation(P)
+    owned, junk = perm[:used], perm[used:]
+    table = rng.choice(junk, size=(B, W)).astype(np.int32)
+    off = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = owned[off : off + n]
+        off += n
+    H = kv_heads * group
+    k = rng.standard_normal((P, S, kv_heads, D)).astype(np.float32)
+    v = rng.standard_normal((P, S, kv_heads, D)).astype(np.float32)
+    k[junk] = np.nan
+    v[junk] = np.nan
+    for b in range(B):
+        for t in range(int(kv_lens[b]), pages[b] * S):
+            k[table[b, t // S], t % S] = np.nan
+            v[table[b, t // S], t % S] = np.nan
+    q = rng.standard_normal((B, Q, H, D)).astype(np.float32)
+    pos = (kv_lens - new)[:, None] + np.arange(Q)[None, :]
+    causal = np.ones(B, bool) if mode != "dflash" else (rng.random(B) < 0.3)
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table),
+            jnp.asarray(kv_lens), jnp.asarray(pos.astype(np.int32)), jnp.asarray(causal))
+
+
+def check_correctness():
+    rng = np.random.default_rng(0)
+    variants = [dict(), dict(kv_splits=1), dict(block_kv=128, kv_splits=5), dict(block_kv=32, num_warps=8, num_stages=3)]
+    modes = [("decode", 1), ("verify8", 8), ("dflash", 16), ("prefill32", 32)]
+    rows, ok = [], True
+    for dtype, group, kvh, tol in ((jnp.bfloat16, 4, 8, 2e-2), (jnp.float32, 1, 4, 2e-5)):
+        for mode, Q in modes:
+            args = ragged_batch(rng, B=6, Q=Q, kv_heads=kvh, group=group, S=16, D=128, dtype=dtype, mode=mode)
+            with jax.default_matmul_precision("highest"):  # no TF32 in the f32 reference
+                ref = np.asarray(jax.jit(ref_paged_attention, static_argnames="sm_scale")(*args, sm_scale=128**-0.5), np.float64)
+            for var in variants:
+                try:
+                    out = np.asarray(paged_attention_gpu(*args, sm_scale=128**-0.5, **var), np.float64)
+                    finite = bool(np.isfinite(out).all())
+                    err = float(np.linalg.norm(np.nan_to_num(out - ref, nan=1e9)) / np.linalg.norm(ref))
+                    good = finite and err < tol
+                except Exception as e:  # keep going: one device call must report everything
+                    finite, err, good = False, float("nan"), False
+                    log(f"FAIL {mode} {jnp.dtype(dtype).name} {var}: {type(e).__name__}: {str(e)[:2000]}")
+                    traceback.print_exc(limit=3)
+                ok &= good
+                rows.append(dict(mode=mode, dtype=jnp.dtype(dtype).name, group=group, variant=str(var), rel_err=err, finite=finite, ok=good))
+                log(f"check {mode:9s} {jnp.dtype(dtype).name:8s} G={group} {str(var):50s} rel_err={err:.2e} finite={finite} {'ok' if good else 'FAIL'}")
+    RESULTS["correctness"] = rows
+    RESULTS["correct"] = ok
+    return ok
+
+
+# ---------------------------------------------------------------- 2. bandwidth
+def measure_bandwidth():
+    """Best of a few large memory-bound XLA ops (bytes read + written / median time)."""
+    out = {}
+    x = jax.random.normal(jax.random.key(1), (1 << 19, 8192), jnp.bfloat16)  # 8 GiB
+    for name, f in (
+        ("bf16_read_row_reduction_TBps", jax.jit(lambda x: jnp.sum(x, axis=1, dtype=jnp.float32))),
+        ("bf16_read_col_reduction_TBps", jax.jit(lambda x: jnp.sum(x, axis=0, dtype=jnp.float32))),
+    ):
+        out[name] = x.size * 2 / median_time(f, x, reps=10) / 1e12
+    del x
+    y = jax.random.normal(jax.random.key(2), (1 << 30,), jnp.float32)  # 4 GiB in, 4 GiB out
+    g = jax.jit(lambda y: y * 1.5 + 1.0)
+    out["f32_elementwise_rw_TBps"] = y.size * 4 * 2 / median_time(g, y, reps=10) / 1e12
+    del y
+    out["best_TBps"] = max(out.values())
+    log("bandwidth", {k: round(v, 3) for k, v in out.items()})
+    RESULTS["bandwidth"] = out
+    return out["best_TBps"]
+
+
+# ---------------------------------------------------------------- 3. timings
+def timing_inputs(*, B, Q, ctx, S, kvh=8, H=32, D=128, dtype=jnp.bfloat16, distinct_pages_per_set):
+    """NSETS (q, table) sets over one cache; positions/kv_lens of a full context."""
+    rng = np.random.default_rng(B * 1000 + Q + S)
+    pps = ctx // S  # pages per sequence
+    P = pps * B * (NSETS if distinct_pages_per_set else 1)
+    key = jax.random.key(B + Q + S)
+    k_pages = jax.random.normal(key, (P, S, kvh, D), dtype)
+    v_pages = jax.random.normal(jax.random.fold_in(key, 1), (P, S, kvh, D), dtype)
+    tables = []
+    for i in range(NSETS):
+        base = i * pps * B if distinct_pages_per_set else 0
+        tables.append((base + rng.permutation(pps * B)).reshape(B, pps))
+    tables = jnp.asarray(np.stack(tables).astype(np.int32))  # [NSETS, B, pps]
+    qs = jax.random.normal(jax.random.fold_in(key, 2), (NSETS, B, Q, H, D), dtype)
+    kv_lens = jnp.full((B,), ctx, jnp.int32)
+    positions = jnp.broadcast_to(ctx - Q + jnp.arange(Q, dtype=jnp.int32), (B, Q))
+    causal = jnp.ones((B,), bool)
+    kv_bytes = B * ctx * kvh * D * 2 * jnp.dtype(dtype).itemsize  # K and V, read once
+    return (qs, tables, k_pages, v_pages, kv_lens, positions, causal), kv_bytes
+
+
+def time_attention(attn, inputs):
+    """Seconds per attention call: a scan over the NSETS sets inside one jit."""
+
+    @jax.jit
+    def run(qs, tables, k_pages, v_pages, kv_lens, positions, causal):
+        def body(acc, xs):
+            q, table = xs
+            o = attn(q, k_pages, v_pages, table, kv_lens, positions, causal)
+            return acc + jnp.sum(o.astype(jnp.float32)), None
+
+        # Unrolled: an XLA GPU while loop syncs with the host every iteration (~tens of us).
+        return jax.lax.scan(body, jnp.float32(0), (qs, tables), unroll=True)[0]
+
+    return median_time(run, *inputs) / NSETS
+
+
+def kernel_fn(**tuning):
+    return lambda *a: paged_attention_gpu(*a, sm_scale=128**-0.5, **tuning)
+
+
+def ref_fn(*a):
+    return ref_paged_attention(*a, sm_scale=128**-0.5)
+
+
+def try_time(label, fn, inputs, kv_bytes, bw, table, extra=None):
+    try:
+        t = time_attention(fn, inputs)
+        row = dict(label=label, us=t * 1e6, TBps=kv_bytes / t / 1e12, frac_bw=kv_bytes / t / 1e12 / bw, **(extra or {}))
+    except Exception as e:
+        log(f"FAIL timing {label}: {type(e).__name__}: {str(e)[:1500]}")
+        row = dict(label=label, us=float("nan"), TBps=float("nan"), frac_bw=float("nan"), error=str(e)[:300], **(extra or {}))
+    log(f"time {label:58s} {row['us']:9.1f} us  {row['TBps']:.3f} TB/s  {row['frac_bw']:.1%} of bw")
+    table.append(row)
+    return row
+
+
+def main():
+    log(f"jax {jax.__version__}, devices {jax.devices()}")
+    check_correctness()
+    bw = measure_bandwidth()
+    rows = []
+    # (a) decode batch 32, context 4096: tuning sweep at page 16, a few at 32/64.
+    sweep16 = [dict(), dict(kv_splits=1), dict(kv_splits=2), dict(kv_splits=4),
+               dict(block_kv=128), dict(block_kv=128, kv_splits=1), dict(num_stages=3), dict(num_stages=3, kv_splits=4),
+               dict(num_warps=8), dict(block_kv=128, num_warps=8, num_stages=3)]
+    for S, sweep in ((16, sweep16), (32, [dict()]), (64, [dict(), dict(kv_splits=4), dict(block_kv=128)])):
+        inputs, kv_bytes = timing_inputs(B=32, Q=1, ctx=4096, S=S, distinct_pages_per_set=False)
+        for tuning in sweep:
+            try_time(f"decode B32 ctx4096 S{S} kernel {tuning}", kernel_fn(**tuning), inputs, kv_bytes, bw, rows,
+                     dict(case="decode_b32", page_size=S, tuning=str(tuning)))
+        if S == 16:
+            try_time("decode B32 ctx4096 S16 jnp reference", ref_fn, inputs, kv_bytes, bw, rows,
+                     dict(case="decode_b32_ref", page_size=S))
+            try_time("decode B32: scan floor, no attention", lambda q, *a: q, inputs, kv_bytes, bw, rows,
+                     dict(case="floor_b32", page_size=S))
+            qs8, _ = timing_inputs(B=32, Q=8, ctx=4096, S=S, distinct_pages_per_set=False)
+            try_time("verify8 B32 ctx4096 S16 kernel {}", kernel_fn(), qs8, kv_bytes, bw, rows,
+                     dict(case="verify8_b32", page_size=S, tuning="{}"))
+            del qs8
+        del inputs
+    # (b) verification Q=8 vs decode Q=1 at batch 1, each set on its own pages.
+    ratio_rows = {}
+    for Q in (1, 8):
+        inputs, kv_bytes = timing_inputs(B=1, Q=Q, ctx=4096, S=16, distinct_pages_per_set=True)
+        for tuning in (dict(), dict(kv_splits=8), dict(kv_splits=16), dict(block_kv=128), dict(block_kv=128, kv_splits=16)):
+            r = try_time(f"Q{Q} B1 ctx4096 S16 kernel {tuning}", kernel_fn(**tuning), inputs, kv_bytes, bw, rows,
+                         dict(case=f"q{Q}_b1", page_size=16, tuning=str(tuning)))
+            ratio_rows[(Q, str(tuning))] = r["us"]
+        try_time(f"Q{Q} B1 ctx4096 S16 jnp reference", ref_fn, inputs, kv_bytes, bw, rows, dict(case=f"q{Q}_b1_ref", page_size=16))
+        if Q == 1:
+            try_time("B1: scan floor, no attention", lambda q, *a: q, inputs, kv_bytes, bw, rows, dict(case="floor_b1", page_size=16))
+        del inputs
+    ratios = {t: ratio_rows[(8, t)] / ratio_rows[(1, t)] for (q, t) in ratio_rows if q == 1}
+    best_ratio = min(ratio_rows[(8, t)] for (q, t) in ratio_rows if q == 8) / min(
+        ratio_rows[(1, t)] for (q, t) in ratio_rows if q == 1)
+    RESULTS["timings"] = rows
+    RESULTS["verify8_over_decode_b1"] = {"per_tuning": ratios, "best_over_best": best_ratio}
+
+    # Summary table last (the device reply carries the tail of the output).
+    log("\n=== summary (H200, %s, jax %s) === bandwidth best %.3f TB/s" % (RESULTS["device"], jax.__version__, bw))
+    log("correct on GPU:", RESULTS["correct"])
+    dec = [r for r in rows if r.get("case") == "decode_b32" and r["us"] == r["us"]]
+    for r in sorted(dec, key=lambda r: r["us"])[:6]:
+        log(f"  decode B32 S{r['page_size']:<3d} {r['tuning']:45s} {r['us']:8.1f} us {r['TBps']:.3f} TB/s {r['frac_bw']:.1%}")
+    for r in rows:
+        if r.get("case") in ("decode_b32_ref", "verify8_b32", "floor_b32", "q1_b1_ref", "q8_b1_ref", "floor_b1"):
+            log(f"  {r['label']:58s} {r['us']:8.1f} us {r['TBps']:.3f} TB/s")
+    for t, v in ratios.items():
+        log(f"  verify8/decode B1 {t:30s} ratio {v:.3f}  (Q1 {ratio_rows[(1, t)]:.1f} us, Q8 {ratio_rows[(8, t)]:.1f} us)")
+    log(f"  verify8/decode B1 best/best ratio {best_ratio:.3f}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "attention.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+    return 0 if RESULTS["correct"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Shared pieces of the drafter parity tests: tiny targets, speculators drafters, references.
+
+The references run speculators' own PyTorch modules (embeddings, fc, decoder layers,
+norms, lm_head) with eager attention and an explicit mask, so they are the package's maths
+at inference time (its ``forward`` methods are training loops with anchor sampling).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from jspec.checkpoint.target import load_target
+from jspec.kv_cache import AttentionMetadata, KVCache
+from jspec.models.transformer import Transformer
+
+H, V, HEADS, KVH, HD = 64, 256, 4, 2, 16
+PAGE, NPAGES = 4, 16
+PAGES = [3, 7, 1, 9, 2, 5, 11, 0, 4, 6, 8, 10, 12, 13, 14, 15]
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def make_target(folder, family: str, num_layers: int):
+    """A random tiny HF target saved to ``folder``; returns (hf_model, ModelConfig, params)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=V, hidden_size=H, intermediate_size=96, num_hidden_layers=num_layers,
+              num_attention_heads=HEADS, num_key_value_heads=KVH, head_dim=HD, tie_word_embeddings=False)
+    m = (LlamaForCausalLM(LlamaConfig(**kw)) if family == "llama" else Qwen3ForCausalLM(Qwen3Config(**kw))).eval()
+    m.save_pretrained(folder)
+    cfg, params = load_target(folder, "float32")
+    return m, cfg, params
+
+
+def target_aux(cfg, params, ids, aux_layers) -> np.ndarray:
+    """f32[T, n * H]: the target's canonical aux states for ``ids`` (jspec forward)."""
+    kv = KVCache.create(cfg.num_layers, NPAGES, PAGE, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+    meta = AttentionMetadata.for_single_sequence(PAGES, PAGE, 0, len(ids), NPAGES)
+    _, aux, _ = Transformer(cfg).apply({"params": params}, jnp.asarray(ids[None]), meta, kv, aux_layers=tuple(aux_layers))
+    return np.asarray(aux[0]).reshape(len(ids), -1)
+
+
+def speculators_config(kind: str, family: str, num_layers: int, k: int, **kw):
+    """A speculators config (eagle3 | peagle | dflash) with a tiny decoder layer config."""
+    from transformers import LlamaConfig, Qwen3Config
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash import DFlashSpeculatorConfig
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.peagle import PEagleSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    lkw = dict(vocab_size=V, hidden_size=H, intermediate_size=80, num_hidden_layers=num_layers,
+               num_attention_heads=HEADS, num_key_value_heads=KVH, head_dim=HD, rms_norm_eps=1e-6)
+    tl = LlamaConfig(**lkw) if family == "llama" else Qwen3Config(**lkw)
+    tl._attn_implementation = "eager"
+    sc = SpeculatorsConfig(
+        algorithm=kind, proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=k)],
+        default_proposal_method="greedy",
+        verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
+    )
+    cls = {"eagle3": Eagle3SpeculatorConfig, "peagle": PEagleSpeculatorConfig, "dflash": DFlashSpeculatorConfig}[kind]
+    return cls(transformer_layer_config=tl, speculators_config=sc, **kw)
+
+
+def randomize(model, target_hf, draft_vocab: int, seed: int):
+    """Random weights everywhere (norm gains around 1), target embeddings, a d2t map if reduced."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("verifier_"):
+                continue
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+        model.embed_tokens.weight.copy_(target_hf.model.embed_tokens.weight)
+        if draft_vocab != V:
+            rng = np.random.RandomState(seed)
+            tgt = np.sort(rng.choice(V, draft_vocab, replace=False))
+            d2t = torch.tensor(tgt - np.arange(draft_vocab), dtype=torch.long)
+            t2d = torch.zeros(V, dtype=torch.bool)
+            t2d[torch.tensor(tgt)] = True
+            model.load_vocab_mappings(t2d, d2t)
+        elif hasattr(model, "lm_head") and model.config.speculators_model_type == "dflash":
+            model.lm_head.weight.copy_(target_hf.lm_head.weight)
+    model.eval()
+    return model
+
+
+def causal_mask(positions) -> torch.Tensor:  # additive float [1, 1, T, T], by position
+    p = torch.as_tensor(np.asarray(positions))
+    ok = p[None, :] <= p[:, None]
+    return torch.where(ok, 0.0, torch.finfo(torch.float32).min)[None, None]
+
+
+@torch.no_grad()
+def ref_eagle3(model, ids, h, positions, mask_slots=None):
+    """speculators EAGLE3/PEagle over pairs (ids[t], h[t]) at ``positions``, causal by position.
+
+    h: f32[T, n*H] rows go through (input_norm,) fc, except rows given as already-projected
+    [T, H] (the feedback of later steps): pass h as a tuple (fc_rows [T, n*H] | None, direct [T, H] | None, is_direct bool[T]).
+    Returns (logits [T, Vd], pre-norm out [T, H]).
+    """
+    fc_rows, direct, is_direct = h
+    T = len(ids)
+    hid = torch.zeros(T, model.hidden_size)
+    if fc_rows is not None:
+        x = torch.tensor(np.asarray(fc_rows, np.float32))[None]
+        if mask_slots is not None:
+            x = torch.where(torch.as_tensor(mask_slots)[None, :, None], model.mask_hidden.expand(1, T, -1), x)
+        if model.input_norm is not None:
+            x = model.input_norm(x)
+        hid = model.fc(x)[0]
+    if direct is not None:
+        hid = torch.where(torch.as_tensor(is_direct)[:, None], torch.tensor(np.asarray(direct, np.float32)), hid)
+    e = model.embed_tokens(torch.as_tensor(np.asarray(ids))[None])
+    x = torch.cat([e, hid[None]], dim=-1)
+    pos = torch.as_tensor(np.asarray(positions))[None]
+    pe = model.rotary_emb(x, pos)
+    mask = causal_mask(positions)
+    for layer in model.layers:
+        x = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
+    return model.lm_head(model.norm(x))[0].numpy(), x[0].numpy()
+
+
+@torch.no_grad()
+def ref_dflash(model, ctx_h, ctx_pos, block_ids, block_pos):
+    """speculators DFlash: one block over the context; returns logits [bs, Vd]."""
+    ctx = model.hidden_norm(model.fc(torch.tensor(np.asarray(ctx_h, np.float32))[None]))
+    x = model.embed_tokens(torch.as_tensor(np.asarray(block_ids))[None])
+    pos = torch.as_tensor(np.concatenate([ctx_pos, block_pos]))[None]
+    pe = model.rotary_emb(x, pos)
+    for layer in model.layers:
+        x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_ids=pos, position_embeddings=pe)
+    return model.lm_head(model.norm(x))[0].numpy()

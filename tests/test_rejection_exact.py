@@ -1,0 +1,241 @@
+"""Rejection sampler: exact cases, top-k/top-p sets, kernel == reference with poisoned outputs.
+
+Runs on CPU: "interpret" is the GPU kernel body under interpret=True, "tpu_interpret" the
+TPU kernel under pltpu.InterpretParams().
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import rejection_sampling as rs
+from kernels_pallas import sampling_utils as su
+from kernels_pallas.dispatch import resolve_impl
+from kernels_pallas.rejection_sampling import ref_rejection_sample, rejection_sample
+
+IMPLS = ["reference", "interpret", "tpu_interpret"]
+V = 160  # not a multiple of the 128/64 blocks used below: exercises ragged last blocks
+BLOCK_V = 64
+
+
+def _call(impl, logits, drafts, nd, probs, temp, top_k=None, top_p=None, seeds=None, pos=None, **kw):
+    b = logits.shape[0]
+    top_k = jnp.zeros((b,), jnp.int32) if top_k is None else jnp.asarray(top_k, jnp.int32)
+    top_p = jnp.ones((b,), jnp.float32) if top_p is None else jnp.asarray(top_p, jnp.float32)
+    seeds = jnp.arange(b, dtype=jnp.uint32) * 7 + 1 if seeds is None else seeds
+    pos = jnp.full((b,), 11, jnp.int32) if pos is None else pos
+    args = (jnp.asarray(logits), jnp.asarray(drafts, jnp.int32), jnp.asarray(nd, jnp.int32), probs,
+            jnp.asarray(temp, jnp.float32), top_k, top_p, seeds, pos)
+    if impl == "reference":
+        out = ref_rejection_sample(*args, **kw)
+    else:
+        out = rejection_sample(*args, impl=impl, block_v=BLOCK_V, **kw)
+    return np.asarray(out[0]), np.asarray(out[1])
+
+
+def _peaked(targets, v=V):
+    """Logits [B, K+1, V] whose distribution is (numerically) one-hot at targets [B, K+1]."""
+    return 100.0 * jax.nn.one_hot(jnp.asarray(targets), v, dtype=jnp.float32)
+
+
+def _onehot_q(drafts, v=V):
+    return jax.nn.one_hot(jnp.asarray(drafts), v, dtype=jnp.float32)
+
+
+# Requests (K = 3): perfect match, early mismatch at draft 2, fewer drafts (1, 0).
+DRAFTS = [[5, 6, 7], [5, 6, 7], [9, 1, 1], [3, 3, 3]]
+TARGETS = [[5, 6, 7, 8], [5, 40, 7, 8], [9, 2, 2, 2], [12, 0, 0, 0]]
+NUM_DRAFT = [3, 3, 1, 0]
+WANT = [[5, 6, 7, 8], [5, 40, -1, -1], [9, 2, -1, -1], [12, -1, -1, -1]]
+WANT_N = [4, 2, 2, 1]
+
+
+@pytest.mark.parametrize("impl, q_kind", [
+    ("reference", "none"), ("reference", "dense"), ("interpret", "none"), ("interpret", "onehot"),
+    ("interpret", "dense"), ("tpu_interpret", "dense"),  # TPU interpret is slow: one case
+])
+def test_exact_cases_mixed_batch(impl, q_kind):
+    # The same four requests twice: greedy copies and sampled copies in one batch.
+    drafts = np.array(DRAFTS * 2)
+    logits = _peaked(np.array(TARGETS * 2))
+    temp = [0.0] * 4 + [0.8] * 4
+    probs = None
+    if q_kind == "onehot":
+        probs = _onehot_q(drafts)
+    elif q_kind == "dense":
+        # q(d) = 0.5: the target (one-hot at d) still accepts surely: p/q = 2 >= u.
+        probs = 0.5 * _onehot_q(drafts) + 0.5 / V
+    tokens, n = _call(impl, logits, drafts, NUM_DRAFT * 2, probs, temp)
+    np.testing.assert_array_equal(tokens, np.array(WANT * 2))
+    np.testing.assert_array_equal(n, np.array(WANT_N * 2))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("rates, want, want_n", [
+    ((1.0, 1.0), [[1, 2, 30], [1, 2, 30], [1, 20, -1]], [3, 3, 2]),
+    ((0.0, 0.0), [[10, -1, -1], [10, -1, -1], [10, -1, -1]], [1, 1, 1]),
+])
+def test_synthetic_all_accept_all_reject(impl, rates, want, want_n):
+    # The target disagrees with every draft: only the forced decisions accept.
+    drafts = np.array([[1, 2], [1, 2], [1, 2]] * 2)
+    nd = [2, 2, 1] * 2
+    logits = _peaked(np.array([[10, 20, 30]] * 6))
+    temp = [0.0] * 3 + [1.0] * 3
+    tokens, n = _call(impl, logits, drafts, nd, None, temp, method="synthetic", synthetic_rates=rates)
+    np.testing.assert_array_equal(tokens, np.array(want * 2))
+    np.testing.assert_array_equal(n, np.array(want_n * 2))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_k0_greedy_ties_and_sampling(impl):
+    logits = np.zeros((4, 1, V), np.float32)
+    logits[0, 0, [7, 3, 90]] = 2.0  # tie: lowest index (3) like jnp.argmax
+    logits[1, 0, :] = 1.0  # all tied -> 0
+    logits[2, 0, 50] = 100.0
+    logits[3, 0, 50] = 100.0
+    tokens, n = _call(impl, logits, np.zeros((4, 0)), [0] * 4, None, [0.0, 0.0, 0.0, 1.0])
+    np.testing.assert_array_equal(tokens[:, 0], [3, 0, 50, 50])
+    np.testing.assert_array_equal(n, [1, 1, 1, 1])
+    # All greedy takes the argmax fast path: still exact.
+    tokens, _ = _call(impl, logits, np.zeros((4, 0)), [0] * 4, None, [0.0] * 4)
+    np.testing.assert_array_equal(tokens[:, 0], np.argmax(logits[:, 0], -1))
+
+
+def _allowed_numpy(logits, temp, top_k, top_p):
+    """Independent numpy top-k/top-p allowed sets (ties at the cut-off kept)."""
+    x = np.asarray(logits, np.float64)
+    s = -np.sort(-x)
+    keep = np.ones_like(x, bool)
+    if 0 < top_k < x.size:
+        keep &= x >= s[top_k - 1]
+    if top_p < 1.0:
+        z = np.where(keep, x / temp, -np.inf)
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        ps = -np.sort(-p)
+        excl = np.cumsum(ps) - ps
+        n_keep = max(int(np.sum(excl < top_p)), 1)
+        keep &= p >= ps[n_keep - 1] * (1 - 1e-6)
+    return keep
+
+
+def _random_batch(rng, b, k, v, dtype=jnp.float32, with_probs=False):
+    logits = jnp.asarray(rng.normal(size=(b, k + 1, v)) * 2.0, dtype)
+    q = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, k, v)) * 2.0, jnp.float32), -1)
+    # Drafts: often the target's favourite (so some get accepted), sometimes random.
+    fav = np.asarray(jnp.argmax(logits[:, :k].astype(jnp.float32), -1))
+    drafts = np.where(rng.random((b, k)) < 0.7, fav, rng.integers(0, v, (b, k)))
+    nd = rng.integers(0, k + 1, b)
+    temp = np.where(rng.random(b) < 0.3, 0.0, rng.uniform(0.3, 1.5, b)).astype(np.float32)
+    top_k = np.where(rng.random(b) < 0.4, rng.integers(1, 30, b), 0)
+    top_p = np.where(rng.random(b) < 0.4, rng.uniform(0.2, 0.95, b), 1.0).astype(np.float32)
+    seeds = jnp.asarray(rng.integers(0, 2**32, b, dtype=np.uint64).astype(np.uint32))
+    pos = jnp.asarray(rng.integers(0, 4000, b), jnp.int32)
+    return (logits, jnp.asarray(drafts, jnp.int32), jnp.asarray(nd, jnp.int32),
+            q if with_probs else None, jnp.asarray(temp), jnp.asarray(top_k, jnp.int32),
+            jnp.asarray(top_p), seeds, pos)
+
+
+@pytest.mark.parametrize("impl", ["interpret"])
+def test_topk_topp_emitted_tokens_allowed(impl):
+    rng = np.random.default_rng(3)
+    b, k, v = 24, 3, V
+    args = list(_random_batch(rng, b, k, v))
+    args[4] = jnp.asarray(rng.uniform(0.5, 1.5, b), jnp.float32)  # all sampled
+    args[5] = jnp.asarray(rng.integers(1, 12, b), jnp.int32)
+    args[6] = jnp.asarray(rng.uniform(0.2, 0.9, b), jnp.float32)
+    tokens, n = rejection_sample(*args, impl=impl, block_v=BLOCK_V)
+    tokens, n = np.asarray(tokens), np.asarray(n)
+    probs = np.asarray(su.target_probs(args[0], args[4], args[5], args[6]))
+    for bi in range(b):
+        for j in range(n[bi]):
+            allowed = _allowed_numpy(np.asarray(args[0][bi, j]), float(args[4][bi]),
+                                     int(args[5][bi]), float(args[6][bi]))
+            np.testing.assert_array_equal(probs[bi, j] > 0, allowed)
+            assert allowed[tokens[bi, j]], (bi, j, tokens[bi, j])
+        assert np.all(tokens[bi, n[bi]:] == -1)
+
+
+@pytest.mark.parametrize("k, dtype, with_probs", [
+    (0, jnp.float32, False), (3, jnp.float32, True), (3, jnp.bfloat16, False), (1, jnp.bfloat16, True),
+])
+def test_kernel_rows_match_reference_poisoned(k, dtype, with_probs):
+    rng = np.random.default_rng(10 * k + with_probs)
+    b, v = 13, 300
+    logits, drafts, nd, q, temp, top_k, top_p, seeds, pos = _random_batch(rng, b, k, v, dtype, with_probs)
+    d, mode, key, inv_t, thr = jax.jit(rs._row_params)(logits, drafts, nd, temp, top_k, top_p, seeds, pos)
+    want_c, want_p = jax.jit(rs._ref_rows)(logits, q, d, mode, key, inv_t, thr)
+    ip = jnp.stack([d, mode, key, jnp.zeros_like(d)], -1)
+    fp = jnp.stack([inv_t, thr], -1)
+    # Outputs are aliased to buffers pre-filled with -7 / NaN: any slot the kernel does not
+    # write (padding rows included) would show up.
+    gpu = jax.jit(lambda *a: rs._rows_gpu(*a, interpret=True, block_v=128, num_warps=4, poison=True))(logits, q, ip, fp)
+    tpu = jax.jit(lambda *a: rs._rows_tpu(*a, interpret=True, block_v=128, poison=True))(logits, q, ip, fp)
+    for cand, p_d in (gpu, tpu):
+        np.testing.assert_array_equal(np.asarray(cand), np.asarray(want_c))  # no -7 sentinel left
+        assert not np.any(np.isnan(np.asarray(p_d)))  # every slot written
+        np.testing.assert_allclose(np.asarray(p_d), np.asarray(want_p), rtol=1e-5, atol=1e-7)
+    assert np.all(np.asarray(want_c)[np.asarray(mode) == rs._PAD] == -1)
+
+
+@pytest.mark.parametrize("impl, method, with_probs", [
+    ("interpret", "standard", False), ("interpret", "standard", True),
+    ("interpret", "synthetic", False), ("interpret", "synthetic", True),
+    ("tpu_interpret", "standard", True),
+])
+def test_kernel_matches_reference_end_to_end(impl, method, with_probs):
+    rng = np.random.default_rng(7)
+    k = 3
+    args = _random_batch(rng, 40 if impl == "interpret" else 16, k, 300, jnp.float32, with_probs)
+    kw = dict(method=method, synthetic_rates=(0.8, 0.5, 0.4) if method == "synthetic" else None)
+    want = ref_rejection_sample(*args, **kw)
+    got = jax.jit(lambda *a: rejection_sample(*a, impl=impl, block_v=128, **kw))(*args)  # under an outer jit
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    n = np.asarray(want[1])
+    assert n.min() >= 1 and n.max() <= k + 1 and len(set(n.tolist())) > 1
+
+
+def test_seeded_request_independent_of_batch():
+    rng = np.random.default_rng(5)
+    args = _random_batch(rng, 16, 3, 300)
+    full = rejection_sample(*args, impl="interpret", block_v=128)
+    sub = rejection_sample(*(a[3:5] if a is not None else None for a in args), impl="interpret", block_v=128)
+    np.testing.assert_array_equal(np.asarray(full[0])[3:5], np.asarray(sub[0]))
+
+
+def test_uniform_range_and_sample_from_probs():
+    u = su.uniform(jnp.uint32(2**32 - 1), jnp.arange(1000)[:, None], jnp.arange(1000)[None, :], su.SALT_RACE)
+    u = np.asarray(u)
+    assert u.min() > 0 and u.max() < 1 and abs(u.mean() - 0.5) < 2e-3
+    probs = jnp.asarray([[0.0, 0.25, 0.75, 0.0]] * 4000)
+    s = np.asarray(su.sample_from_probs(probs, jnp.arange(4000), jnp.zeros(4000, jnp.int32), su.SALT_DRAFT))
+    assert set(s.tolist()) <= {1, 2} and abs(np.mean(s == 2) - 0.75) < 0.03
+
+
+def test_validation_errors():
+    b, k, v = 2, 2, 8
+    good = dict(target_logits=jnp.zeros((b, k + 1, v)), draft_tokens=jnp.zeros((b, k), jnp.int32),
+                num_draft=jnp.zeros((b,), jnp.int32), draft_probs=None,
+                temperature=jnp.zeros((b,)), top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,)),
+                seeds=jnp.zeros((b,), jnp.uint32), positions=jnp.zeros((b,), jnp.int32))
+    for name, bad in [("draft_tokens", jnp.zeros((b, k + 1), jnp.int32)), ("num_draft", jnp.zeros((b + 1,), jnp.int32)),
+                      ("draft_probs", jnp.zeros((b, k, v + 1))), ("temperature", jnp.zeros((b,), jnp.int32)),
+                      ("target_logits", jnp.zeros((b, v)))]:
+        with pytest.raises(ValueError, match=name):
+            rejection_sample(**{**good, name: bad})
+    with pytest.raises(ValueError, match="synthetic_rates"):
+        rejection_sample(**good, method="synthetic")
+    with pytest.raises(ValueError, match="impl"):
+        rejection_sample(**good, impl="cuda")
+
+
+def test_resolve_impl(monkeypatch):
+    monkeypatch.delenv("JSPEC_KERNEL_IMPL", raising=False)
+    assert resolve_impl("auto") == "interpret"  # CPU
+    monkeypatch.setenv("JSPEC_KERNEL_IMPL", "reference")
+    assert resolve_impl("auto") == "reference" and resolve_impl("tpu_interpret") == "tpu_interpret"
+    monkeypatch.setenv("JSPEC_KERNEL_IMPL", "bogus")
+    with pytest.raises(ValueError, match="JSPEC_KERNEL_IMPL"):
+        resolve_impl("auto")

@@ -1,0 +1,72 @@
+"""SpeculativeConfig: construction, vLLM key names, validation errors."""
+
+import pytest
+
+from jspec.speculative_config import SpeculativeConfig
+
+
+def test_defaults_and_from_dict():
+    c = SpeculativeConfig.from_dict({"method": "eagle3", "model": "m", "num_speculative_tokens": 3})
+    assert c.enabled and c.rejection_sample_method == "standard" and c.draft_sample_method == "greedy"
+    assert not SpeculativeConfig.from_dict(None).enabled
+    hash(c)  # frozen and hashable: usable as a static jit argument
+
+
+def test_synthetic_rates_and_length():
+    c = SpeculativeConfig.from_dict({
+        "method": "dflash", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+        "synthetic_acceptance_rates": [0.9, 0.5, 0.2]})
+    assert c.synthetic_acceptance_rates == (0.9, 0.5, 0.2)
+    assert c.synthetic_conditional_rates == pytest.approx((0.9, 0.5 / 0.9, 0.2 / 0.5))
+    c = SpeculativeConfig(method="eagle3", num_speculative_tokens=3,
+                          rejection_sample_method="synthetic", synthetic_acceptance_length=2.6)
+    assert c.synthetic_unconditional_rates == pytest.approx((1.0, 0.6, 0.0))
+    assert c.synthetic_conditional_rates == pytest.approx((1.0, 0.6, 0.0))
+
+
+def test_resolved_fills_k_and_validates():
+    c = SpeculativeConfig(method="eagle3", rejection_sample_method="synthetic",
+                          synthetic_acceptance_length=3.5)
+    with pytest.raises(ValueError, match="resolved"):
+        c.synthetic_conditional_rates
+    r = c.resolved(4)
+    assert r.num_speculative_tokens == 4
+    assert r.synthetic_unconditional_rates == pytest.approx((1, 1, 0.5, 0))
+    with pytest.raises(ValueError, match="synthetic_acceptance_length"):
+        c.resolved(2)  # 3.5 > K + 1 = 3
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig(method="eagle3", num_speculative_tokens=3).resolved(4)
+
+
+@pytest.mark.parametrize("d, match", [
+    ({"method": "eagle3", "bogus_key": 1}, "bogus_key"),
+    ({"method": "medusa"}, "method"),
+    ({"method": "eagle3", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "eagle3", "rejection_sample_method": "strict"}, "rejection_sample_method"),
+    ({"method": "eagle3", "draft_sample_method": "topk"}, "draft_sample_method"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "synthetic_acceptance_rates": [0.5, 0.2]},
+     "synthetic_acceptance_rates"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "synthetic_acceptance_length": 2.0},
+     "synthetic_acceptance_length"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"},
+     "neither"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_rates": [0.5, 0.2], "synthetic_acceptance_length": 1.5}, "both"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_rates": [0.5]}, "2 entries"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_rates": [1.5, 0.2]}, r"outside \[0, 1\]"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_rates": [0.2, 0.5]}, "non-increasing"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_length": 3.5}, r"\[1, 3\]"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_length": 0.5}, "synthetic_acceptance_length"),
+    ({"method": "eagle3", "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_rates": [0.2, 0.5]}, "non-increasing"),
+    ({"method": "eagle3", "rejection_sample_method": "synthetic",
+      "synthetic_acceptance_length": 0.9}, ">= 1"),
+])
+def test_invalid_configs_raise(d, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_dict(d)
