@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import os
 
-# cuBLAS streams [out, in] weights at ~3.1 TB/s on the H200 vs ~1.2 TB/s for XLA's Triton
-# GEMM at small batch (../shared/reference/jax_gpu_tpu.md). Read when the backend starts.
-os.environ.setdefault("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false")
+# XLA flags are left at their defaults: on jax 0.11.2 / H200 (2026-11-21, this script's
+# diag section) the default GEMV path streamed weights at 3.10 TB/s, and
+# --xla_gpu_enable_triton_gemm=false at 0.76 TB/s -- the reverse of an earlier note.
 
 import argparse
 import dataclasses
@@ -157,7 +157,7 @@ def clear(eng):
 
 def engine_decode(eng, B, ctx, rng, steps):
     """Median step time and tok/s of LLMEngine.step over ``steps`` steps (after warm-up)."""
-    inject(eng, B, ctx, rng, max_tokens=steps + 100)
+    inject(eng, B, ctx, rng, max_tokens=eng.max_model_len)
     for _ in range(3):  # compile + warm
         eng.step()
     n0 = eng.num_generation_tokens
@@ -180,13 +180,7 @@ def target_forward_time(eng, B, ctx, rng, q):
         s.draft_token_ids = [1] * (q - 1)
     sched = SchedulerOutput("decode", [ScheduledSeq(s, q, True) for s in seqs], [])
     inp, _ = eng.runner.build_input(sched, q_override=q)
-    r = eng.runner
-
-    def run():
-        r.kv, out = r._step(r.params, r.kv, inp)
-        return out
-
-    t = timeit(run, reps=15)
+    t = timeit(lambda: eng.runner.run(inp), reps=15)
     for s in seqs:
         s.draft_token_ids = []
     clear(eng)
@@ -212,6 +206,49 @@ def plain_section(args, bw):
                   f"roofline {bound*1e3:6.2f} ms -> {bound/step:5.1%}", flush=True)
         del eng
     return dict(weight_bytes=wbytes, rows=rows)
+
+
+def diag_section(args, bw):
+    """Where a batch-1 step goes: engine loop vs the jitted step alone vs back-to-back steps."""
+    cfg = TINY if args.quick else LLAMA_8B
+    params = random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
+    wbytes = weight_bytes(params)
+    rng = np.random.default_rng(0)
+    eng = make_engine(cfg, params, max_num_seqs=8, ctx=512, dtype="bfloat16")
+    step, _ = engine_decode(eng, 1, 512, rng, args.steps)
+    seqs = inject(eng, 1, 512, rng, max_tokens=8)
+    sched = SchedulerOutput("decode", [ScheduledSeq(s, 1, True) for s in seqs], [])
+    r = eng.runner
+    t_build = timeit(lambda: r.build_input(sched)[0], reps=50)
+    inp, _ = r.build_input(sched)
+    t_jit = timeit(lambda: r.run(inp), reps=30)
+
+    def ten():
+        for _ in range(10):
+            out = r.run(inp)
+        return out
+
+    t_ten = timeit(ten, reps=5) / 10
+    # Weight streaming alone: the MLP + attention projections as a scan-free chain of GEMVs.
+    ws = [l for l in jax.tree.leaves(params) if l.ndim == 2 and l.shape[0] != cfg.vocab_size]
+    x = jnp.ones((1, cfg.hidden_size), jnp.bfloat16)
+
+    @jax.jit
+    def gemvs(ws, x):
+        acc = jnp.zeros((), jnp.float32)
+        for w in ws:
+            xi = x if w.shape[1] == x.shape[1] else jnp.ones((1, w.shape[1]), x.dtype)
+            acc = acc + jnp.einsum("bd,fd->bf", xi, w, preferred_element_type=jnp.float32).sum()
+        return acc
+
+    t_gemv = timeit(lambda: gemvs(ws, x), reps=20)
+    gb = sum(w.size * 2 for w in ws)
+    out = dict(engine_step_ms=step * 1e3, build_input_ms=t_build * 1e3, jit_step_ms=t_jit * 1e3,
+               pipelined_step_ms=t_ten * 1e3, gemv_chain_ms=t_gemv * 1e3, gemv_TBps=gb / t_gemv / 1e12,
+               roofline_ms=(wbytes + 512 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2) / (bw["best_TBps"] * 1e12) * 1e3,
+               attn_impl=r.model.attn_impl, xla_flags=os.environ.get("XLA_FLAGS", ""))
+    print("diag", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}, flush=True)
+    return out
 
 
 def drafter_setup(kind, cfg, quick):
@@ -266,7 +303,7 @@ def spec_section(args, bw, kind):
             spec = {"method": kind, "model": f"random-{kind}", "num_speculative_tokens": K,
                     "rejection_sample_method": "synthetic", "synthetic_acceptance_length": lengths[0]}
             eng = make_engine(cfg, params, max_num_seqs=32 if not args.quick else 4, ctx=ctx, dtype="bfloat16",
-                              spec=spec, drafter=(dc, dparams))
+                              spec=spec, drafter=(dc, dparams), extra=(args.steps + 8) * (K + 1) + 64)
             t_draft = draft_time(eng, B, ctx, rng, K)
             for length in lengths:
                 from kernels_pallas.synthetic import conditional_rates, synthetic_rates_from_length
@@ -297,6 +334,7 @@ def draft_time(eng, B, ctx, rng, K):
         s.draft_token_ids = [1] * K
     sched = SchedulerOutput("decode", [ScheduledSeq(s, K + 1, True) for s in seqs], [])
     inp, _ = r.build_input(sched, q_override=K + 1)
+    inp = jax.tree.map(jnp.asarray, inp)
     Bp, Q = inp.tokens.shape
     aux = jax.random.normal(jax.random.PRNGKey(3), (Bp, Q, r.dcfg.num_aux * r.cfg.hidden_size), jnp.bfloat16)
     last = jnp.full((Bp,), Q - 1, jnp.int32)
@@ -321,7 +359,7 @@ def draft_time(eng, B, ctx, rng, K):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--section", choices=["plain", "eagle3", "parallel", "all"], default="plain")
+    ap.add_argument("--section", choices=["plain", "diag", "eagle3", "parallel", "all"], default="plain")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
@@ -331,6 +369,8 @@ def main():
     bw = measure_bandwidth(args.quick)
     print("bandwidth", {k: round(v, 3) for k, v in bw.items()}, flush=True)
     results = dict(info=info, bandwidth=bw)
+    if args.section == "diag":
+        results["diag"] = diag_section(args, bw)
     if args.section in ("plain", "all"):
         results["plain"] = plain_section(args, bw)
     if args.section in ("eagle3", "all"):

@@ -17,6 +17,7 @@ from flax import struct
 
 from jspec.config import ModelConfig
 from jspec.engine.buckets import Buckets, pick
+from jspec.engine.packing import pack, unpack
 from jspec.engine.scheduler import SchedulerOutput
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.transformer import Transformer
@@ -61,11 +62,12 @@ class ModelRunner:
         self.model = Transformer(cfg, dtype=dtype, attn_impl=attn_impl)
         self.sample_impl = sample_impl
         self.num_compilations = 0  # traces of the step function (one per new shape)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("layout",))
 
     # ---- device side ------------------------------------------------------------------
-    def _step_impl(self, params, kv, inp: StepInput):
+    def _step_impl(self, params, kv, ints, floats, *, layout):
         self.num_compilations += 1  # runs at trace time only
+        inp: StepInput = unpack(ints, floats, layout)
         h, _, kv = self.model.apply({"params": params}, inp.tokens, inp.meta, kv)
         B = h.shape[0]
         last = h[jnp.arange(B), jnp.maximum(inp.q_lens - 1, 0)]  # [B, H]
@@ -129,14 +131,18 @@ class ModelRunner:
             page_table=table, kv_lens=kv_lens, positions=positions, slot_mapping=slots,
             causal=np.ones((B,), bool),
         )
-        inp = StepInput(tokens, meta, q_lens, temp, top_k, top_p, seeds, sample_pos)
-        return jax.tree.map(jnp.asarray, inp), n
+        return StepInput(tokens, meta, q_lens, temp, top_k, top_p, seeds, sample_pos), n
+
+    def run(self, inp: StepInput):
+        """One jitted step on a host-built input (two transfers); returns the sampled tokens."""
+        ints, floats, layout = pack(inp)
+        self.kv, sampled = self._step(self.params, self.kv, ints, floats, layout=layout)
+        return sampled
 
     def execute(self, sched: SchedulerOutput) -> list[list[int]]:
         """Run one step; returns, per scheduled sequence, the tokens it emitted ([] if none)."""
         inp, n = self.build_input(sched)
-        self.kv, sampled = self._step(self.params, self.kv, inp)
-        sampled = np.asarray(sampled)
+        sampled = np.asarray(self.run(inp))
         return [[int(sampled[i])] if sched.seqs[i].sample else [] for i in range(n)]
 
     def warmup_shapes(self):
@@ -150,8 +156,7 @@ class ModelRunner:
         """Compile every bucket with empty rows (all writes dropped: the cache is unchanged)."""
         drop = self.num_pages * self.page_size
         for B, Q, W in self.warmup_shapes():
-            zi = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
-            meta = AttentionMetadata(zi(B, W), zi(B), zi(B, Q), jnp.full((B, Q), drop, jnp.int32), jnp.ones((B,), bool))
-            inp = StepInput(zi(B, Q), meta, zi(B), jnp.zeros((B,), jnp.float32), zi(B), jnp.ones((B,), jnp.float32), zi(B), zi(B))
-            self.kv, _ = self._step(self.params, self.kv, inp)
+            zi = lambda *s: np.zeros(s, np.int32)  # noqa: E731
+            meta = AttentionMetadata(zi(B, W), zi(B), zi(B, Q), np.full((B, Q), drop, np.int32), np.ones((B,), bool))
+            self.run(StepInput(zi(B, Q), meta, zi(B), np.zeros((B,), np.float32), zi(B), np.ones((B,), np.float32), zi(B), zi(B)))
         jax.block_until_ready(self.kv)

@@ -24,7 +24,7 @@ from flax import struct
 from jspec.drafters import DFlashDrafter, Eagle3Drafter
 from jspec.drafters.config import DrafterConfig
 from jspec.drafters.propose import dflash_propose, eagle3_propose, peagle_propose
-from jspec.engine.buckets import pick
+from jspec.engine.packing import pack, unpack
 from jspec.engine.runner import ModelRunner, StepInput
 from jspec.engine.scheduler import SchedulerOutput
 from jspec.models.transformer import Transformer
@@ -68,11 +68,12 @@ class SpecModelRunner(ModelRunner):
             jnp.asarray(spec.synthetic_conditional_rates, jnp.float32)
             if spec.rejection_sample_method == "synthetic" else None
         )
-        self._spec_step = jax.jit(self._spec_step_impl, static_argnames=("decode",), donate_argnums=(2, 3, 4))
+        self._spec_step = jax.jit(self._spec_step_impl, static_argnames=("decode", "layout"), donate_argnums=(2, 3, 4))
 
     # ---- device side ------------------------------------------------------------------
-    def _spec_step_impl(self, params, dparams, kv, dkv, probs_buf, synthetic_rates, inp: SpecInput, *, decode: bool):
+    def _spec_step_impl(self, params, dparams, kv, dkv, probs_buf, synthetic_rates, ints, floats, *, decode, layout):
         self.num_compilations += 1
+        inp: SpecInput = unpack(ints, floats, layout)
         b = inp.base
         h, aux, kv = self.model.apply({"params": params}, b.tokens, b.meta, kv, aux_layers=self.aux_layers)
         B, Q = b.tokens.shape
@@ -137,13 +138,14 @@ class SpecModelRunner(ModelRunner):
             else:
                 nxt = s.tokens_between(s.num_computed + 1, s.num_computed + 1 + r.num_new)
                 pair_next[i, : len(nxt)] = nxt
-        inp = SpecInput(base, jnp.asarray(num_draft), jnp.asarray(pair_next), jnp.asarray(sample), jnp.asarray(rows))
-        return inp, n, decode
+        return SpecInput(base, num_draft, pair_next, sample, rows), n, decode
 
     def execute_spec(self, sched: SchedulerOutput, prob_rows: dict) -> SpecStepResult:
         inp, n, decode = self.build_spec_input(sched, prob_rows)
+        ints, floats, layout = pack(inp)
         self.kv, self.dkv, self.probs_buf, out, n_emit, drafts = self._spec_step(
-            self.params, self.dparams, self.kv, self.dkv, self.probs_buf, self.synthetic_rates, inp, decode=decode
+            self.params, self.dparams, self.kv, self.dkv, self.probs_buf, self.synthetic_rates, ints, floats,
+            decode=decode, layout=layout,
         )
         return SpecStepResult(np.asarray(out)[:n], np.asarray(n_emit)[:n], np.asarray(drafts)[:n])
 
