@@ -116,12 +116,13 @@ def measure_bandwidth(quick: bool) -> dict:
     return out
 
 
-def make_engine(cfg, params, *, max_num_seqs, ctx, dtype, spec=None, drafter=None, page_size=16, extra=64):
+def make_engine(cfg, params, *, max_num_seqs, ctx, dtype, spec=None, drafter=None, page_size=16, extra=64,
+                sched_steps=1):
     pages_per_seq = -(-(ctx + extra) // page_size) + 2
     ec = EngineConfig(
         model=f"random-{cfg.family}", dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=ctx + extra,
         page_size=page_size, num_pages=max_num_seqs * pages_per_seq + 4, enable_prefix_caching=False,
-        speculative_config=spec,
+        speculative_config=spec, num_scheduler_steps=sched_steps,
     )
     eng = LLMEngine(ec, preloaded=(cfg, params), preloaded_drafter=drafter)
     # Random KV everywhere: attention must not run on zeros.
@@ -194,17 +195,26 @@ def plain_section(args, bw):
     wbytes = weight_bytes(params)
     rng = np.random.default_rng(0)
     rows = []
-    for ctx in (512, 4096) if not args.quick else (64, 256):
-        eng = make_engine(cfg, params, max_num_seqs=64 if not args.quick else 8, ctx=ctx, dtype=dtype)
-        kv_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bytes per token, bf16
-        for B in (1, 8, 32, 64) if not args.quick else (1, 8):
-            step, tps = engine_decode(eng, B, ctx, rng, args.steps)
-            bound = (wbytes + B * ctx * kv_tok) / (bw["best_TBps"] * 1e12)
-            rows.append(dict(batch=B, ctx=ctx, step_ms=step * 1e3, tok_s=tps, roofline_ms=bound * 1e3,
-                             roofline_frac=bound / step, attn_impl=eng.runner.model.attn_impl))
-            print(f"plain B={B:3d} ctx={ctx:5d}: {step*1e3:7.2f} ms/step {tps:9.1f} tok/s "
-                  f"roofline {bound*1e3:6.2f} ms -> {bound/step:5.1%}", flush=True)
-        del eng
+    kv_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bytes per token, bf16
+    runs = [(1, args.sched_steps)] if args.sched_steps > 1 else []
+    runs.append((args.sched_steps, None))
+    for steps_per_call, only_b1 in runs:
+        for ctx in (512, 4096) if not args.quick else (64, 256):
+            if only_b1 is not None and ctx != (512 if not args.quick else 64):
+                continue
+            eng = make_engine(cfg, params, max_num_seqs=64 if not args.quick else 8, ctx=ctx, dtype=dtype,
+                              sched_steps=steps_per_call, extra=64 + 8 * (args.steps + 16))
+            for B in [int(b) for b in args.batches.split(",")] if not args.quick else (1, 8):
+                if only_b1 is not None and B != 1:
+                    continue
+                step, tps = engine_decode(eng, B, ctx, rng, args.steps)
+                step = B / tps  # per generated token of each row: multi-step calls emit several
+                bound = (wbytes + B * ctx * kv_tok) / (bw["best_TBps"] * 1e12)
+                rows.append(dict(batch=B, ctx=ctx, num_scheduler_steps=steps_per_call, step_ms=step * 1e3, tok_s=tps,
+                                 roofline_ms=bound * 1e3, roofline_frac=bound / step, attn_impl=eng.runner.model.attn_impl))
+                print(f"plain B={B:3d} ctx={ctx:5d} sched_steps={steps_per_call}: {step*1e3:7.2f} ms/token-step "
+                      f"{tps:9.1f} tok/s roofline {bound*1e3:6.2f} ms -> {bound/step:5.1%}", flush=True)
+            del eng
     return dict(weight_bytes=wbytes, rows=rows)
 
 
@@ -362,6 +372,9 @@ def main():
     ap.add_argument("--section", choices=["plain", "diag", "eagle3", "parallel", "all"], default="plain")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--batches", default="1,8,32,64", help="plain section: batch sizes")
+    ap.add_argument("--sched-steps", type=int, default=8, help="num_scheduler_steps for the plain section")
+    ap.add_argument("--methods", default="dflash,peagle", help="parallel section: which drafters")
     args = ap.parse_args()
     info = dict(date=time.strftime("%Y-%m-%d"), jax=jax.__version__, device=str(jax.devices()[0].device_kind),
                 backend=jax.default_backend(), xla_flags=os.environ.get("XLA_FLAGS", ""))
@@ -376,8 +389,8 @@ def main():
     if args.section in ("eagle3", "all"):
         results["eagle3"] = spec_section(args, bw, "eagle3")
     if args.section in ("parallel", "all"):
-        results["dflash"] = spec_section(args, bw, "dflash")
-        results["peagle"] = spec_section(args, bw, "peagle")
+        for m in args.methods.split(","):
+            results[m] = spec_section(args, bw, m)
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, f"bench_{args.section}.json"), "w") as f:

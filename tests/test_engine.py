@@ -203,3 +203,24 @@ def test_string_prompts_with_tokenizer_and_stop_tokens():
     first = out.token_ids[0]
     stopped = llm.generate(["Hello"], jspec.SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[first]))[0]
     assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+
+
+def test_multi_step_scheduling_matches_single_steps(llama_ckpt):
+    rng = np.random.default_rng(7)
+    prompts = [random_prompt(rng, n) for n in (5, 30, 17)]
+    greedy = jspec.SamplingParams(max_tokens=21, **GREEDY)
+    sampled = jspec.SamplingParams(temperature=0.8, top_k=40, max_tokens=21, seed=11, ignore_eos=True)
+    kw = dict(max_num_seqs=4, max_model_len=128, page_size=16)
+    single = jspec.LLM(llama_ckpt[0], num_scheduler_steps=1, **kw)
+    multi = jspec.LLM(llama_ckpt[0], num_scheduler_steps=4, **kw)
+    outs = {}
+    for name, sp in (("greedy", greedy), ("sampled", sampled)):
+        outs[name] = [o.token_ids for o in single.generate(prompts, sp)]
+        assert outs[name] == [o.token_ids for o in multi.generate(prompts, sp)], name
+    assert multi.engine.runner._multi._cache_size() > 0  # the multi-step path really ran
+    # A stop token in the middle of a 4-step block ends the output exactly where one step would.
+    first = outs["greedy"][0]
+    cut = first.index(first[5]) + 1  # the first occurrence of the stop token ends the output
+    stop = jspec.SamplingParams(max_tokens=21, temperature=0.0, stop_token_ids=[first[5]])
+    assert single.generate(prompts[:1], stop)[0].token_ids == multi.generate(prompts[:1], stop)[0].token_ids == first[:cut]
+    assert multi.engine.num_free_pages == multi.engine.num_pages

@@ -14,7 +14,6 @@ per configuration. The statistics use the jnp reference (the kernel in interpret
 requests and requires identical tokens, and the power test runs the kernel itself.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

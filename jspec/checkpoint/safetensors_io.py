@@ -10,7 +10,6 @@ import json
 import os
 from collections.abc import Iterable
 
-import numpy as np
 
 
 class CheckpointError(ValueError):
@@ -73,6 +72,3 @@ class SafetensorsReader:
     def close(self):
         self._handles.clear()
 
-
-def to_numpy(x) -> np.ndarray:
-    return np.asarray(x)

@@ -13,38 +13,8 @@ from flax import linen as nn
 from jspec.config import ModelConfig
 from jspec.kv_cache import AttentionMetadata
 from jspec.models.layers import GatedMLP, Linear, RMSNorm, apply_rope, rope_inv_freq
+from jspec.models.transformer import Attention
 from kernels_pallas.paged_attention import paged_attention, write_kv
-
-
-class WideAttention(nn.Module):
-    """Self-attention whose q/k/v projections read ``in_features`` (EAGLE3 layer 0: 2H)."""
-
-    cfg: ModelConfig
-    in_features: int
-    dtype: jnp.dtype
-    attn_impl: str = "reference"
-
-    @nn.compact
-    def __call__(self, x, meta: AttentionMetadata, k_pages, v_pages):  # x: [B, Q, in_features]
-        c = self.cfg
-        B, Q, _ = x.shape
-        qkv = Linear(c.q_size + 2 * c.kv_size, self.in_features, c.attention_bias, self.dtype, name="qkv_proj")(x)
-        q = qkv[..., : c.q_size].reshape(B, Q, c.num_heads, c.head_dim)
-        k = qkv[..., c.q_size : c.q_size + c.kv_size].reshape(B, Q, c.num_kv_heads, c.head_dim)
-        v = qkv[..., c.q_size + c.kv_size :].reshape(B, Q, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
-        inv_freq = rope_inv_freq(c.rope, c.head_dim)
-        q = apply_rope(q, meta.positions, inv_freq)
-        k = apply_rope(k, meta.positions, inv_freq)
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
-        o = paged_attention(
-            q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions, meta.causal,
-            sm_scale=c.head_dim**-0.5, impl=self.attn_impl,
-        )
-        o = Linear(c.hidden_size, c.q_size, c.attention_bias, self.dtype, name="o_proj")(o.reshape(B, Q, c.q_size))
-        return o, k_pages, v_pages
 
 
 class Eagle3FirstLayer(nn.Module):
@@ -62,7 +32,7 @@ class Eagle3FirstLayer(nn.Module):
         hn = RMSNorm(c.rms_norm_eps, self.dtype, name="hidden_norm")(h)
         residual = hn if self.norm_before_residual else h
         x = jnp.concatenate([e, hn], axis=-1)  # embeddings first
-        a, k_pages, v_pages = WideAttention(c, 2 * c.hidden_size, self.dtype, self.attn_impl, name="attn")(
+        a, k_pages, v_pages = Attention(c, self.dtype, self.attn_impl, in_features=2 * c.hidden_size, name="attn")(
             x, meta, k_pages, v_pages
         )
         x = residual + a

@@ -10,9 +10,10 @@ Free pages: ``_free`` (never hashed, or evicted) and ``_evictable`` (ref count 0
 hashed, in LRU order: a later request may revive them). Allocation takes ``_free`` first
 and evicts the least recently freed cached page only when it must.
 
-Drafts are never hashed: only tokens below ``num_committed`` count, and the caller passes
-how many trailing committed tokens are not yet final (``hash_lag``: EAGLE-style drafters
-write their own KV for position p only once token p + 1 is known).
+Drafts are never hashed: only committed tokens below the caller's ``num_final`` count.
+EAGLE-style drafters keep, at position p, KV computed from token p + 1: the last slot of a
+page depends on the first token of the next page. With ``hash_next_token`` a page's hash
+covers that token too, so a hit never hands out drafter KV built for another continuation.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from jspec.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 hash_next_token: bool = False):
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.extra = 1 if hash_next_token else 0  # tokens past the page that its hash covers
         self.ref = [0] * num_pages
         self.page_hash: dict[int, int] = {}  # page -> hash (registered full pages)
         self.hash_page: dict[int, int] = {}  # hash -> page
@@ -53,7 +56,7 @@ class BlockManager:
         hashes, parent = [], None
         ps = self.page_size
         for i in range(limit_pages):
-            parent = self.chain_hash(parent, tokens[i * ps : (i + 1) * ps])
+            parent = self.chain_hash(parent, tokens[i * ps : (i + 1) * ps + self.extra])
             hashes.append(parent)
         return hashes
 
@@ -117,10 +120,10 @@ class BlockManager:
             return
         ps = self.page_size
         tokens = seq.token_ids
-        while (len(seq.block_hashes) + 1) * ps <= num_final:
+        while (len(seq.block_hashes) + 1) * ps <= num_final and len(tokens) >= (len(seq.block_hashes) + 1) * ps + self.extra:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = self.chain_hash(parent, tokens[i * ps : (i + 1) * ps])
+            h = self.chain_hash(parent, tokens[i * ps : (i + 1) * ps + self.extra])
             seq.block_hashes.append(h)
             page = seq.pages[i]
             if h not in self.hash_page and page not in self.page_hash:

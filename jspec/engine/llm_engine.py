@@ -60,6 +60,10 @@ class EngineConfig:
     attn_impl: str = "auto"
     sample_impl: str = "auto"
     speculative_config: dict | None = None
+    # Multi-step scheduling (vLLM's name): a stable decode batch with nothing waiting runs
+    # this many steps per jit call, tokens fed back on the device. Trades streaming
+    # granularity for less host overhead per token. Without speculation only.
+    num_scheduler_steps: int = 1
 
 
 def engine_impl(impl: str) -> str:
@@ -138,6 +142,8 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}: need at least {pages_per_seq} pages"
             )
         chunk = min(c.max_prefill_chunk, self.max_model_len)
+        # EAGLE-style drafters: their KV at p depends on token p + 1 (see BlockManager).
+        eagle_style = self.spec is not None and self.dcfg.method in ("eagle3", "peagle")
         sched_cfg = SchedulerConfig(
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens or max(chunk, c.max_num_seqs),
@@ -146,9 +152,9 @@ class LLMEngine:
             lookahead=self.lookahead,
             # EAGLE-style drafters need the target hidden states of the last hit page
             # (and their own KV there depends on the token after it): recompute it.
-            drop_last_prefix_hit=self.spec is not None and self.dcfg.method in ("eagle3", "peagle"),
+            drop_last_prefix_hit=eagle_style,
         )
-        self.blocks = BlockManager(num_pages, c.page_size, c.enable_prefix_caching)
+        self.blocks = BlockManager(num_pages, c.page_size, c.enable_prefix_caching, hash_next_token=eagle_style)
         self.scheduler = Scheduler(sched_cfg, self.blocks)
         dtype = resolve_dtype(c.dtype)
         kv = KVCache.create(mc.num_layers, num_pages, c.page_size, mc.num_kv_heads, mc.head_dim, dtype)
@@ -253,7 +259,7 @@ class LLMEngine:
 
     def warmup(self):
         """Compile every shape bucket now, so serving never stalls on a compilation."""
-        self.runner.warmup()
+        self.runner.warmup(self.config.num_scheduler_steps)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -274,8 +280,25 @@ class LLMEngine:
                 break
         return new
 
+    def _multi_steps(self, sched) -> int:
+        """How many decode steps this batch may run in one call (1: a plain step)."""
+        n = self.config.num_scheduler_steps
+        if n <= 1 or self.spec is not None or sched.kind != "decode" or sched.preempted or self.scheduler.waiting:
+            return 1
+        for r in sched.seqs:
+            s = r.seq
+            if min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - s.num_tokens) < n:
+                return 1
+        # Pages for all n positions; a sequence that cannot grow that far takes a plain step.
+        if not all(self.blocks.ensure_slots(r.seq, r.seq.num_computed + n) for r in sched.seqs):
+            return 1
+        return n
+
     def _run(self, sched) -> list[tuple[list[int], int]]:
         """Execute a step; per scheduled row, (emitted tokens, positions newly computed)."""
+        n = self._multi_steps(sched)
+        if n > 1:
+            return [(t, n) for t in self.runner.execute_multi(sched, n)]
         if self.spec is None:
             return [(t, r.num_new) for r, t in zip(sched.seqs, self.runner.execute(sched))]
         live = {s.request_id for s in self.scheduler.running}

@@ -8,7 +8,6 @@ is at most |batch buckets| x (|prefill buckets| + 1) x |page buckets|.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -63,11 +62,20 @@ class ModelRunner:
         self.sample_impl = sample_impl
         self.num_compilations = 0  # traces of the step function (one per new shape)
         self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("layout",))
+        self._multi = jax.jit(self._multi_step_impl, donate_argnums=(1,), static_argnames=("layout", "steps"))
+        self._layouts: dict = {}  # packed layout -> small int: a cheap static argument to hash
+
+    def _layout_id(self, layout) -> int:
+        return self._layouts.setdefault(layout, len(self._layouts))
+
+    def _unpack(self, ints, floats, layout_id):
+        layout = next(k for k, v in self._layouts.items() if v == layout_id)
+        return unpack(ints, floats, layout)
 
     # ---- device side ------------------------------------------------------------------
     def _step_impl(self, params, kv, ints, floats, *, layout):
         self.num_compilations += 1  # runs at trace time only
-        inp: StepInput = unpack(ints, floats, layout)
+        inp: StepInput = self._unpack(ints, floats, layout)
         h, _, kv = self.model.apply({"params": params}, inp.tokens, inp.meta, kv)
         B = h.shape[0]
         last = h[jnp.arange(B), jnp.maximum(inp.q_lens - 1, 0)]  # [B, H]
@@ -85,6 +93,35 @@ class ModelRunner:
             impl=self.sample_impl,
         )
         return kv, tokens[:, 0]
+
+    def _multi_step_impl(self, params, kv, ints, floats, *, layout, steps: int):
+        """``steps`` decode steps in one call, each sampled token fed back on the device.
+
+        Host bookkeeping (and its ~1 ms per step on the H200) is paid once per call. Same
+        maths and RNG keys as ``steps`` single calls: step t samples at sample_pos + t.
+        """
+        self.num_compilations += 1
+        inp: StepInput = self._unpack(ints, floats, layout)
+        B = inp.tokens.shape[0]
+        ps, drop = self.page_size, self.num_pages * self.page_size
+        table = inp.meta.page_table
+        active = inp.q_lens > 0
+        none = (jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32), None)
+
+        def body(carry, t):
+            kv, tok = carry
+            pos = inp.meta.positions[:, 0] + t  # i32[B]
+            page = jnp.take_along_axis(table, (pos // ps)[:, None], axis=1)[:, 0]
+            slot = jnp.where(active, page * ps + pos % ps, drop)
+            meta = AttentionMetadata(table, jnp.where(active, pos + 1, 0), pos[:, None], slot[:, None], inp.meta.causal)
+            h, _, kv = self.model.apply({"params": params}, tok[:, None], meta, kv)
+            logits = self.model.apply({"params": params}, h[:, 0], method=Transformer.logits)
+            out, _ = rejection_sample(logits[:, None], *none, inp.temperature, inp.top_k, inp.top_p, inp.seeds,
+                                      inp.sample_pos + t, impl=self.sample_impl)
+            return (kv, out[:, 0]), out[:, 0]
+
+        (kv, _), toks = jax.lax.scan(body, (kv, inp.tokens[:, 0]), jnp.arange(steps, dtype=jnp.int32))
+        return kv, toks.T  # i32[B, steps]
 
     # ---- host side --------------------------------------------------------------------
     def build_input(self, sched: SchedulerOutput, q_override: int | None = None) -> tuple[StepInput, int]:
@@ -136,8 +173,15 @@ class ModelRunner:
     def run(self, inp: StepInput):
         """One jitted step on a host-built input (two transfers); returns the sampled tokens."""
         ints, floats, layout = pack(inp)
-        self.kv, sampled = self._step(self.params, self.kv, ints, floats, layout=layout)
+        self.kv, sampled = self._step(self.params, self.kv, ints, floats, layout=self._layout_id(layout))
         return sampled
+
+    def execute_multi(self, sched: SchedulerOutput, steps: int) -> list[list[int]]:
+        """``steps`` decode steps at once; per row the ``steps`` tokens sampled."""
+        inp, n = self.build_input(sched)
+        ints, floats, layout = pack(inp)
+        self.kv, toks = self._multi(self.params, self.kv, ints, floats, layout=self._layout_id(layout), steps=steps)
+        return np.asarray(toks)[:n].tolist()
 
     def execute(self, sched: SchedulerOutput) -> list[list[int]]:
         """Run one step; returns, per scheduled sequence, the tokens it emitted ([] if none)."""
@@ -145,18 +189,26 @@ class ModelRunner:
         sampled = np.asarray(self.run(inp))
         return [[int(sampled[i])] if sched.seqs[i].sample else [] for i in range(n)]
 
-    def warmup_shapes(self):
-        """Every (B, Q, W) the step may compile for: the bounded, known set."""
+    def warmup_shapes(self, num_scheduler_steps: int = 1):
+        """Every (B, Q, W, steps) the step may compile for: the bounded, known set."""
         for B in self.buckets.batch:
             for Q in (1,) + self.buckets.prefill_q:
                 for W in self.buckets.pages:
-                    yield B, Q, W
+                    yield B, Q, W, 1
+            if num_scheduler_steps > 1:
+                for W in self.buckets.pages:
+                    yield B, 1, W, num_scheduler_steps
 
-    def warmup(self):
+    def warmup(self, num_scheduler_steps: int = 1):
         """Compile every bucket with empty rows (all writes dropped: the cache is unchanged)."""
         drop = self.num_pages * self.page_size
-        for B, Q, W in self.warmup_shapes():
+        for B, Q, W, steps in self.warmup_shapes(num_scheduler_steps):
             zi = lambda *s: np.zeros(s, np.int32)  # noqa: E731
             meta = AttentionMetadata(zi(B, W), zi(B), zi(B, Q), np.full((B, Q), drop, np.int32), np.ones((B,), bool))
-            self.run(StepInput(zi(B, Q), meta, zi(B), np.zeros((B,), np.float32), zi(B), np.ones((B,), np.float32), zi(B), zi(B)))
+            inp = StepInput(zi(B, Q), meta, zi(B), np.zeros((B,), np.float32), zi(B), np.ones((B,), np.float32), zi(B), zi(B))
+            if steps == 1:
+                self.run(inp)
+            else:
+                ints, floats, layout = pack(inp)
+                self.kv, _ = self._multi(self.params, self.kv, ints, floats, layout=self._layout_id(layout), steps=steps)
         jax.block_until_ready(self.kv)

@@ -24,7 +24,7 @@ from flax import struct
 from jspec.drafters import DFlashDrafter, Eagle3Drafter
 from jspec.drafters.config import DrafterConfig
 from jspec.drafters.propose import dflash_propose, eagle3_propose, peagle_propose
-from jspec.engine.packing import pack, unpack
+from jspec.engine.packing import pack
 from jspec.engine.runner import ModelRunner, StepInput
 from jspec.engine.scheduler import SchedulerOutput
 from jspec.models.transformer import Transformer
@@ -73,7 +73,7 @@ class SpecModelRunner(ModelRunner):
     # ---- device side ------------------------------------------------------------------
     def _spec_step_impl(self, params, dparams, kv, dkv, probs_buf, synthetic_rates, ints, floats, *, decode, layout):
         self.num_compilations += 1
-        inp: SpecInput = unpack(ints, floats, layout)
+        inp: SpecInput = self._unpack(ints, floats, layout)
         b = inp.base
         h, aux, kv = self.model.apply({"params": params}, b.tokens, b.meta, kv, aux_layers=self.aux_layers)
         B, Q = b.tokens.shape
@@ -145,7 +145,7 @@ class SpecModelRunner(ModelRunner):
         ints, floats, layout = pack(inp)
         self.kv, self.dkv, self.probs_buf, out, n_emit, drafts = self._spec_step(
             self.params, self.dparams, self.kv, self.dkv, self.probs_buf, self.synthetic_rates, ints, floats,
-            decode=decode, layout=layout,
+            decode=decode, layout=self._layout_id(layout),
         )
         return SpecStepResult(np.asarray(out)[:n], np.asarray(n_emit)[:n], np.asarray(drafts)[:n])
 

@@ -27,15 +27,20 @@ from kernels_pallas.paged_attention import paged_attention, write_kv
 
 
 class Attention(nn.Module):
+    """Self-attention over the paged cache; q/k/v read ``in_features`` (0: hidden_size;
+    EAGLE3's first drafter layer reads 2H)."""
+
     cfg: ModelConfig
     dtype: jnp.dtype
     attn_impl: str = "reference"
+    in_features: int = 0
 
     @nn.compact
-    def __call__(self, x, meta: AttentionMetadata, k_pages, v_pages):
+    def __call__(self, x, meta: AttentionMetadata, k_pages, v_pages):  # x: [B, Q, in_features]
         c = self.cfg
         B, Q, _ = x.shape
-        qkv = Linear(c.q_size + 2 * c.kv_size, c.hidden_size, c.attention_bias, self.dtype, name="qkv_proj")(x)
+        d_in = self.in_features or c.hidden_size
+        qkv = Linear(c.q_size + 2 * c.kv_size, d_in, c.attention_bias, self.dtype, name="qkv_proj")(x)
         q = qkv[..., : c.q_size].reshape(B, Q, c.num_heads, c.head_dim)
         k = qkv[..., c.q_size : c.q_size + c.kv_size].reshape(B, Q, c.num_kv_heads, c.head_dim)
         v = qkv[..., c.q_size + c.kv_size :].reshape(B, Q, c.num_kv_heads, c.head_dim)

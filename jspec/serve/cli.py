@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--seed", type=int, default=0)
     # server behaviour
+    # uvicorn's default (5 s) closes idle keep-alive connections so soon that a loaded
+    # client reusing a pooled connection races the close and sees a connection error.
+    p.add_argument("--keep-alive-timeout", type=int, default=75,
+                   help="seconds an idle HTTP keep-alive connection stays open (default 75)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests may run before they are "
                         "aborted (they still end cleanly, finish_reason 'abort')")
@@ -89,7 +93,8 @@ def main(argv=None) -> int:
                     loop.call_soon_threadsafe(loop.call_later, args.shutdown_timeout, state.loop.abort_all)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5, access_log=False)
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5, access_log=False,
+                            timeout_keep_alive=args.keep_alive_timeout)
     Server(config).run()
     return 0
 
