@@ -117,8 +117,10 @@ class SpecModelRunner(ModelRunner):
             )
         if self.with_probs:
             rows = jnp.where(inp.sample, inp.prob_rows, probs_buf.shape[0])  # padding rows: dropped
-            probs_buf = probs_buf.at[rows].set(probs, mode="drop")
-        return kv, dkv, probs_buf, out, n_emit, drafts
+            probs_buf = probs_buf.at[rows].set(probs[:, : self.K], mode="drop")  # DFlash may draft > K
+        # One int32 block [B, (K+1) + 1 + K]: a single device->host read per step.
+        packed = jnp.concatenate([out, n_emit[:, None], drafts[:, : self.K].astype(jnp.int32)], axis=1)
+        return kv, dkv, probs_buf, packed
 
     # ---- host side --------------------------------------------------------------------
     def build_spec_input(self, sched: SchedulerOutput, prob_rows: dict) -> tuple[SpecInput, int, bool]:
@@ -143,11 +145,13 @@ class SpecModelRunner(ModelRunner):
     def execute_spec(self, sched: SchedulerOutput, prob_rows: dict) -> SpecStepResult:
         inp, n, decode = self.build_spec_input(sched, prob_rows)
         ints, floats, layout = pack(inp)
-        self.kv, self.dkv, self.probs_buf, out, n_emit, drafts = self._spec_step(
+        self.kv, self.dkv, self.probs_buf, packed = self._spec_step(
             self.params, self.dparams, self.kv, self.dkv, self.probs_buf, self.synthetic_rates, ints, floats,
             decode=decode, layout=self._layout_id(layout),
         )
-        return SpecStepResult(np.asarray(out)[:n], np.asarray(n_emit)[:n], np.asarray(drafts)[:n])
+        packed = np.asarray(packed)[:n]
+        K1 = self.K + 1
+        return SpecStepResult(packed[:, :K1], packed[:, K1], packed[:, K1 + 1 :])
 
     def warmup(self):
         raise NotImplementedError("warmup of the speculative step is not implemented; it compiles on first use")
