@@ -15,7 +15,7 @@ import tempfile
 
 import numpy as np
 
-VERSION = 1
+VERSION = 2
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
@@ -41,7 +41,7 @@ CONFIG = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
     },
-    "tie_word_embeddings": True,
+    "tie_word_embeddings": False,
     "attention_bias": False,
     "mlp_bias": False,
     "bos_token_id": 256,
@@ -63,6 +63,15 @@ def _random_weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:
         return (rng.standard_normal(shape) * 0.05).astype(np.float32)
 
     out = {"model.embed_tokens.weight": w(V, H), "model.norm.weight": np.ones(H, np.float32)}
+    # Dimension 0 of the residual stream: constant 1 in every embedding, never written by
+    # a layer (zero rows in o_proj / down_proj), so after the final norm it is a large
+    # positive feature; lm_head rows favour printable bytes through it.
+    out["model.embed_tokens.weight"][:, 0] = 1.0
+    head = w(V, H) * 0.1 / 0.05  # a wider spread so the context, not only the bias, picks the token
+    printable = np.zeros(V, bool)
+    printable[[ord(c) for c in "abcdefghijklmnopqrstuvwxyz      ,.ETAONIS"]] = True
+    head[:, 0] = np.where(printable, 0.0, -4.0)
+    out["lm_head.weight"] = head
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
         out |= {
@@ -71,12 +80,17 @@ def _random_weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:
             f"{p}.self_attn.q_proj.weight": w(nh * D, H),
             f"{p}.self_attn.k_proj.weight": w(nkv * D, H),
             f"{p}.self_attn.v_proj.weight": w(nkv * D, H),
-            f"{p}.self_attn.o_proj.weight": w(H, nh * D),
+            f"{p}.self_attn.o_proj.weight": _zero_row0(w(H, nh * D)),
             f"{p}.mlp.gate_proj.weight": w(I, H),
             f"{p}.mlp.up_proj.weight": w(I, H),
-            f"{p}.mlp.down_proj.weight": w(H, I),
+            f"{p}.mlp.down_proj.weight": _zero_row0(w(H, I)),
         }
     return out
+
+
+def _zero_row0(m: np.ndarray) -> np.ndarray:
+    m[0] = 0.0
+    return m
 
 
 def write_byte_tokenizer(folder: str, vocab_size: int):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -155,13 +154,11 @@ def load_target(path, dtype="float32", sharding=None, progress=None):
     cfg = load_model_config(path)
     dt = resolve_dtype(dtype)
     specs = target_param_spec(cfg)
-    t0 = time.perf_counter()
     if os.path.isdir(os.path.join(path, ORBAX_DIR)):
         params = restore_orbax(path, specs, dt, sharding)
     else:
         params = load_params_from_safetensors(path, cfg, specs, dt, sharding, progress)
     jax.block_until_ready(params)
-    load_target.last_seconds = time.perf_counter() - t0
     return cfg, params
 
 
