@@ -42,9 +42,6 @@ class KVCache:
     def page_size(self) -> int:
         return self.k[0].shape[1]
 
-    def nbytes(self) -> int:
-        return sum(a.size * a.dtype.itemsize for a in self.k + self.v)
-
 
 @struct.dataclass
 class AttentionMetadata:

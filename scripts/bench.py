@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.checkpoint.target import target_param_spec
+from jspec.checkpoint.target import set_path, target_param_spec
 from jspec.config import ModelConfig, RopeConfig
 from jspec.engine.llm_engine import EngineConfig, LLMEngine
 from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -57,24 +57,18 @@ TINY = dataclasses.replace(
 )
 
 
-def _set(tree, path, value):
-    for k in path[:-1]:
-        tree = tree.setdefault(k, {})
-    tree[path[-1]] = value
-
-
 def random_tree(specs, dtype, seed):
     """Params for ``specs`` drawn on the device: norms ~1, matrices ~N(0, 0.02)."""
     key = jax.random.PRNGKey(seed)
     tree = {}
     for i, s in enumerate(specs):
         if getattr(s, "integer", False):
-            _set(tree, s.path, jnp.zeros(s.shape, jnp.int32))
+            set_path(tree, s.path, jnp.zeros(s.shape, jnp.int32))
             continue
         k = jax.random.fold_in(key, i)
         scale = 0.02 if len(s.shape) > 1 else 0.1
         base = 1.0 if len(s.shape) == 1 and "norm" in "/".join(s.path) else 0.0
-        _set(tree, s.path, (base + scale * jax.random.normal(k, s.shape, jnp.float32)).astype(dtype))
+        set_path(tree, s.path, (base + scale * jax.random.normal(k, s.shape, jnp.float32)).astype(dtype))
     return tree
 
 

@@ -71,7 +71,7 @@ def target_param_spec(c: ModelConfig) -> list[ParamSpec]:
     return specs
 
 
-def _set(tree: dict, path: tuple[str, ...], value):
+def set_path(tree: dict, path: tuple[str, ...], value):
     for k in path[:-1]:
         tree = tree.setdefault(k, {})
     tree[path[-1]] = value
@@ -108,7 +108,7 @@ def load_params_from_safetensors(folder, cfg: ModelConfig, specs, dtype, shardin
         arr = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
         if sharding is not None:
             arr = jax.device_put(arr, sharding)
-        _set(params, spec.path, arr)
+        set_path(params, spec.path, arr)
         del parts
     if bar is not None:
         bar.close()
@@ -133,7 +133,7 @@ def restore_orbax(folder, specs, dtype, sharding=None):
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target: dict = {}
     for spec in specs:
-        _set(target, spec.path, jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sharding))
+        set_path(target, spec.path, jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sharding))
     path = os.path.abspath(os.path.join(folder, ORBAX_DIR))
     with ocp.StandardCheckpointer() as ckptr:
         try:

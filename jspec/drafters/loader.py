@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.checkpoint.safetensors_io import CheckpointError, SafetensorsReader
-from jspec.checkpoint.target import resolve_dtype
+from jspec.checkpoint.target import resolve_dtype, set_path
 from jspec.config import ConfigError, ModelConfig
 from jspec.drafters.config import FMT_EAGLE3_ORIGINAL, DrafterConfig, drafter_config_from_hf
 
@@ -162,12 +162,6 @@ def open_tensor_source(folder: str):
     raise CheckpointError(f"no model.safetensors, model.safetensors.index.json or pytorch_model.bin in {folder!r}")
 
 
-def _set(tree: dict, path: tuple[str, ...], value):
-    for k in path[:-1]:
-        tree = tree.setdefault(k, {})
-    tree[path[-1]] = value
-
-
 def check_specs(src, specs: list[DrafterParamSpec], folder: str):
     for spec in specs:
         for name, want in zip(spec.sources, spec.source_shapes):
@@ -217,5 +211,5 @@ def load_drafter(path, target_cfg: ModelConfig, dtype="float32", sharding=None):
             arr = arr.reshape(spec.shape)
         if sharding is not None:
             arr = jax.device_put(arr, sharding)
-        _set(params, spec.path, arr)
+        set_path(params, spec.path, arr)
     return cfg, params

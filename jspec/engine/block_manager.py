@@ -70,9 +70,6 @@ class BlockManager:
         self.ref[page] = 1
         return page
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= self.num_free_pages
-
     def allocate_prefix(self, seq: Sequence, drop_last_hit: bool) -> int:
         """Attach cached pages for the longest hashed prefix of ``seq``'s tokens.
 
@@ -102,7 +99,6 @@ class BlockManager:
             seq.block_hashes.append(h)
         self.hits += len(hit)
         seq.num_computed = len(hit) * self.page_size
-        seq.num_cached_prefix = seq.num_computed
         return seq.num_computed
 
     def ensure_slots(self, seq: Sequence, num_slots: int) -> bool:
@@ -142,6 +138,3 @@ class BlockManager:
                     self._free.append(page)
         seq.pages = []
         seq.block_hashes = []
-
-    def is_shared_or_cached(self, page: int) -> bool:
-        return self.ref[page] > 1 or page in self.page_hash

@@ -63,14 +63,19 @@ class ModelRunner:
         self.num_compilations = 0  # traces of the step function (one per new shape)
         self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("layout",))
         self._multi = jax.jit(self._multi_step_impl, donate_argnums=(1,), static_argnames=("layout", "steps"))
-        self._layouts: dict = {}  # packed layout -> small int: a cheap static argument to hash
+        # Packed layouts by index: the jitted steps take the small int as their static
+        # argument, which is far cheaper to hash per call than the layout itself.
+        self._layout_ids: dict = {}
+        self._layouts: list = []
 
     def _layout_id(self, layout) -> int:
-        return self._layouts.setdefault(layout, len(self._layouts))
+        if layout not in self._layout_ids:
+            self._layout_ids[layout] = len(self._layouts)
+            self._layouts.append(layout)
+        return self._layout_ids[layout]
 
     def _unpack(self, ints, floats, layout_id):
-        layout = next(k for k, v in self._layouts.items() if v == layout_id)
-        return unpack(ints, floats, layout)
+        return unpack(ints, floats, self._layouts[layout_id])
 
     # ---- device side ------------------------------------------------------------------
     def _step_impl(self, params, kv, ints, floats, *, layout):

@@ -32,18 +32,6 @@ class SpecMetrics:
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
 
-    def merge(self, other: "SpecMetrics"):
-        self.record_totals(other.num_drafts, other.num_draft_tokens, other.num_accepted_tokens, other.accepted_per_position)
-
-    def record_totals(self, drafts, draft_tokens, accepted, per_pos):
-        if len(self.accepted_per_position) < len(per_pos):
-            self.accepted_per_position.extend([0] * (len(per_pos) - len(self.accepted_per_position)))
-        self.num_drafts += drafts
-        self.num_draft_tokens += draft_tokens
-        self.num_accepted_tokens += accepted
-        for i, n in enumerate(per_pos):
-            self.accepted_per_position[i] += n
-
     @property
     def mean_acceptance_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
@@ -70,7 +58,6 @@ class Sequence:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     # Tokens whose K/V sit in the cache (prompt and outputs); the rest are computed next.
     num_computed: int = 0
-    num_cached_prefix: int = 0  # tokens served from the prefix cache at the last admission
     pages: list[int] = dataclasses.field(default_factory=list)
     block_hashes: list[int] = dataclasses.field(default_factory=list)  # hashes of full committed blocks
     finish_reason: str | None = None
@@ -96,8 +83,3 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def is_prefilling(self) -> bool:
-        # The last token is computed by the decode step that samples its successor.
-        return self.num_computed < self.num_tokens - 1 or (self.num_computed == 0)
