@@ -46,7 +46,7 @@ def target_aux(cfg, params, ids, aux_layers) -> np.ndarray:
     return np.asarray(aux[0]).reshape(len(ids), -1)
 
 
-def speculators_config(kind: str, family: str, num_layers: int, k: int, **kw):
+def speculators_config(kind: str, family: str, num_layers: int, k: int, *, vocab=V, hidden=H, **kw):
     """A speculators config (eagle3 | peagle | dflash) with a tiny decoder layer config."""
     from transformers import LlamaConfig, Qwen3Config
     from speculators.config import SpeculatorsConfig, VerifierConfig
@@ -55,7 +55,7 @@ def speculators_config(kind: str, family: str, num_layers: int, k: int, **kw):
     from speculators.models.peagle import PEagleSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
-    lkw = dict(vocab_size=V, hidden_size=H, intermediate_size=80, num_hidden_layers=num_layers,
+    lkw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=80, num_hidden_layers=num_layers,
                num_attention_heads=HEADS, num_key_value_heads=KVH, head_dim=HD, rms_norm_eps=1e-6)
     tl = LlamaConfig(**lkw) if family == "llama" else Qwen3Config(**lkw)
     tl._attn_implementation = "eager"

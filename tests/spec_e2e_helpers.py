@@ -35,6 +35,7 @@ import os
 
 import numpy as np
 import torch
+from drafter_helpers import speculators_config
 
 V, H, HEADS, KVH, HD, L = 64, 64, 4, 2, 16, 4
 AUX = [1, 2, 4]  # canonical target layer ids read by the EAGLE3 / PEagle drafters
@@ -105,24 +106,8 @@ def target():
 
 
 def _spec_config(kind: str, family: str, num_layers: int, k: int, **kw):
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.dflash import DFlashSpeculatorConfig
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
-    from speculators.models.peagle import PEagleSpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from transformers import LlamaConfig, Qwen3Config
-
-    lkw = dict(vocab_size=V, hidden_size=H, intermediate_size=80, num_hidden_layers=num_layers,
-               num_attention_heads=HEADS, num_key_value_heads=KVH, head_dim=HD, rms_norm_eps=1e-6)
-    tl = LlamaConfig(**lkw) if family == "llama" else Qwen3Config(**lkw)
-    tl._attn_implementation = "eager"
-    sc = SpeculatorsConfig(
-        algorithm=kind, proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=k)],
-        default_proposal_method="greedy",
-        verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
-    )
-    cls = {"eagle3": Eagle3SpeculatorConfig, "peagle": PEagleSpeculatorConfig, "dflash": DFlashSpeculatorConfig}[kind]
-    return cls(transformer_layer_config=tl, speculators_config=sc, **kw)
+    # The parity tests' builder at this module's vocab and width (heads, head_dim as there).
+    return speculators_config(kind, family, num_layers, k, vocab=V, hidden=H, **kw)
 
 
 def _randomize(model, target_hf, draft_vocab: int, seed: int, fc_col: int | None, boost: float = B_DRAFT):
