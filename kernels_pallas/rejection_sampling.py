@@ -4,9 +4,9 @@ Public API
 ----------
 rejection_sample(target_logits, draft_tokens, num_draft, draft_probs, temperature, top_k,
                  top_p, seeds, positions, *, method="standard", synthetic_rates=None,
-                 impl="auto", block_v=None) -> (tokens i32[B, K+1] padded with -1,
-                                                num_emitted i32[B])
-ref_rejection_sample(...): same signature minus impl/block_v, pure jnp.
+                 impl="auto", blocks_per_program=1, num_warps=4)
+    -> (tokens i32[B, K+1] padded with -1, num_emitted i32[B])
+ref_rejection_sample(...): same signature minus the tuning arguments, pure jnp.
 Helpers live in kernels_pallas/sampling_utils.py (uniform, target_probs,
 sample_from_probs, filter_thresholds), synthetic-rate conversions in
 kernels_pallas/synthetic.py, the impl choice in kernels_pallas/dispatch.py
@@ -15,42 +15,55 @@ kernels_pallas/synthetic.py, the impl choice in kernels_pallas/dispatch.py
 Design
 ------
 The accept decisions of a request are sequential, but every per-row quantity they need
-is not. Row i of request b (position positions[b] + i) is reduced over V independently:
+is not. Row i of request b (position positions[b] + i) needs, over the vocabulary:
   - greedy rows: argmax of the raw logits (ties -> lowest index, like jnp.argmax);
   - sampled rows: z = logit / T over the allowed set (logit >= the row's top-k/top-p
-    threshold), online max/sum-exp for p(d_i) = exp(z_d - m) / s, and Gumbel-max races
-    argmax(z + g) with g = -log(-log u(seed, pos + i, vocab id, SALT_RACE)):
-      * over everything             -> bonus token (row n) / fallback;
-      * with the draft excluded     -> recovered token when q is one-hot at the draft;
-      * over log(max(p - q, 0)) + g -> recovered token with draft probs (second pass over V,
-        because p needs the full normaliser first).
-The kernel (one program per row on GPU, per request on TPU, looping or gridding over V
-in blocks so V = 151936 never sits in one block) writes per row the candidate token and
-p(d_i). A small jnp epilogue then forms accept_i (greedy: d_i == argmax; standard:
-u_i <= p/q, q(d) > 0; synthetic: u_i < c_i), the number of leading accepts a, and the
-output [d_1..d_a, cand_a, -1...]. Padding rows (i > num_draft) skip all work.
+    threshold), p = softmax(z), p(d_i), and one token drawn from p (bonus row), from p with
+    the draft zeroed (recovered token, q one-hot) or from max(p - q, 0) (recovered token
+    with draft probs).
+Sampling is a two-level inverse CDF over fixed vocabulary blocks of SAMPLE_BLOCK tokens
+(2048, or the largest power of two <= V): pick block b with probability W_b / sum W using
+u1, then a token inside block b with probability w_j / W_b using an independent u2. This
+is an exact draw from w, and it needs no random number per vocabulary entry: the heavy
+part is a reduction over V that reads the logits once (per block: max, sum-exp, sum-exp
+without the draft, or the argmax for greedy rows), which is what the kernels do. The
+small part (combine the block sums, pick a block, gather its SAMPLE_BLOCK logits, cumsum)
+is shared jnp on [B, K+1, V / SAMPLE_BLOCK] and [B, K+1, SAMPLE_BLOCK] arrays.
+Why not a Gumbel/exponential race: it needs a hashed uniform and two logs per vocabulary
+entry; on the H200 that made the kernel compute-bound at 6% of HBM bandwidth.
+Why two levels rather than one flat inverse CDF: the in-block draw is computed by the same
+jnp code on the same gathered logits in the kernel path and in the reference, so the two
+can differ only through the block sums (float summation order differs between a Triton
+reduction and XLA's): a flip needs u1 within a few ulps of one of ~V / 2048 block
+boundaries, instead of one of V token boundaries.
+With draft probs the residual needs the global max and normaliser first, so a second
+kernel pass reads logits and q for the residual rows (R_b = sum max(p - q, 0) per block).
+If the residual (or the draft-excluded distribution) has no mass, the row falls back to a
+draw from p (vLLM does the same).
 
-Top-k / top-p need a sort over V. It is done in jnp outside the kernel, only when some
-request uses them (lax.cond), and reduced to one raw-logit threshold per row, so the kernel
-still reads only logits (no materialised probability buffer). When every request is greedy
-a lax.cond takes an argmax-only XLA path (one read of the logits, no RNG).
+Top-k / top-p need a sort over V. It is done in jnp outside the kernel and reduced to one
+raw-logit threshold per row, so the kernel still reads only logits (no materialised
+probability buffer). Whether to sort (`filtering`): decided on the host when the sampling
+params are host values, else by a lax.cond on the device -- which on GPU reads its
+predicate on the host: ~50 us per call on the H200, half the kernel time at B=64, K=7
+(scripts/bench_rejection.py). Callers that know (filtering="off"/"on") skip it. There is no
+all-greedy fast path for the same reason: greedy rows cost one argmax pass in the kernel.
 
-Random numbers: a stateless int32 hash (sampling_utils) keyed on (seed, position, index,
-salt); identical ops inside kernels and the reference, so results do not depend on batch
-composition, and kernel == reference token for token (the only float difference is the
-summation order of sum-exp, which could flip a decision only at an exact boundary).
+Random numbers: a stateless int32 hash (sampling_utils) keyed on (seed, position, salt):
+u1, u2 per row for the draw and u_i for the accept test, so results do not depend on batch
+composition or on the kernel's tiling.
 
 GPU lowering: Pallas Triton backend (plt.CompilerParams). Why Triton and not Mosaic GPU:
-the kernel is a per-row streaming reduction with int hashing, transcendental ops, masked
-selects and argmax-by-min-index over 1-D blocks; the Triton lowering supports exactly this
+the kernel is a streaming row reduction (masked selects, max / sum / argmax-by-min-index
+over 1-D blocks, one program per (row, block)); the Triton lowering supports exactly this
 op mix with no layout work, while Mosaic GPU targets warpgroup/TMA matmul pipelines and its
-reduction/int-op coverage is narrower. Triton is deprecated in jax 0.11 but still runs on
-the H200 (jax 0.11.2); the same kernel body runs under interpret=True in CI, so only the
-lowering itself is untested off-GPU. To avoid masked out-of-bounds loads the last V block
-is shifted to end at V and its columns already seen are masked out.
-TPU lowering: Mosaic TPU, one request per program, grid (B, passes, V blocks) with VMEM
-scratch accumulators; blocks are (K+1, bV) (full second-minor dim, bV a multiple of 128),
-the ragged last V block is masked by column index. Tested under pltpu.InterpretParams().
+reduction coverage is narrower. Triton is deprecated in jax 0.11 but still runs on the H200
+(jax 0.11.2); the same kernel body runs under interpret=True in CI, so only the lowering
+itself is untested off-GPU. To avoid masked out-of-bounds loads the last block is shifted
+to end at V and its columns already covered by the previous block are masked out.
+TPU lowering: Mosaic TPU, grid (B, blocks), one (K+1, SAMPLE_BLOCK) tile per program
+(SAMPLE_BLOCK is a multiple of 128 once V >= 128; smaller V is one full-width tile); the
+ragged last block is masked by column index. Tested under pltpu.InterpretParams().
 """
 
 from __future__ import annotations
@@ -70,8 +83,16 @@ from kernels_pallas.dispatch import resolve_impl
 _PAD, _GREEDY, _BONUS, _RESIDUAL = 0, 1, 2, 3
 _BIG = np.int32(2**31 - 1)
 _NEG_INF = np.float32(-np.inf)
-_N_IPARAMS = 4  # d, mode, key, unused
-_N_FPARAMS = 2  # inv_t, thr
+SAMPLE_BLOCK = 2048  # vocabulary block of the two-level draw (part of the sampling semantics)
+
+
+def sample_block(v: int) -> int:
+    """Block width for vocabulary size v: SAMPLE_BLOCK, or the largest power of two <= v."""
+    return 1 << (min(v, SAMPLE_BLOCK).bit_length() - 1)
+
+
+def num_blocks(v: int) -> int:
+    return -(-v // sample_block(v))
 
 
 # ----------------------------------------------------------------------------------------
@@ -129,16 +150,16 @@ def _validate(target_logits, draft_tokens, num_draft, draft_probs, temperature, 
 
 
 # ----------------------------------------------------------------------------------------
-# Shared prologue / epilogue (plain jnp on [B, K+1] sized arrays)
+# Shared prologue (plain jnp on [B, K+1] sized arrays)
 # ----------------------------------------------------------------------------------------
 
 
 def _row_params(target_logits, draft_tokens, num_draft, temperature, top_k, top_p, seeds,
-                positions):
-    """Per-row kernel parameters.
+                positions, filtering="auto"):
+    """Per-row parameters.
 
     Returns d i32[B, K+1] (draft at row i, -1 where absent), mode i32[B, K+1],
-    key i32[B, K+1] (race RNG stream), inv_t f32[B, K+1], thr f32[B, K+1].
+    key i32[B, K+1] (the row's draw RNG stream), inv_t f32[B, K+1], thr f32[B, K+1].
     """
     b, k1, _ = target_logits.shape
     k = k1 - 1
@@ -151,8 +172,140 @@ def _row_params(target_logits, draft_tokens, num_draft, temperature, top_k, top_
     pos = positions.astype(jnp.int32)[:, None] + i
     key = su.row_key(su.as_i32_bits(seeds)[:, None], pos, su.SALT_RACE)
     inv_t = jnp.broadcast_to(su.safe_inv_temperature(temperature)[:, None], (b, k1))
-    thr = su.filter_thresholds(target_logits, temperature, top_k, top_p)
+    if filtering == "off":  # the caller guarantees no request uses top-k / top-p
+        thr = jnp.full((b, k1), _NEG_INF, jnp.float32)
+    else:
+        thr = su.filter_thresholds(target_logits, temperature, top_k, top_p, always=filtering == "on")
     return d, mode.astype(jnp.int32), key, inv_t, thr
+
+
+# ----------------------------------------------------------------------------------------
+# Per-block statistics: the jnp reference of what the kernels compute
+# ----------------------------------------------------------------------------------------
+
+
+def _blocked(x, fill):
+    """[..., V] -> [..., NB, bv], padded with `fill` past V."""
+    v = x.shape[-1]
+    bv, nb = sample_block(v), num_blocks(v)
+    pad = [(0, 0)] * (x.ndim - 1) + [(0, nb * bv - v)]
+    return jnp.pad(x, pad, constant_values=fill).reshape(x.shape[:-1] + (nb, bv))
+
+
+def _ref_block_stats(x, d, mode, inv_t, thr):
+    """Per (row, block): a f32 (greedy: block max of the logits; sampled: block max of z),
+    s f32 (sum exp(z - a)), sx f32 (the same without the draft), gi i32 (greedy: argmax
+    column). Each [B, K+1, NB]; padding rows get (-inf, 0, 0, 0)."""
+    v = x.shape[-1]
+    xb = _blocked(x.astype(jnp.float32), _NEG_INF)
+    col = _blocked(jnp.arange(v, dtype=jnp.int32), _BIG)
+    g_max = jnp.max(xb, axis=-1)
+    g_idx = jnp.min(jnp.where(xb == g_max[..., None], col, _BIG), axis=-1)
+    c = lambda t: t[..., None, None]  # noqa: E731  [B, K+1] -> [B, K+1, 1, 1]
+    z = jnp.where(xb >= c(thr), xb * c(inv_t), _NEG_INF)
+    m_b = jnp.max(z, axis=-1)
+    e = jnp.exp(z - jnp.where(m_b == _NEG_INF, 0.0, m_b)[..., None])
+    s_b = jnp.sum(e, axis=-1)
+    sx_b = jnp.sum(jnp.where(col != c(d), e, 0.0), axis=-1)
+    greedy, sampled = (mode == _GREEDY)[..., None], (mode >= _BONUS)[..., None]
+    a = jnp.where(greedy, g_max, jnp.where(sampled, m_b, _NEG_INF))
+    return (a, jnp.where(sampled, s_b, 0.0), jnp.where(sampled, sx_b, 0.0),
+            jnp.where(greedy, g_idx, 0).astype(jnp.int32))
+
+
+def _ref_block_resid(x, q, mode, inv_t, thr, m, s):
+    """Per (row, block) residual mass sum max(p - q, 0) f32[B, K, NB] (RESIDUAL rows only).
+    x [B, K, V] (the draft rows), q [B, K, V]; m, s f32[B, K] the row's global max/normaliser."""
+    xb = _blocked(x.astype(jnp.float32), _NEG_INF)
+    qb = _blocked(q.astype(jnp.float32), 0.0)
+    c = lambda t: t[..., None, None]  # noqa: E731
+    z = jnp.where(xb >= c(thr), xb * c(inv_t), _NEG_INF)
+    r = jnp.maximum(jnp.exp(z - c(m)) / c(s) - qb, 0.0)
+    return jnp.where((mode == _RESIDUAL)[..., None], jnp.sum(r, axis=-1), 0.0)
+
+
+# ----------------------------------------------------------------------------------------
+# Shared selection: block sums -> tokens (plain jnp on [B, K+1, NB] / [B, K+1, bv] arrays)
+# ----------------------------------------------------------------------------------------
+
+
+def _pick(w, u):
+    """Inverse CDF: the index j with cum[j-1] <= u * total < cum[j] (w >= 0, [..., n])."""
+    cum = jnp.cumsum(w, axis=-1)
+    t = u * cum[..., -1]
+    return jnp.minimum(jnp.sum(cum <= t[..., None], axis=-1), w.shape[-1] - 1).astype(jnp.int32)
+
+
+def _draw(x, q, d, kind, blk, m, s, inv_t, thr, u2):
+    """The in-block draw: token from block `blk` [B, K+1] of each row, by weight kind
+    (0: p, 1: p without the draft, 2: max(p - q, 0)). The same code serves the kernel path
+    and the reference, on the same gathered logits."""
+    v = x.shape[-1]
+    bv = sample_block(v)
+    j0 = blk * bv
+    start = jnp.minimum(j0, v - bv)  # the shifted last block, as in the GPU kernel
+    col = start[..., None] + jnp.arange(bv, dtype=jnp.int32)
+    valid = col >= j0[..., None]
+    xs = jnp.take_along_axis(x, col, axis=-1).astype(jnp.float32)
+    z = jnp.where(valid & (xs >= thr[..., None]), xs * inv_t[..., None], _NEG_INF)
+    zx = jnp.where(col == d[..., None], _NEG_INF, z)
+    # p and p-without-draft relative to the block's own max (no underflow inside the block).
+    zz = jnp.where((kind == 1)[..., None], zx, z)
+    mz = jnp.max(zz, axis=-1, keepdims=True)
+    w = jnp.exp(zz - jnp.where(mz == _NEG_INF, 0.0, mz))
+    if q is not None:
+        k = q.shape[1]
+        qs = jnp.take_along_axis(q, col[:, :k], axis=-1).astype(jnp.float32)
+        p = jnp.exp(z[:, :k] - m[:, :k, None]) / s[:, :k, None]
+        r = jnp.maximum(p - qs, 0.0)
+        r = jnp.concatenate([r, jnp.zeros_like(w[:, k:])], axis=1)
+        w = jnp.where((kind == 2)[..., None], r, w)
+    return jnp.take_along_axis(col, _pick(w, u2)[..., None], axis=-1)[..., 0]
+
+
+def _select(x, q, d, mode, key, inv_t, thr, stats, resid_fn):
+    """(cand i32[B, K+1], p_d f32[B, K+1]) from the per-block statistics.
+
+    stats = (a, s_b, sx_b, gi) from a kernel or _ref_block_stats; resid_fn(m, s) -> R_b
+    f32[B, K, NB] (second pass over logits and q), used only when q is given.
+    """
+    a, s_b, sx_b, gi = stats
+    k = x.shape[1] - 1
+    q = q if k > 0 else None
+    # Greedy: the first block holding the maximum, then its lowest argmax column.
+    greedy_tok = jnp.take_along_axis(gi, jnp.argmax(a, axis=-1)[..., None], axis=-1)[..., 0]
+    # Sampled: block sums rescaled to the row's global max.
+    m = jnp.max(a, axis=-1)
+    m_safe = jnp.where(m == _NEG_INF, 0.0, m)
+    scale = jnp.where(a > _NEG_INF, jnp.exp(a - m_safe[..., None]), 0.0)
+    w_p, w_x = s_b * scale, sx_b * scale
+    s = jnp.sum(w_p, axis=-1)
+    s_safe = jnp.where(s > 0, s, 1.0)
+    x_d = jnp.take_along_axis(x, jnp.maximum(d, 0)[..., None], axis=-1)[..., 0].astype(jnp.float32)
+    z_d = jnp.where((d >= 0) & (x_d >= thr), x_d * inv_t, _NEG_INF)
+    p_d = jnp.exp(z_d - m_safe) / s_safe
+    residual = mode == _RESIDUAL
+    if q is not None:
+        r_b = resid_fn(m_safe[:, :k], s_safe[:, :k])
+        r_b = jnp.concatenate([r_b, jnp.zeros_like(w_p[:, k:])], axis=1)
+        w_r, r_kind = r_b, 2
+    else:
+        w_r, r_kind = w_x, 1
+    # Residual rows draw from w_r unless it has no mass (then from p, like vLLM).
+    use_r = residual & (jnp.sum(w_r, axis=-1) > 0)
+    w = jnp.where(use_r[..., None], w_r, w_p)
+    kind = jnp.where(use_r, r_kind, 0)
+    u1 = su.uniform_from_key(key, jnp.int32(0))
+    u2 = su.uniform_from_key(key, jnp.int32(1))
+    blk = _pick(w, u1)
+    drawn = _draw(x, q, d, kind, blk, m_safe, s_safe, inv_t, thr, u2)
+    cand = jnp.where(mode == _GREEDY, greedy_tok, jnp.where(mode >= _BONUS, drawn, -1))
+    return cand.astype(jnp.int32), jnp.where(mode >= _BONUS, p_d, 0.0)
+
+
+# ----------------------------------------------------------------------------------------
+# Epilogue: accept decisions
+# ----------------------------------------------------------------------------------------
 
 
 def _accept_uniforms(seeds, positions, k):
@@ -201,35 +354,15 @@ def _epilogue(cand, p_d, d, num_draft, draft_probs, temperature, seeds, position
 
 
 def _ref_rows(target_logits, draft_probs, d, mode, key, inv_t, thr):
-    """Per-row (cand i32[B, K+1], p_d f32[B, K+1]) with full-V jnp ops."""
-    x = target_logits.astype(jnp.float32)
-    k = x.shape[1] - 1
-    col = lax.broadcasted_iota(jnp.int32, x.shape, 2)
-    greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)
-    allowed = x >= thr[..., None]
-    z = jnp.where(allowed, x * inv_t[..., None], _NEG_INF)
-    m = jnp.max(z, axis=-1, keepdims=True)
-    m_safe = jnp.where(m == _NEG_INF, 0.0, m)
-    s = jnp.sum(jnp.exp(z - m_safe), axis=-1, keepdims=True)
-    is_d = col == d[..., None]
-    z_d = jnp.max(jnp.where(is_d, z, _NEG_INF), axis=-1)
-    p_d = jnp.exp(z_d - m_safe[..., 0]) / s[..., 0]
-    score = z + su.gumbel_from_key(key[..., None], col)
-    race_all = jnp.argmax(score, axis=-1).astype(jnp.int32)
-    score_x = jnp.where(is_d, _NEG_INF, score)
-    race_x = jnp.where(jnp.max(score_x, -1) > _NEG_INF, jnp.argmax(score_x, -1), race_all).astype(jnp.int32)
-    recovered = race_x
-    if draft_probs is not None and k > 0:
-        p = jnp.exp(z[:, :k] - m_safe[:, :k]) / s[:, :k]
-        r = p - draft_probs.astype(jnp.float32)
-        g = su.gumbel_from_key(key[:, :k, None], col[:, :k])
-        score_r = jnp.where(r > 0, jnp.log(jnp.where(r > 0, r, 1.0)) + g, _NEG_INF)
-        rr = jnp.where(jnp.max(score_r, -1) > _NEG_INF, jnp.argmax(score_r, -1), race_all[:, :k])
-        recovered = jnp.concatenate([rr.astype(jnp.int32), race_all[:, k:]], axis=1)
-    cand = jnp.where(mode == _GREEDY, greedy_tok,
-                     jnp.where(mode == _RESIDUAL, recovered,
-                               jnp.where(mode == _BONUS, race_all, -1)))
-    return cand.astype(jnp.int32), jnp.where(mode >= _BONUS, p_d, 0.0)
+    """Per-row (cand i32[B, K+1], p_d f32[B, K+1]) with blocked jnp reductions."""
+    k = target_logits.shape[1] - 1
+    stats = _ref_block_stats(target_logits, d, mode, inv_t, thr)
+
+    def resid(m, s):
+        return _ref_block_resid(target_logits[:, :k], draft_probs, mode[:, :k], inv_t[:, :k],
+                                thr[:, :k], m, s)
+
+    return _select(target_logits, draft_probs, d, mode, key, inv_t, thr, stats, resid)
 
 
 def ref_rejection_sample(target_logits, draft_tokens, num_draft, draft_probs, temperature,
@@ -256,287 +389,268 @@ def _ref_jit(target_logits, draft_tokens, num_draft, draft_probs, temperature, t
 
 
 # ----------------------------------------------------------------------------------------
-# Kernel math shared by the GPU and TPU bodies: blocks x f32[..., bV] with per-row params
-# broadcasting against them (scalars on GPU, [K+1, 1] columns on TPU).
+# Block math shared by the GPU and TPU bodies: x f32[..., n] with per-row params
+# broadcasting against it (scalars on GPU, [K+1, 1] columns on TPU).
 # ----------------------------------------------------------------------------------------
 
 
-def _block_argmax(score, col):
-    mx = jnp.max(score, axis=-1, keepdims=True)
-    idx = jnp.min(jnp.where(score == mx, col, _BIG), axis=-1, keepdims=True)
-    return mx, idx
-
-
-def _merge(mx, idx, bmx, bidx):
-    # Strict '>' keeps the earlier block on ties: lowest index wins, like jnp.argmax.
-    take = bmx > mx
-    return jnp.where(take, bmx, mx), jnp.where(take, bidx, idx)
-
-
-def _init_state(shape):
-    """(g_max, g_idx, m, s, z_d, ra_max, ra_idx, rx_max, rx_idx)."""
-    ninf = jnp.full(shape, _NEG_INF, jnp.float32)
-    zero_i = jnp.zeros(shape, jnp.int32)
-    return (ninf, zero_i, ninf, jnp.zeros(shape, jnp.float32), ninf, ninf, zero_i, ninf, zero_i)
-
-
-def _greedy_update(state, x, col, valid):
-    g_max, g_idx = _merge(state[0], state[1], *_block_argmax(jnp.where(valid, x, _NEG_INF), col))
-    return (g_max, g_idx) + tuple(state[2:])
-
-
-def _pass0_update(state, x, col, valid, d, key, inv_t, thr):
-    g_max, g_idx, m, s, z_d, ra_max, ra_idx, rx_max, rx_idx = state
-    g_max, g_idx = _merge(g_max, g_idx, *_block_argmax(jnp.where(valid, x, _NEG_INF), col))
+def _stats_math(x, col, valid, d, inv_t, thr):
+    """-> (g_max, g_idx, m_b, s_b, sx_b), each reduced over the last axis (keepdims)."""
+    gx = jnp.where(valid, x, _NEG_INF)
+    g_max = jnp.max(gx, axis=-1, keepdims=True)
+    g_idx = jnp.min(jnp.where(gx == g_max, col, _BIG), axis=-1, keepdims=True)
     z = jnp.where(valid & (x >= thr), x * inv_t, _NEG_INF)
-    m_new = jnp.maximum(m, jnp.max(z, axis=-1, keepdims=True))
-    m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-    s = s * jnp.exp(m - m_safe) + jnp.sum(jnp.exp(z - m_safe), axis=-1, keepdims=True)
-    is_d = col == d
-    z_d = jnp.maximum(z_d, jnp.max(jnp.where(is_d, z, _NEG_INF), axis=-1, keepdims=True))
-    score = z + su.gumbel_from_key(key, col)
-    ra_max, ra_idx = _merge(ra_max, ra_idx, *_block_argmax(score, col))
-    rx_max, rx_idx = _merge(rx_max, rx_idx, *_block_argmax(jnp.where(is_d, _NEG_INF, score), col))
-    return (g_max, g_idx, m_new, s, z_d, ra_max, ra_idx, rx_max, rx_idx)
+    m_b = jnp.max(z, axis=-1, keepdims=True)
+    e = jnp.exp(z - jnp.where(m_b == _NEG_INF, 0.0, m_b))
+    s_b = jnp.sum(e, axis=-1, keepdims=True)
+    sx_b = jnp.sum(jnp.where(col != d, e, 0.0), axis=-1, keepdims=True)
+    return g_max, g_idx, m_b, s_b, sx_b
 
 
-def _pass1_update(rr, x, q, col, valid, key, inv_t, thr, m, s):
-    """Race over log(max(p - q, 0)) + g for one block; rr = (max, idx)."""
+def _resid_math(x, q, valid, inv_t, thr, m, s):
     z = jnp.where(valid & (x >= thr), x * inv_t, _NEG_INF)
-    m_safe = jnp.where(m == _NEG_INF, 0.0, m)
-    r = jnp.exp(z - m_safe) / s - q
-    pos = valid & (r > 0)
-    score = jnp.where(pos, jnp.log(jnp.where(pos, r, 1.0)) + su.gumbel_from_key(key, col), _NEG_INF)
-    return _merge(rr[0], rr[1], *_block_argmax(score, col))
+    r = jnp.where(valid, jnp.maximum(jnp.exp(z - m) / s - q, 0.0), 0.0)
+    return jnp.sum(r, axis=-1, keepdims=True)
 
 
-def _finalize(state, mode):
-    """(cand, p_d) from a pass-0 state, using the no-q recovered token for residual rows."""
-    g_max, g_idx, m, s, z_d, ra_max, ra_idx, rx_max, rx_idx = state
-    m_safe = jnp.where(m == _NEG_INF, 0.0, m)
-    p_d = jnp.exp(z_d - m_safe) / s
-    recovered = jnp.where(rx_max > _NEG_INF, rx_idx, ra_idx)
-    cand = jnp.where(mode == _GREEDY, g_idx,
-                     jnp.where(mode == _RESIDUAL, recovered, jnp.where(mode == _BONUS, ra_idx, -1)))
-    return cand.astype(jnp.int32), jnp.where(mode >= _BONUS, p_d, 0.0)
+def _poison_inputs(shapes_dtypes):
+    """Sentinel-filled output buffers (aliased to the outputs) so tests see unwritten slots."""
+    return [jnp.full(sh, -7 if dt == jnp.int32 else jnp.nan, dt) for sh, dt in shapes_dtypes]
 
 
 # ----------------------------------------------------------------------------------------
-# GPU kernel (Triton backend; also the interpret=True body): one program per row.
+# GPU kernels (Triton backend; also the interpret=True bodies): one program per
+# (row, blocks_per_program consecutive vocabulary blocks).
 # ----------------------------------------------------------------------------------------
 
 
-def _gpu_kernel(ip_ref, fp_ref, x_ref, *rest, v, bv, has_q, n_poison=0):
-    # ip_ref i32[4] (d, mode, key, -), fp_ref f32[2] (inv_t, thr), x_ref [V] logits row,
-    # q_ref [V] draft probs row (if has_q), [poisoned aliases, unread], cand_ref i32[1],
-    # pd_ref f32[1].
-    q_ref = rest[0] if has_q else None
-    cand_ref, pd_ref = rest[has_q + n_poison:]
-    d, mode, key = ip_ref[0], ip_ref[1], ip_ref[2]
+def _align(v, bv):
+    """Largest power of two (<= 16) dividing every block start: Triton then issues vector loads."""
+    m = 16
+    while m > 1 and ((v - bv) % m or bv % m):
+        m //= 2
+    return m
+
+
+def _gpu_block(ref, j, v, bv):
+    # The last block is shifted to end at V (no out-of-bounds loads); its columns already
+    # covered by the previous block are masked out. Blocks past V (grid padding) are empty.
+    # The min() hides the starts' alignment from Triton: restate it, or loads go scalar.
+    start = pl.multiple_of(jnp.minimum(j * bv, v - bv), _align(v, bv))
+    col = start + lax.broadcasted_iota(jnp.int32, (bv,), 0)
+    return ref[pl.ds(start, bv)].astype(jnp.float32), col, col >= j * bv
+
+
+def _gpu_stats_kernel(ip_ref, fp_ref, x_ref, *rest, v, bv, bpp, n_poison):
+    # ip_ref i32[2] (d, mode), fp_ref f32[2] (inv_t, thr), x_ref [V] logits row,
+    # [poisoned aliases, unread], outputs a, s, sx f32[bpp], gi i32[bpp].
+    a_ref, s_ref, sx_ref, gi_ref = rest[n_poison:]
+    d, mode = ip_ref[0], ip_ref[1]
     inv_t, thr = fp_ref[0], fp_ref[1]
-    nb = pl.cdiv(v, bv)
+    g = pl.program_id(2)
+    zero, ninf, izero = jnp.zeros((1,), jnp.float32), jnp.full((1,), _NEG_INF), jnp.zeros((1,), jnp.int32)
 
-    def block(j, ref):
-        # The last block is shifted to end at V (no out-of-bounds loads); its columns
-        # already covered by the previous block are masked out.
-        start = jnp.minimum(j * bv, v - bv)
-        col = start + lax.broadcasted_iota(jnp.int32, (bv,), 0)
-        return ref[pl.ds(start, bv)].astype(jnp.float32), col, col >= j * bv
+    def put(t, a, s, sx, gi):
+        a_ref[pl.ds(t, 1)] = a
+        s_ref[pl.ds(t, 1)] = s
+        sx_ref[pl.ds(t, 1)] = sx
+        gi_ref[pl.ds(t, 1)] = gi
 
     @pl.when(mode == _PAD)
     def _():
-        cand_ref[...] = jnp.full((1,), -1, jnp.int32)
-        pd_ref[...] = jnp.zeros((1,), jnp.float32)
+        for t in range(bpp):
+            put(t, ninf, zero, zero, izero)
 
     @pl.when(mode == _GREEDY)
     def _():
-        def body(j, st):
-            x, col, valid = block(j, x_ref)
-            return _greedy_update(st, x, col, valid)
-        st = lax.fori_loop(0, nb, body, _init_state((1,)))
-        cand_ref[...] = st[1]
-        pd_ref[...] = jnp.zeros((1,), jnp.float32)
+        for t in range(bpp):
+            x, col, valid = _gpu_block(x_ref, g * bpp + t, v, bv)
+            gx = jnp.where(valid, x, _NEG_INF)
+            g_max = jnp.max(gx, axis=-1, keepdims=True)
+            g_idx = jnp.min(jnp.where(gx == g_max, col, _BIG), axis=-1, keepdims=True)
+            put(t, g_max, zero, zero, g_idx)
 
     @pl.when(mode >= _BONUS)
     def _():
-        def body0(j, st):
-            x, col, valid = block(j, x_ref)
-            return _pass0_update(st, x, col, valid, d, key, inv_t, thr)
-        st = lax.fori_loop(0, nb, body0, _init_state((1,)))
-        cand, p_d = _finalize(st, mode)
-        cand_ref[...] = cand
-        pd_ref[...] = p_d
-        if has_q:
-            m, s, ra_idx = st[2], st[3], st[6]
-
-            @pl.when(mode == _RESIDUAL)
-            def _():
-                def body1(j, rr):
-                    x, col, valid = block(j, x_ref)
-                    q = q_ref[pl.ds(jnp.minimum(j * bv, v - bv), bv)].astype(jnp.float32)
-                    return _pass1_update(rr, x, q, col, valid, key, inv_t, thr, m, s)
-                rr = lax.fori_loop(0, nb, body1, (jnp.full((1,), _NEG_INF), jnp.zeros((1,), jnp.int32)))
-                cand_ref[...] = jnp.where(rr[0] > _NEG_INF, rr[1], ra_idx)
+        for t in range(bpp):
+            x, col, valid = _gpu_block(x_ref, g * bpp + t, v, bv)
+            z = jnp.where(valid & (x >= thr), x * inv_t, _NEG_INF)
+            m_b = jnp.max(z, axis=-1, keepdims=True)
+            e = jnp.exp(z - jnp.where(m_b == _NEG_INF, 0.0, m_b))
+            s_b = jnp.sum(e, axis=-1, keepdims=True)
+            sx_b = jnp.sum(jnp.where(col != d, e, 0.0), axis=-1, keepdims=True)
+            put(t, m_b, s_b, sx_b, izero)
 
 
-def _gpu_block_v(v, block_v):
-    """Largest power of two <= min(block_v, V) (Triton blocks must be powers of two)."""
-    bv = min(block_v or 2048, v)
-    return 1 << (bv.bit_length() - 1)
+def _gpu_resid_kernel(ip_ref, fp_ref, x_ref, q_ref, *rest, v, bv, bpp, n_poison):
+    # ip_ref i32[2] (d, mode), fp_ref f32[4] (inv_t, thr, m, s), x_ref / q_ref [V] rows,
+    # [poisoned alias], output r f32[bpp].
+    r_ref = rest[n_poison]
+    mode = ip_ref[1]
+    inv_t, thr, m, s = fp_ref[0], fp_ref[1], fp_ref[2], fp_ref[3]
+    g = pl.program_id(2)
+
+    @pl.when(mode != _RESIDUAL)
+    def _():
+        for t in range(bpp):
+            r_ref[pl.ds(t, 1)] = jnp.zeros((1,), jnp.float32)
+
+    @pl.when(mode == _RESIDUAL)
+    def _():
+        for t in range(bpp):
+            x, _, valid = _gpu_block(x_ref, g * bpp + t, v, bv)
+            q, _, _ = _gpu_block(q_ref, g * bpp + t, v, bv)
+            r_ref[pl.ds(t, 1)] = _resid_math(x, q, valid, inv_t, thr, m, s)
 
 
-def _poison_inputs(shape):
-    """Sentinel-filled output buffers (aliased to the outputs) so tests see unwritten slots."""
-    return [jnp.full(shape, -7, jnp.int32), jnp.full(shape, jnp.nan, jnp.float32)]
-
-
-def _rows_gpu(target_logits, draft_probs, ip, fp, *, interpret, block_v, num_warps,
-              poison=False):
-    b, k1, v = target_logits.shape
-    k = k1 - 1
-    bv = _gpu_block_v(v, block_v)
-    has_q = draft_probs is not None and k > 0
-    in_specs = [
-        pl.BlockSpec((None, None, _N_IPARAMS), lambda bi, i: (bi, i, 0)),
-        pl.BlockSpec((None, None, _N_FPARAMS), lambda bi, i: (bi, i, 0)),
-        pl.BlockSpec((None, None, v), lambda bi, i: (bi, i, 0)),
-    ]
-    args = [ip, fp, target_logits]
-    if has_q:
-        # The bonus row (i == K) has no q row; it never reads it (mode != RESIDUAL).
-        in_specs.append(pl.BlockSpec((None, None, v), lambda bi, i: (bi, jnp.minimum(i, k - 1), 0)))
-        args.append(draft_probs)
-    out_spec = pl.BlockSpec((None, None, 1), lambda bi, i: (bi, i, 0))
-    kwargs = {}
+def _gpu_call(kernel, row_args, out_dtypes, nrows, *, v, interpret, bpp, num_warps, poison, name):
+    """pallas_call over grid (B, nrows, padded blocks / bpp); row_args are [B, rows, n]
+    parameter arrays and [B, rows', V] data arrays (row index clamped to the array's rows)."""
+    b = row_args[0].shape[0]
+    bv, nb = sample_block(v), num_blocks(v)
+    ng = -(-nb // bpp)
+    in_specs = []
+    for arr in row_args:
+        rows_a, width = arr.shape[1], arr.shape[2]
+        in_specs.append(pl.BlockSpec((None, None, width),
+                                     lambda bi, i, g, r=rows_a: (bi, jnp.minimum(i, r - 1), 0)))
+    out_spec = pl.BlockSpec((None, None, bpp), lambda bi, i, g: (bi, i, g))
+    shapes = [((b, nrows, ng * bpp), dt) for dt in out_dtypes]
+    args, kwargs = list(row_args), {}
     if poison:
-        in_specs += [out_spec, out_spec]
-        args += _poison_inputs((b, k1, 1))
-        kwargs["input_output_aliases"] = {len(args) - 2: 0, len(args) - 1: 1}
+        in_specs += [out_spec] * len(shapes)
+        args += _poison_inputs(shapes)
+        kwargs["input_output_aliases"] = {len(row_args) + i: i for i in range(len(shapes))}
     if not interpret:
         from jax.experimental.pallas import triton as plt
         kwargs["compiler_params"] = plt.CompilerParams(num_warps=num_warps, num_stages=1)
-    cand, p_d = pl.pallas_call(
-        functools.partial(_gpu_kernel, v=v, bv=bv, has_q=has_q, n_poison=2 * poison),
-        grid=(b, k1),
+    outs = pl.pallas_call(
+        functools.partial(kernel, v=v, bv=bv, bpp=bpp, n_poison=len(shapes) if poison else 0),
+        grid=(b, nrows, ng),
         in_specs=in_specs,
-        out_specs=[out_spec, out_spec],
-        out_shape=[jax.ShapeDtypeStruct((b, k1, 1), jnp.int32),
-                   jax.ShapeDtypeStruct((b, k1, 1), jnp.float32)],
+        out_specs=[out_spec] * len(shapes),
+        out_shape=[jax.ShapeDtypeStruct(sh, dt) for sh, dt in shapes],
         interpret=interpret,
-        name="rejection_rows_gpu",
+        name=name,
         **kwargs,
     )(*args)
-    return cand[..., 0], p_d[..., 0]
+    return [o[..., :nb] for o in outs]
+
+
+def _stats_gpu(x, d, mode, inv_t, thr, *, interpret, bpp=1, num_warps=4, poison=False):
+    b, k1, v = x.shape
+    ip = jnp.stack([d, mode], axis=-1)
+    fp = jnp.stack([inv_t, thr], axis=-1)
+    f32, i32 = jnp.float32, jnp.int32
+    return tuple(_gpu_call(_gpu_stats_kernel, [ip, fp, x], [f32, f32, f32, i32], k1, v=v,
+                           interpret=interpret, bpp=bpp, num_warps=num_warps, poison=poison,
+                           name="rejection_stats_gpu"))
+
+
+def _resid_gpu(x, q, d, mode, inv_t, thr, m, s, *, interpret, bpp=1, num_warps=4, poison=False):
+    """x [B, K+1, V] (rows < K read), q [B, K, V]; params [B, K]."""
+    b, k, v = q.shape
+    ip = jnp.stack([d, mode], axis=-1)
+    fp = jnp.stack([inv_t, thr, m, s], axis=-1)
+    (r,) = _gpu_call(_gpu_resid_kernel, [ip, fp, x, q], [jnp.float32], k, v=v, interpret=interpret,
+                     bpp=bpp, num_warps=num_warps, poison=poison, name="rejection_resid_gpu")
+    return r
 
 
 # ----------------------------------------------------------------------------------------
-# TPU kernel (Mosaic TPU): one request per program, grid (B, passes, V blocks).
+# TPU kernels (Mosaic TPU): grid (B, blocks), one (rows, tile) tile per program.
 # ----------------------------------------------------------------------------------------
 
 
-def _tpu_kernel(ip_ref, fp_ref, x_ref, *rest, v, bv, k, has_q, n_poison=0):
-    # ip_ref i32[K+1, 4], fp_ref f32[K+1, 2], x_ref [K+1, bV], q_ref [K, bV] (if has_q),
-    # [poisoned aliases, unread], outputs cand_ref i32[K+1, 1], pd_ref f32[K+1, 1], then
-    # VMEM scratch accumulators.
-    q_ref = rest[0] if has_q else None
-    cand_ref, pd_ref, *scratch = rest[has_q + n_poison:]
-    st_refs, rr_refs = scratch[:9], scratch[9:]
-    p, j = pl.program_id(1), pl.program_id(2)
-    last_p, last_j = pl.num_programs(1) - 1, pl.num_programs(2) - 1
-    d, mode, key = ip_ref[:, 0:1], ip_ref[:, 1:2], ip_ref[:, 2:3]
+def _tpu_tile(v):
+    """(tile width, tile index is the block index). Blocks narrower than 128 lanes (V < 128)
+    use one full-width tile (a full dim is always a legal block) and mask by column."""
+    bv = sample_block(v)
+    return (bv, True) if bv % 128 == 0 else (v, False)
+
+
+def _tpu_cols(rows, v):
+    bv = sample_block(v)
+    tile, by_block = _tpu_tile(v)
+    j = pl.program_id(1)
+    col = (j * bv if by_block else 0) + lax.broadcasted_iota(jnp.int32, (rows, tile), 1)
+    return col, (col >= j * bv) & (col < jnp.minimum((j + 1) * bv, v))
+
+
+def _tpu_stats_kernel(ip_ref, fp_ref, x_ref, *rest, v, n_poison):
+    # ip_ref i32[K+1, 2], fp_ref f32[K+1, 2], x_ref [K+1, tile], [poisoned aliases],
+    # outputs a, s, sx f32[K+1, 1], gi i32[K+1, 1].
+    a_ref, s_ref, sx_ref, gi_ref = rest[n_poison:]
+    d, mode = ip_ref[:, 0:1], ip_ref[:, 1:2]
     inv_t, thr = fp_ref[:, 0:1], fp_ref[:, 1:2]
-    col = j * bv + lax.broadcasted_iota(jnp.int32, (k + 1, bv), 1)
-    valid = col < v  # the ragged last block holds garbage past V
-
-    @pl.when((p == 0) & (j == 0))
-    def _():
-        for ref, val in zip(st_refs, _init_state((k + 1, 1))):
-            ref[...] = val
-        if has_q:
-            rr_refs[0][...] = jnp.full((k, 1), _NEG_INF, jnp.float32)
-            rr_refs[1][...] = jnp.zeros((k, 1), jnp.int32)
-
-    @pl.when(p == 0)
-    def _():
-        st = tuple(ref[...] for ref in st_refs)
-        x = x_ref[...].astype(jnp.float32)
-        for ref, val in zip(st_refs, _pass0_update(st, x, col, valid, d, key, inv_t, thr)):
-            ref[...] = val
-
-    if has_q:
-        @pl.when(p == 1)
-        def _():
-            x = x_ref[0:k, :].astype(jnp.float32)
-            q = q_ref[...].astype(jnp.float32)
-            rr = (rr_refs[0][...], rr_refs[1][...])
-            m, s = st_refs[2][0:k, :], st_refs[3][0:k, :]
-            rr = _pass1_update(rr, x, q, col[0:k], valid[0:k], key[0:k], inv_t[0:k], thr[0:k], m, s)
-            rr_refs[0][...] = rr[0]
-            rr_refs[1][...] = rr[1]
-
-    @pl.when((p == last_p) & (j == last_j))
-    def _():
-        st = tuple(ref[...] for ref in st_refs)
-        cand, p_d = _finalize(st, mode)
-        cand_ref[...] = cand
-        pd_ref[...] = p_d
-        if has_q:
-            rr_ok = rr_refs[0][...] > _NEG_INF
-            rec = jnp.where(rr_ok, rr_refs[1][...], st[6][0:k])
-            cand_ref[0:k, :] = jnp.where(mode[0:k] == _RESIDUAL, rec, cand[0:k])
+    col, valid = _tpu_cols(x_ref.shape[0], v)
+    g_max, g_idx, m_b, s_b, sx_b = _stats_math(x_ref[...].astype(jnp.float32), col, valid, d, inv_t, thr)
+    greedy, sampled = mode == _GREEDY, mode >= _BONUS
+    a_ref[...] = jnp.where(greedy, g_max, jnp.where(sampled, m_b, _NEG_INF))
+    s_ref[...] = jnp.where(sampled, s_b, 0.0)
+    sx_ref[...] = jnp.where(sampled, sx_b, 0.0)
+    gi_ref[...] = jnp.where(greedy, g_idx, 0)
 
 
-def _tpu_block_v(v, block_v):
-    bv = block_v or 4096
-    if v <= bv:
-        return v  # one full-width block (any V is a legal full dim)
-    return max(128, (bv // 128) * 128)
+def _tpu_resid_kernel(ip_ref, fp_ref, x_ref, q_ref, *rest, v, n_poison):
+    # ip_ref i32[K, 2], fp_ref f32[K, 4], x_ref [K+1, tile] (rows < K used), q_ref [K, tile].
+    r_ref = rest[n_poison]
+    k = q_ref.shape[0]
+    mode = ip_ref[:, 1:2]
+    inv_t, thr, m, s = (fp_ref[:, c:c + 1] for c in range(4))
+    _, valid = _tpu_cols(k, v)
+    x = x_ref[...].astype(jnp.float32)[0:k]
+    r = _resid_math(x, q_ref[...].astype(jnp.float32), valid, inv_t, thr, m, s)
+    r_ref[...] = jnp.where(mode == _RESIDUAL, r, 0.0)
 
 
-def _rows_tpu(target_logits, draft_probs, ip, fp, *, interpret, block_v, poison=False):
+def _tpu_call(kernel, params, data, out_dtypes, nrows, *, v, interpret, poison, name):
     from jax.experimental.pallas import tpu as pltpu
 
-    b, k1, v = target_logits.shape
-    k = k1 - 1
-    bv = _tpu_block_v(v, block_v)
-    nv = pl.cdiv(v, bv)
-    has_q = draft_probs is not None and k > 0
-    n_pass = 2 if has_q else 1
-    in_specs = [
-        pl.BlockSpec((None, k1, _N_IPARAMS), lambda bi, p, j: (bi, 0, 0)),
-        pl.BlockSpec((None, k1, _N_FPARAMS), lambda bi, p, j: (bi, 0, 0)),
-        pl.BlockSpec((None, k1, bv), lambda bi, p, j: (bi, 0, j)),
-    ]
-    args = [ip, fp, target_logits]
-    if has_q:
-        # Pass 0 parks q on block 0 (fetched once); pass 1 streams it.
-        in_specs.append(pl.BlockSpec((None, k, bv), lambda bi, p, j: (bi, 0, j * p)))
-        args.append(draft_probs)
-    out_spec = pl.BlockSpec((None, k1, 1), lambda bi, p, j: (bi, 0, 0))
+    b = params[0].shape[0]
+    nb = num_blocks(v)
+    tile, by_block = _tpu_tile(v)
+    in_specs = [pl.BlockSpec((None,) + p.shape[1:], lambda bi, j: (bi, 0, 0)) for p in params]
+    in_specs += [pl.BlockSpec((None, arr.shape[1], tile), lambda bi, j: (bi, 0, j if by_block else 0))
+                 for arr in data]
+    out_spec = pl.BlockSpec((None, None, nrows, 1), lambda bi, j: (bi, j, 0, 0))
+    shapes = [((b, nb, nrows, 1), dt) for dt in out_dtypes]
+    args = list(params) + list(data)
     aliases = {}
     if poison:
-        in_specs += [out_spec, out_spec]
-        args += _poison_inputs((b, k1, 1))
-        aliases = {len(args) - 2: 0, len(args) - 1: 1}
-    f32, i32 = jnp.float32, jnp.int32
-    scratch = [pltpu.VMEM((k1, 1), t) for t in (f32, i32, f32, f32, f32, f32, i32, f32, i32)]
-    if has_q:
-        scratch += [pltpu.VMEM((k, 1), f32), pltpu.VMEM((k, 1), i32)]
-    cand, p_d = pl.pallas_call(
-        functools.partial(_tpu_kernel, v=v, bv=bv, k=k, has_q=has_q, n_poison=2 * poison),
-        grid=(b, n_pass, nv),
+        in_specs += [out_spec] * len(shapes)
+        aliases = {len(args) + i: i for i in range(len(shapes))}
+        args += _poison_inputs(shapes)
+    outs = pl.pallas_call(
+        functools.partial(kernel, v=v, n_poison=len(shapes) if poison else 0),
+        grid=(b, nb),
         in_specs=in_specs,
-        out_specs=[out_spec, out_spec],
-        out_shape=[jax.ShapeDtypeStruct((b, k1, 1), jnp.int32),
-                   jax.ShapeDtypeStruct((b, k1, 1), jnp.float32)],
-        scratch_shapes=scratch,
+        out_specs=[out_spec] * len(shapes),
+        out_shape=[jax.ShapeDtypeStruct(sh, dt) for sh, dt in shapes],
         input_output_aliases=aliases,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=pltpu.InterpretParams() if interpret else False,
-        name="rejection_rows_tpu",
+        name=name,
     )(*args)
-    return cand[..., 0], p_d[..., 0]
+    return [jnp.swapaxes(o[..., 0], 1, 2) for o in outs]  # -> [B, rows, NB]
+
+
+def _stats_tpu(x, d, mode, inv_t, thr, *, interpret, poison=False):
+    k1, v = x.shape[1], x.shape[2]
+    ip = jnp.stack([d, mode], axis=-1)
+    fp = jnp.stack([inv_t, thr], axis=-1)
+    f32, i32 = jnp.float32, jnp.int32
+    return tuple(_tpu_call(_tpu_stats_kernel, [ip, fp], [x], [f32, f32, f32, i32], k1, v=v,
+                           interpret=interpret, poison=poison, name="rejection_stats_tpu"))
+
+
+def _resid_tpu(x, q, d, mode, inv_t, thr, m, s, *, interpret, poison=False):
+    k, v = q.shape[1], q.shape[2]
+    ip = jnp.stack([d, mode], axis=-1)
+    fp = jnp.stack([inv_t, thr, m, s], axis=-1)
+    (r,) = _tpu_call(_tpu_resid_kernel, [ip, fp], [x, q], [jnp.float32], k, v=v,
+                     interpret=interpret, poison=poison, name="rejection_resid_tpu")
+    return r
 
 
 # ----------------------------------------------------------------------------------------
@@ -544,39 +658,52 @@ def _rows_tpu(target_logits, draft_probs, ip, fp, *, interpret, block_v, poison=
 # ----------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("method", "impl", "block_v", "num_warps"))
+def _kernel_rows(x, q, d, mode, key, inv_t, thr, *, impl, bpp, num_warps):
+    """(cand, p_d) with the per-block statistics from the chosen kernel."""
+    k = x.shape[1] - 1
+    if impl in ("tpu", "tpu_interpret"):
+        kw = dict(interpret=impl == "tpu_interpret")
+        stats_fn, resid_fn = _stats_tpu, _resid_tpu
+    else:
+        kw = dict(interpret=impl == "interpret", bpp=bpp, num_warps=num_warps)
+        stats_fn, resid_fn = _stats_gpu, _resid_gpu
+    stats = stats_fn(x, d, mode, inv_t, thr, **kw)
+
+    def resid(m, s):
+        return resid_fn(x, q, d[:, :k], mode[:, :k], inv_t[:, :k], thr[:, :k], m, s, **kw)
+
+    return _select(x, q, d, mode, key, inv_t, thr, stats, resid)
+
+
+@functools.partial(jax.jit, static_argnames=("method", "impl", "blocks_per_program", "num_warps", "filtering"))
 def _rejection_sample_jit(target_logits, draft_tokens, num_draft, draft_probs, temperature,
                           top_k, top_p, seeds, positions, synthetic_rates, *, method, impl,
-                          block_v, num_warps):
+                          blocks_per_program, num_warps, filtering):
     temperature = temperature.astype(jnp.float32)
-    b, k1, _ = target_logits.shape
-    d_greedy = jnp.concatenate([draft_tokens.astype(jnp.int32), jnp.full((b, 1), -1, jnp.int32)], 1)
-
-    def greedy_rows(_):
-        # Every request greedy: one argmax over the logits, no RNG, no filter sort.
-        cand = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
-        return cand, jnp.zeros((b, k1), jnp.float32), d_greedy
-
-    def kernel_rows(_):
-        d, mode, key, inv_t, thr = _row_params(target_logits, draft_tokens, num_draft,
-                                               temperature, top_k, top_p, seeds, positions)
-        if impl == "reference":
-            cand, p_d = _ref_rows(target_logits, draft_probs, d, mode, key, inv_t, thr)
-        else:
-            ip = jnp.stack([d, mode, key, jnp.zeros_like(d)], axis=-1)
-            fp = jnp.stack([inv_t, thr], axis=-1)
-            if impl in ("tpu", "tpu_interpret"):
-                cand, p_d = _rows_tpu(target_logits, draft_probs, ip, fp,
-                                      interpret=impl == "tpu_interpret", block_v=block_v)
-            else:
-                cand, p_d = _rows_gpu(target_logits, draft_probs, ip, fp,
-                                      interpret=impl == "interpret", block_v=block_v,
-                                      num_warps=num_warps)
-        return cand, p_d, d_greedy
-
-    cand, p_d, d = lax.cond(jnp.all(temperature <= 0.0), greedy_rows, kernel_rows, None)
+    # No lax.cond for all-greedy batches: on GPU a conditional reads its predicate on the
+    # host (a sync per call), and greedy rows cost one argmax pass in the kernel anyway.
+    d, mode, key, inv_t, thr = _row_params(target_logits, draft_tokens, num_draft, temperature,
+                                           top_k, top_p, seeds, positions,
+                                           filtering=filtering)
+    if impl == "reference":
+        cand, p_d = _ref_rows(target_logits, draft_probs, d, mode, key, inv_t, thr)
+    else:
+        cand, p_d = _kernel_rows(target_logits, draft_probs, d, mode, key, inv_t, thr, impl=impl,
+                                 bpp=blocks_per_program, num_warps=num_warps)
     return _epilogue(cand, p_d, d, num_draft, draft_probs, temperature, seeds, positions,
                      method, synthetic_rates)
+
+
+def _host_filtering(temperature, top_k, top_p, v):
+    """"auto" -> "on"/"off" when the sampling params are host values (numpy, lists): no
+    lax.cond then, which on GPU costs a host sync (~50 us on the H200) per call. Device
+    arrays and tracers keep "auto" (decided on the device)."""
+    params = (temperature, top_k, top_p)
+    if any(isinstance(x, (jax.Array, jax.core.Tracer)) for x in params):
+        return "auto"
+    t, k, p = (np.asarray(x) for x in params)
+    used = np.any((t > 0) & (((k > 0) & (k < v)) | (p < 1)))
+    return "on" if used else "off"
 
 
 def rejection_sample(
@@ -593,19 +720,27 @@ def rejection_sample(
     method: str = "standard",  # "standard" | "synthetic"
     synthetic_rates=None,  # f32[K] conditional rates (method="synthetic" only)
     impl: str = "auto",  # see kernels_pallas.dispatch.resolve_impl
-    block_v: int | None = None,  # V block size (GPU: power of two, TPU: multiple of 128)
-    num_warps: int = 8,  # Triton warps per program (GPU only)
+    blocks_per_program: int = 1,  # GPU: vocabulary blocks per program (1, 2, 4, ...)
+    num_warps: int = 4,  # Triton warps per program (GPU only)
+    filtering: str = "auto",  # top-k/top-p sort: "auto" (when some row uses them), "off", "on"
 ):
     """Speculative-decoding verification -> (tokens i32[B, K+1] padded with -1, num_emitted i32[B]).
 
-    num_emitted = accepted drafts + 1. See the module docstring for semantics.
+    num_emitted = accepted drafts + 1. See the module docstring for semantics. The tuning
+    arguments change speed only, never the tokens.
     """
     _validate(target_logits, draft_tokens, num_draft, draft_probs, temperature, top_k,
               top_p, seeds, positions, method, synthetic_rates)
+    if filtering not in ("auto", "off", "on"):
+        raise ValueError(f"filtering must be 'auto', 'off' or 'on', got {filtering!r}")
+    if blocks_per_program < 1 or blocks_per_program & (blocks_per_program - 1):
+        raise ValueError(f"blocks_per_program must be a power of two >= 1, got {blocks_per_program}")
     if synthetic_rates is not None:
         synthetic_rates = jnp.asarray(synthetic_rates, jnp.float32)
+    if filtering == "auto":
+        filtering = _host_filtering(temperature, top_k, top_p, np.shape(target_logits)[-1])
     return _rejection_sample_jit(
         target_logits, jnp.asarray(draft_tokens), jnp.asarray(num_draft), draft_probs,
         jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(seeds),
         jnp.asarray(positions), synthetic_rates, method=method, impl=resolve_impl(impl),
-        block_v=block_v, num_warps=num_warps)
+        blocks_per_program=blocks_per_program, num_warps=num_warps, filtering=filtering)

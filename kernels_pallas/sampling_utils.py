@@ -109,12 +109,13 @@ def safe_inv_temperature(temperature) -> jax.Array:
     return jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, temperature))
 
 
-def filter_thresholds(logits, temperature, top_k, top_p) -> jax.Array:
+def filter_thresholds(logits, temperature, top_k, top_p, always: bool = False) -> jax.Array:
     """Top-k / top-p as a raw-logit threshold per row: keep `logits >= threshold`.
 
     logits: f32|bf16[B, ..., V]; temperature f32[B]; top_k i32[B]; top_p f32[B].
     Returns f32[B, ...]; -inf where no filter applies (also for greedy rows). The sort
-    over V only runs when some request uses top-k or top-p (lax.cond).
+    over V only runs when some request uses top-k or top-p (lax.cond), or unconditionally
+    with always=True (no conditional: on GPU a lax.cond syncs with the host).
     """
     x = logits.astype(jnp.float32)
     v = x.shape[-1]
@@ -143,6 +144,8 @@ def filter_thresholds(logits, temperature, top_k, top_p) -> jax.Array:
         on = _bcast_rows(k_on | p_on, nd - 1)
         return jnp.where(on, thr, -jnp.inf)
 
+    if always:
+        return compute(None)
     return lax.cond(jnp.any(k_on | p_on), compute, lambda _: no_filter, None)
 
 

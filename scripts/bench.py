@@ -300,9 +300,13 @@ def spec_section(args, bw, kind):
     dc, dparams = drafter_setup(kind, cfg, args.quick)
     base = make_engine(cfg, params, max_num_seqs=32 if not args.quick else 4, ctx=ctx, dtype="bfloat16")
     rows = []
-    for B in (1, 32) if not args.quick else (1, 4):
+    batches = [int(b) for b in args.spec_batches.split(",")] if not args.quick else (1, 4)
+    ks = {int(k) for k in args.ks.split(",")} if args.ks else None
+    for B in batches:
         t1, base_tps = engine_decode(base, B, ctx, rng, args.steps)
         for K, lengths in plan:
+            if ks is not None and K not in ks:
+                continue
             tK = target_forward_time(base, B, ctx, rng, K + 1)
             spec = {"method": kind, "model": f"random-{kind}", "num_speculative_tokens": K,
                     "rejection_sample_method": "synthetic", "synthetic_acceptance_length": lengths[0]}
@@ -368,6 +372,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--batches", default="1,8,32,64", help="plain section: batch sizes")
     ap.add_argument("--sched-steps", type=int, default=8, help="num_scheduler_steps for the plain section")
+    ap.add_argument("--spec-batches", default="1,32", help="eagle3/parallel sections: batch sizes")
+    ap.add_argument("--ks", default="", help="eagle3/parallel sections: only these K (default: the plan's)")
     ap.add_argument("--methods", default="dflash,peagle", help="parallel section: which drafters")
     args = ap.parse_args()
     info = dict(date=time.strftime("%Y-%m-%d"), jax=jax.__version__, device=str(jax.devices()[0].device_kind),

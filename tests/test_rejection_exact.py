@@ -15,8 +15,8 @@ from kernels_pallas.dispatch import resolve_impl
 from kernels_pallas.rejection_sampling import ref_rejection_sample, rejection_sample
 
 IMPLS = ["reference", "interpret", "tpu_interpret"]
-V = 160  # not a multiple of the 128/64 blocks used below: exercises ragged last blocks
-BLOCK_V = 64
+V = 160  # two vocabulary blocks of 128 (rs.sample_block): exercises the ragged last block
+BPP = 4  # GPU blocks per program: one program covers both blocks plus two empty grid-padding ones
 
 
 def _call(impl, logits, drafts, nd, probs, temp, top_k=None, top_p=None, seeds=None, pos=None, **kw):
@@ -30,7 +30,7 @@ def _call(impl, logits, drafts, nd, probs, temp, top_k=None, top_p=None, seeds=N
     if impl == "reference":
         out = ref_rejection_sample(*args, **kw)
     else:
-        out = rejection_sample(*args, impl=impl, block_v=BLOCK_V, **kw)
+        out = rejection_sample(*args, impl=impl, blocks_per_program=BPP, **kw)
     return np.asarray(out[0]), np.asarray(out[1])
 
 
@@ -145,7 +145,7 @@ def test_topk_topp_emitted_tokens_allowed(impl):
     args[4] = jnp.asarray(rng.uniform(0.5, 1.5, b), jnp.float32)  # all sampled
     args[5] = jnp.asarray(rng.integers(1, 12, b), jnp.int32)
     args[6] = jnp.asarray(rng.uniform(0.2, 0.9, b), jnp.float32)
-    tokens, n = rejection_sample(*args, impl=impl, block_v=BLOCK_V)
+    tokens, n = rejection_sample(*args, impl=impl, blocks_per_program=BPP)
     tokens, n = np.asarray(tokens), np.asarray(n)
     probs = np.asarray(su.target_probs(args[0], args[4], args[5], args[6]))
     for bi in range(b):
@@ -160,23 +160,36 @@ def test_topk_topp_emitted_tokens_allowed(impl):
 @pytest.mark.parametrize("k, dtype, with_probs", [
     (0, jnp.float32, False), (3, jnp.float32, True), (3, jnp.bfloat16, False), (1, jnp.bfloat16, True),
 ])
-def test_kernel_rows_match_reference_poisoned(k, dtype, with_probs):
+def test_kernel_block_stats_match_reference_poisoned(k, dtype, with_probs):
     rng = np.random.default_rng(10 * k + with_probs)
-    b, v = 13, 300
+    b, v = 13, 300  # blocks of 256: one full, one ragged
     logits, drafts, nd, q, temp, top_k, top_p, seeds, pos = _random_batch(rng, b, k, v, dtype, with_probs)
     d, mode, key, inv_t, thr = jax.jit(rs._row_params)(logits, drafts, nd, temp, top_k, top_p, seeds, pos)
-    want_c, want_p = jax.jit(rs._ref_rows)(logits, q, d, mode, key, inv_t, thr)
-    ip = jnp.stack([d, mode, key, jnp.zeros_like(d)], -1)
-    fp = jnp.stack([inv_t, thr], -1)
+    want = jax.jit(rs._ref_block_stats)(logits, d, mode, inv_t, thr)
     # Outputs are aliased to buffers pre-filled with -7 / NaN: any slot the kernel does not
     # write (padding rows included) would show up.
-    gpu = jax.jit(lambda *a: rs._rows_gpu(*a, interpret=True, block_v=128, num_warps=4, poison=True))(logits, q, ip, fp)
-    tpu = jax.jit(lambda *a: rs._rows_tpu(*a, interpret=True, block_v=128, poison=True))(logits, q, ip, fp)
-    for cand, p_d in (gpu, tpu):
-        np.testing.assert_array_equal(np.asarray(cand), np.asarray(want_c))  # no -7 sentinel left
-        assert not np.any(np.isnan(np.asarray(p_d)))  # every slot written
-        np.testing.assert_allclose(np.asarray(p_d), np.asarray(want_p), rtol=1e-5, atol=1e-7)
-    assert np.all(np.asarray(want_c)[np.asarray(mode) == rs._PAD] == -1)
+    got = {
+        "gpu": jax.jit(lambda *a: rs._stats_gpu(*a, interpret=True, bpp=1, poison=True))(logits, d, mode, inv_t, thr),
+        "gpu_bpp4": jax.jit(lambda *a: rs._stats_gpu(*a, interpret=True, bpp=4, poison=True))(logits, d, mode, inv_t, thr),
+        "tpu": jax.jit(lambda *a: rs._stats_tpu(*a, interpret=True, poison=True))(logits, d, mode, inv_t, thr),
+    }
+    assert want[0].shape == (b, k + 1, rs.num_blocks(v)) == (b, k + 1, 2)
+    for name, stats in got.items():
+        for w, g in zip(want, stats):
+            assert g.shape == w.shape, name
+            assert not np.any(np.isnan(np.asarray(g, np.float32))), name  # every slot written
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=1e-30, err_msg=name)
+        np.testing.assert_array_equal(np.asarray(stats[3]), np.asarray(want[3]))  # argmax columns
+    if with_probs:
+        m = jnp.max(want[0], -1)[:, :k]
+        s = jnp.sum(want[1] * jnp.exp(want[0] - jnp.max(want[0], -1, keepdims=True)), -1)[:, :k]
+        rw = rs._ref_block_resid(logits[:, :k], q, mode[:, :k], inv_t[:, :k], thr[:, :k], m, s)
+        args = (logits, q, d[:, :k], mode[:, :k], inv_t[:, :k], thr[:, :k], m, s)
+        for r in (rs._resid_gpu(*args, interpret=True, bpp=2, poison=True),
+                  rs._resid_tpu(*args, interpret=True, poison=True)):
+            np.testing.assert_allclose(np.asarray(r), np.asarray(rw), rtol=2e-6, atol=1e-7)
+            assert np.any(np.asarray(rw) > 0)
+    assert np.all(np.asarray(jax.jit(rs._ref_rows)(logits, q, d, mode, key, inv_t, thr)[0])[np.asarray(mode) == rs._PAD] == -1)
 
 
 @pytest.mark.parametrize("impl, method, with_probs", [
@@ -190,18 +203,42 @@ def test_kernel_matches_reference_end_to_end(impl, method, with_probs):
     args = _random_batch(rng, 40 if impl == "interpret" else 16, k, 300, jnp.float32, with_probs)
     kw = dict(method=method, synthetic_rates=(0.8, 0.5, 0.4) if method == "synthetic" else None)
     want = ref_rejection_sample(*args, **kw)
-    got = jax.jit(lambda *a: rejection_sample(*a, impl=impl, block_v=128, **kw))(*args)  # under an outer jit
+    got = jax.jit(lambda *a: rejection_sample(*a, impl=impl, **kw))(*args)  # under an outer jit
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     n = np.asarray(want[1])
     assert n.min() >= 1 and n.max() <= k + 1 and len(set(n.tolist())) > 1
 
 
+def test_filtering_modes_agree():
+    # "auto" decided on the host (numpy params), on the device (jax arrays: lax.cond), and
+    # the explicit modes give the same tokens; "off" ignores top-k/top-p as documented.
+    rng = np.random.default_rng(11)
+    args = list(_random_batch(rng, 12, 2, V))
+    host = args[:4] + [np.asarray(a) for a in args[4:7]] + args[7:]
+    with_filters = [np.asarray(rejection_sample(*a, impl="reference", **kw)[0])
+                    for a, kw in ((args, {}), (host, {}), (args, dict(filtering="on")))]
+    np.testing.assert_array_equal(with_filters[0], with_filters[1])
+    np.testing.assert_array_equal(with_filters[0], with_filters[2])
+    plain = args[:5] + [jnp.zeros(12, jnp.int32), jnp.ones(12, jnp.float32)] + args[7:]
+    no_filters = [np.asarray(rejection_sample(*plain, impl="reference", filtering=f)[0]) for f in ("auto", "off", "on")]
+    np.testing.assert_array_equal(no_filters[0], no_filters[1])
+    np.testing.assert_array_equal(no_filters[0], no_filters[2])
+    # top_k = 1 at temperature 1.5: only "off" can emit anything but the row's argmax.
+    k1 = args[:4] + [np.full(12, 1.5, np.float32), np.ones(12, np.int32), np.ones(12, np.float32)] + args[7:]
+    k1[2] = jnp.zeros(12, jnp.int32)  # no drafts: one sampled token per request
+    top1 = np.asarray(jnp.argmax(args[0][:, 0], -1))
+    assert np.array_equal(np.asarray(rejection_sample(*k1, impl="reference")[0])[:, 0], top1)
+    assert not np.array_equal(np.asarray(rejection_sample(*k1, impl="reference", filtering="off")[0])[:, 0], top1)
+    with pytest.raises(ValueError, match="filtering"):
+        rejection_sample(*args, filtering="maybe")
+
+
 def test_seeded_request_independent_of_batch():
     rng = np.random.default_rng(5)
     args = _random_batch(rng, 16, 3, 300)
-    full = rejection_sample(*args, impl="interpret", block_v=128)
-    sub = rejection_sample(*(a[3:5] if a is not None else None for a in args), impl="interpret", block_v=128)
+    full = rejection_sample(*args, impl="interpret")
+    sub = rejection_sample(*(a[3:5] if a is not None else None for a in args), impl="interpret")
     np.testing.assert_array_equal(np.asarray(full[0])[3:5], np.asarray(sub[0]))
 
 
