@@ -180,8 +180,24 @@ def _row_params(target_logits, draft_tokens, num_draft, temperature, top_k, top_
 
 
 # ----------------------------------------------------------------------------------------
-# Per-block statistics: the jnp reference of what the kernels compute
+# Per-block statistics: the block math (shared by the kernel bodies) and its jnp reference
 # ----------------------------------------------------------------------------------------
+
+
+def _greedy_math(x, col, valid):
+    """Block max of the logits and its lowest column, reduced over the last axis (keepdims)."""
+    gx = jnp.where(valid, x, _NEG_INF)
+    g_max = jnp.max(gx, axis=-1, keepdims=True)
+    return g_max, jnp.min(jnp.where(gx == g_max, col, _BIG), axis=-1, keepdims=True)
+
+
+def _sampled_math(x, col, valid, d, inv_t, thr):
+    """Block max of z, sum exp(z - max), the same without the draft (keepdims)."""
+    z = jnp.where(valid & (x >= thr), x * inv_t, _NEG_INF)
+    m_b = jnp.max(z, axis=-1, keepdims=True)
+    e = jnp.exp(z - jnp.where(m_b == _NEG_INF, 0.0, m_b))
+    s_b = jnp.sum(e, axis=-1, keepdims=True)
+    return m_b, s_b, jnp.sum(jnp.where(col != d, e, 0.0), axis=-1, keepdims=True)
 
 
 def _blocked(x, fill):
@@ -199,14 +215,9 @@ def _ref_block_stats(x, d, mode, inv_t, thr):
     v = x.shape[-1]
     xb = _blocked(x.astype(jnp.float32), _NEG_INF)
     col = _blocked(jnp.arange(v, dtype=jnp.int32), _BIG)
-    g_max = jnp.max(xb, axis=-1)
-    g_idx = jnp.min(jnp.where(xb == g_max[..., None], col, _BIG), axis=-1)
     c = lambda t: t[..., None, None]  # noqa: E731  [B, K+1] -> [B, K+1, 1, 1]
-    z = jnp.where(xb >= c(thr), xb * c(inv_t), _NEG_INF)
-    m_b = jnp.max(z, axis=-1)
-    e = jnp.exp(z - jnp.where(m_b == _NEG_INF, 0.0, m_b)[..., None])
-    s_b = jnp.sum(e, axis=-1)
-    sx_b = jnp.sum(jnp.where(col != c(d), e, 0.0), axis=-1)
+    g_max, g_idx = (r[..., 0] for r in _greedy_math(xb, col, col < v))
+    m_b, s_b, sx_b = (r[..., 0] for r in _sampled_math(xb, col, col < v, c(d), c(inv_t), c(thr)))
     greedy, sampled = (mode == _GREEDY)[..., None], (mode >= _BONUS)[..., None]
     a = jnp.where(greedy, g_max, jnp.where(sampled, m_b, _NEG_INF))
     return (a, jnp.where(sampled, s_b, 0.0), jnp.where(sampled, sx_b, 0.0),
@@ -389,22 +400,9 @@ def _ref_jit(target_logits, draft_tokens, num_draft, draft_probs, temperature, t
 
 
 # ----------------------------------------------------------------------------------------
-# Block math shared by the GPU and TPU bodies: x f32[..., n] with per-row params
-# broadcasting against it (scalars on GPU, [K+1, 1] columns on TPU).
+# Residual math of the kernel bodies: x f32[..., n] with per-row params broadcasting
+# against it (scalars on GPU, [K, 1] columns on TPU).
 # ----------------------------------------------------------------------------------------
-
-
-def _stats_math(x, col, valid, d, inv_t, thr):
-    """-> (g_max, g_idx, m_b, s_b, sx_b), each reduced over the last axis (keepdims)."""
-    gx = jnp.where(valid, x, _NEG_INF)
-    g_max = jnp.max(gx, axis=-1, keepdims=True)
-    g_idx = jnp.min(jnp.where(gx == g_max, col, _BIG), axis=-1, keepdims=True)
-    z = jnp.where(valid & (x >= thr), x * inv_t, _NEG_INF)
-    m_b = jnp.max(z, axis=-1, keepdims=True)
-    e = jnp.exp(z - jnp.where(m_b == _NEG_INF, 0.0, m_b))
-    s_b = jnp.sum(e, axis=-1, keepdims=True)
-    sx_b = jnp.sum(jnp.where(col != d, e, 0.0), axis=-1, keepdims=True)
-    return g_max, g_idx, m_b, s_b, sx_b
 
 
 def _resid_math(x, q, valid, inv_t, thr, m, s):
@@ -465,21 +463,14 @@ def _gpu_stats_kernel(ip_ref, fp_ref, x_ref, *rest, v, bv, bpp, n_poison):
     def _():
         for t in range(bpp):
             x, col, valid = _gpu_block(x_ref, g * bpp + t, v, bv)
-            gx = jnp.where(valid, x, _NEG_INF)
-            g_max = jnp.max(gx, axis=-1, keepdims=True)
-            g_idx = jnp.min(jnp.where(gx == g_max, col, _BIG), axis=-1, keepdims=True)
+            g_max, g_idx = _greedy_math(x, col, valid)
             put(t, g_max, zero, zero, g_idx)
 
     @pl.when(mode >= _BONUS)
     def _():
         for t in range(bpp):
             x, col, valid = _gpu_block(x_ref, g * bpp + t, v, bv)
-            z = jnp.where(valid & (x >= thr), x * inv_t, _NEG_INF)
-            m_b = jnp.max(z, axis=-1, keepdims=True)
-            e = jnp.exp(z - jnp.where(m_b == _NEG_INF, 0.0, m_b))
-            s_b = jnp.sum(e, axis=-1, keepdims=True)
-            sx_b = jnp.sum(jnp.where(col != d, e, 0.0), axis=-1, keepdims=True)
-            put(t, m_b, s_b, sx_b, izero)
+            put(t, *_sampled_math(x, col, valid, d, inv_t, thr), izero)
 
 
 def _gpu_resid_kernel(ip_ref, fp_ref, x_ref, q_ref, *rest, v, bv, bpp, n_poison):
@@ -584,7 +575,9 @@ def _tpu_stats_kernel(ip_ref, fp_ref, x_ref, *rest, v, n_poison):
     d, mode = ip_ref[:, 0:1], ip_ref[:, 1:2]
     inv_t, thr = fp_ref[:, 0:1], fp_ref[:, 1:2]
     col, valid = _tpu_cols(x_ref.shape[0], v)
-    g_max, g_idx, m_b, s_b, sx_b = _stats_math(x_ref[...].astype(jnp.float32), col, valid, d, inv_t, thr)
+    x = x_ref[...].astype(jnp.float32)
+    g_max, g_idx = _greedy_math(x, col, valid)
+    m_b, s_b, sx_b = _sampled_math(x, col, valid, d, inv_t, thr)
     greedy, sampled = mode == _GREEDY, mode >= _BONUS
     a_ref[...] = jnp.where(greedy, g_max, jnp.where(sampled, m_b, _NEG_INF))
     s_ref[...] = jnp.where(sampled, s_b, 0.0)
