@@ -4,7 +4,8 @@ Public API
 ----------
 rejection_sample(target_logits, draft_tokens, num_draft, draft_probs, temperature, top_k,
                  top_p, seeds, positions, *, method="standard", synthetic_rates=None,
-                 impl="auto", blocks_per_program=1, num_warps=4)
+                 impl="auto", blocks_per_program=1, num_warps=2, num_stages=1,
+                 filtering="auto")
     -> (tokens i32[B, K+1] padded with -1, num_emitted i32[B])
 ref_rejection_sample(...): same signature minus the tuning arguments, pure jnp.
 Helpers live in kernels_pallas/sampling_utils.py (uniform, target_probs,
@@ -46,7 +47,8 @@ raw-logit threshold per row, so the kernel still reads only logits (no materiali
 probability buffer). Whether to sort (`filtering`): decided on the host when the sampling
 params are host values, else by a lax.cond on the device -- which on GPU reads its
 predicate on the host: ~50 us per call on the H200, half the kernel time at B=64, K=7
-(scripts/bench_rejection.py). Callers that know (filtering="off"/"on") skip it. There is no
+(scripts/bench_rejection.py). Callers that know (filtering="off"/"on") skip it: the engine
+decides it per step on the host (ModelRunner._filtering, a static jit argument). There is no
 all-greedy fast path for the same reason: greedy rows cost one argmax pass in the kernel.
 
 Random numbers: a stateless int32 hash (sampling_utils) keyed on (seed, position, salt):
@@ -417,8 +419,13 @@ def _poison_inputs(shapes_dtypes):
 
 
 # ----------------------------------------------------------------------------------------
-# GPU kernels (Triton backend; also the interpret=True bodies): one program per
-# (row, blocks_per_program consecutive vocabulary blocks).
+# GPU kernels (Triton backend; also the interpret=True bodies): one program per (row,
+# blocks_per_program consecutive vocabulary blocks; more than one is a fori_loop that
+# Triton may pipeline with num_stages). On the H200 (2026-11-21, profiler GPU time, B=64,
+# K=7, V=128256) one 2048-wide block per program with 2 warps was fastest: 56.2 us, 2.34
+# TB/s, 51% of a bf16 row reduction timed the same way; 4 blocks per program 59.2 us,
+# 1 warp 62.1 us, 4 warps 64.5 us. A [rows, 2048] tile per program (several rows of a
+# request at once) was slower still (wall clock 110-187 us against 107 us).
 # ----------------------------------------------------------------------------------------
 
 
@@ -439,6 +446,16 @@ def _gpu_block(ref, j, v, bv):
     return ref[pl.ds(start, bv)].astype(jnp.float32), col, col >= j * bv
 
 
+def _for_blocks(g, bpp, body):
+    """body(t, j) for the program's blocks t = 0..bpp-1 (vocabulary block j = g * bpp + t).
+    g = pl.program_id(2), read at the kernel's top level (the interpreter does not
+    substitute program ids inside a loop nested in a pl.when)."""
+    if bpp == 1:
+        body(0, g)
+    else:
+        lax.fori_loop(0, bpp, lambda t, c: (body(t, g * bpp + t), c)[1], 0)
+
+
 def _gpu_stats_kernel(ip_ref, fp_ref, x_ref, *rest, v, bv, bpp, n_poison):
     # ip_ref i32[2] (d, mode), fp_ref f32[2] (inv_t, thr), x_ref [V] logits row,
     # [poisoned aliases, unread], outputs a, s, sx f32[bpp], gi i32[bpp].
@@ -456,21 +473,22 @@ def _gpu_stats_kernel(ip_ref, fp_ref, x_ref, *rest, v, bv, bpp, n_poison):
 
     @pl.when(mode == _PAD)
     def _():
-        for t in range(bpp):
-            put(t, ninf, zero, zero, izero)
+        _for_blocks(g, bpp, lambda t, j: put(t, ninf, zero, zero, izero))
 
     @pl.when(mode == _GREEDY)
     def _():
-        for t in range(bpp):
-            x, col, valid = _gpu_block(x_ref, g * bpp + t, v, bv)
+        def body(t, j):
+            x, col, valid = _gpu_block(x_ref, j, v, bv)
             g_max, g_idx = _greedy_math(x, col, valid)
             put(t, g_max, zero, zero, g_idx)
+        _for_blocks(g, bpp, body)
 
     @pl.when(mode >= _BONUS)
     def _():
-        for t in range(bpp):
-            x, col, valid = _gpu_block(x_ref, g * bpp + t, v, bv)
+        def body(t, j):
+            x, col, valid = _gpu_block(x_ref, j, v, bv)
             put(t, *_sampled_math(x, col, valid, d, inv_t, thr), izero)
+        _for_blocks(g, bpp, body)
 
 
 def _gpu_resid_kernel(ip_ref, fp_ref, x_ref, q_ref, *rest, v, bv, bpp, n_poison):
@@ -483,18 +501,19 @@ def _gpu_resid_kernel(ip_ref, fp_ref, x_ref, q_ref, *rest, v, bv, bpp, n_poison)
 
     @pl.when(mode != _RESIDUAL)
     def _():
-        for t in range(bpp):
-            r_ref[pl.ds(t, 1)] = jnp.zeros((1,), jnp.float32)
+        _for_blocks(g, bpp, lambda t, j: r_ref.__setitem__(pl.ds(t, 1), jnp.zeros((1,), jnp.float32)))
 
     @pl.when(mode == _RESIDUAL)
     def _():
-        for t in range(bpp):
-            x, _, valid = _gpu_block(x_ref, g * bpp + t, v, bv)
-            q, _, _ = _gpu_block(q_ref, g * bpp + t, v, bv)
+        def body(t, j):
+            x, _, valid = _gpu_block(x_ref, j, v, bv)
+            q, _, _ = _gpu_block(q_ref, j, v, bv)
             r_ref[pl.ds(t, 1)] = _resid_math(x, q, valid, inv_t, thr, m, s)
+        _for_blocks(g, bpp, body)
 
 
-def _gpu_call(kernel, row_args, out_dtypes, nrows, *, v, interpret, bpp, num_warps, poison, name):
+def _gpu_call(kernel, row_args, out_dtypes, nrows, *, v, interpret, bpp, num_warps, num_stages,
+              poison, name):
     """pallas_call over grid (B, nrows, padded blocks / bpp); row_args are [B, rows, n]
     parameter arrays and [B, rows', V] data arrays (row index clamped to the array's rows)."""
     b = row_args[0].shape[0]
@@ -514,7 +533,7 @@ def _gpu_call(kernel, row_args, out_dtypes, nrows, *, v, interpret, bpp, num_war
         kwargs["input_output_aliases"] = {len(row_args) + i: i for i in range(len(shapes))}
     if not interpret:
         from jax.experimental.pallas import triton as plt
-        kwargs["compiler_params"] = plt.CompilerParams(num_warps=num_warps, num_stages=1)
+        kwargs["compiler_params"] = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     outs = pl.pallas_call(
         functools.partial(kernel, v=v, bv=bv, bpp=bpp, n_poison=len(shapes) if poison else 0),
         grid=(b, nrows, ng),
@@ -528,23 +547,25 @@ def _gpu_call(kernel, row_args, out_dtypes, nrows, *, v, interpret, bpp, num_war
     return [o[..., :nb] for o in outs]
 
 
-def _stats_gpu(x, d, mode, inv_t, thr, *, interpret, bpp=1, num_warps=4, poison=False):
+def _stats_gpu(x, d, mode, inv_t, thr, *, interpret, bpp=1, num_warps=4, num_stages=1, poison=False):
     b, k1, v = x.shape
     ip = jnp.stack([d, mode], axis=-1)
     fp = jnp.stack([inv_t, thr], axis=-1)
     f32, i32 = jnp.float32, jnp.int32
     return tuple(_gpu_call(_gpu_stats_kernel, [ip, fp, x], [f32, f32, f32, i32], k1, v=v,
-                           interpret=interpret, bpp=bpp, num_warps=num_warps, poison=poison,
-                           name="rejection_stats_gpu"))
+                           interpret=interpret, bpp=bpp, num_warps=num_warps, num_stages=num_stages,
+                           poison=poison, name="rejection_stats_gpu"))
 
 
-def _resid_gpu(x, q, d, mode, inv_t, thr, m, s, *, interpret, bpp=1, num_warps=4, poison=False):
+def _resid_gpu(x, q, d, mode, inv_t, thr, m, s, *, interpret, bpp=1, num_warps=4, num_stages=1,
+               poison=False):
     """x [B, K+1, V] (rows < K read), q [B, K, V]; params [B, K]."""
     b, k, v = q.shape
     ip = jnp.stack([d, mode], axis=-1)
     fp = jnp.stack([inv_t, thr, m, s], axis=-1)
     (r,) = _gpu_call(_gpu_resid_kernel, [ip, fp, x, q], [jnp.float32], k, v=v, interpret=interpret,
-                     bpp=bpp, num_warps=num_warps, poison=poison, name="rejection_resid_gpu")
+                     bpp=bpp, num_warps=num_warps, num_stages=num_stages, poison=poison,
+                     name="rejection_resid_gpu")
     return r
 
 
@@ -651,14 +672,14 @@ def _resid_tpu(x, q, d, mode, inv_t, thr, m, s, *, interpret, poison=False):
 # ----------------------------------------------------------------------------------------
 
 
-def _kernel_rows(x, q, d, mode, key, inv_t, thr, *, impl, bpp, num_warps):
+def _kernel_rows(x, q, d, mode, key, inv_t, thr, *, impl, bpp, num_warps, num_stages):
     """(cand, p_d) with the per-block statistics from the chosen kernel."""
     k = x.shape[1] - 1
     if impl in ("tpu", "tpu_interpret"):
         kw = dict(interpret=impl == "tpu_interpret")
         stats_fn, resid_fn = _stats_tpu, _resid_tpu
     else:
-        kw = dict(interpret=impl == "interpret", bpp=bpp, num_warps=num_warps)
+        kw = dict(interpret=impl == "interpret", bpp=bpp, num_warps=num_warps, num_stages=num_stages)
         stats_fn, resid_fn = _stats_gpu, _resid_gpu
     stats = stats_fn(x, d, mode, inv_t, thr, **kw)
 
@@ -668,10 +689,11 @@ def _kernel_rows(x, q, d, mode, key, inv_t, thr, *, impl, bpp, num_warps):
     return _select(x, q, d, mode, key, inv_t, thr, stats, resid)
 
 
-@functools.partial(jax.jit, static_argnames=("method", "impl", "blocks_per_program", "num_warps", "filtering"))
+@functools.partial(jax.jit, static_argnames=("method", "impl", "blocks_per_program", "num_warps",
+                                             "num_stages", "filtering"))
 def _rejection_sample_jit(target_logits, draft_tokens, num_draft, draft_probs, temperature,
                           top_k, top_p, seeds, positions, synthetic_rates, *, method, impl,
-                          blocks_per_program, num_warps, filtering):
+                          blocks_per_program, num_warps, num_stages, filtering):
     temperature = temperature.astype(jnp.float32)
     # No lax.cond for all-greedy batches: on GPU a conditional reads its predicate on the
     # host (a sync per call), and greedy rows cost one argmax pass in the kernel anyway.
@@ -682,12 +704,12 @@ def _rejection_sample_jit(target_logits, draft_tokens, num_draft, draft_probs, t
         cand, p_d = _ref_rows(target_logits, draft_probs, d, mode, key, inv_t, thr)
     else:
         cand, p_d = _kernel_rows(target_logits, draft_probs, d, mode, key, inv_t, thr, impl=impl,
-                                 bpp=blocks_per_program, num_warps=num_warps)
+                                 bpp=blocks_per_program, num_warps=num_warps, num_stages=num_stages)
     return _epilogue(cand, p_d, d, num_draft, draft_probs, temperature, seeds, positions,
                      method, synthetic_rates)
 
 
-def _host_filtering(temperature, top_k, top_p, v):
+def host_filtering(temperature, top_k, top_p, v):
     """"auto" -> "on"/"off" when the sampling params are host values (numpy, lists): no
     lax.cond then, which on GPU costs a host sync (~50 us on the H200) per call. Device
     arrays and tracers keep "auto" (decided on the device)."""
@@ -713,8 +735,9 @@ def rejection_sample(
     method: str = "standard",  # "standard" | "synthetic"
     synthetic_rates=None,  # f32[K] conditional rates (method="synthetic" only)
     impl: str = "auto",  # see kernels_pallas.dispatch.resolve_impl
-    blocks_per_program: int = 1,  # GPU: vocabulary blocks per program (1, 2, 4, ...)
-    num_warps: int = 4,  # Triton warps per program (GPU only)
+    blocks_per_program: int = 1,  # GPU: vocabulary blocks per program (1, 2, 4, ...), a loop
+    num_warps: int = 2,  # Triton warps per program (GPU only; 2 was fastest on the H200)
+    num_stages: int = 1,  # Triton pipelining depth of the block loop (GPU only)
     filtering: str = "auto",  # top-k/top-p sort: "auto" (when some row uses them), "off", "on"
 ):
     """Speculative-decoding verification -> (tokens i32[B, K+1] padded with -1, num_emitted i32[B]).
@@ -726,14 +749,17 @@ def rejection_sample(
               top_p, seeds, positions, method, synthetic_rates)
     if filtering not in ("auto", "off", "on"):
         raise ValueError(f"filtering must be 'auto', 'off' or 'on', got {filtering!r}")
-    if blocks_per_program < 1 or blocks_per_program & (blocks_per_program - 1):
-        raise ValueError(f"blocks_per_program must be a power of two >= 1, got {blocks_per_program}")
+    if not isinstance(blocks_per_program, int) or blocks_per_program < 1 or blocks_per_program & (blocks_per_program - 1):
+        raise ValueError(f"blocks_per_program must be a power of two >= 1, got {blocks_per_program!r}")
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
     if synthetic_rates is not None:
         synthetic_rates = jnp.asarray(synthetic_rates, jnp.float32)
     if filtering == "auto":
-        filtering = _host_filtering(temperature, top_k, top_p, np.shape(target_logits)[-1])
+        filtering = host_filtering(temperature, top_k, top_p, np.shape(target_logits)[-1])
     return _rejection_sample_jit(
         target_logits, jnp.asarray(draft_tokens), jnp.asarray(num_draft), draft_probs,
         jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(seeds),
         jnp.asarray(positions), synthetic_rates, method=method, impl=resolve_impl(impl),
-        blocks_per_program=blocks_per_program, num_warps=num_warps, filtering=filtering)
+        blocks_per_program=blocks_per_program, num_warps=num_warps, num_stages=num_stages,
+        filtering=filtering)

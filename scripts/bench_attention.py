@@ -89,7 +89,8 @@ def ragged_batch(rng, *, B, Q, kv_heads, group, S, D, dtype, mode):
 
 def check_correctness():
     rng = np.random.default_rng(0)
-    variants = [dict(), dict(kv_splits=1), dict(block_kv=128, kv_splits=5), dict(block_kv=32, num_warps=8, num_stages=3)]
+    variants = [dict(), dict(kv_splits=1), dict(block_kv=128, kv_splits=5), dict(block_kv=32, num_warps=8, num_stages=3),
+                dict(kv_splits=3, split_dtype=jnp.float32)]
     modes = [("decode", 1), ("verify8", 8), ("dflash", 16), ("prefill32", 32)]
     rows, ok = [], True
     for dtype, group, kvh, tol in ((jnp.bfloat16, 4, 8, 2e-2), (jnp.float32, 1, 4, 2e-5)):
@@ -174,6 +175,60 @@ def time_attention(attn, inputs):
     return median_time(run, *inputs) / NSETS
 
 
+NSETS_B1 = 16  # batch-1 sets of the GPU-time method, each on its own pages (16 x 16.8 MB > the L2)
+
+
+def b1_sets(Q, ctx=4096, S=16, kvh=8, H=32, D=128, dtype=jnp.bfloat16):
+    """NSETS_B1 (q, table) pairs at batch 1, each on its own pages, as separate arrays
+    (no slicing op between the calls)."""
+    rng = np.random.default_rng(Q)
+    pps = ctx // S
+    key = jax.random.key(Q)
+    k_pages = jax.random.normal(key, (pps * NSETS_B1, S, kvh, D), dtype)
+    v_pages = jax.random.normal(jax.random.fold_in(key, 1), (pps * NSETS_B1, S, kvh, D), dtype)
+    tables = [jnp.asarray((i * pps + rng.permutation(pps)).reshape(1, pps).astype(np.int32)) for i in range(NSETS_B1)]
+    qs = [jax.random.normal(jax.random.fold_in(key, 10 + i), (1, Q, H, D), dtype) for i in range(NSETS_B1)]
+    kv_lens = jnp.full((1,), ctx, jnp.int32)
+    positions = (ctx - Q + jnp.arange(Q, dtype=jnp.int32))[None]
+    return (qs, tables, k_pages, v_pages, kv_lens, positions, jnp.ones((1,), bool)), ctx * kvh * D * 2 * 2
+
+
+def b1_ratio(rows, reps=10, tunings=None):
+    """Verify-8 / decode at batch 1, context 4096, by GPU time from the profiler's kernel
+    records (scripts/gpu_trace.py): per call, the sum of the durations of everything it ran
+    on the GPU (attention kernel + split combine), averaged over NSETS_B1 sets x reps
+    calls. Wall-clock timing at batch 1 mixed in host launch cost (+-20% between runs)."""
+    from gpu_trace import device_times
+
+    sets = {Q: b1_sets(Q) for Q in (1, 8)}
+    tunings = tunings or (dict(), dict(block_rows=32, block_kv=64), dict(block_rows=16), dict(block_rows=16, kv_splits=16),
+                          dict(block_rows=16, kv_splits=24), dict(kv_splits=24), dict(block_rows=16, block_kv=128))
+    out = {}
+    for tuning in tunings:
+        res = {}
+        for Q in (1, 8):
+            (qs, tables, k_pages, v_pages, kv_lens, positions, causal), kv_bytes = sets[Q]
+            fn = jax.jit(kernel_fn(**tuning))
+            arg_sets = [(q, k_pages, v_pages, t, kv_lens, positions, causal) for q, t in zip(qs, tables)]
+            res[Q] = device_times(fn, arg_sets, reps=reps)
+        q1, q8 = res[1]["busy_us"], res[8]["busy_us"]
+        out[str(tuning)] = dict(q1_us=q1, q8_us=q8, ratio=q8 / q1, q1_kernels=res[1]["kernels_us"],
+                                q8_kernels=res[8]["kernels_us"])
+        rows.append(dict(label=f"GPU-time B1 ctx4096 {tuning}", case="b1_gpu_time", tuning=str(tuning),
+                         q1_us=q1, q8_us=q8, ratio=q8 / q1))
+        brk = lambda ks: ", ".join(f"{n[:40]} {us:.2f}" for n, us in list(ks.items())[:3])  # noqa: E731
+        log(f"  GPU-time verify8/decode B1 ctx4096 {str(tuning):42s} {q1:6.2f} / {q8:6.2f} us = {q8 / q1:.3f}  "
+            f"[Q1: {brk(res[1]['kernels_us'])}] [Q8: {brk(res[8]['kernels_us'])}]")
+    ref = {}
+    for Q in (1, 8):
+        (qs, tables, k_pages, v_pages, kv_lens, positions, causal), _ = sets[Q]
+        arg_sets = [(q, k_pages, v_pages, t, kv_lens, positions, causal) for q, t in zip(qs, tables)]
+        ref[Q] = device_times(jax.jit(ref_fn), arg_sets[:8], reps=3)["busy_us"]
+    log(f"  GPU-time jnp reference B1 ctx4096: Q1 {ref[1]:.2f} us, Q8 {ref[8]:.2f} us")
+    RESULTS["b1_gpu_time"] = dict(per_tuning=out, reference_us=ref, reps=reps, nsets=NSETS_B1)
+    return out
+
+
 def kernel_fn(**tuning):
     return lambda *a: paged_attention_gpu(*a, sm_scale=128**-0.5, **tuning)
 
@@ -240,6 +295,14 @@ def main():
     log(f"jax {jax.__version__}, devices {jax.devices()}")
     if "--b1-sweep" in sys.argv:
         return b1_sweep()
+    if "--b1-ratio" in sys.argv:  # [kernel == reference,] the batch-1 verify/decode ratio by GPU time
+        if "--no-check" not in sys.argv:
+            check_correctness()
+        b1_ratio([], tunings=(dict(),) if "--defaults-only" in sys.argv else None)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "attention_b1_ratio.json"), "w") as f:
+                json.dump(RESULTS, f, indent=1, default=str)
+        return 0
     check_correctness()
     bw = measure_bandwidth()
     rows = []
@@ -286,6 +349,7 @@ def main():
         if Q == 1:
             try_time("B1: scan floor, no attention", lambda q, *a: q, inputs, kv_bytes, bw, rows, dict(case="floor_b1", page_size=16))
     del sets
+    b1_ratio(rows)  # the same ratio by GPU time (no host launch cost)
     ratios = {t: ratio_rows[(8, t)] / ratio_rows[(1, t)] for (q, t) in ratio_rows if q == 1}
     best_ratio = min(ratio_rows[(8, t)] for (q, t) in ratio_rows if q == 8) / min(
         ratio_rows[(1, t)] for (q, t) in ratio_rows if q == 1)

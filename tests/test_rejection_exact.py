@@ -169,8 +169,10 @@ def test_kernel_block_stats_match_reference_poisoned(k, dtype, with_probs):
     # Outputs are aliased to buffers pre-filled with -7 / NaN: any slot the kernel does not
     # write (padding rows included) would show up.
     got = {
-        "gpu": jax.jit(lambda *a: rs._stats_gpu(*a, interpret=True, bpp=1, poison=True))(logits, d, mode, inv_t, thr),
-        "gpu_bpp4": jax.jit(lambda *a: rs._stats_gpu(*a, interpret=True, bpp=4, poison=True))(logits, d, mode, inv_t, thr),
+        f"gpu_bpp{p}": jax.jit(lambda *a, p=p: rs._stats_gpu(*a, interpret=True, bpp=p, poison=True))(
+            logits, d, mode, inv_t, thr)
+        for p in (1, 4)  # blocks per program (4: a loop, over two grid-padding blocks too)
+    } | {
         "tpu": jax.jit(lambda *a: rs._stats_tpu(*a, interpret=True, poison=True))(logits, d, mode, inv_t, thr),
     }
     assert want[0].shape == (b, k + 1, rs.num_blocks(v)) == (b, k + 1, 2)
@@ -186,6 +188,7 @@ def test_kernel_block_stats_match_reference_poisoned(k, dtype, with_probs):
         rw = rs._ref_block_resid(logits[:, :k], q, mode[:, :k], inv_t[:, :k], thr[:, :k], m, s)
         args = (logits, q, d[:, :k], mode[:, :k], inv_t[:, :k], thr[:, :k], m, s)
         for r in (rs._resid_gpu(*args, interpret=True, bpp=2, poison=True),
+                  rs._resid_gpu(*args, interpret=True, poison=True),
                   rs._resid_tpu(*args, interpret=True, poison=True)):
             np.testing.assert_allclose(np.asarray(r), np.asarray(rw), rtol=2e-6, atol=1e-7)
             assert np.any(np.asarray(rw) > 0)

@@ -20,7 +20,7 @@ from jspec.engine.packing import pack, unpack
 from jspec.engine.scheduler import SchedulerOutput
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.transformer import Transformer
-from kernels_pallas.rejection_sampling import rejection_sample
+from kernels_pallas.rejection_sampling import host_filtering, rejection_sample
 
 
 @struct.dataclass
@@ -61,8 +61,12 @@ class ModelRunner:
         self.model = Transformer(cfg, dtype=dtype, attn_impl=attn_impl)
         self.sample_impl = sample_impl
         self.num_compilations = 0  # traces of the step function (one per new shape)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("layout",))
-        self._multi = jax.jit(self._multi_step_impl, donate_argnums=(1,), static_argnames=("layout", "steps"))
+        # `filtering` ("off" | "on": does any request use top-k / top-p) is decided on the
+        # host per step: a device-side lax.cond would read its predicate on the host (a
+        # ~50 us sync per step on the H200). Top-k / top-p traffic compiles a second variant.
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("layout", "filtering"))
+        self._multi = jax.jit(self._multi_step_impl, donate_argnums=(1,),
+                              static_argnames=("layout", "steps", "filtering"))
         # Packed layouts by index: the jitted steps take the small int as their static
         # argument, which is far cheaper to hash per call than the layout itself.
         self._layout_ids: dict = {}
@@ -78,7 +82,10 @@ class ModelRunner:
         return unpack(ints, floats, self._layouts[layout_id])
 
     # ---- device side ------------------------------------------------------------------
-    def _step_impl(self, params, kv, ints, floats, *, layout):
+    def _filtering(self, inp) -> str:
+        return host_filtering(inp.temperature, inp.top_k, inp.top_p, self.cfg.vocab_size)
+
+    def _step_impl(self, params, kv, ints, floats, *, layout, filtering):
         self.num_compilations += 1  # runs at trace time only
         inp: StepInput = self._unpack(ints, floats, layout)
         h, _, kv = self.model.apply({"params": params}, inp.tokens, inp.meta, kv)
@@ -96,10 +103,11 @@ class ModelRunner:
             inp.seeds,
             inp.sample_pos,
             impl=self.sample_impl,
+            filtering=filtering,
         )
         return kv, tokens[:, 0]
 
-    def _multi_step_impl(self, params, kv, ints, floats, *, layout, steps: int):
+    def _multi_step_impl(self, params, kv, ints, floats, *, layout, steps: int, filtering):
         """``steps`` decode steps in one call, each sampled token fed back on the device.
 
         Host bookkeeping (and its ~1 ms per step on the H200) is paid once per call. Same
@@ -122,7 +130,7 @@ class ModelRunner:
             h, _, kv = self.model.apply({"params": params}, tok[:, None], meta, kv)
             logits = self.model.apply({"params": params}, h[:, 0], method=Transformer.logits)
             out, _ = rejection_sample(logits[:, None], *none, inp.temperature, inp.top_k, inp.top_p, inp.seeds,
-                                      inp.sample_pos + t, impl=self.sample_impl)
+                                      inp.sample_pos + t, impl=self.sample_impl, filtering=filtering)
             return (kv, out[:, 0]), out[:, 0]
 
         (kv, _), toks = jax.lax.scan(body, (kv, inp.tokens[:, 0]), jnp.arange(steps, dtype=jnp.int32))
@@ -178,14 +186,16 @@ class ModelRunner:
     def run(self, inp: StepInput):
         """One jitted step on a host-built input (two transfers); returns the sampled tokens."""
         ints, floats, layout = pack(inp)
-        self.kv, sampled = self._step(self.params, self.kv, ints, floats, layout=self._layout_id(layout))
+        self.kv, sampled = self._step(self.params, self.kv, ints, floats, layout=self._layout_id(layout),
+                                      filtering=self._filtering(inp))
         return sampled
 
     def execute_multi(self, sched: SchedulerOutput, steps: int) -> list[list[int]]:
         """``steps`` decode steps at once; per row the ``steps`` tokens sampled."""
         inp, n = self.build_input(sched)
         ints, floats, layout = pack(inp)
-        self.kv, toks = self._multi(self.params, self.kv, ints, floats, layout=self._layout_id(layout), steps=steps)
+        self.kv, toks = self._multi(self.params, self.kv, ints, floats, layout=self._layout_id(layout), steps=steps,
+                                    filtering=self._filtering(inp))
         return np.asarray(toks)[:n].tolist()
 
     def execute(self, sched: SchedulerOutput) -> list[list[int]]:
@@ -215,5 +225,6 @@ class ModelRunner:
                 self.run(inp)
             else:
                 ints, floats, layout = pack(inp)
-                self.kv, _ = self._multi(self.params, self.kv, ints, floats, layout=self._layout_id(layout), steps=steps)
+                self.kv, _ = self._multi(self.params, self.kv, ints, floats, layout=self._layout_id(layout),
+                                         steps=steps, filtering="off")
         jax.block_until_ready(self.kv)

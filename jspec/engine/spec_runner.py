@@ -68,10 +68,12 @@ class SpecModelRunner(ModelRunner):
             jnp.asarray(spec.synthetic_conditional_rates, jnp.float32)
             if spec.rejection_sample_method == "synthetic" else None
         )
-        self._spec_step = jax.jit(self._spec_step_impl, static_argnames=("decode", "layout"), donate_argnums=(2, 3, 4))
+        self._spec_step = jax.jit(self._spec_step_impl, static_argnames=("decode", "layout", "filtering"),
+                                  donate_argnums=(2, 3, 4))
 
     # ---- device side ------------------------------------------------------------------
-    def _spec_step_impl(self, params, dparams, kv, dkv, probs_buf, synthetic_rates, ints, floats, *, decode, layout):
+    def _spec_step_impl(self, params, dparams, kv, dkv, probs_buf, synthetic_rates, ints, floats, *, decode, layout,
+                        filtering):
         self.num_compilations += 1
         inp: SpecInput = self._unpack(ints, floats, layout)
         b = inp.base
@@ -84,7 +86,7 @@ class SpecModelRunner(ModelRunner):
             out, n_emit = rejection_sample(
                 lm(h), b.tokens[:, 1:], inp.num_draft, q, *common,
                 method=self.spec.rejection_sample_method, synthetic_rates=synthetic_rates,
-                impl=self.sample_impl,
+                impl=self.sample_impl, filtering=filtering,
             )
             pairs = jnp.maximum(out, 0)  # [B, K+1] == [B, Q]
             last_idx = n_emit - 1
@@ -93,7 +95,7 @@ class SpecModelRunner(ModelRunner):
             last_h = h[jnp.arange(B), last_idx]
             out, n_emit = rejection_sample(
                 lm(last_h)[:, None], jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32), None, *common,
-                impl=self.sample_impl,
+                impl=self.sample_impl, filtering=filtering,
             )
             sampled = out[:, 0]
             at_last = jnp.arange(Q)[None, :] == last_idx[:, None]
@@ -147,7 +149,7 @@ class SpecModelRunner(ModelRunner):
         ints, floats, layout = pack(inp)
         self.kv, self.dkv, self.probs_buf, packed = self._spec_step(
             self.params, self.dparams, self.kv, self.dkv, self.probs_buf, self.synthetic_rates, ints, floats,
-            decode=decode, layout=self._layout_id(layout),
+            decode=decode, layout=self._layout_id(layout), filtering=self._filtering(inp.base),
         )
         packed = np.asarray(packed)[:n]
         K1 = self.K + 1

@@ -1,0 +1,67 @@
+"""GPU time of jitted calls from the profiler's kernel records (CUPTI), not wall clock.
+
+Why: at batch 1 an attention call or a rejection-sampling kernel is 10-100 us of GPU work,
+while the host needs ~3-5 us to launch each XLA op; wall-clock timing then measures the
+host as much as the GPU, and runs disagreed by +-20%. The profiler records each kernel's
+start and end on the device, so the sum of a call's kernel durations is what the call
+adds to a GPU step whatever the host does.
+
+device_times(fn, arg_sets, reps) -> {"busy_us": mean GPU busy time per call (every kernel,
+memset and copy the call ran), "kernels_us": {kernel name: mean us per call}}.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import tempfile
+
+import jax
+from jax.profiler import ProfileData
+
+
+def _device_events(path):
+    """(name, duration_ns) of every event on the GPU streams of a trace."""
+    pd = ProfileData.from_file(path)
+    out = []
+    for plane in pd.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        # Stream lines hold the kernels; derived lines ("XLA Ops", "XLA Modules") would
+        # count them twice.
+        for line in plane.lines:
+            if line.name.startswith("Stream"):
+                out += [(ev.name, ev.duration_ns) for ev in line.events]
+    return out
+
+
+def device_times(fn, arg_sets, reps=10):
+    """Mean GPU time per call of fn over len(arg_sets) * reps calls, each call waited for
+    (so calls never overlap). fn must already be compiled for these shapes."""
+    for args in arg_sets:  # warm (and compile if needed) outside the trace
+        jax.block_until_ready(fn(*args))
+    d = tempfile.mkdtemp(prefix="jspec_trace_")
+    with jax.profiler.trace(d):
+        for _ in range(reps):
+            for args in arg_sets:
+                jax.block_until_ready(fn(*args))
+    files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+    if not files:
+        raise RuntimeError(f"the profiler wrote no .xplane.pb under {d}")
+    events = _device_events(files[0])
+    if not events:
+        seen = {p.name: [ln.name for ln in p.lines][:6] for p in ProfileData.from_file(files[0]).planes}
+        raise RuntimeError(f"no GPU stream events in the trace (is this a GPU backend?); planes/lines: {seen}")
+    calls = reps * len(arg_sets)
+    per_name = collections.Counter()
+    for name, ns in events:
+        per_name[name] += ns
+    return {
+        "busy_us": sum(per_name.values()) / calls / 1e3,
+        "kernels_us": {n: ns / calls / 1e3 for n, ns in per_name.most_common()},
+    }
+
+
+def kernel_us(times, substring):
+    """Mean us per call of the kernels whose name contains `substring`."""
+    return sum(us for name, us in times["kernels_us"].items() if substring in name)
