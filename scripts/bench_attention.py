@@ -8,11 +8,16 @@ $OUT/attention.json when OUT is set). Steps, in one process so one device call d
      elementwise read+write; the best is the roofline;
   3. (a) decode, batch 32, context 4096, 32/8 heads, D 128, bf16, page sizes 16/32/64, over
      kernel variants: KV bytes / time against that bandwidth;
-     (b) verification Q = 8 vs decode Q = 1 at batch 1, context 4096 (ratio);
+     (b) verification Q = 8 vs decode Q = 1 at batch 1, context 4096 (ratio), by wall
+     clock and by GPU time (b1_ratio);
      (c) the jnp reference on the same inputs.
-Each timed call is an unrolled lax.scan over NSETS different (q, page table) sets inside
-one jit, so per-call dispatch does not count and neither L2 nor a repeated table serves the KV: at
-batch 1 every set owns its own pages (NSETS x 16.8 MB > the 50 MB L2). Medians of REPS.
+Wall-clock timing: each timed call is an unrolled lax.scan over NSETS different (q, page
+table) sets inside one jit, so per-call dispatch does not count and neither L2 nor a
+repeated table serves the KV: at batch 1 every set owns its own pages (NSETS x 16.8 MB > the
+50 MB L2). Medians of REPS. At batch 1 this still times host launches too (+-20% between
+runs); `--b1-ratio [--no-check] [--defaults-only]` measures the batch-1 ratio by GPU time
+from the profiler's kernel records instead (scripts/gpu_trace.py). `--b1-sweep`: a
+wall-clock tuning sweep at batch 1.
 """
 
 from __future__ import annotations

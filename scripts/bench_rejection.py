@@ -10,6 +10,10 @@ Usage: python scripts/bench_rejection.py [--impl gpu] [--quick]
    statistics kernel alone (sampled and greedy rows), and the rate of reading the target
    logits (whole rejection_sample call, default and best tuning) against the best of two
    bf16 read-only reductions measured in the same run.
+   Then the same by GPU time from the profiler's kernel records (gpu_time(), via
+   scripts/gpu_trace.py: one call at a time, sum of its kernels' durations, the probe timed
+   the same way): the figures docs/benchmarks.md uses, since the wall-clock harness also
+   times host launches and lets XLA merge reference reductions across calls.
 All timed calls pass filtering="off" (what the engine passes when no request uses top-k /
 top-p) unless labelled "auto".
 Writes bench_rejection.json and bench_rejection.md to $OUT when OUT is set.
