@@ -271,7 +271,7 @@ def paged_attention_gpu(
 
     if kv_splits == 1:
         return out[:N].reshape(B, Q, H, D)
-    o_s, lse = out[0][:, :N], out[1][:, :N]  # one XLA fusion with the combine
+    o_s, lse = out[0][:, :N], out[1][:, :N]  # sliced inside the combine's XLA fusions
     # Splits that saw no key have lse = NEG_INF: weight exp(NEG_INF - max) = 0, or, when no
     # split saw a key, weight 1 on all-zero outputs (a zero row, as the reference gives).
     w = jnp.exp(lse - jnp.max(lse, axis=0)[None])

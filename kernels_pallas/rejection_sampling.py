@@ -463,7 +463,7 @@ def _gpu_stats_kernel(ip_ref, fp_ref, x_ref, *rest, v, bv, bpp, n_poison):
     d, mode = ip_ref[0], ip_ref[1]
     inv_t, thr = fp_ref[0], fp_ref[1]
     g = pl.program_id(2)
-    zero, ninf, izero = jnp.zeros((1,), jnp.float32), jnp.full((1,), _NEG_INF), jnp.zeros((1,), jnp.int32)
+    zero, izero = jnp.zeros((1,), jnp.float32), jnp.zeros((1,), jnp.int32)
 
     def put(t, a, s, sx, gi):
         a_ref[pl.ds(t, 1)] = a
@@ -472,8 +472,11 @@ def _gpu_stats_kernel(ip_ref, fp_ref, x_ref, *rest, v, bv, bpp, n_poison):
         gi_ref[pl.ds(t, 1)] = gi
 
     @pl.when(mode == _PAD)
-    def _():
-        _for_blocks(g, bpp, lambda t, j: put(t, ninf, zero, zero, izero))
+    def _():  # all bpp slots at once (bpp is a power of two: a legal Triton shape)
+        a_ref[...] = jnp.full((bpp,), _NEG_INF)
+        s_ref[...] = jnp.zeros((bpp,), jnp.float32)
+        sx_ref[...] = jnp.zeros((bpp,), jnp.float32)
+        gi_ref[...] = jnp.zeros((bpp,), jnp.int32)
 
     @pl.when(mode == _GREEDY)
     def _():
@@ -501,7 +504,7 @@ def _gpu_resid_kernel(ip_ref, fp_ref, x_ref, q_ref, *rest, v, bv, bpp, n_poison)
 
     @pl.when(mode != _RESIDUAL)
     def _():
-        _for_blocks(g, bpp, lambda t, j: r_ref.__setitem__(pl.ds(t, 1), jnp.zeros((1,), jnp.float32)))
+        r_ref[...] = jnp.zeros((bpp,), jnp.float32)
 
     @pl.when(mode == _RESIDUAL)
     def _():
@@ -547,7 +550,7 @@ def _gpu_call(kernel, row_args, out_dtypes, nrows, *, v, interpret, bpp, num_war
     return [o[..., :nb] for o in outs]
 
 
-def _stats_gpu(x, d, mode, inv_t, thr, *, interpret, bpp=1, num_warps=4, num_stages=1, poison=False):
+def _stats_gpu(x, d, mode, inv_t, thr, *, interpret, bpp=1, num_warps=2, num_stages=1, poison=False):
     b, k1, v = x.shape
     ip = jnp.stack([d, mode], axis=-1)
     fp = jnp.stack([inv_t, thr], axis=-1)
@@ -557,7 +560,7 @@ def _stats_gpu(x, d, mode, inv_t, thr, *, interpret, bpp=1, num_warps=4, num_sta
                            poison=poison, name="rejection_stats_gpu"))
 
 
-def _resid_gpu(x, q, d, mode, inv_t, thr, m, s, *, interpret, bpp=1, num_warps=4, num_stages=1,
+def _resid_gpu(x, q, d, mode, inv_t, thr, m, s, *, interpret, bpp=1, num_warps=2, num_stages=1,
                poison=False):
     """x [B, K+1, V] (rows < K read), q [B, K, V]; params [B, K]."""
     b, k, v = q.shape

@@ -82,9 +82,6 @@ class ModelRunner:
         return unpack(ints, floats, self._layouts[layout_id])
 
     # ---- device side ------------------------------------------------------------------
-    def _filtering(self, inp) -> str:
-        return host_filtering(inp.temperature, inp.top_k, inp.top_p, self.cfg.vocab_size)
-
     def _step_impl(self, params, kv, ints, floats, *, layout, filtering):
         self.num_compilations += 1  # runs at trace time only
         inp: StepInput = self._unpack(ints, floats, layout)
@@ -183,20 +180,25 @@ class ModelRunner:
         )
         return StepInput(tokens, meta, q_lens, temp, top_k, top_p, seeds, sample_pos), n
 
-    def run(self, inp: StepInput):
-        """One jitted step on a host-built input (two transfers); returns the sampled tokens."""
+    def _filtering(self, inp) -> str:
+        """"on" when some request of the step uses top-k / top-p, else "off"."""
+        return host_filtering(inp.temperature, inp.top_k, inp.top_p, self.cfg.vocab_size)
+
+    def run(self, inp: StepInput, steps: int = 1):
+        """One jitted call on a host-built input (two transfers): the sampled tokens, i32[B]
+        for one step, i32[B, steps] for ``steps`` decode steps fed back on the device."""
         ints, floats, layout = pack(inp)
-        self.kv, sampled = self._step(self.params, self.kv, ints, floats, layout=self._layout_id(layout),
-                                      filtering=self._filtering(inp))
+        kw = dict(layout=self._layout_id(layout), filtering=self._filtering(inp))
+        if steps == 1:
+            self.kv, sampled = self._step(self.params, self.kv, ints, floats, **kw)
+        else:
+            self.kv, sampled = self._multi(self.params, self.kv, ints, floats, steps=steps, **kw)
         return sampled
 
     def execute_multi(self, sched: SchedulerOutput, steps: int) -> list[list[int]]:
         """``steps`` decode steps at once; per row the ``steps`` tokens sampled."""
         inp, n = self.build_input(sched)
-        ints, floats, layout = pack(inp)
-        self.kv, toks = self._multi(self.params, self.kv, ints, floats, layout=self._layout_id(layout), steps=steps,
-                                    filtering=self._filtering(inp))
-        return np.asarray(toks)[:n].tolist()
+        return np.asarray(self.run(inp, steps))[:n].tolist()
 
     def execute(self, sched: SchedulerOutput) -> list[list[int]]:
         """Run one step; returns, per scheduled sequence, the tokens it emitted ([] if none)."""
@@ -220,11 +222,6 @@ class ModelRunner:
         for B, Q, W, steps in self.warmup_shapes(num_scheduler_steps):
             zi = lambda *s: np.zeros(s, np.int32)  # noqa: E731
             meta = AttentionMetadata(zi(B, W), zi(B), zi(B, Q), np.full((B, Q), drop, np.int32), np.ones((B,), bool))
-            inp = StepInput(zi(B, Q), meta, zi(B), np.zeros((B,), np.float32), zi(B), np.ones((B,), np.float32), zi(B), zi(B))
-            if steps == 1:
-                self.run(inp)
-            else:
-                ints, floats, layout = pack(inp)
-                self.kv, _ = self._multi(self.params, self.kv, ints, floats, layout=self._layout_id(layout),
-                                         steps=steps, filtering="off")
+            self.run(StepInput(zi(B, Q), meta, zi(B), np.zeros((B,), np.float32), zi(B), np.ones((B,), np.float32),
+                               zi(B), zi(B)), steps)
         jax.block_until_ready(self.kv)
