@@ -37,6 +37,7 @@ def hf_config(kind: str):
 
 def build_hf_model(kind: str, seed: int = 0, scale: float = 0.15):
     import torch
+    from drafter_helpers import fill_random
     from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
@@ -44,11 +45,7 @@ def build_hf_model(kind: str, seed: int = 0, scale: float = 0.15):
     cls = Qwen3ForCausalLM if kind == "qwen3" else LlamaForCausalLM
     model = cls(cfg).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(scale * torch.randn_like(p))
+        fill_random(model, scale=scale)
     return model
 
 

@@ -68,25 +68,34 @@ def speculators_config(kind: str, family: str, num_layers: int, k: int, *, vocab
     return cls(transformer_layer_config=tl, speculators_config=sc, **kw)
 
 
+def fill_random(model, generator=None, norm_spread: float = 0.1, scale: float = 0.15):
+    """Random weights in place (under torch.no_grad): norm gains 1 + norm_spread * N(0, 1),
+    every other weight scale * N(0, 1); speculators' frozen ``verifier_*`` copies are left
+    alone. generator None draws from torch's global RNG (seed it first)."""
+    for name, p in model.named_parameters():
+        if name.startswith("verifier_"):
+            continue
+        noise = torch.randn(p.shape, generator=generator)
+        p.copy_(1.0 + norm_spread * noise if name.endswith("norm.weight") else scale * noise)
+
+
+def set_vocab_map(model, tgt, vocab: int):
+    """A reduced draft vocabulary: draft id i is target id tgt[i] (tgt sorted, numpy) of a
+    target vocabulary of `vocab` tokens."""
+    d2t = torch.tensor(tgt - np.arange(len(tgt)), dtype=torch.long)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[torch.tensor(tgt)] = True
+    model.load_vocab_mappings(t2d, d2t)
+
+
 def randomize(model, target_hf, draft_vocab: int, seed: int):
     """Random weights everywhere (norm gains around 1), target embeddings, a d2t map if reduced."""
-    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith("verifier_"):
-                continue
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+        fill_random(model, torch.Generator().manual_seed(seed), norm_spread=0.2)
         model.embed_tokens.weight.copy_(target_hf.model.embed_tokens.weight)
         if draft_vocab != V:
             rng = np.random.RandomState(seed)
-            tgt = np.sort(rng.choice(V, draft_vocab, replace=False))
-            d2t = torch.tensor(tgt - np.arange(draft_vocab), dtype=torch.long)
-            t2d = torch.zeros(V, dtype=torch.bool)
-            t2d[torch.tensor(tgt)] = True
-            model.load_vocab_mappings(t2d, d2t)
+            set_vocab_map(model, np.sort(rng.choice(V, draft_vocab, replace=False)), V)
         elif hasattr(model, "lm_head") and model.config.speculators_model_type == "dflash":
             model.lm_head.weight.copy_(target_hf.lm_head.weight)
     model.eval()

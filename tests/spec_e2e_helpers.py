@@ -35,7 +35,7 @@ import os
 
 import numpy as np
 import torch
-from drafter_helpers import speculators_config
+from drafter_helpers import fill_random, set_vocab_map, speculators_config
 
 V, H, HEADS, KVH, HD, L = 64, 64, 4, 2, 16, 4
 AUX = [1, 2, 4]  # canonical target layer ids read by the EAGLE3 / PEagle drafters
@@ -74,11 +74,7 @@ def build_target(seed: int = 0, scale: float = 0.15):
                       max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     m = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(scale * torch.randn_like(p))
+        fill_random(m, scale=scale)
         m.model.embed_tokens.weight[:, F] = C_EMBED
         _carry_feature(m.model.layers, hide=True)
         m.lm_head.weight[X, F] += A_TARGET
@@ -112,15 +108,8 @@ def _spec_config(kind: str, family: str, num_layers: int, k: int, **kw):
 
 def _randomize(model, target_hf, draft_vocab: int, seed: int, fc_col: int | None, boost: float = B_DRAFT):
     """Random weights, target embeddings, a d2t map if reduced, and the planted feature."""
-    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith("verifier_"):
-                continue
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+        fill_random(model, torch.Generator().manual_seed(seed))
         if hasattr(model, "embed_tokens"):
             model.embed_tokens.weight.copy_(target_hf.model.embed_tokens.weight)
         x_row = X
@@ -128,10 +117,7 @@ def _randomize(model, target_hf, draft_vocab: int, seed: int, fc_col: int | None
             rng = np.random.RandomState(seed)
             others = np.setdiff1d(np.arange(V), [X])
             tgt = np.sort(np.concatenate([[X], rng.choice(others, draft_vocab - 1, replace=False)]))
-            d2t = torch.tensor(tgt - np.arange(draft_vocab), dtype=torch.long)
-            t2d = torch.zeros(V, dtype=torch.bool)
-            t2d[torch.tensor(tgt)] = True
-            model.load_vocab_mappings(t2d, d2t)
+            set_vocab_map(model, tgt, V)
             x_row = int(np.nonzero(tgt == X)[0][0])
         # Route the shared feature: fc output F reads aux column fc_col (the feature in the
         # first aux state), and the drafter's X row looks along F.
