@@ -22,7 +22,8 @@ Design (flash-decoding, GQA-packed):
   same bytes as decoding one.
 - Each program runs an online softmax over blocks of ``block_kv`` tokens in its split of
   the sequence; splits of the kv range fill the GPU when batch * kv_heads is small
-  (batch 1 decode has 8 programs per split). A small jnp combine merges the splits.
+  (batch 1 decode has 8 programs per split). A second small Pallas kernel merges the
+  splits (one launch; the jnp combine compiled to 3-4 XLA fusions of ~1 us each).
 - Causality is folded into a per-row "last visible position": positions for causal rows,
   a huge value for DFlash rows, -1 for padding rows; a key j is visible to row r iff
   j < kv_len and j <= row_pos[r]. A program skips kv blocks past its rows' largest
@@ -35,13 +36,13 @@ Design (flash-decoding, GQA-packed):
   much as the attention itself.
 
 Measured on the H200 (2026-11-21, jax 0.11.2, scripts/bench_attention.py): decode at batch
-32, context 4096, 32/8 heads, D 128, bf16, page 16: 158-180 us, 3.0-3.4 TB/s of KV read,
-76-86% of the 3.92 TB/s best bandwidth measured in the same run (jnp reference: 562 us).
-At batch 1 (16.8 MB of KV) the call is launch/latency-bound (~30-45 us), far from the
-~5 us roofline; verify-8 / decode ratio there was 1.03 best-vs-best, 1.15 at kv_splits=16.
-By GPU time from the profiler (third session, scripts/bench_attention.py --b1-ratio):
-decode 13.7 us (kernel 8.7 us + split combine), verify-8 15.6-15.9 us with today's
-verification defaults (16-row programs, 128-key steps), ratio 1.14-1.17.
+32, context 4096, 32/8 heads, D 128, bf16, page 16: 152-180 us, 3.0-3.5 TB/s of KV read,
+76-90% of the best bandwidth measured in the same run (jnp reference: 557-562 us). At
+batch 1 (16.8 MB of KV) a call is latency-bound; by profiler GPU time (fourth session):
+decode 9.6 us (kernel 7.8 + combine 1.8), verify-8 11.9 us (kernel 9.5 + combine 2.4),
+ratio 1.24; the 2.3 us difference is the 32-row tile's compute (~1.0 us: a 16-row tile with
+the same keys was 1.0 us faster), the 8x larger split partials written (~0.5 us) and
+combined (~0.6 us).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def validate_gpu(q, k_pages, *, block_rows, block_kv, kv_splits):
+def validate_gpu(q, k_pages, *, block_rows, block_kv, kv_splits, split_combine="kernel"):
     """Trace-time checks for what the Triton lowering needs (power-of-2 tiles)."""
     D = q.shape[-1]
     if D & (D - 1) or D < 16:
@@ -77,6 +78,8 @@ def validate_gpu(q, k_pages, *, block_rows, block_kv, kv_splits):
             raise ValueError(f"{name} must be a power of 2 >= 16 (Triton dot tiles), got {v}")
     if kv_splits is not None and kv_splits < 1:
         raise ValueError(f"kv_splits must be >= 1, got {kv_splits}")
+    if split_combine not in ("kernel", "jnp"):
+        raise ValueError(f"split_combine must be 'kernel' or 'jnp', got {split_combine!r}")
 
 
 def _kernel(
@@ -134,7 +137,7 @@ def _kernel(
     prec = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
     arange = jnp.arange(block_kv, dtype=jnp.int32)
 
-    def body(i, carry):
+    def body(i, carry, masked=True):
         acc, m, l = carry
         t = start + i * block_kv + arange  # i32[block_kv] token indices
         slot = jnp.minimum(lax.div(t, page_size), table_width - 1)  # t >= W*S is masked anyway
@@ -144,21 +147,32 @@ def _kernel(
         v = v_ref[rows, :]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
         s = s * sm_scale
-        key_ok = t < kv_len  # [block_kv]
-        mask = key_ok[None, :] & (t[None, :] <= row_pos[:, None])  # [rows, block_kv]
-        s = jnp.where(mask, s, NEG_INF)
+        if masked:
+            key_ok = t < kv_len  # [block_kv]
+            mask = key_ok[None, :] & (t[None, :] <= row_pos[:, None])  # [rows, block_kv]
+            s = jnp.where(mask, s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        p = jnp.exp(s - m_new[:, None])
+        if masked:
+            p = jnp.where(mask, p, 0.0)
+            v = jnp.where(key_ok[:, None], v, jnp.zeros_like(v))  # junk V may be NaN
         alpha = jnp.exp(m - m_new)
         l = alpha * l + jnp.sum(p, axis=1)
-        v = jnp.where(key_ok[:, None], v, jnp.zeros_like(v))  # junk V may be NaN
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_new, l
 
     acc = jnp.zeros((block_rows, D), jnp.float32)
     m = jnp.full((block_rows,), NEG_INF, jnp.float32)
     l = jnp.zeros((block_rows,), jnp.float32)
-    acc, m, l = lax.fori_loop(0, num_blocks, body, (acc, m, l))
+    # Blocks every real row sees whole (below kv_len and below the smallest real row's
+    # position + 1) skip the masks: padding rows compute junk there, which goes to the trash
+    # row. Only blocks at the causal diagonal or the kv_len boundary are masked. On the H200
+    # (2026-11-21, batch 1) this took verify-8 from 10.1 to 9.5 us of kernel time.
+    lo = jnp.min(jnp.where(real, row_pos, NONCAUSAL_POS)) + 1
+    full_end = jnp.minimum(jnp.minimum(kv_len, lo), end)
+    n_full = jnp.clip(lax.div(full_end - start, block_kv), 0, num_blocks)
+    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), (acc, m, l))
+    acc, m, l = lax.fori_loop(n_full, num_blocks, body, carry)
 
     o_row = jnp.where(real, q_row, N)  # padding rows -> trash row N
     o_ref = out_refs[0]
@@ -167,20 +181,63 @@ def _kernel(
         out_refs[1][o_row] = jnp.where(l == 0.0, NEG_INF, m + jnp.log(jnp.where(l == 0.0, 1.0, l)))
 
 
-def default_kv_splits(batch, kv_heads, row_blocks, num_kv_blocks, num_sms=NUM_SMS_H200):
-    """Enough splits for ~2 programs per SM, never more than there are kv blocks.
+def _combine_kernel(lse_ref, o_ref, out_ref, *, splits: int, rows: int):
+    """Merge the kv splits of one query row: out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max).
 
-    On the H200 (2026-11-21) decode at batch 32 x 8 kv heads (256 programs) was fastest
-    with 2 splits; 1, 4 and 8 were 10-20% slower.
+    lse_ref f32[splits * rows], o_ref [splits * rows, D] (split s of row n at s * rows + n).
+    One launch instead of the 3-4 XLA fusions a jnp combine compiles to (each ~1 us of
+    GPU time at batch 1, as much as a third of a decode attention call).
+    """
+    n = pl.program_id(0)
+    s = jnp.arange(_next_pow2(splits), dtype=jnp.int32)
+    real = s < splits
+    idx = jnp.minimum(s, splits - 1) * rows + n
+    lse = jnp.where(real, lse_ref[idx], NEG_INF)
+    o = o_ref[idx, :].astype(jnp.float32)  # [splits_pow2, D]
+    # Splits that saw no key have lse = NEG_INF: weight exp(NEG_INF - max) = 0, or, when no
+    # split saw a key, weight 1 on all-zero outputs (a zero row, as the reference gives).
+    w = jnp.where(real, jnp.exp(lse - jnp.max(lse)), 0.0)
+    out_ref[...] = (jnp.sum(w[:, None] * o, axis=0) / jnp.sum(w)).astype(out_ref.dtype)
+
+
+def combine_splits(o_s, lse, n, dtype, *, kernel: bool, num_warps: int = 2, interpret: bool = False):
+    """[splits, rows, D] split outputs + f32[splits, rows] log-sum-exps -> [n, D] (first n rows)."""
+    splits, rows, D = o_s.shape
+    if not kernel:  # the jnp combine (XLA fusions): the reference the kernel is checked against
+        w = jnp.exp(lse[:, :n] - jnp.max(lse[:, :n], axis=0)[None])
+        o = jnp.sum(w[..., None] * o_s[:, :n].astype(jnp.float32), axis=0) / jnp.sum(w, axis=0)[..., None]
+        return o.astype(dtype)
+    whole = pl.BlockSpec()
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, splits=splits, rows=rows),
+        grid=(n,),
+        in_specs=[whole, whole],
+        out_specs=pl.BlockSpec((None, D), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((n, D), dtype),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"paged_attention_combine_s{splits}",
+    )(lse.reshape(splits * rows), o_s.reshape(splits * rows, D))
+
+
+def default_kv_splits(batch, kv_heads, row_blocks, num_kv_blocks, num_sms=NUM_SMS_H200):
+    """Programs along the kv axis: ~2 per SM, or ~4 per SM when the batch alone gives fewer
+    programs than SMs; never more than there are kv blocks.
+
+    On the H200 (2026-11-21): decode at batch 32 x 8 kv heads (256 programs) was fastest
+    with 2 splits (1, 4 and 8: 10-20% slower); at batch 1 (8 programs) by profiler GPU
+    time, one 64-key block per program (64 splits at context 4096) beat 33 splits
+    (decode kernel 7.8 vs 8.6-9.0 us, verify-8 9.5 vs 10.0 us).
     """
     programs = batch * kv_heads * row_blocks
-    return max(1, min(num_kv_blocks, -(-2 * num_sms // programs)))
+    per_sm = 4 if programs < num_sms else 2
+    return max(1, min(num_kv_blocks, -(-per_sm * num_sms // programs)))
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "block_rows", "block_kv", "kv_splits", "num_warps", "num_stages", "split_dtype",
-                     "interpret"),
+                     "split_combine", "interpret"),
 )
 def paged_attention_gpu(
     q,  # [B, Q, H, D] f32 | bf16
@@ -194,35 +251,40 @@ def paged_attention_gpu(
     sm_scale: float,
     block_rows: int | None = None,  # query rows (tokens x heads of one kv head) per program; pow2
     block_kv: int | None = None,  # keys per inner-loop step; pow2, need not relate to page_size
-    kv_splits: int | None = None,  # programs along the kv axis; None: ~2 per SM
-    num_warps: int = 4,
-    num_stages: int = 2,  # Triton software-pipelining depth of the kv loop
+    kv_splits: int | None = None,  # programs along the kv axis; None: default_kv_splits
+    num_warps: int | None = None,  # None: 2 for small grids of <= 32-row tiles, else 4
+    num_stages: int | None = None,  # Triton software-pipelining depth of the kv loop; None: 1 for <= 2 blocks, else 2
     split_dtype=None,  # dtype of the per-split outputs (None: the cache dtype)
+    split_combine: str = "kernel",  # "kernel" (one Pallas launch) | "jnp" (XLA fusions)
     interpret: bool = False,  # True: run the kernel body with Pallas' interpreter (CPU CI)
 ):  # -> [B, Q, H, D] in q.dtype
-    validate_gpu(q, k_pages, block_rows=block_rows, block_kv=block_kv, kv_splits=kv_splits)
+    validate_gpu(q, k_pages, block_rows=block_rows, block_kv=block_kv, kv_splits=kv_splits,
+                 split_combine=split_combine)
     B, Q, H, D = q.shape
     P, S, KVH, _ = k_pages.shape
     W = page_table.shape[1]
     G = H // KVH
     N = B * Q * H
     R = Q * G
-    # Verification at small batch (too few programs to fill the GPU, <= 32 rows per kv
-    # head): 16-row programs (verify-8 with 4 heads per kv head -> 2 row blocks reading the
-    # same pages, the second read mostly from L2) and 128-key steps. On the H200
-    # (2026-11-21, profiler GPU time, batch 1, ctx 4096) verify-8 took 15.6 us this way
-    # against 17.6 us with one 32-row program per kv head; decode (13.7 us) is unchanged.
-    small_verify = Q > 1 and R <= 32 and B * KVH < NUM_SMS_H200
     if block_rows is None:
-        block_rows = 16 if small_verify else min(max(16, _next_pow2(R)), 128)
+        block_rows = min(max(16, _next_pow2(R)), 128)  # all rows of a kv head in one program
     if block_kv is None:
-        block_kv = 128 if small_verify else 64
+        block_kv = 64
     row_blocks = -(-R // block_rows)
     num_kv_blocks = -(-(W * S) // block_kv)
     if kv_splits is None:
         kv_splits = default_kv_splits(B, KVH, row_blocks, num_kv_blocks)
     kv_splits = min(kv_splits, num_kv_blocks)
-    tokens_per_split = -(-num_kv_blocks // kv_splits) * block_kv
+    blocks_per_split = -(-num_kv_blocks // kv_splits)
+    # Short programs (a small grid split finely: one or two kv blocks each) are latency
+    # chains: 2 warps and no software pipelining were fastest there on the H200 (batch 1,
+    # profiler GPU time: decode kernel 7.8 us vs 8.7 with 4 warps / 2 stages). Tiles of
+    # more than 32 rows keep 4 warps (a 64 x 128 f32 accumulator would spill on 2).
+    if num_warps is None:
+        num_warps = 2 if B * KVH * row_blocks < NUM_SMS_H200 and block_rows <= 32 else 4
+    if num_stages is None:
+        num_stages = 1 if blocks_per_split <= 2 else 2
+    tokens_per_split = blocks_per_split * block_kv
 
     # Only free reshapes here: at batch 1 every extra XLA op is a kernel launch that costs
     # as much as the attention itself, so queries are gathered and outputs scattered
@@ -271,9 +333,5 @@ def paged_attention_gpu(
 
     if kv_splits == 1:
         return out[:N].reshape(B, Q, H, D)
-    o_s, lse = out[0][:, :N], out[1][:, :N]  # sliced inside the combine's XLA fusions
-    # Splits that saw no key have lse = NEG_INF: weight exp(NEG_INF - max) = 0, or, when no
-    # split saw a key, weight 1 on all-zero outputs (a zero row, as the reference gives).
-    w = jnp.exp(lse - jnp.max(lse, axis=0)[None])
-    o = jnp.sum(w[..., None] * o_s.astype(jnp.float32), axis=0) / jnp.sum(w, axis=0)[..., None]
-    return o.astype(q.dtype).reshape(B, Q, H, D)
+    o = combine_splits(out[0], out[1], N, q.dtype, kernel=split_combine == "kernel", interpret=interpret)
+    return o.reshape(B, Q, H, D)

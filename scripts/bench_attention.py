@@ -7,17 +7,18 @@ $OUT/attention.json when OUT is set). Steps, in one process so one device call d
   2. HBM bandwidth measured now: a large bf16 read-only column reduction and a large f32
      elementwise read+write; the best is the roofline;
   3. (a) decode, batch 32, context 4096, 32/8 heads, D 128, bf16, page sizes 16/32/64, over
-     kernel variants: KV bytes / time against that bandwidth;
-     (b) verification Q = 8 vs decode Q = 1 at batch 1, context 4096 (ratio), by wall
-     clock and by GPU time (b1_ratio);
-     (c) the jnp reference on the same inputs.
-Wall-clock timing: each timed call is an unrolled lax.scan over NSETS different (q, page
-table) sets inside one jit, so per-call dispatch does not count and neither L2 nor a
-repeated table serves the KV: at batch 1 every set owns its own pages (NSETS x 16.8 MB > the
-50 MB L2). Medians of REPS. At batch 1 this still times host launches too (+-20% between
-runs); `--b1-ratio [--no-check] [--defaults-only]` measures the batch-1 ratio by GPU time
-from the profiler's kernel records instead (scripts/gpu_trace.py). `--b1-sweep`: a
-wall-clock tuning sweep at batch 1.
+     kernel variants, plus verify-8 and the jnp reference: KV bytes / time against that
+     bandwidth (wall clock);
+     (b) batch 1-8 by GPU time: verification Q = 8 / decode Q = 1 at batch 1, context 4096
+     over a few tunings (b1_ratio), then today's defaults against the previous tuning rule
+     at batch 1, 2, 4, 8 and context 512 / 4096 (small_batch).
+Wall-clock timing (3a): each timed call is an unrolled lax.scan over NSETS different
+(q, page table) sets inside one jit, so per-call dispatch does not count and L2 does not
+serve a repeated table's KV. Medians of REPS. At batch 1-8 a call is 5-50 us and wall clock
+times host launches too (+-20% between runs), so 3b uses GPU time from the profiler's
+kernel records (scripts/gpu_trace.py), every set on its own pages (NSETS x 16.8 MB > the
+50 MB L2 at batch 1). `--b1-ratio [--no-check] [--defaults-only]` runs only 3b's ratio;
+`--b1-sweep`: a GPU-time tuning sweep at batch 1 (Q = 1 and Q = 8).
 """
 
 from __future__ import annotations
@@ -180,40 +181,76 @@ def time_attention(attn, inputs):
     return median_time(run, *inputs) / NSETS
 
 
-def b1_ratio(rows, reps=10, tunings=None):
+def previous_rule(B, Q, ctx, kvh=8, group=4, num_sms=132):
+    """The tuning the kernel chose before 2026-11-21 (fourth session), spelled out: ~2
+    programs per SM, 4 warps, 2 stages, 16-row / 128-key programs for verification at small
+    batch, and the split combine as jnp (XLA fusions)."""
+    R = Q * group
+    small_verify = Q > 1 and R <= 32 and B * kvh < num_sms
+    br = 16 if small_verify else min(max(16, 1 << (R - 1).bit_length()), 128)
+    bk = 128 if small_verify else 64
+    programs = B * kvh * -(-R // br)
+    splits = max(1, min(-(-ctx // bk), -(-2 * num_sms // programs)))
+    return dict(block_rows=br, block_kv=bk, kv_splits=splits, num_warps=4, num_stages=2, split_combine="jnp")
+
+
+def gpu_time(Q, tuning, inputs, reps):
+    """Mean GPU time per call (scripts/gpu_trace.py) over the NSETS sets, one call per set."""
+    from gpu_trace import device_times
+
+    (qs, tables, k_pages, v_pages, kv_lens, positions, causal), _ = inputs
+    arg_sets = [(q, k_pages, v_pages, t, kv_lens, positions, causal) for q, t in zip(list(qs), list(tables))]
+    fn = jax.jit(kernel_fn(**tuning)) if tuning is not None else jax.jit(ref_fn)
+    return device_times(fn, arg_sets, reps=reps)
+
+
+B1_TUNINGS = (
+    ("defaults", {}, {}),
+    ("jnp split combine", dict(split_combine="jnp"), dict(split_combine="jnp")),
+    ("previous rule", previous_rule(1, 1, 4096), previous_rule(1, 8, 4096)),
+    ("33 splits", dict(kv_splits=33), dict(kv_splits=33)),
+    ("verify 16-row programs", {}, dict(block_rows=16)),
+)
+
+
+def b1_ratio(rows, reps=10, tunings=B1_TUNINGS):
     """Verify-8 / decode at batch 1, context 4096, by GPU time from the profiler's kernel
     records (scripts/gpu_trace.py): per call, the sum of the durations of everything it ran
     on the GPU (attention kernel + split combine), averaged over NSETS sets x reps
-    calls. Wall-clock timing at batch 1 mixed in host launch cost (+-20% between runs)."""
-    from gpu_trace import device_times
-
+    calls. Wall-clock timing at batch 1 mixed in host launch cost (+-20% between runs).
+    Each entry of `tunings` is (label, tuning for Q = 1, tuning for Q = 8)."""
     sets = {Q: timing_inputs(B=1, Q=Q, ctx=4096, S=16, distinct_pages_per_set=True) for Q in (1, 8)}
-    tunings = tunings or (dict(), dict(block_rows=32, block_kv=64), dict(block_rows=16), dict(block_rows=16, kv_splits=16),
-                          dict(block_rows=16, kv_splits=24), dict(kv_splits=24), dict(block_rows=16, block_kv=128))
     out = {}
-    for tuning in tunings:
-        res = {}
-        for Q in (1, 8):
-            (qs, tables, k_pages, v_pages, kv_lens, positions, causal), kv_bytes = sets[Q]
-            fn = jax.jit(kernel_fn(**tuning))
-            # One call per set (each on its own pages), not a scan: no slicing op counted.
-            arg_sets = [(q, k_pages, v_pages, t, kv_lens, positions, causal) for q, t in zip(list(qs), list(tables))]
-            res[Q] = device_times(fn, arg_sets, reps=reps)
+    for label, t1, t8 in tunings:
+        res = {1: gpu_time(1, t1, sets[1], reps), 8: gpu_time(8, t8, sets[8], reps)}
         q1, q8 = res[1]["busy_us"], res[8]["busy_us"]
-        out[str(tuning)] = dict(q1_us=q1, q8_us=q8, ratio=q8 / q1, q1_kernels=res[1]["kernels_us"],
-                                q8_kernels=res[8]["kernels_us"])
-        rows.append(dict(label=f"GPU-time B1 ctx4096 {tuning}", case="b1_gpu_time", tuning=str(tuning),
-                         q1_us=q1, q8_us=q8, ratio=q8 / q1))
+        out[label] = dict(q1_tuning=str(t1), q8_tuning=str(t8), q1_us=q1, q8_us=q8, ratio=q8 / q1,
+                          q1_kernels=res[1]["kernels_us"], q8_kernels=res[8]["kernels_us"])
+        rows.append(dict(label=f"GPU-time B1 ctx4096 {label}", case="b1_gpu_time", tuning=label, q1_us=q1, q8_us=q8,
+                         ratio=q8 / q1))
         brk = lambda ks: ", ".join(f"{n[:40]} {us:.2f}" for n, us in list(ks.items())[:3])  # noqa: E731
-        log(f"  GPU-time verify8/decode B1 ctx4096 {str(tuning):42s} {q1:6.2f} / {q8:6.2f} us = {q8 / q1:.3f}  "
+        log(f"  GPU-time verify8/decode B1 ctx4096 {label:24s} {q1:6.2f} / {q8:6.2f} us = {q8 / q1:.3f}  "
             f"[Q1: {brk(res[1]['kernels_us'])}] [Q8: {brk(res[8]['kernels_us'])}]")
-    ref = {}
-    for Q in (1, 8):
-        (qs, tables, k_pages, v_pages, kv_lens, positions, causal), _ = sets[Q]
-        arg_sets = [(q, k_pages, v_pages, t, kv_lens, positions, causal) for q, t in zip(list(qs), list(tables))]
-        ref[Q] = device_times(jax.jit(ref_fn), arg_sets[:8], reps=3)["busy_us"]
+    ref = {Q: gpu_time(Q, None, sets[Q], 3)["busy_us"] for Q in (1, 8)}
     log(f"  GPU-time jnp reference B1 ctx4096: Q1 {ref[1]:.2f} us, Q8 {ref[8]:.2f} us")
     RESULTS["b1_gpu_time"] = dict(per_tuning=out, reference_us=ref, reps=reps, nsets=NSETS)
+    return out
+
+
+def small_batch(reps=5):
+    """Decode (Q = 1) and verify-8 at batch 1-8, context 512 and 4096, by GPU time: today's
+    defaults against the previous tuning rule, so a default change is seen beyond batch 1."""
+    out = []
+    for ctx in (512, 4096):
+        for B in (1, 2, 4, 8):
+            for Q in (1, 8):
+                inputs = timing_inputs(B=B, Q=Q, ctx=ctx, S=16, distinct_pages_per_set=True)
+                new = gpu_time(Q, {}, inputs, reps)["busy_us"]
+                old = gpu_time(Q, previous_rule(B, Q, ctx), inputs, reps)["busy_us"]
+                out.append(dict(B=B, Q=Q, ctx=ctx, default_us=new, previous_us=old))
+                log(f"  GPU-time B{B} Q{Q} ctx{ctx}: defaults {new:6.2f} us, previous rule {old:6.2f} us ({new / old:.2f}x)")
+                del inputs
+    RESULTS["small_batch_gpu_time"] = out
     return out
 
 
@@ -237,41 +274,31 @@ def try_time(label, fn, inputs, kv_bytes, bw, table, extra=None):
     return row
 
 
-def b1_sweep(rounds=3):
-    """Batch-1 tuning sweep for decode (Q=1) and verification (Q=8), interleaved rounds.
-
-    Every (ctx, Q, tuning) is compiled first, then timed once per round in the same order,
-    so drift of the machine hits all configurations alike; the median over rounds is kept.
-    """
-    configs = []
-    for ctx, tunings in (
-        (4096, [dict(kv_splits=s, block_kv=bk, num_stages=st) for s in (8, 16, 24, 33) for bk in (32, 64)
-                for st in (2, 3)]),
-        (512, [dict(kv_splits=s, block_kv=bk) for s in (2, 4, 8) for bk in (32, 64)]),
-    ):
-        for Q in (1, 8):
-            inputs, kv_bytes = timing_inputs(B=1, Q=Q, ctx=ctx, S=16, distinct_pages_per_set=True)
-            for t in [dict()] + tunings:
-                configs.append((ctx, Q, t, inputs))
-    times = {}
-    for rnd in range(rounds):
-        for ctx, Q, t, inputs in configs:
-            try:
-                us = time_attention(kernel_fn(**t), inputs) * 1e6
-            except Exception as e:  # a tuning the lowering rejects
-                log(f"FAIL {ctx} Q{Q} {t}: {type(e).__name__}: {str(e)[:300]}")
-                us = float("nan")
-            times.setdefault((ctx, Q, str(t)), []).append(us)
-        log(f"round {rnd} done")
+def b1_sweep(reps=5):
+    """Batch-1 tuning sweep by GPU time, context 4096: Q = 1 over splits x block_kv x warps x
+    stages, Q = 8 over the same and 16- or 32-row programs."""
+    sets = {Q: timing_inputs(B=1, Q=Q, ctx=4096, S=16, distinct_pages_per_set=True) for Q in (1, 8)}
+    grid = [(Q, {}) for Q in (1, 8)]
+    for s in (33, 48, 66):
+        for bk in (32, 64, 128):
+            for w in (2, 4):
+                for st in (1, 2):
+                    if s * bk > 2 * 4096:
+                        continue
+                    t = dict(kv_splits=s, block_kv=bk, num_warps=w, num_stages=st)
+                    grid += [(1, t), (8, dict(t, block_rows=16)), (8, dict(t, block_rows=32))]
     rows = []
-    for (ctx, Q, t), ts in times.items():
-        rows.append(dict(ctx=ctx, Q=Q, tuning=t, us=statistics.median(ts), all_us=ts))
-    for ctx in (4096, 512):
-        log(f"--- batch 1, ctx {ctx}: tuning, Q1 us, Q8 us, ratio")
-        q1 = {r["tuning"]: r["us"] for r in rows if r["ctx"] == ctx and r["Q"] == 1}
-        q8 = {r["tuning"]: r["us"] for r in rows if r["ctx"] == ctx and r["Q"] == 8}
-        for t in sorted(q1, key=lambda t: q1[t] + q8[t]):
-            log(f"  {t:50s} {q1[t]:7.1f} {q8[t]:7.1f} {q8[t] / q1[t]:6.3f}")
+    for Q, t in grid:
+        try:
+            d = gpu_time(Q, t, sets[Q], reps)
+        except Exception as e:  # a tuning the lowering rejects
+            log(f"FAIL Q{Q} {t}: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        rows.append(dict(Q=Q, tuning=str(t), us=d["busy_us"], kernels=d["kernels_us"]))
+    for Q in (1, 8):
+        log(f"--- batch 1, ctx 4096, Q{Q}: fastest tunings (GPU time)")
+        for r in sorted([r for r in rows if r["Q"] == Q], key=lambda r: r["us"])[:8]:
+            log(f"  {r['us']:6.2f} us {r['tuning']}")
     RESULTS["b1_sweep"] = rows
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "attention_b1_sweep.json"), "w") as f:
@@ -286,7 +313,7 @@ def main():
     if "--b1-ratio" in sys.argv:  # [kernel == reference,] the batch-1 verify/decode ratio by GPU time
         if "--no-check" not in sys.argv:
             check_correctness()
-        b1_ratio([], tunings=(dict(),) if "--defaults-only" in sys.argv else None)
+        b1_ratio([], tunings=B1_TUNINGS[:1] if "--defaults-only" in sys.argv else B1_TUNINGS)
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], "attention_b1_ratio.json"), "w") as f:
                 json.dump(RESULTS, f, indent=1, default=str)
@@ -313,36 +340,11 @@ def main():
                      dict(case="verify8_b32", page_size=S, tuning="{}"))
             del qs8
         del inputs
-    # (b) verification Q=8 vs decode Q=1 at batch 1, each set on its own pages; three
-    # interleaved rounds (Q1, Q8 alternating per tuning), median per (Q, tuning): batch-1
-    # calls are ~30 us and drift by +-10% between runs.
-    ratio_rows = {}
-    tunings = (dict(), dict(kv_splits=16), dict(kv_splits=33), dict(block_kv=128), dict(block_kv=128, kv_splits=16))
-    sets = {Q: timing_inputs(B=1, Q=Q, ctx=4096, S=16, distinct_pages_per_set=True) for Q in (1, 8)}
-    samples = {}
-    for rnd in range(3):
-        for tuning in tunings:
-            for Q in (1, 8):
-                inputs, kv_bytes = sets[Q]
-                r = try_time(f"Q{Q} B1 ctx4096 S16 kernel {tuning} round {rnd}", kernel_fn(**tuning), inputs, kv_bytes,
-                             bw, rows, dict(case=f"q{Q}_b1_round", page_size=16, tuning=str(tuning)))
-                samples.setdefault((Q, str(tuning)), []).append(r["us"])
-    for key, ts in samples.items():
-        ratio_rows[key] = statistics.median(ts)
-        rows.append(dict(label=f"Q{key[0]} B1 ctx4096 S16 kernel {key[1]} median of 3", us=ratio_rows[key],
-                         case=f"q{key[0]}_b1", page_size=16, tuning=key[1], all_us=ts))
-    for Q in (1, 8):
-        inputs, kv_bytes = sets[Q]
-        try_time(f"Q{Q} B1 ctx4096 S16 jnp reference", ref_fn, inputs, kv_bytes, bw, rows, dict(case=f"q{Q}_b1_ref", page_size=16))
-        if Q == 1:
-            try_time("B1: scan floor, no attention", lambda q, *a: q, inputs, kv_bytes, bw, rows, dict(case="floor_b1", page_size=16))
-    del sets
-    b1_ratio(rows)  # the same ratio by GPU time (no host launch cost)
-    ratios = {t: ratio_rows[(8, t)] / ratio_rows[(1, t)] for (q, t) in ratio_rows if q == 1}
-    best_ratio = min(ratio_rows[(8, t)] for (q, t) in ratio_rows if q == 8) / min(
-        ratio_rows[(1, t)] for (q, t) in ratio_rows if q == 1)
+    # (b) batch 1-8 by GPU time: verify-8 / decode at batch 1 over tunings, then today's
+    # defaults against the previous rule at batch 1-8, context 512 / 4096.
+    b1 = b1_ratio(rows)
+    small_batch()
     RESULTS["timings"] = rows
-    RESULTS["verify8_over_decode_b1"] = {"per_tuning": ratios, "best_over_best": best_ratio}
 
     # Summary table last (the device reply carries the tail of the output).
     log("\n=== summary (H200, %s, jax %s) === bandwidth best %.3f TB/s" % (RESULTS["device"], jax.__version__, bw))
@@ -353,9 +355,8 @@ def main():
     for r in rows:
         if r.get("case") in ("decode_b32_ref", "verify8_b32", "floor_b32", "q1_b1_ref", "q8_b1_ref", "floor_b1"):
             log(f"  {r['label']:58s} {r['us']:8.1f} us {r['TBps']:.3f} TB/s")
-    for t, v in ratios.items():
-        log(f"  verify8/decode B1 {t:30s} ratio {v:.3f}  (Q1 {ratio_rows[(1, t)]:.1f} us, Q8 {ratio_rows[(8, t)]:.1f} us)")
-    log(f"  verify8/decode B1 best/best ratio {best_ratio:.3f}")
+    for label, v in b1.items():
+        log(f"  verify8/decode B1 ctx4096 {label:24s} {v['q1_us']:6.2f} / {v['q8_us']:6.2f} us = {v['ratio']:.3f} (GPU time)")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "attention.json"), "w") as f:
             json.dump(RESULTS, f, indent=1, default=str)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.paged_attention import paged_attention, ref_paged_attention
-from kernels_pallas.paged_attention_gpu import paged_attention_gpu
+from kernels_pallas.paged_attention_gpu import NEG_INF, combine_splits, paged_attention_gpu
 from kernels_pallas.paged_attention_tpu import paged_attention_tpu
 
 PAGE = 16
@@ -134,6 +134,26 @@ def test_tuning_variants(impl, tuning):
     assert rel_err(run_impl(impl, args, 0.1, **tuning), ref) < TOL[jnp.float32]
 
 
+@pytest.mark.parametrize("splits,dtype", [(3, jnp.float32), (5, jnp.bfloat16)])
+def test_split_combine_kernel_matches_jnp(splits, dtype):
+    """The Pallas split combine == the jnp combine, incl. splits that saw no key (lse =
+    NEG_INF, zero output) and a row no split saw (a zero row, as the reference gives)."""
+    rng = np.random.default_rng(splits)
+    rows = 7  # 6 real rows + the kernel's trash row
+    o_s = rng.standard_normal((splits, rows, D)).astype(np.float32)
+    lse = (3 * rng.standard_normal((splits, rows))).astype(np.float32)
+    lse[1, 2] = NEG_INF  # one split saw nothing for row 2
+    o_s[1, 2] = 0.0
+    lse[:, 4] = NEG_INF  # no split saw anything for row 4
+    o_s[:, 4] = 0.0
+    o_s, lse = jnp.asarray(o_s, dtype), jnp.asarray(lse)
+    out = combine_splits(o_s, lse, rows - 1, dtype, kernel=True, interpret=True)
+    ref = combine_splits(o_s, lse, rows - 1, dtype, kernel=False)
+    assert out.shape == (rows - 1, D) and out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype]
+    assert not np.asarray(out[4], np.float32).any()
+
+
 @pytest.mark.parametrize("impl", ["reference", "interpret", "tpu_interpret", "auto"])
 def test_public_entry_dispatch(impl):
     """paged_attention(impl=...) routes to each kernel; "auto" on CPU means "interpret"."""
@@ -169,5 +189,7 @@ def test_validation_messages():
     args = make_batch(0, q_len=1, kv_lens=[5], kv_heads=1, group=1, dtype=jnp.float32, causal=None)
     with pytest.raises(ValueError, match="block_kv"):
         paged_attention_gpu(*args, sm_scale=1.0, block_kv=24, interpret=True)
+    with pytest.raises(ValueError, match="split_combine"):
+        paged_attention_gpu(*args, sm_scale=1.0, split_combine="xla", interpret=True)
     with pytest.raises(ValueError, match="block_rows"):
         paged_attention_tpu(*args, sm_scale=1.0, block_rows=8, interpret=True)
