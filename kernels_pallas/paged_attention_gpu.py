@@ -58,6 +58,7 @@ from jax.experimental.pallas import triton as plt
 NEG_INF = -1e30  # finite "minus infinity": exp(NEG_INF - NEG_INF) stays defined
 NONCAUSAL_POS = 2**30  # row position of DFlash rows: sees every key below kv_len
 NUM_SMS_H200 = 132
+MAX_COMBINE_SPLITS = 64  # the combine kernel holds [splits (pow2), D] per program in registers
 
 
 def _next_pow2(n: int) -> int:
@@ -222,7 +223,7 @@ def combine_splits(o_s, lse, n, dtype, *, kernel: bool, num_warps: int = 2, inte
 
 def default_kv_splits(batch, kv_heads, row_blocks, num_kv_blocks, num_sms=NUM_SMS_H200):
     """Programs along the kv axis: ~2 per SM, or ~4 per SM when the batch alone gives fewer
-    programs than SMs; never more than there are kv blocks.
+    programs than SMs; never more than there are kv blocks, nor than MAX_COMBINE_SPLITS.
 
     On the H200 (2026-11-21): decode at batch 32 x 8 kv heads (256 programs) was fastest
     with 2 splits (1, 4 and 8: 10-20% slower); at batch 1 (8 programs) by profiler GPU
@@ -231,7 +232,7 @@ def default_kv_splits(batch, kv_heads, row_blocks, num_kv_blocks, num_sms=NUM_SM
     """
     programs = batch * kv_heads * row_blocks
     per_sm = 4 if programs < num_sms else 2
-    return max(1, min(num_kv_blocks, -(-per_sm * num_sms // programs)))
+    return max(1, min(num_kv_blocks, MAX_COMBINE_SPLITS, -(-per_sm * num_sms // programs)))
 
 
 @functools.partial(
@@ -255,7 +256,7 @@ def paged_attention_gpu(
     num_warps: int | None = None,  # None: 2 for small grids of <= 32-row tiles, else 4
     num_stages: int | None = None,  # Triton software-pipelining depth of the kv loop; None: 1 for <= 2 blocks, else 2
     split_dtype=None,  # dtype of the per-split outputs (None: the cache dtype)
-    split_combine: str = "kernel",  # "kernel" (one Pallas launch) | "jnp" (XLA fusions)
+    split_combine: str = "kernel",  # "kernel" (one Pallas launch; > 64 splits: jnp) | "jnp" (XLA fusions)
     interpret: bool = False,  # True: run the kernel body with Pallas' interpreter (CPU CI)
 ):  # -> [B, Q, H, D] in q.dtype
     validate_gpu(q, k_pages, block_rows=block_rows, block_kv=block_kv, kv_splits=kv_splits,
@@ -333,5 +334,7 @@ def paged_attention_gpu(
 
     if kv_splits == 1:
         return out[:N].reshape(B, Q, H, D)
-    o = combine_splits(out[0], out[1], N, q.dtype, kernel=split_combine == "kernel", interpret=interpret)
+    # More splits than the combine kernel holds (only when asked for explicitly): jnp.
+    use_kernel = split_combine == "kernel" and kv_splits <= MAX_COMBINE_SPLITS
+    o = combine_splits(out[0], out[1], N, q.dtype, kernel=use_kernel, interpret=interpret)
     return o.reshape(B, Q, H, D)
