@@ -30,7 +30,9 @@ Design (flash-decoding, GQA-packed):
   position, so prefill chunks do not stream keys they cannot see.
 - Keys at or past kv_len (the tail of the last page, whole junk pages a split covers)
   may be NaN: scores are masked with ``where`` and V rows are zeroed before the dot,
-  so no NaN reaches the accumulators (0 * NaN would).
+  so no NaN reaches the accumulators (0 * NaN would). Only blocks that reach kv_len or a
+  row's causal diagonal pay for the masks; interior blocks hold valid keys every real row
+  sees, and run unmasked.
 - Queries are gathered and outputs scattered by row index inside the kernel (no
   transposes around the call): at batch 1 each extra XLA op is a launch costing about as
   much as the attention itself.
