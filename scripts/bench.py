@@ -247,7 +247,25 @@ def diag_section(args, bw):
 
     t_gemv = timeit(lambda: gemvs(ws, x), reps=20)
     gb = sum(w.size * 2 for w in ws)
+    # GPU busy time (profiler kernel records) against wall time: for one step, and for one
+    # num_scheduler_steps call (a lax.scan over steps: idle time there is the XLA while
+    # loop's per-iteration host round trip and launch gaps, not bytes).
+    from gpu_trace import device_times
+
+    def busy_ms(fn, reps):  # the profiler's kernel records exist on GPU only
+        return device_times(fn, [()], reps=reps)["busy_us"] / 1e3 if jax.default_backend() == "gpu" else None
+
+    busy_one = busy_ms(lambda: r.run(inp), 10)
+    n = 8
+    eng8 = make_engine(cfg, params, max_num_seqs=8, ctx=512, dtype="bfloat16", sched_steps=n)
+    seqs8 = inject(eng8, 1, 512, rng, max_tokens=64)
+    assert all(eng8.blocks.ensure_slots(s, 512 + n) for s in seqs8)
+    inp8, _ = eng8.runner.build_input(SchedulerOutput("decode", [ScheduledSeq(s, 1, True) for s in seqs8], []))
+    t_multi = timeit(lambda: eng8.runner.run(inp8, n), reps=10)
+    busy_multi = busy_ms(lambda: eng8.runner.run(inp8, n), 5)
     out = dict(engine_step_ms=step * 1e3, build_input_ms=t_build * 1e3, jit_step_ms=t_jit * 1e3,
+               jit_step_gpu_busy_ms=busy_one, multi_call_steps=n, multi_call_ms=t_multi * 1e3,
+               multi_call_gpu_busy_ms=busy_multi,
                pipelined_step_ms=t_ten * 1e3, gemv_chain_ms=t_gemv * 1e3, gemv_TBps=gb / t_gemv / 1e12,
                roofline_ms=(wbytes + 512 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2) / (bw["best_TBps"] * 1e12) * 1e3,
                attn_impl=r.model.attn_impl, xla_flags=os.environ.get("XLA_FLAGS", ""))
