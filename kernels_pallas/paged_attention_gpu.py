@@ -311,8 +311,8 @@ def paged_attention_gpu(
     else:
         # Each split writes its normalised output and log-sum-exp: in a bf16 cache that is
         # half the bytes of an f32 accumulator plus max and sum, and at batch 1 the split
-        # partials of a verify-8 call (33 splits x 256 rows) are its main extra cost over
-        # decode. Rounding o_s to bf16 before the convex combination costs at most the
+        # partials of a verify-8 call (64 splits x 256 rows at the defaults) are a main extra
+        # cost over decode. Rounding o_s to bf16 before the convex combination costs at most the
         # rounding the bf16 output gets anyway.
         sd = jnp.dtype(split_dtype or q.dtype)
         out_shape = (

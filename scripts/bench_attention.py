@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.paged_attention import ref_paged_attention
-from kernels_pallas.paged_attention_gpu import paged_attention_gpu
+from kernels_pallas.paged_attention_gpu import NUM_SMS_H200, _next_pow2, paged_attention_gpu
 
 NSETS = 16  # inner scan length: distinct (q, table) sets per timed call
 REPS = 25
@@ -181,21 +181,22 @@ def time_attention(attn, inputs):
     return median_time(run, *inputs) / NSETS
 
 
-def previous_rule(B, Q, ctx, kvh=8, group=4, num_sms=132):
+def previous_rule(B, Q, ctx, kvh=8, group=4, num_sms=NUM_SMS_H200):
     """The tuning the kernel chose before 2026-11-21 (fourth session), spelled out: ~2
     programs per SM, 4 warps, 2 stages, 16-row / 128-key programs for verification at small
     batch, and the split combine as jnp (XLA fusions)."""
     R = Q * group
     small_verify = Q > 1 and R <= 32 and B * kvh < num_sms
-    br = 16 if small_verify else min(max(16, 1 << (R - 1).bit_length()), 128)
+    br = 16 if small_verify else min(max(16, _next_pow2(R)), 128)
     bk = 128 if small_verify else 64
     programs = B * kvh * -(-R // br)
     splits = max(1, min(-(-ctx // bk), -(-2 * num_sms // programs)))
     return dict(block_rows=br, block_kv=bk, kv_splits=splits, num_warps=4, num_stages=2, split_combine="jnp")
 
 
-def gpu_time(Q, tuning, inputs, reps):
-    """Mean GPU time per call (scripts/gpu_trace.py) over the NSETS sets, one call per set."""
+def gpu_time(tuning, inputs, reps):
+    """Mean GPU time per call (scripts/gpu_trace.py) over the NSETS sets, one call per set;
+    tuning None: the jnp reference."""
     from gpu_trace import device_times
 
     (qs, tables, k_pages, v_pages, kv_lens, positions, causal), _ = inputs
@@ -222,7 +223,7 @@ def b1_ratio(rows, reps=10, tunings=B1_TUNINGS):
     sets = {Q: timing_inputs(B=1, Q=Q, ctx=4096, S=16, distinct_pages_per_set=True) for Q in (1, 8)}
     out = {}
     for label, t1, t8 in tunings:
-        res = {1: gpu_time(1, t1, sets[1], reps), 8: gpu_time(8, t8, sets[8], reps)}
+        res = {1: gpu_time(t1, sets[1], reps), 8: gpu_time(t8, sets[8], reps)}
         q1, q8 = res[1]["busy_us"], res[8]["busy_us"]
         out[label] = dict(q1_tuning=str(t1), q8_tuning=str(t8), q1_us=q1, q8_us=q8, ratio=q8 / q1,
                           q1_kernels=res[1]["kernels_us"], q8_kernels=res[8]["kernels_us"])
@@ -231,7 +232,7 @@ def b1_ratio(rows, reps=10, tunings=B1_TUNINGS):
         brk = lambda ks: ", ".join(f"{n[:40]} {us:.2f}" for n, us in list(ks.items())[:3])  # noqa: E731
         log(f"  GPU-time verify8/decode B1 ctx4096 {label:24s} {q1:6.2f} / {q8:6.2f} us = {q8 / q1:.3f}  "
             f"[Q1: {brk(res[1]['kernels_us'])}] [Q8: {brk(res[8]['kernels_us'])}]")
-    ref = {Q: gpu_time(Q, None, sets[Q], 3)["busy_us"] for Q in (1, 8)}
+    ref = {Q: gpu_time(None, sets[Q], 3)["busy_us"] for Q in (1, 8)}
     log(f"  GPU-time jnp reference B1 ctx4096: Q1 {ref[1]:.2f} us, Q8 {ref[8]:.2f} us")
     RESULTS["b1_gpu_time"] = dict(per_tuning=out, reference_us=ref, reps=reps, nsets=NSETS)
     return out
@@ -245,8 +246,8 @@ def small_batch(reps=5):
         for B in (1, 2, 4, 8):
             for Q in (1, 8):
                 inputs = timing_inputs(B=B, Q=Q, ctx=ctx, S=16, distinct_pages_per_set=True)
-                new = gpu_time(Q, {}, inputs, reps)["busy_us"]
-                old = gpu_time(Q, previous_rule(B, Q, ctx), inputs, reps)["busy_us"]
+                new = gpu_time({}, inputs, reps)["busy_us"]
+                old = gpu_time(previous_rule(B, Q, ctx), inputs, reps)["busy_us"]
                 out.append(dict(B=B, Q=Q, ctx=ctx, default_us=new, previous_us=old))
                 log(f"  GPU-time B{B} Q{Q} ctx{ctx}: defaults {new:6.2f} us, previous rule {old:6.2f} us ({new / old:.2f}x)")
                 del inputs
@@ -290,7 +291,7 @@ def b1_sweep(reps=5):
     rows = []
     for Q, t in grid:
         try:
-            d = gpu_time(Q, t, sets[Q], reps)
+            d = gpu_time(t, sets[Q], reps)
         except Exception as e:  # a tuning the lowering rejects
             log(f"FAIL Q{Q} {t}: {type(e).__name__}: {str(e)[:300]}")
             continue
@@ -353,7 +354,7 @@ def main():
     for r in sorted(dec, key=lambda r: r["us"])[:6]:
         log(f"  decode B32 S{r['page_size']:<3d} {r['tuning']:45s} {r['us']:8.1f} us {r['TBps']:.3f} TB/s {r['frac_bw']:.1%}")
     for r in rows:
-        if r.get("case") in ("decode_b32_ref", "verify8_b32", "floor_b32", "q1_b1_ref", "q8_b1_ref", "floor_b1"):
+        if r.get("case") in ("decode_b32_ref", "verify8_b32", "floor_b32"):
             log(f"  {r['label']:58s} {r['us']:8.1f} us {r['TBps']:.3f} TB/s")
     for label, v in b1.items():
         log(f"  verify8/decode B1 ctx4096 {label:24s} {v['q1_us']:6.2f} / {v['q8_us']:6.2f} us = {v['ratio']:.3f} (GPU time)")
