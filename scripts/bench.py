@@ -110,13 +110,16 @@ def measure_bandwidth(quick: bool) -> dict:
     return out
 
 
+LINEAR_IMPL = "auto"  # --linear-impl: fused small-batch projections ("auto": on GPU) or "reference" (XLA)
+
+
 def make_engine(cfg, params, *, max_num_seqs, ctx, dtype, spec=None, drafter=None, page_size=16, extra=64,
                 sched_steps=1):
     pages_per_seq = -(-(ctx + extra) // page_size) + 2
     ec = EngineConfig(
         model=f"random-{cfg.family}", dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=ctx + extra,
         page_size=page_size, num_pages=max_num_seqs * pages_per_seq + 4, enable_prefix_caching=False,
-        speculative_config=spec, num_scheduler_steps=sched_steps,
+        speculative_config=spec, num_scheduler_steps=sched_steps, linear_impl=LINEAR_IMPL,
     )
     eng = LLMEngine(ec, preloaded=(cfg, params), preloaded_drafter=drafter)
     # Random KV everywhere: attention must not run on zeros.
@@ -205,7 +208,8 @@ def plain_section(args, bw):
                 step = B / tps  # per generated token of each row: multi-step calls emit several
                 bound = (wbytes + B * ctx * kv_tok) / (bw["best_TBps"] * 1e12)
                 rows.append(dict(batch=B, ctx=ctx, num_scheduler_steps=steps_per_call, step_ms=step * 1e3, tok_s=tps,
-                                 roofline_ms=bound * 1e3, roofline_frac=bound / step, attn_impl=eng.runner.model.attn_impl))
+                                 roofline_ms=bound * 1e3, roofline_frac=bound / step, attn_impl=eng.runner.model.attn_impl,
+                                 linear_impl=eng.runner.model.linear_impl))
                 print(f"plain B={B:3d} ctx={ctx:5d} sched_steps={steps_per_call}: {step*1e3:7.2f} ms/token-step "
                       f"{tps:9.1f} tok/s roofline {bound*1e3:6.2f} ms -> {bound/step:5.1%}", flush=True)
             del eng
@@ -252,24 +256,29 @@ def diag_section(args, bw):
     # loop's per-iteration host round trip and launch gaps, not bytes).
     from gpu_trace import device_times
 
-    def busy_ms(fn, reps):  # the profiler's kernel records exist on GPU only
-        return device_times(fn, [()], reps=reps)["busy_us"] / 1e3 if jax.default_backend() == "gpu" else None
-
-    busy_one = busy_ms(lambda: r.run(inp), 10)
+    gpu = jax.default_backend() == "gpu"  # the profiler's kernel records exist on GPU only
+    one = device_times(lambda: r.run(inp), [()], reps=10) if gpu else None
+    busy_one = one and one["busy_us"] / 1e3
     n = 8
     eng8 = make_engine(cfg, params, max_num_seqs=8, ctx=512, dtype="bfloat16", sched_steps=n)
     seqs8 = inject(eng8, 1, 512, rng, max_tokens=64)
     assert all(eng8.blocks.ensure_slots(s, 512 + n) for s in seqs8)
     inp8, _ = eng8.runner.build_input(SchedulerOutput("decode", [ScheduledSeq(s, 1, True) for s in seqs8], []))
     t_multi = timeit(lambda: eng8.runner.run(inp8, n), reps=10)
-    busy_multi = busy_ms(lambda: eng8.runner.run(inp8, n), 5)
+    multi = device_times(lambda: eng8.runner.run(inp8, n), [()], reps=5) if gpu else None
+    busy_multi = multi and multi["busy_us"] / 1e3
     out = dict(engine_step_ms=step * 1e3, build_input_ms=t_build * 1e3, jit_step_ms=t_jit * 1e3,
                jit_step_gpu_busy_ms=busy_one, multi_call_steps=n, multi_call_ms=t_multi * 1e3,
                multi_call_gpu_busy_ms=busy_multi,
                pipelined_step_ms=t_ten * 1e3, gemv_chain_ms=t_gemv * 1e3, gemv_TBps=gb / t_gemv / 1e12,
                roofline_ms=(wbytes + 512 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2) / (bw["best_TBps"] * 1e12) * 1e3,
-               attn_impl=r.model.attn_impl, xla_flags=os.environ.get("XLA_FLAGS", ""))
-    print("diag", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}, flush=True)
+               attn_impl=r.model.attn_impl, linear_impl=r.model.linear_impl, xla_flags=os.environ.get("XLA_FLAGS", ""),
+               # where one step's GPU time goes: us per step by kernel name, and the number of launches
+               step_kernels_us={k: v / n for k, v in list(multi["kernels_us"].items())[:24]} if gpu else None)
+    print("diag", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items() if k != "step_kernels_us"},
+          flush=True)
+    for k, v in (out["step_kernels_us"] or {}).items():
+        print(f"  {v:8.1f} us/step  {k}", flush=True)
     return out
 
 
@@ -390,12 +399,15 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--batches", default="1,8,32,64", help="plain section: batch sizes")
     ap.add_argument("--sched-steps", type=int, default=8, help="num_scheduler_steps for the plain section")
+    ap.add_argument("--linear-impl", default="auto", help="EngineConfig.linear_impl (auto | reference | gpu)")
     ap.add_argument("--spec-batches", default="1,32", help="eagle3/parallel sections: batch sizes")
     ap.add_argument("--ks", default="", help="eagle3/parallel sections: only these K (default: the plan's)")
     ap.add_argument("--methods", default="dflash,peagle", help="parallel section: which drafters")
     args = ap.parse_args()
+    global LINEAR_IMPL
+    LINEAR_IMPL = args.linear_impl
     info = dict(date=time.strftime("%Y-%m-%d"), jax=jax.__version__, device=str(jax.devices()[0].device_kind),
-                backend=jax.default_backend(), xla_flags=os.environ.get("XLA_FLAGS", ""))
+                backend=jax.default_backend(), xla_flags=os.environ.get("XLA_FLAGS", ""), linear_impl=LINEAR_IMPL)
     print(info, flush=True)
     bw = measure_bandwidth(args.quick)
     print("bandwidth", {k: round(v, 3) for k, v in bw.items()}, flush=True)

@@ -59,6 +59,9 @@ class EngineConfig:
     # mode is for checking kernels, far too slow to serve with); JSPEC_KERNEL_IMPL overrides.
     attn_impl: str = "auto"
     sample_impl: str = "auto"
+    # The fused small-batch projections and RoPE + KV write (kernels_pallas/fused_linear.py,
+    # rope_kv_write.py): same choices; GPU kernels only (TPU runs the XLA ops).
+    linear_impl: str = "auto"
     speculative_config: dict | None = None
     # Multi-step scheduling (vLLM's name): a stable decode batch with nothing waiting runs
     # this many steps per jit call, tokens fed back on the device. Trades streaming
@@ -159,7 +162,8 @@ class LLMEngine:
         dtype = resolve_dtype(c.dtype)
         kv = KVCache.create(mc.num_layers, num_pages, c.page_size, mc.num_kv_heads, mc.head_dim, dtype)
         buckets = Buckets.create(c.max_num_seqs, chunk, pages_per_seq)
-        impls = dict(attn_impl=engine_impl(c.attn_impl), sample_impl=engine_impl(c.sample_impl))
+        impls = dict(attn_impl=engine_impl(c.attn_impl), sample_impl=engine_impl(c.sample_impl),
+                     linear_impl=engine_impl(c.linear_impl))
         if self.spec is None:
             self.runner = ModelRunner(mc, params, kv, buckets, dtype=dtype, **impls)
         else:

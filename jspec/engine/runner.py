@@ -51,6 +51,7 @@ class ModelRunner:
         dtype,
         attn_impl: str = "reference",
         sample_impl: str = "auto",
+        linear_impl: str = "reference",
     ):
         self.cfg = cfg
         self.params = params
@@ -58,7 +59,7 @@ class ModelRunner:
         self.buckets = buckets
         self.page_size = kv.page_size
         self.num_pages = kv.num_pages
-        self.model = Transformer(cfg, dtype=dtype, attn_impl=attn_impl)
+        self.model = Transformer(cfg, dtype=dtype, attn_impl=attn_impl, linear_impl=linear_impl)
         self.sample_impl = sample_impl
         self.num_compilations = 0  # traces of the step function (one per new shape)
         # `filtering` ("off" | "on": does any request use top-k / top-p) is decided on the

@@ -50,8 +50,9 @@ class SpecStepResult:
 
 class SpecModelRunner(ModelRunner):
     def __init__(self, cfg, params, kv, buckets, *, dtype, attn_impl, sample_impl, spec: SpeculativeConfig,
-                 dcfg: DrafterConfig, dparams, dkv, max_num_seqs: int):
-        super().__init__(cfg, params, kv, buckets, dtype=dtype, attn_impl=attn_impl, sample_impl=sample_impl)
+                 dcfg: DrafterConfig, dparams, dkv, max_num_seqs: int, linear_impl: str = "reference"):
+        super().__init__(cfg, params, kv, buckets, dtype=dtype, attn_impl=attn_impl, sample_impl=sample_impl,
+                         linear_impl=linear_impl)
         self.spec = spec
         self.K = spec.num_speculative_tokens
         self.dcfg = dcfg

@@ -15,6 +15,7 @@ import numpy as np
 from flax import linen as nn
 
 from jspec.config import RopeConfig
+from kernels_pallas.fused_linear import fused_linear, rms_norm  # noqa: F401  (rms_norm: re-exported)
 
 _zeros = nn.initializers.zeros
 _ones = nn.initializers.ones
@@ -22,38 +23,39 @@ _normal = nn.initializers.normal(0.02)
 
 
 class Linear(nn.Module):
-    """y = x @ W.T + b with W: [out, in] (HF layout)."""
+    """y = [residual +] (prologue(x) @ W.T + b) with W: [out, in] (HF layout).
+
+    The optional prologue (RMSNorm of x with ``norm_w``, or SwiGLU of a fused gate|up
+    input) and residual add run inside the weight-streaming kernel when ``impl`` selects
+    it (kernels_pallas/fused_linear.py: small batches on GPU); otherwise as XLA ops.
+    """
 
     features: int
     in_features: int
     use_bias: bool = False
     dtype: jnp.dtype = jnp.float32
+    impl: str = "reference"  # fused_linear impl: "reference" (XLA) | "gpu" | "interpret"
 
     @nn.compact
-    def __call__(self, x):  # [..., in] -> [..., out]
+    def __call__(self, x, *, prologue="none", norm_w=None, eps=1e-6, residual=None, out_dtype=None):
         w = self.param("weight", _normal, (self.features, self.in_features), self.dtype)
-        y = jnp.einsum("...d,fd->...f", x.astype(w.dtype), w)
-        if self.use_bias:
-            y = y + self.param("bias", _zeros, (self.features,), self.dtype)
-        return y
+        b = self.param("bias", _zeros, (self.features,), self.dtype) if self.use_bias else None
+        return fused_linear(x, w, prologue=prologue, norm_w=norm_w, eps=eps, bias=b, residual=residual,
+                            out_dtype=out_dtype, impl=self.impl)
 
 
 class RMSNorm(nn.Module):
-    """HF Llama RMSNorm: normalise in float32, cast back, then scale."""
+    """HF Llama RMSNorm: normalise in float32, cast back, then scale. Called without x
+    (``features`` set), it returns its weight, for a kernel that fuses the norm."""
 
     eps: float = 1e-6
     dtype: jnp.dtype = jnp.float32
+    features: int = 0  # 0: x.shape[-1]
 
     @nn.compact
-    def __call__(self, x):
-        w = self.param("weight", _ones, (x.shape[-1],), self.dtype)
-        return rms_norm(x, w, self.eps)
-
-
-def rms_norm(x, w, eps):
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return w * xf.astype(x.dtype)
+    def __call__(self, x=None):
+        w = self.param("weight", _ones, (self.features or x.shape[-1],), self.dtype)
+        return w if x is None else rms_norm(x, w, self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
@@ -85,15 +87,19 @@ def apply_rope(x, positions, inv_freq):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU with gate and up fused into one [2I, H] matrix (one weight stream)."""
+    """SwiGLU with gate and up fused into one [2I, H] matrix (one weight stream). With
+    ``norm_w`` the input RMSNorm, with ``residual`` the residual add, happen in the
+    projections (fused into their kernels when ``impl`` selects them)."""
 
     hidden: int
     intermediate: int
     use_bias: bool = False
     dtype: jnp.dtype = jnp.float32
+    impl: str = "reference"
 
     @nn.compact
-    def __call__(self, x):
-        gu = Linear(2 * self.intermediate, self.hidden, self.use_bias, self.dtype, name="gate_up_proj")(x)
-        g, u = jnp.split(gu, 2, axis=-1)
-        return Linear(self.hidden, self.intermediate, self.use_bias, self.dtype, name="down_proj")(nn.silu(g) * u)
+    def __call__(self, x, *, norm_w=None, eps=1e-6, residual=None):
+        gu = Linear(2 * self.intermediate, self.hidden, self.use_bias, self.dtype, self.impl, name="gate_up_proj")(
+            x, prologue="none" if norm_w is None else "rmsnorm", norm_w=norm_w, eps=eps)
+        return Linear(self.hidden, self.intermediate, self.use_bias, self.dtype, self.impl, name="down_proj")(
+            gu, prologue="silu_mul", residual=residual)

@@ -22,56 +22,68 @@ from flax import linen as nn
 
 from jspec.config import ModelConfig
 from jspec.kv_cache import AttentionMetadata, KVCache
-from jspec.models.layers import GatedMLP, Linear, RMSNorm, apply_rope, rope_inv_freq
-from kernels_pallas.paged_attention import paged_attention, write_kv
+from jspec.models.layers import GatedMLP, Linear, RMSNorm, rope_inv_freq
+from kernels_pallas.fused_linear import fused_linear
+from kernels_pallas.paged_attention import paged_attention
+from kernels_pallas.rope_kv_write import rope_kv_write, rope_tables
 
 
 class Attention(nn.Module):
     """Self-attention over the paged cache; q/k/v read ``in_features`` (0: hidden_size;
-    EAGLE3's first drafter layer reads 2H)."""
+    EAGLE3's first drafter layer reads 2H). With ``norm_w`` the input RMSNorm happens in
+    the qkv projection, with ``residual`` the residual add in o_proj (fused into their
+    kernels when ``linear_impl`` selects them)."""
 
     cfg: ModelConfig
     dtype: jnp.dtype
     attn_impl: str = "reference"
     in_features: int = 0
+    linear_impl: str = "reference"  # fused_linear / rope_kv_write impl
 
     @nn.compact
-    def __call__(self, x, meta: AttentionMetadata, k_pages, v_pages):  # x: [B, Q, in_features]
+    def __call__(self, x, meta: AttentionMetadata, k_pages, v_pages, *, norm_w=None, residual=None, rope=None):
         c = self.cfg
         B, Q, _ = x.shape
         d_in = self.in_features or c.hidden_size
-        qkv = Linear(c.q_size + 2 * c.kv_size, d_in, c.attention_bias, self.dtype, name="qkv_proj")(x)
-        q = qkv[..., : c.q_size].reshape(B, Q, c.num_heads, c.head_dim)
-        k = qkv[..., c.q_size : c.q_size + c.kv_size].reshape(B, Q, c.num_kv_heads, c.head_dim)
-        v = qkv[..., c.q_size + c.kv_size :].reshape(B, Q, c.num_kv_heads, c.head_dim)
+        qkv = Linear(c.q_size + 2 * c.kv_size, d_in, c.attention_bias, self.dtype, self.linear_impl, name="qkv_proj")(
+            x, prologue="none" if norm_w is None else "rmsnorm", norm_w=norm_w, eps=c.rms_norm_eps)
+        qn = kn = None
         if c.qk_norm:
-            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
-        inv_freq = rope_inv_freq(c.rope, c.head_dim)
-        q = apply_rope(q, meta.positions, inv_freq)
-        k = apply_rope(k, meta.positions, inv_freq)
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
-        o = paged_attention(
-            q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions, meta.causal,
-            sm_scale=c.head_dim**-0.5, impl=self.attn_impl,
+            qn = RMSNorm(c.rms_norm_eps, self.dtype, c.head_dim, name="q_norm")()
+            kn = RMSNorm(c.rms_norm_eps, self.dtype, c.head_dim, name="k_norm")()
+        cos, sin = rope if rope is not None else rope_tables(meta.positions, rope_inv_freq(c.rope, c.head_dim))
+        q, k_pages, v_pages = rope_kv_write(
+            qkv.reshape(B * Q, -1), cos.reshape(B * Q, -1), sin.reshape(B * Q, -1), meta.slot_mapping.reshape(B * Q),
+            k_pages, v_pages, qn, kn, num_heads=c.num_heads, eps=c.rms_norm_eps, impl=self.linear_impl,
         )
-        o = Linear(c.hidden_size, c.q_size, c.attention_bias, self.dtype, name="o_proj")(o.reshape(B, Q, c.q_size))
+        o = paged_attention(
+            q.reshape(B, Q, c.num_heads, c.head_dim), k_pages, v_pages, meta.page_table, meta.kv_lens,
+            meta.positions, meta.causal, sm_scale=c.head_dim**-0.5, impl=self.attn_impl,
+        )
+        o = Linear(c.hidden_size, c.q_size, c.attention_bias, self.dtype, self.linear_impl, name="o_proj")(
+            o.reshape(B, Q, c.q_size), residual=residual)
         return o, k_pages, v_pages
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer. Both norms and both residual adds are passed into the
+    projections, which fuse them on GPU at small batch (four weight-streaming kernels,
+    one RoPE + KV-write kernel and the attention per layer)."""
+
     cfg: ModelConfig
     dtype: jnp.dtype
     attn_impl: str = "reference"
+    linear_impl: str = "reference"
 
     @nn.compact
-    def __call__(self, x, meta, k_pages, v_pages):
+    def __call__(self, x, meta, k_pages, v_pages, rope=None):
         c = self.cfg
-        h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(x)
-        a, k_pages, v_pages = Attention(c, self.dtype, self.attn_impl, name="attn")(h, meta, k_pages, v_pages)
-        x = x + a
-        h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x)
-        x = x + GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, name="mlp")(h)
+        ln1 = RMSNorm(c.rms_norm_eps, self.dtype, c.hidden_size, name="input_layernorm")()
+        x, k_pages, v_pages = Attention(c, self.dtype, self.attn_impl, linear_impl=self.linear_impl, name="attn")(
+            x, meta, k_pages, v_pages, norm_w=ln1, residual=x, rope=rope)
+        ln2 = RMSNorm(c.rms_norm_eps, self.dtype, c.hidden_size, name="post_attention_layernorm")()
+        x = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.linear_impl, name="mlp")(
+            x, norm_w=ln2, eps=c.rms_norm_eps, residual=x)
         return x, k_pages, v_pages
 
 
@@ -79,11 +91,13 @@ class Transformer(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     attn_impl: str = "reference"
+    linear_impl: str = "reference"  # "reference" (XLA) | "gpu" | "interpret": fused_linear, rope_kv_write
 
     def setup(self):
         c = self.cfg
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
-        self.layers = [DecoderLayer(c, self.dtype, self.attn_impl, name=f"layers_{i}") for i in range(c.num_layers)]
+        self.layers = [DecoderLayer(c, self.dtype, self.attn_impl, self.linear_impl, name=f"layers_{i}")
+                       for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
             # a bare [V, H] array so logits can accumulate in float32 (see logits()).
@@ -103,10 +117,11 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)
         captured = {}
         ks, vs = list(kv.k), list(kv.v)
+        rope = rope_tables(meta.positions, rope_inv_freq(self.cfg.rope, self.cfg.head_dim))  # once for all layers
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 captured[i] = x
-            x, ks[i], vs[i] = layer(x, meta, ks[i], vs[i])
+            x, ks[i], vs[i] = layer(x, meta, ks[i], vs[i], rope)
         if L in aux_layers:
             captured[L] = x
         aux = jnp.stack([captured[c] for c in aux_layers], axis=2) if aux_layers else None
@@ -117,4 +132,4 @@ class Transformer(nn.Module):
 
     def logits(self, h):  # f[..., H] (already normed) -> f32[..., V]
         w = self.embed_tokens.embedding if self.cfg.tie_word_embeddings else self.lm_head
-        return jnp.einsum("...d,vd->...v", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        return fused_linear(h, w, out_dtype=jnp.float32, impl=self.linear_impl)

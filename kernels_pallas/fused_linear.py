@@ -1,0 +1,220 @@
+"""Batch-1 linear layers with their neighbours fused: one kernel streams W once.
+
+    y = [residual +] (prologue(x) @ W.T [+ bias])
+    prologue: "none"     h = x
+              "rmsnorm"  h = rms_norm(x, norm_w, eps)          (Llama/Qwen3 RMSNorm)
+              "silu_mul" h = silu(x[:, :K]) * x[:, K:]          (SwiGLU, gate|up fused)
+
+Why: a batch-1 decode step of a Llama-3.1-8B shape was 4.59 ms of GPU time on the H200
+(jax 0.11.2, 2026-11-21, profiler): XLA's GEMVs stream the weights at ~4 TB/s, but each
+layer also ran ~8 tiny XLA kernels (two RMSNorm reductions, two residual adds, the
+silu*mul, RoPE, the KV scatter) of 1.2-3.6 us each: ~0.55 ms per step, 12% of it, for a
+few KB of data. Here the norm, the SwiGLU product, the bias and the residual add ride
+along with the weight stream (RoPE and the KV write: kernels_pallas/rope_kv_write.py).
+With both, the step is 4.31 ms of GPU time (scripts/bench.py --section diag).
+
+Kernel (Pallas, Triton backend): grid over blocks of ``block_f`` output features; each
+program loops over K in ``block_d`` chunks (software-pipelined), accumulating w * x in an
+f32 [block_f, block_d] tile reduced once at the end. One row only: at M = 1 an MMA tile
+would be 1/16 used, and a first version that gathered up to 16 rows into one was slower
+than XLA for M = 2-16 (qkv 22 vs 18 us), so more rows go to XLA (use_kernel).
+The RMSNorm is factored out of the dot: W (w_norm * x) and sum(x^2) accumulate in the same
+pass and 1 / rms scales the result, instead of a first pass over x in every program.
+
+Numerics: f32 accumulation, the output rounded to the activation dtype, then bias and
+residual added in that dtype, as the reference's XLA ops do. The SwiGLU product is rounded
+op by op like jax.nn.silu(g) * u in bf16. The factored RMSNorm rounds w_norm * x to the
+weight dtype where the reference rounds x / rms and then w_norm * (x / rms): results
+differ by a few ulps of the activation dtype (tests/test_fused_linear.py).
+
+Measured on the H200 (2026-11-21, jax 0.11.2, scripts/bench.py --section diag, profiler
+GPU time per layer inside a decode step): qkv + RMSNorm 15.9 us, o + residual 10.8, down +
+SwiGLU + residual 31.6; before, XLA took 14.6 + ~1.3 (norm), 10.6 + ~1.8 (add) and
+29.4 + 2.8 (silu * u) + ~1.8 (add). gate_up stays with XLA (MAX_KERNEL_FEATURES). Tile
+sweep: scripts/bench_linear.py --sweep.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+PROLOGUES = ("none", "rmsnorm", "silu_mul")
+
+
+def rms_norm(x, w, eps):
+    """HF Llama RMSNorm: normalise in float32, cast back, then scale (in x's dtype)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * xf.astype(x.dtype)
+
+
+def silu_mul(gu):
+    """SwiGLU on a fused [..., 2I] gate|up projection."""
+    g, u = jnp.split(gu, 2, axis=-1)
+    return jax.nn.silu(g) * u
+
+
+def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, residual=None, out_dtype=None):
+    """The jnp reference (and the path for large M, TPU and CPU): XLA ops, unfused.
+
+    x: [..., K] ([..., 2K] for silu_mul); w: [F, K]; norm_w: [K]; bias: [F];
+    residual: [..., F]; out_dtype: None (w.dtype) or float32 (logits). -> [..., F]
+    """
+    if prologue == "rmsnorm":
+        x = rms_norm(x, norm_w, eps)
+    elif prologue == "silu_mul":
+        x = silu_mul(x)
+    y = jnp.einsum("...d,fd->...f", x.astype(w.dtype), w, preferred_element_type=out_dtype)
+    if bias is not None:
+        y = y + bias
+    if residual is not None:
+        y = residual + y
+    return y
+
+
+def validate(x, w, prologue, norm_w, bias, residual, out_dtype):
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
+    if w.ndim != 2:
+        raise ValueError(f"weight must be [out_features, in_features], got shape {w.shape}")
+    F, K = w.shape
+    k_in = 2 * K if prologue == "silu_mul" else K
+    if x.shape[-1] != k_in:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight [{F}, {K}] with prologue {prologue!r} needs {k_in}")
+    if prologue == "rmsnorm" and (norm_w is None or norm_w.shape != (K,)):
+        raise ValueError(f"rmsnorm prologue needs norm_w of shape ({K},), got {None if norm_w is None else norm_w.shape}")
+    if bias is not None and bias.shape != (F,):
+        raise ValueError(f"bias must have shape ({F},), got {bias.shape}")
+    if residual is not None and residual.shape != x.shape[:-1] + (F,):
+        raise ValueError(f"residual must have shape {x.shape[:-1] + (F,)}, got {residual.shape}")
+    if out_dtype is not None and residual is not None and jnp.dtype(out_dtype) != residual.dtype:
+        raise ValueError(f"out_dtype {out_dtype} with a {residual.dtype} residual")
+
+
+def _pow2_divisor(n: int, pref: int, least: int) -> int:
+    """Largest power of two in [least, pref] dividing n, else 0."""
+    b = pref
+    while b >= least and n % b:
+        b //= 2
+    return b if b >= least else 0
+
+
+def default_blocks(F: int, K: int):
+    """(block_f, block_d, num_warps, num_stages), or None when no tile divides the shape.
+
+    From the H200 sweep (2026-11-21, scripts/bench_linear.py --sweep, GPU time, Llama-3.1-8B
+    layer shapes with their prologues): K = 4096 (qkv, o) best at 8 x 512 tiles, 4 warps,
+    4 stages (qkv 15.9 us, o 10.7; 16 x 512: 16.3 / 11.3); K = 14336 (down) at 16 x 1024,
+    8 warps, 2 stages (30.7 us; 16 x 512: 32.9)."""
+    bf, bd, warps, stages = (16, 1024, 8, 2) if K >= 8192 else (8, 512, 4, 4)
+    bf, bd = _pow2_divisor(F, bf, 2), _pow2_divisor(K, bd, 32)
+    return (bf, bd, warps, stages) if bf and bd else None
+
+
+def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_bias, has_res):
+    # refs: x [1, K_in] (whole), w [block_f, K] (this program's rows), [norm_w [K]],
+    # [bias [F]], [residual [1, F]], out [1, F] (whole; this program writes its columns).
+    x_ref, w_ref, *rest = refs
+    norm_ref = rest.pop(0) if has_norm else None
+    bias_ref = rest.pop(0) if has_bias else None
+    res_ref = rest.pop(0) if has_res else None
+    (o_ref,) = rest
+    f32 = jnp.float32
+    dt = w_ref.dtype
+
+    def body(i, carry):
+        acc, ss = carry
+        d0 = pl.multiple_of(i * block_d, block_d)
+        xs = x_ref[0, pl.ds(d0, block_d)].astype(f32)  # [block_d]
+        if prologue == "rmsnorm":
+            # RMSNorm factored out of the dot: W (nw * x) accumulates in this same pass
+            # while sum(x^2) does, and 1 / rms scales the result at the end. A first pass for
+            # the rms would put a chain of L2 reads before the first weight load of every
+            # program (gate_up: +22 us per call on the H200).
+            ss = ss + jnp.sum(xs * xs)
+            h = (xs * norm_ref[pl.ds(d0, block_d)].astype(f32)).astype(dt)
+        elif prologue == "silu_mul":
+            # jax.nn.silu(g) * u op by op (negate, exp, add, divide, multiply, multiply),
+            # each result rounded to the activation dtype as XLA's bf16 ops are on CPU.
+            rnd = lambda a: a.astype(x_ref.dtype).astype(f32)  # noqa: E731
+            u = x_ref[0, pl.ds(K + d0, block_d)].astype(f32)
+            sig = rnd(1.0 / rnd(1.0 + rnd(jnp.exp(-xs))))
+            h = (rnd(xs * sig) * u).astype(dt)
+        else:
+            h = xs.astype(dt)
+        return acc + w_ref[:, pl.ds(d0, block_d)].astype(f32) * h.astype(f32)[None, :], ss
+
+    init = (jnp.zeros((block_f, block_d), f32), jnp.zeros((), f32))
+    acc, ss = lax.fori_loop(0, K // block_d, body, init)
+    y = jnp.sum(acc, axis=1)  # [block_f]
+    if prologue == "rmsnorm":
+        y = y * lax.rsqrt(ss / K + eps)
+    cols = pl.ds(pl.program_id(0) * block_f, block_f)
+    y = y.astype(o_ref.dtype)  # the matmul's output rounding, as in the reference
+    if has_bias:
+        y = (y.astype(f32) + bias_ref[cols].astype(f32)).astype(o_ref.dtype)
+    if has_res:
+        y = (res_ref[0, cols].astype(f32) + y.astype(f32)).astype(o_ref.dtype)
+    o_ref[0, cols] = y
+
+
+@functools.partial(jax.jit, static_argnames=("prologue", "eps", "out_dtype", "blocks", "interpret"))
+def fused_linear_gpu(x, w, norm_w=None, bias=None, residual=None, *, prologue="none", eps=1e-6, out_dtype=None,
+                     blocks=None, interpret=False):
+    """The kernel on one row, x: [1, K_in]. blocks: (block_f, block_d, num_warps,
+    num_stages), or None for default_blocks."""
+    F, K = w.shape
+    bf, bd, warps, stages = blocks or default_blocks(F, K)
+    whole = pl.BlockSpec()
+    inputs = [x, w] + [a for a in (norm_w, bias, residual) if a is not None]
+    in_specs = [whole, pl.BlockSpec((bf, K), lambda i: (i, 0))] + [whole] * (len(inputs) - 2)
+    return pl.pallas_call(
+        functools.partial(_kernel, prologue=prologue, K=K, block_f=bf, block_d=bd, eps=eps,
+                          has_norm=norm_w is not None, has_bias=bias is not None, has_res=residual is not None),
+        grid=(F // bf,),
+        in_specs=in_specs,
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((1, F), jnp.dtype(out_dtype or w.dtype)),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+        name=f"fused_linear_{prologue}_f{bf}_d{bd}",
+    )(*inputs)
+
+
+# Wider projections stay with XLA: gate_up (28672 x 4096) streams at 4.0-4.2 TB/s through
+# XLA's autotuned GEMM against 3.9 here (60.3 vs 55.8-58.2 us on the H200), more than the
+# RMSNorm kernel it would save (~1.3 us). The lm_head has nothing to fuse.
+MAX_KERNEL_FEATURES = 16384
+
+
+def use_kernel(impl, x, w, prologue, residual) -> bool:
+    """Whether fused_linear runs the kernel: GPU impls, one row (batch-1 decode), something
+    to fuse (a prologue or a residual: a bare GEMV is as fast through XLA), at most
+    MAX_KERNEL_FEATURES outputs, and power-of-2 tiles that divide the weight."""
+    rows = 1
+    for n in x.shape[:-1]:
+        rows *= n
+    return (impl in ("gpu", "interpret") and rows == 1 and (prologue != "none" or residual is not None)
+            and w.shape[0] <= MAX_KERNEL_FEATURES and default_blocks(*w.shape) is not None)
+
+
+def fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, residual=None, out_dtype=None,
+                 impl="reference"):
+    """Public entry: the kernel where use_kernel says so, else ref_fused_linear (XLA)."""
+    validate(x, w, prologue, norm_w, bias, residual, out_dtype)
+    if not use_kernel(impl, x, w, prologue, residual):
+        return ref_fused_linear(x, w, prologue=prologue, norm_w=norm_w, eps=eps, bias=bias, residual=residual,
+                                out_dtype=out_dtype)
+    lead, F = x.shape[:-1], w.shape[0]
+    y = fused_linear_gpu(
+        x.reshape(1, x.shape[-1]), w, norm_w, bias, None if residual is None else residual.reshape(1, F),
+        prologue=prologue, eps=float(eps), out_dtype=None if out_dtype is None else jnp.dtype(out_dtype).name,
+        interpret=impl == "interpret",
+    )
+    return y.reshape(lead + (F,))

@@ -1,0 +1,142 @@
+"""Fused small-batch projections and RoPE + KV write on the GPU: kernel == reference, and
+GPU time of each Llama-3.1-8B layer projection, fused kernel vs the unfused XLA ops.
+
+    PYTHONPATH=.:scripts python scripts/bench_linear.py            # H200
+    PYTHONPATH=.:scripts python scripts/bench_linear.py --quick    # CPU smoke test (interpret)
+
+Timing is profiler GPU time (scripts/gpu_trace.py) over 4 rotating weight copies, so no
+weight is read from L2; bytes counted are the weight's. Results: $OUT/bench_linear.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas.fused_linear import fused_linear, fused_linear_gpu, ref_fused_linear
+from kernels_pallas.rope_kv_write import ref_rope_kv_write, rope_kv_write, rope_tables
+
+# (name, F, K, prologue, residual): the projections of one Llama-3.1-8B layer + lm_head
+LLAMA_8B = [("qkv", 6144, 4096, "rmsnorm", False), ("o", 4096, 4096, "none", True),
+            ("gate_up", 28672, 4096, "rmsnorm", False), ("down", 4096, 14336, "silu_mul", True),
+            ("lm_head", 128256, 4096, "none", False)]
+TINY = [("qkv", 256, 128, "rmsnorm", False), ("down", 128, 256, "silu_mul", True), ("lm_head", 512, 128, "none", False)]
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
+
+
+def linear_case(name, F, K, prologue, residual, M, impl, quick, timing, sweep=False):
+    keys = jax.random.split(jax.random.PRNGKey(hash((name, M)) % 2**31), 8)
+    kin = 2 * K if prologue == "silu_mul" else K
+    x = jax.random.normal(keys[0], (M, kin), jnp.float32).astype(jnp.bfloat16)
+    ws = [(0.02 * jax.random.normal(keys[1 + i], (F, K), jnp.float32)).astype(jnp.bfloat16)
+          for i in range(1 if quick else 4)]
+    nw = (1 + 0.1 * jax.random.normal(keys[5], (K,), jnp.float32)).astype(jnp.bfloat16) if prologue == "rmsnorm" else None
+    res = jax.random.normal(keys[6], (M, F), jnp.float32).astype(jnp.bfloat16) if residual else None
+    out_dtype = jnp.float32 if name == "lm_head" else None
+    kw = dict(prologue=prologue, norm_w=nw, eps=1e-5, residual=res, out_dtype=out_dtype)
+    fused = jax.jit(lambda x, w: fused_linear(x, w, impl=impl, **kw))
+    if sweep:  # GPU time of other tilings, as a list of (blocks, us)
+        from gpu_trace import device_times
+        row = dict(name=name, F=F, K=K, prologue=prologue, sweep=[])
+        for bf in (8, 16):
+            for bd in (512, 1024, 2048):
+                for stages in (2, 4):
+                    for warps in (4, 8):
+                        blocks = (bf, bd, warps, stages)
+                        fn = jax.jit(lambda x, w, b=blocks: fused_linear_gpu(
+                            x, w, nw, None, res, prologue=prologue, eps=1e-5, out_dtype=None, blocks=b))
+                        try:
+                            us = device_times(fn, [(x, w) for w in ws], reps=5)["busy_us"]
+                        except Exception as e:  # noqa: BLE001 (e.g. shared memory exceeded)
+                            us = f"{type(e).__name__}"
+                        row["sweep"].append((blocks, us))
+        row["sweep"].sort(key=lambda r: r[1] if isinstance(r[1], float) else 1e9)
+        return row
+    ref = jax.jit(lambda x, w: ref_fused_linear(x, w, **kw))
+    row = dict(name=name, F=F, K=K, prologue=prologue, residual=residual, M=M,
+               rel_err=rel_err(fused(x, ws[0]), ref(x, ws[0])))
+    if timing:
+        from gpu_trace import device_times
+        gb = F * K * 2
+        for label, fn in (("fused", fused), ("xla", ref)):
+            t = device_times(fn, [(x, w) for w in ws], reps=10)
+            row[f"{label}_us"] = t["busy_us"]
+            row[f"{label}_TBps"] = gb / t["busy_us"] / 1e6
+            row[f"{label}_kernels"] = len(t["kernels_us"])
+    return row
+
+
+def rope_case(H, KVH, D, M, qk_norm, impl, timing):
+    keys = jax.random.split(jax.random.PRNGKey(M + 7 * H), 6)
+    P, S = 256, 16
+    qkv = jax.random.normal(keys[0], (M, (H + 2 * KVH) * D), jnp.float32).astype(jnp.bfloat16)
+    kp = jax.random.normal(keys[1], (P, S, KVH, D), jnp.float32).astype(jnp.bfloat16)
+    vp = jax.random.normal(keys[2], (P, S, KVH, D), jnp.float32).astype(jnp.bfloat16)
+    pos = jnp.arange(M, dtype=jnp.int32) * 37 + 500
+    slot = jnp.where(jnp.arange(M) % 5 == 4, P * S, (jnp.arange(M) * 13) % (P * S)).astype(jnp.int32)
+    cos, sin = rope_tables(pos, 1.0 / (500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32))
+    norms = [(1 + 0.1 * jax.random.normal(keys[3 + i], (D,), jnp.float32)).astype(jnp.bfloat16) for i in range(2)] \
+        if qk_norm else [None, None]
+    fn = jax.jit(lambda kp, vp: rope_kv_write(qkv, cos, sin, slot, kp, vp, *norms, num_heads=H, eps=1e-6, impl=impl))
+    ref = ref_rope_kv_write(qkv, cos, sin, slot, kp, vp, *norms, num_heads=H, eps=1e-6)
+    got = fn(kp, vp)
+    row = dict(H=H, KVH=KVH, D=D, M=M, qk_norm=qk_norm,
+               q_err=rel_err(got[0], ref[0]), k_err=rel_err(got[1], ref[1]), v_err=rel_err(got[2], ref[2]))
+    if timing:
+        from gpu_trace import device_times
+        row["fused_us"] = device_times(fn, [(kp, vp)], reps=20)["busy_us"]
+        refj = jax.jit(lambda kp, vp: ref_rope_kv_write(qkv, cos, sin, slot, kp, vp, *norms, num_heads=H, eps=1e-6))
+        row["xla_us"] = device_times(refj, [(kp, vp)], reps=20)["busy_us"]
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    ap.add_argument("--sweep", action="store_true", help="also time other tilings of the layer projections (GPU)")
+    args = ap.parse_args()
+    gpu = jax.default_backend() == "gpu"
+    impl = "gpu" if gpu else "interpret"
+    out = {"date": os.environ.get("BENCH_DATE", ""), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
+           "linear": [], "rope": []}
+    shapes = TINY if args.quick or not gpu else LLAMA_8B
+    for name, F, K, pro, res in shapes:
+        for M in (1, 8):  # M > 1 runs the XLA reference (fused_linear.use_kernel): shown for contrast
+            r = linear_case(name, F, K, pro, res, M, impl, args.quick, timing=gpu)
+            out["linear"].append(r)
+            t = f" fused {r['fused_us']:7.1f} us ({r['fused_TBps']:.2f} TB/s) xla {r['xla_us']:7.1f} us " \
+                f"({r['xla_TBps']:.2f} TB/s, {r['xla_kernels']} kernels)" if gpu else ""
+            print(f"linear {name:8s} M={M:2d} {pro:8s} res={int(res)} err {r['rel_err']:.2e}{t}", flush=True)
+    if args.sweep and gpu:
+        out["sweep"] = []
+        for name, F, K, pro, res in shapes[:4]:
+            r = linear_case(name, F, K, pro, res, 1, impl, False, timing=True, sweep=True)
+            out["sweep"].append(r)
+            print(f"sweep {name}: " + ", ".join(f"{b} {us:.1f}" if isinstance(us, float) else f"{b} {us}"
+                                                 for b, us in r["sweep"][:6]), flush=True)
+    heads = [(4, 2, 32)] if args.quick or not gpu else [(32, 8, 128)]
+    for H, KVH, D in heads:
+        for M in (1, 8, 64):
+            for qk in (False, True):
+                r = rope_case(H, KVH, D, M, qk, impl, timing=gpu)
+                out["rope"].append(r)
+                t = f" fused {r['fused_us']:.1f} us xla {r['xla_us']:.1f} us" if gpu else ""
+                print(f"rope H={H} KVH={KVH} D={D} M={M:2d} qk_norm={int(qk)} err q {r['q_err']:.1e} "
+                      f"k {r['k_err']:.1e} v {r['v_err']:.1e}{t}", flush=True)
+    dest = os.environ.get("OUT")
+    if dest:
+        with open(os.path.join(dest, "bench_linear.json"), "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

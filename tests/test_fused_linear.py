@@ -1,0 +1,196 @@
+"""Fused small-batch projections (kernels_pallas/fused_linear.py) and RoPE + KV write
+(kernels_pallas/rope_kv_write.py): kernel == reference on CPU (Pallas interpret mode), the
+references == the model's unfused ops, and a decoder with the kernels == one without.
+
+Both kernels serve the batch-1 decode step on GPU; the engine runs the references
+elsewhere, so the references are checked against the plain ops they replaced
+(rms_norm -> einsum -> + residual; apply_rope + write_kv) and the kernels against them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from jspec.config import ModelConfig, RopeConfig
+from jspec.kv_cache import AttentionMetadata, KVCache
+from jspec.models.layers import apply_rope, rope_inv_freq
+from jspec.models.transformer import Transformer
+from kernels_pallas.fused_linear import fused_linear, fused_linear_gpu, ref_fused_linear, rms_norm, use_kernel
+from kernels_pallas.paged_attention import write_kv
+from kernels_pallas.rope_kv_write import rope_kv_write, rope_tables
+
+BF16 = jnp.bfloat16
+
+
+def f32(a):
+    return np.asarray(jnp.asarray(a).astype(jnp.float32))
+
+
+def rel(a, b):
+    return float(np.max(np.abs(f32(a) - f32(b))) / (np.max(np.abs(f32(b))) + 1e-12))
+
+
+def linear_inputs(seed, F, K, prologue, dtype, *, bias=False, residual=False):
+    k = jax.random.split(jax.random.PRNGKey(seed), 5)
+    kin = 2 * K if prologue == "silu_mul" else K
+    x = (2 * jax.random.normal(k[0], (1, 1, kin))).astype(dtype)
+    w = (0.05 * jax.random.normal(k[1], (F, K))).astype(dtype)
+    kw = dict(prologue=prologue, eps=1e-5)
+    if prologue == "rmsnorm":
+        kw["norm_w"] = (1 + 0.1 * jax.random.normal(k[2], (K,))).astype(dtype)
+    if bias:
+        kw["bias"] = (0.1 * jax.random.normal(k[3], (F,))).astype(dtype)
+    if residual:
+        kw["residual"] = jax.random.normal(k[4], (1, 1, F)).astype(dtype)
+    return x, w, kw
+
+
+@pytest.mark.parametrize("dtype", [BF16, jnp.float32])
+@pytest.mark.parametrize("prologue,bias,residual", [
+    ("rmsnorm", False, False), ("rmsnorm", True, False), ("none", False, True), ("silu_mul", False, True),
+    ("silu_mul", True, True),
+])
+def test_fused_linear_kernel_matches_reference(prologue, bias, residual, dtype):
+    x, w, kw = linear_inputs(1, 96, 256, prologue, dtype, bias=bias, residual=residual)
+    assert use_kernel("interpret", x, w, prologue, kw.get("residual"))
+    got = fused_linear(x, w, impl="interpret", **kw)
+    want = ref_fused_linear(x, w, **kw)
+    assert got.shape == want.shape == (1, 1, 96) and got.dtype == want.dtype
+    # bf16: the RMSNorm is factored out of the dot (x * w_norm in bf16, 1/rms applied to
+    # the f32 sum), so values may differ by a couple of bf16 ulps; f32: summation order.
+    assert rel(got, want) < (2e-2 if dtype == BF16 else 1e-5)
+
+
+def test_fused_linear_reference_is_the_unfused_ops():
+    x, w, kw = linear_inputs(2, 64, 128, "rmsnorm", BF16, residual=True)
+    want = kw["residual"] + jnp.einsum("...d,fd->...f", rms_norm(x, kw["norm_w"], 1e-5), w)
+    np.testing.assert_array_equal(f32(ref_fused_linear(x, w, **kw)), f32(want))
+    x, w, kw = linear_inputs(3, 64, 128, "silu_mul", BF16)
+    g, u = jnp.split(x, 2, axis=-1)
+    np.testing.assert_array_equal(f32(ref_fused_linear(x, w, **kw)), f32(jnp.einsum("...d,fd->...f", jax.nn.silu(g) * u, w)))
+
+
+def test_fused_linear_block_tilings_agree():
+    """Other tilings than the default (a sweep's candidates) compute the same thing."""
+    x, w, kw = linear_inputs(4, 64, 512, "silu_mul", BF16, residual=True)
+    want = ref_fused_linear(x, w, **kw)
+    for blocks in [(8, 128, 4, 2), (16, 512, 8, 3), (32, 256, 4, 4)]:
+        got = fused_linear_gpu(x[0], w, None, None, kw["residual"][0], prologue="silu_mul", eps=1e-5,
+                               blocks=blocks, interpret=True)
+        assert rel(got, want[0]) < 2e-2, blocks
+
+
+def test_fused_linear_routing_and_errors():
+    x, w, kw = linear_inputs(5, 64, 128, "rmsnorm", BF16)
+    assert not use_kernel("reference", x, w, "rmsnorm", None)
+    assert not use_kernel("tpu", x, w, "rmsnorm", None)
+    assert not use_kernel("interpret", jnp.zeros((2, 1, 128), BF16), w, "rmsnorm", None)  # > 1 row: XLA
+    assert not use_kernel("interpret", x, w, "none", None)  # nothing to fuse: XLA's GEMV
+    assert not use_kernel("interpret", x, jnp.zeros((20000, 128), BF16), "rmsnorm", None)  # too wide
+    assert not use_kernel("interpret", jnp.zeros((1, 100), BF16), jnp.zeros((64, 100), BF16), "rmsnorm", None)
+    # a shape the kernel does not take still computes, through the reference
+    x2, w2 = jnp.ones((1, 100), BF16), jnp.ones((64, 100), BF16)
+    np.testing.assert_array_equal(f32(fused_linear(x2, w2, prologue="rmsnorm", norm_w=jnp.ones((100,), BF16),
+                                                   impl="interpret")),
+                                  f32(ref_fused_linear(x2, w2, prologue="rmsnorm", norm_w=jnp.ones((100,), BF16))))
+    with pytest.raises(ValueError, match="prologue must be one of"):
+        fused_linear(x, w, prologue="gelu")
+    with pytest.raises(ValueError, match="x has 128 features.*needs 256"):
+        fused_linear(x, w, prologue="silu_mul")
+    with pytest.raises(ValueError, match="rmsnorm prologue needs norm_w of shape \\(128,\\)"):
+        fused_linear(x, w, prologue="rmsnorm")
+    with pytest.raises(ValueError, match="residual must have shape \\(1, 1, 64\\)"):
+        fused_linear(x, w, residual=jnp.zeros((1, 64), BF16))
+
+
+def rope_case(seed, H, KVH, D, dtype, qk_norm):
+    k = jax.random.split(jax.random.PRNGKey(seed), 6)
+    M, P, S = 6, 5, 4
+    qkv = jax.random.normal(k[0], (M, (H + 2 * KVH) * D)).astype(dtype)
+    kp = jax.random.normal(k[1], (P, S, KVH, D)).astype(dtype)
+    vp = jax.random.normal(k[2], (P, S, KVH, D)).astype(dtype)
+    pos = jnp.array([0, 7, 100, 5000, 3, 131000], jnp.int32)
+    slot = jnp.array([1, 5, P * S, 9, 19, P * S], jnp.int32)  # P * S: padding, not written
+    norms = [(1 + 0.1 * jax.random.normal(k[3 + i], (D,))).astype(dtype) for i in range(2)] if qk_norm else [None, None]
+    return qkv, pos, slot, kp, vp, norms
+
+
+@pytest.mark.parametrize("dtype", [BF16, jnp.float32])
+@pytest.mark.parametrize("H,KVH,D,qk_norm", [(4, 2, 32, False), (6, 2, 64, True), (8, 8, 16, False)])
+def test_rope_kv_write_kernel_matches_model_ops(H, KVH, D, qk_norm, dtype):
+    qkv, pos, slot, kp, vp, (qn, kn) = rope_case(H + D, H, KVH, D, dtype, qk_norm)
+    inv = rope_inv_freq(RopeConfig(500000.0, "llama3", 8.0, 1.0, 4.0, 8192), D)
+    # what the model did before the fused path: split, qk-norm, apply_rope, write_kv
+    q = qkv[:, : H * D].reshape(1, -1, H, D)
+    k = qkv[:, H * D: (H + KVH) * D].reshape(1, -1, KVH, D)
+    v = qkv[:, (H + KVH) * D:].reshape(1, -1, KVH, D)
+    if qk_norm:
+        q, k = rms_norm(q, qn, 1e-6), rms_norm(k, kn, 1e-6)
+    q, k = apply_rope(q, pos[None], inv), apply_rope(k, pos[None], inv)
+    k_want, v_want = write_kv(kp, vp, k, v, slot[None])
+    cos, sin = rope_tables(pos, inv)
+    ref = rope_kv_write(qkv, cos, sin, slot, kp, vp, qn, kn, num_heads=H, eps=1e-6, impl="reference")
+    for got, want in zip(ref, (q[0], k_want, v_want)):
+        np.testing.assert_array_equal(f32(got), f32(want))  # the reference is the old ops, bit for bit
+    ker = rope_kv_write(qkv, cos, sin, slot, kp, vp, qn, kn, num_heads=H, eps=1e-6, impl="interpret")
+    tol = 0 if dtype == BF16 else 2e-6  # f32: FMA contraction may differ in the last bit
+    for got, want in zip(ker, ref):
+        assert rel(got, want) <= tol
+    # untouched cache rows (other slots, and the padding tokens' targets) keep their values
+    written = {int(s) for s in slot if s < 5 * 4}
+    keep = np.array([i not in written for i in range(5 * 4)])
+    np.testing.assert_array_equal(f32(ker[1]).reshape(20, -1)[keep], f32(kp).reshape(20, -1)[keep])
+
+
+def test_rope_kv_write_errors():
+    qkv, pos, slot, kp, vp, _ = rope_case(0, 4, 2, 32, BF16, False)
+    cos, sin = rope_tables(pos, np.ones(16, np.float32))
+    with pytest.raises(ValueError, match="qkv must be \\[tokens, \\(heads \\+ 2 kv_heads\\) \\* head_dim\\]"):
+        rope_kv_write(qkv, cos, sin, slot, kp, vp, num_heads=5)
+    with pytest.raises(ValueError, match="rope tables must be \\[6, 16\\]"):
+        rope_kv_write(qkv, cos[:, :8], sin, slot, kp, vp, num_heads=4)
+    with pytest.raises(ValueError, match="q_norm_w and k_norm_w go together"):
+        rope_kv_write(qkv, cos, sin, slot, kp, vp, jnp.ones(32, BF16), num_heads=4)
+
+
+TINY = ModelConfig(
+    family="qwen3", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope=RopeConfig(1000000.0), tie_word_embeddings=False,
+    attention_bias=False, mlp_bias=False, qk_norm=True, max_position_embeddings=4096,
+)
+
+
+@pytest.mark.parametrize("qk_norm,bias", [(True, False), (False, True)])
+def test_decoder_with_fused_kernels_matches_reference(qk_norm, bias):
+    """A batch-1 decode step with linear_impl="interpret" (fused projections, RoPE + KV
+    write kernels) == the reference model: hidden states, logits and the written KV."""
+    cfg = dataclasses.replace(TINY, qk_norm=qk_norm, attention_bias=bias)
+    P, S = 8, 16
+    keys = jax.random.split(jax.random.PRNGKey(3), 2 * cfg.num_layers)
+    shape = (P, S, cfg.num_kv_heads, cfg.head_dim)
+    kv = KVCache(k=tuple(jax.random.normal(keys[i], shape).astype(BF16) for i in range(cfg.num_layers)),
+                 v=tuple(jax.random.normal(keys[-1 - i], shape).astype(BF16) for i in range(cfg.num_layers)))
+    meta = AttentionMetadata.for_single_sequence([3, 1, 5], S, 40, 1, P)
+    tok = jnp.array([[17]], jnp.int32)
+    params = Transformer(cfg, dtype=BF16).init(jax.random.PRNGKey(0), tok, meta, kv)["params"]
+    params = jax.tree.map(lambda a: (a + 0.05 * jax.random.normal(jax.random.PRNGKey(a.size), a.shape)).astype(BF16),
+                          params)
+    outs = {}
+    for impl in ("reference", "interpret"):
+        m = Transformer(cfg, dtype=BF16, linear_impl=impl)
+        h, _, kv2 = m.apply({"params": params}, tok, meta, kv)
+        outs[impl] = (h, m.apply({"params": params}, h[:, -1], method=Transformer.logits), kv2)
+    (h0, l0, kv0), (h1, l1, kv1) = outs["reference"], outs["interpret"]
+    assert rel(h1, h0) < 3e-2 and rel(l1, l0) < 3e-2
+    for a, b in zip(kv0.k + kv0.v, kv1.k + kv1.v):
+        assert rel(b, a) < 3e-2
+    # The layer-0 KV write depends only on the first norm + qkv projection + RoPE.
+    slot = 5 * S + 40 % S
+    np.testing.assert_allclose(f32(kv1.k[0]).reshape(P * S, -1)[slot], f32(kv0.k[0]).reshape(P * S, -1)[slot],
+                               rtol=2e-2, atol=2e-2)
