@@ -200,7 +200,7 @@ def plain_section(args, bw):
             if only_b1 is not None and ctx != (512 if not args.quick else 64):
                 continue
             eng = make_engine(cfg, params, max_num_seqs=64 if not args.quick else 8, ctx=ctx, dtype=dtype,
-                              sched_steps=steps_per_call, extra=64 + 8 * (args.steps + 16))
+                              sched_steps=steps_per_call, extra=64 + steps_per_call * (args.steps + 8))
             for B in [int(b) for b in args.batches.split(",")] if not args.quick else (1, 8):
                 if only_b1 is not None and B != 1:
                     continue
@@ -267,7 +267,24 @@ def diag_section(args, bw):
     t_multi = timeit(lambda: eng8.runner.run(inp8, n), reps=10)
     multi = device_times(lambda: eng8.runner.run(inp8, n), [()], reps=5) if gpu else None
     busy_multi = multi and multi["busy_us"] / 1e3
-    out = dict(engine_step_ms=step * 1e3, build_input_ms=t_build * 1e3, jit_step_ms=t_jit * 1e3,
+    # A whole target forward (every layer + lm_head + sampling) verifying 8 tokens vs
+    # decoding 1, batch 1, by GPU time: the engine-level counterpart of the attention-only
+    # verify-8 / decode ratio in scripts/bench_attention.py.
+    verify = {}
+    if gpu:
+        for ctx in (512, 4096):
+            e = make_engine(cfg, params, max_num_seqs=8, ctx=ctx, dtype="bfloat16")
+            for q in (1, 8):
+                ss = inject(e, 1, ctx, rng, max_tokens=8)
+                for s in ss:
+                    s.draft_token_ids = [1] * (q - 1)
+                vin, _ = e.runner.build_input(SchedulerOutput("decode", [ScheduledSeq(s, q, True) for s in ss], []),
+                                              q_override=q)
+                verify[f"ctx{ctx}_q{q}_gpu_ms"] = device_times(lambda: e.runner.run(vin), [()], reps=10)["busy_us"] / 1e3
+                clear(e)
+            verify[f"ctx{ctx}_ratio"] = verify[f"ctx{ctx}_q8_gpu_ms"] / verify[f"ctx{ctx}_q1_gpu_ms"]
+            del e
+    out = dict(engine_step_ms=step * 1e3, build_input_ms=t_build * 1e3, jit_step_ms=t_jit * 1e3, target_verify8=verify,
                jit_step_gpu_busy_ms=busy_one, multi_call_steps=n, multi_call_ms=t_multi * 1e3,
                multi_call_gpu_busy_ms=busy_multi,
                pipelined_step_ms=t_ten * 1e3, gemv_chain_ms=t_gemv * 1e3, gemv_TBps=gb / t_gemv / 1e12,
