@@ -27,6 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas.fused_linear import rms_norm
+from kernels_pallas.paged_attention import write_kv
+from kernels_pallas.paged_attention_gpu import _next_pow2
 
 
 def rope_tables(positions, inv_freq):
@@ -59,24 +61,18 @@ def ref_rope_kv_write(qkv, cos, sin, slot_mapping, k_pages, v_pages, q_norm_w=No
     """jnp reference. qkv [M, (H + 2 KVH) * D]; cos, sin f32[M, D/2]; slot_mapping i32[M]
     (P * S: not written); k_pages, v_pages [P, S, KVH, D]; q_norm_w, k_norm_w [D] | None.
     -> (q [M, H, D] after norm and RoPE, k_pages, v_pages)."""
-    P, S, KVH, D = k_pages.shape
+    KVH, D = k_pages.shape[2:]
     q, k, v = split_qkv(qkv, num_heads, KVH, D)
     if q_norm_w is not None:
         q = rms_norm(q, q_norm_w, eps)
         k = rms_norm(k, k_norm_w, eps)
     q, k = rope_halves(q, cos, sin), rope_halves(k, cos, sin)
-    kf = k_pages.reshape(P * S, KVH, D).at[slot_mapping].set(k.astype(k_pages.dtype), mode="drop")
-    vf = v_pages.reshape(P * S, KVH, D).at[slot_mapping].set(v.astype(v_pages.dtype), mode="drop")
-    return q, kf.reshape(P, S, KVH, D), vf.reshape(P, S, KVH, D)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    return (q, *write_kv(k_pages, v_pages, k, v, slot_mapping))
 
 
 def _kernel(slot_ref, cos_ref, sin_ref, qkv_ref, *refs, H, KVH, half, drop, eps, has_norm):
     # qkv_ref [M * (H + 2 KVH) * 2, half]: half-rows; cos_ref / sin_ref f32[M * half];
-    # then [qn_ref, kn_ref] f32[D], k_in / v_in (aliased to k_out / v_out, not read),
+    # then [qn_ref, kn_ref] [D], k_in / v_in (aliased to k_out / v_out, not read),
     # q_out [M * H * 2, half], k_out / v_out [P * S * KVH * 2, half].
     if has_norm:
         qn_ref, kn_ref, *refs = refs
@@ -88,8 +84,8 @@ def _kernel(slot_ref, cos_ref, sin_ref, qkv_ref, *refs, H, KVH, half, drop, eps,
     dt = qkv_ref.dtype
     # Head indices padded to a power of two (Triton tiles); pads repeat the last head, so
     # their (identical) results land on that head's rows.
-    hq = jnp.minimum(jnp.arange(_pow2(H), dtype=jnp.int32), H - 1)
-    hk = jnp.minimum(jnp.arange(_pow2(KVH), dtype=jnp.int32), KVH - 1)
+    hq = jnp.minimum(jnp.arange(_next_pow2(H), dtype=jnp.int32), H - 1)
+    hk = jnp.minimum(jnp.arange(_next_pow2(KVH), dtype=jnp.int32), KVH - 1)
 
     def load(heads):
         rows = 2 * (base + heads)
@@ -140,7 +136,7 @@ def rope_kv_write_gpu(qkv, cos, sin, slot_mapping, k_pages, v_pages, q_norm_w=No
     half = D // 2
     H = num_heads
     has_norm = q_norm_w is not None
-    norms = [q_norm_w.astype(jnp.float32), k_norm_w.astype(jnp.float32)] if has_norm else []
+    norms = [q_norm_w, k_norm_w] if has_norm else []  # cast to f32 in the kernel: no extra XLA op
     inputs = [slot_mapping.astype(jnp.int32), cos.reshape(M * half), sin.reshape(M * half),
               qkv.reshape(M * (H + 2 * KVH) * 2, half), *norms,
               k_pages.reshape(P * S * KVH * 2, half), v_pages.reshape(P * S * KVH * 2, half)]

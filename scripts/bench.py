@@ -171,14 +171,19 @@ def engine_decode(eng, B, ctx, rng, steps):
     return statistics.median(ts), toks / wall
 
 
-def target_forward_time(eng, B, ctx, rng, q):
-    """Median time of the jitted target step at Q = q tokens per row (verification width)."""
+def target_forward_time(eng, B, ctx, rng, q, gpu_time=False):
+    """Time of the jitted target step at Q = q tokens per row (verification width): the
+    wall-clock median, or with gpu_time the profiler's GPU busy time (scripts/gpu_trace.py)."""
     seqs = inject(eng, B, ctx, rng, max_tokens=8)
     for s in seqs:
         s.draft_token_ids = [1] * (q - 1)
     sched = SchedulerOutput("decode", [ScheduledSeq(s, q, True) for s in seqs], [])
     inp, _ = eng.runner.build_input(sched, q_override=q)
-    t = timeit(lambda: eng.runner.run(inp), reps=15)
+    if gpu_time:
+        from gpu_trace import device_times
+        t = device_times(lambda: eng.runner.run(inp), [()], reps=10)["busy_us"] / 1e6
+    else:
+        t = timeit(lambda: eng.runner.run(inp), reps=15)
     for s in seqs:
         s.draft_token_ids = []
     clear(eng)
@@ -275,13 +280,7 @@ def diag_section(args, bw):
         for ctx in (512, 4096):
             e = make_engine(cfg, params, max_num_seqs=8, ctx=ctx, dtype="bfloat16")
             for q in (1, 8):
-                ss = inject(e, 1, ctx, rng, max_tokens=8)
-                for s in ss:
-                    s.draft_token_ids = [1] * (q - 1)
-                vin, _ = e.runner.build_input(SchedulerOutput("decode", [ScheduledSeq(s, q, True) for s in ss], []),
-                                              q_override=q)
-                verify[f"ctx{ctx}_q{q}_gpu_ms"] = device_times(lambda: e.runner.run(vin), [()], reps=10)["busy_us"] / 1e3
-                clear(e)
+                verify[f"ctx{ctx}_q{q}_gpu_ms"] = target_forward_time(e, 1, ctx, rng, q, gpu_time=True) * 1e3
             verify[f"ctx{ctx}_ratio"] = verify[f"ctx{ctx}_q8_gpu_ms"] / verify[f"ctx{ctx}_q1_gpu_ms"]
             del e
     out = dict(engine_step_ms=step * 1e3, build_input_ms=t_build * 1e3, jit_step_ms=t_jit * 1e3, target_verify8=verify,

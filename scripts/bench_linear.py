@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.fused_linear import fused_linear, fused_linear_gpu, ref_fused_linear
+from kernels_pallas.fused_linear import fused_linear, fused_linear_gpu, ref_fused_linear, use_kernel
 from kernels_pallas.rope_kv_write import ref_rope_kv_write, rope_kv_write, rope_tables
 
 # (name, F, K, prologue, residual): the projections of one Llama-3.1-8B layer + lm_head
@@ -33,36 +34,25 @@ def rel_err(a, b):
     return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
 
 
-def linear_case(name, F, K, prologue, residual, M, impl, quick, timing, sweep=False):
-    keys = jax.random.split(jax.random.PRNGKey(hash((name, M)) % 2**31), 8)
+def linear_inputs(name, F, K, prologue, residual, M, copies):
+    """x, `copies` weight copies and fused_linear's keyword arguments for one projection."""
+    keys = jax.random.split(jax.random.PRNGKey(F + 7 * K + 131 * M), 8)
     kin = 2 * K if prologue == "silu_mul" else K
     x = jax.random.normal(keys[0], (M, kin), jnp.float32).astype(jnp.bfloat16)
-    ws = [(0.02 * jax.random.normal(keys[1 + i], (F, K), jnp.float32)).astype(jnp.bfloat16)
-          for i in range(1 if quick else 4)]
+    ws = [(0.02 * jax.random.normal(keys[1 + i], (F, K), jnp.float32)).astype(jnp.bfloat16) for i in range(copies)]
     nw = (1 + 0.1 * jax.random.normal(keys[5], (K,), jnp.float32)).astype(jnp.bfloat16) if prologue == "rmsnorm" else None
     res = jax.random.normal(keys[6], (M, F), jnp.float32).astype(jnp.bfloat16) if residual else None
     out_dtype = jnp.float32 if name == "lm_head" else None
-    kw = dict(prologue=prologue, norm_w=nw, eps=1e-5, residual=res, out_dtype=out_dtype)
+    return x, ws, dict(prologue=prologue, norm_w=nw, eps=1e-5, residual=res, out_dtype=out_dtype)
+
+
+def linear_case(name, F, K, prologue, residual, M, impl, quick, timing):
+    """fused_linear (kernel where use_kernel routes it, else XLA) vs the unfused reference."""
+    x, ws, kw = linear_inputs(name, F, K, prologue, residual, M, 1 if quick else 4)
     fused = jax.jit(lambda x, w: fused_linear(x, w, impl=impl, **kw))
-    if sweep:  # GPU time of other tilings, as a list of (blocks, us)
-        from gpu_trace import device_times
-        row = dict(name=name, F=F, K=K, prologue=prologue, sweep=[])
-        for bf in (8, 16):
-            for bd in (512, 1024, 2048):
-                for stages in (2, 4):
-                    for warps in (4, 8):
-                        blocks = (bf, bd, warps, stages)
-                        fn = jax.jit(lambda x, w, b=blocks: fused_linear_gpu(
-                            x, w, nw, None, res, prologue=prologue, eps=1e-5, out_dtype=None, blocks=b))
-                        try:
-                            us = device_times(fn, [(x, w) for w in ws], reps=5)["busy_us"]
-                        except Exception as e:  # noqa: BLE001 (e.g. shared memory exceeded)
-                            us = f"{type(e).__name__}"
-                        row["sweep"].append((blocks, us))
-        row["sweep"].sort(key=lambda r: r[1] if isinstance(r[1], float) else 1e9)
-        return row
     ref = jax.jit(lambda x, w: ref_fused_linear(x, w, **kw))
     row = dict(name=name, F=F, K=K, prologue=prologue, residual=residual, M=M,
+               kernel=use_kernel(impl, x, ws[0], prologue, kw["residual"]),
                rel_err=rel_err(fused(x, ws[0]), ref(x, ws[0])))
     if timing:
         from gpu_trace import device_times
@@ -73,6 +63,26 @@ def linear_case(name, F, K, prologue, residual, M, impl, quick, timing, sweep=Fa
             row[f"{label}_TBps"] = gb / t["busy_us"] / 1e6
             row[f"{label}_kernels"] = len(t["kernels_us"])
     return row
+
+
+def sweep_case(name, F, K, prologue, residual):
+    """GPU time of the kernel at other tilings (one row), best first: [(blocks, us | error)]."""
+    from gpu_trace import device_times
+    x, ws, kw = linear_inputs(name, F, K, prologue, residual, 1, 4)
+    out = []
+    for bf in (8, 16):
+        for bd in (512, 1024, 2048):
+            for stages in (2, 4):
+                for warps in (4, 8):
+                    blocks = (bf, bd, warps, stages)
+                    fn = jax.jit(lambda x, w, b=blocks: fused_linear_gpu(
+                        x, w, kw["norm_w"], None, kw["residual"], prologue=prologue, eps=1e-5, blocks=b))
+                    try:
+                        us = device_times(fn, [(x, w) for w in ws], reps=5)["busy_us"]
+                    except Exception as e:  # noqa: BLE001 (e.g. shared memory exceeded)
+                        us = f"{type(e).__name__}"
+                    out.append((blocks, us))
+    return sorted(out, key=lambda r: r[1] if isinstance(r[1], float) else 1e9)
 
 
 def rope_case(H, KVH, D, M, qk_norm, impl, timing):
@@ -106,23 +116,24 @@ def main():
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     impl = "gpu" if gpu else "interpret"
-    out = {"date": os.environ.get("BENCH_DATE", ""), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
+    out = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
            "linear": [], "rope": []}
     shapes = TINY if args.quick or not gpu else LLAMA_8B
     for name, F, K, pro, res in shapes:
-        for M in (1, 8):  # M > 1 runs the XLA reference (fused_linear.use_kernel): shown for contrast
+        for M in (1, 8):  # M > 1 (and shapes use_kernel keeps with XLA) run XLA: kernel=0, for contrast
             r = linear_case(name, F, K, pro, res, M, impl, args.quick, timing=gpu)
             out["linear"].append(r)
             t = f" fused {r['fused_us']:7.1f} us ({r['fused_TBps']:.2f} TB/s) xla {r['xla_us']:7.1f} us " \
                 f"({r['xla_TBps']:.2f} TB/s, {r['xla_kernels']} kernels)" if gpu else ""
-            print(f"linear {name:8s} M={M:2d} {pro:8s} res={int(res)} err {r['rel_err']:.2e}{t}", flush=True)
+            print(f"linear {name:8s} M={M:2d} {pro:8s} res={int(res)} kernel={int(r['kernel'])} "
+                  f"err {r['rel_err']:.2e}{t}", flush=True)
     if args.sweep and gpu:
         out["sweep"] = []
         for name, F, K, pro, res in shapes[:4]:
-            r = linear_case(name, F, K, pro, res, 1, impl, False, timing=True, sweep=True)
-            out["sweep"].append(r)
+            sw = sweep_case(name, F, K, pro, res)
+            out["sweep"].append(dict(name=name, F=F, K=K, prologue=pro, sweep=sw))
             print(f"sweep {name}: " + ", ".join(f"{b} {us:.1f}" if isinstance(us, float) else f"{b} {us}"
-                                                 for b, us in r["sweep"][:6]), flush=True)
+                                                 for b, us in sw[:6]), flush=True)
     heads = [(4, 2, 32)] if args.quick or not gpu else [(32, 8, 128)]
     for H, KVH, D in heads:
         for M in (1, 8, 64):

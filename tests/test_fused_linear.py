@@ -121,18 +121,30 @@ def rope_case(seed, H, KVH, D, dtype, qk_norm):
     return qkv, pos, slot, kp, vp, norms
 
 
+def old_rope(x, positions, inv_freq):
+    """The model's RoPE before the fused path (full-width tables, concatenated rotate-half):
+    an independent formulation the shared rope_halves must match bit for bit."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x.astype(jnp.float32) * jnp.cos(emb) + rot.astype(jnp.float32) * jnp.sin(emb)).astype(x.dtype)
+
+
 @pytest.mark.parametrize("dtype", [BF16, jnp.float32])
 @pytest.mark.parametrize("H,KVH,D,qk_norm", [(4, 2, 32, False), (6, 2, 64, True), (8, 8, 16, False)])
 def test_rope_kv_write_kernel_matches_model_ops(H, KVH, D, qk_norm, dtype):
     qkv, pos, slot, kp, vp, (qn, kn) = rope_case(H + D, H, KVH, D, dtype, qk_norm)
     inv = rope_inv_freq(RopeConfig(500000.0, "llama3", 8.0, 1.0, 4.0, 8192), D)
-    # what the model did before the fused path: split, qk-norm, apply_rope, write_kv
+    # what the model did before the fused path: split, qk-norm, RoPE, write_kv
     q = qkv[:, : H * D].reshape(1, -1, H, D)
     k = qkv[:, H * D: (H + KVH) * D].reshape(1, -1, KVH, D)
     v = qkv[:, (H + KVH) * D:].reshape(1, -1, KVH, D)
     if qk_norm:
         q, k = rms_norm(q, qn, 1e-6), rms_norm(k, kn, 1e-6)
-    q, k = apply_rope(q, pos[None], inv), apply_rope(k, pos[None], inv)
+    q_in = q
+    q, k = old_rope(q, pos[None], inv), old_rope(k, pos[None], inv)
+    np.testing.assert_array_equal(f32(apply_rope(q_in, pos[None], inv)), f32(old_rope(q_in, pos[None], inv)))
     k_want, v_want = write_kv(kp, vp, k, v, slot[None])
     cos, sin = rope_tables(pos, inv)
     ref = rope_kv_write(qkv, cos, sin, slot, kp, vp, qn, kn, num_heads=H, eps=1e-6, impl="reference")

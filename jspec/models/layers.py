@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
 from jspec.config import RopeConfig
 from kernels_pallas.fused_linear import fused_linear, rms_norm  # noqa: F401  (rms_norm: re-exported)
+from kernels_pallas.rope_kv_write import rope_halves, rope_tables
 
 _zeros = nn.initializers.zeros
 _ones = nn.initializers.ones
@@ -76,14 +76,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
 
 
 def apply_rope(x, positions, inv_freq):
-    """Rotate-half RoPE (HF convention). x: [B, Q, heads, D]; positions: i32[B, Q]."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, Q, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, Q, 1, D]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
-    half = x.shape[-1] // 2
-    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    xf = x.astype(jnp.float32)
-    return (xf * cos + rot.astype(jnp.float32) * sin).astype(x.dtype)
+    """Rotate-half RoPE (HF convention). x: [B, Q, heads, D]; positions: i32[B, Q]. The
+    maths is kernels_pallas/rope_kv_write.py's (the target's fused path), shared here."""
+    return rope_halves(x, *rope_tables(positions, inv_freq))
 
 
 class GatedMLP(nn.Module):
