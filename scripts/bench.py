@@ -92,21 +92,34 @@ def timeit(fn, reps=20, warmup=3):
 
 
 def measure_bandwidth(quick: bool) -> dict:
-    """Best-of HBM bandwidths: f32 read+write copy and bf16 read-only column reduction."""
+    """HBM bandwidths (the reference method's three): an f32 read+write copy, a bf16
+    read-only column reduction, and weight streaming (a bf16 vector times a 2 GiB bf16
+    matrix through XLA's GEMV, the decode step's own kind of op). The roofline uses the best.
+    A second of copies first: a GPU fresh from idle runs its first ones at low clocks."""
     n = (1 << 20) if quick else (1 << 30)  # 4 GiB f32 / 2 GiB... of bf16 below x4
     xs = [jax.random.normal(jax.random.PRNGKey(i), (n,), jnp.float32) for i in range(2)]
     copy = jax.jit(lambda x: x * 1.0001)
+    t_end = time.perf_counter() + (0.0 if quick else 1.0)
+    while time.perf_counter() < t_end:
+        jax.block_until_ready(copy(xs[0]))
     t_copy = min(timeit(lambda x=x: copy(x)) for x in xs)
     rows = (1 << 12) if quick else (1 << 16)
     ys = [jax.random.normal(jax.random.PRNGKey(9 + i), (rows, 65536 if not quick else 256), jnp.bfloat16) for i in range(2)]
     red = jax.jit(lambda y: jnp.sum(y, axis=0, dtype=jnp.float32))
     t_red = min(timeit(lambda y=y: red(y)) for y in ys)
+    del xs, ys
+    k, f = (256, 512) if quick else (16384, 65536)
+    ws = [jax.random.normal(jax.random.PRNGKey(20 + i), (k, f), jnp.bfloat16) for i in range(2)]
+    v = jax.random.normal(jax.random.PRNGKey(30), (1, k), jnp.bfloat16)
+    gemv = jax.jit(lambda v, w: jnp.dot(v, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    t_gemv = min(timeit(lambda w=w: gemv(v, w)) for w in ws)
     out = {
         "f32_copy_TBps": 2 * n * 4 / t_copy / 1e12,
-        "bf16_colsum_TBps": ys[0].size * 2 / t_red / 1e12,
+        "bf16_colsum_TBps": rows * (65536 if not quick else 256) * 2 / t_red / 1e12,
+        "bf16_gemv_TBps": k * f * 2 / t_gemv / 1e12,
     }
     out["best_TBps"] = max(out.values())
-    del xs, ys
+    del ws
     return out
 
 
@@ -114,12 +127,13 @@ LINEAR_IMPL = "auto"  # --linear-impl: fused small-batch projections ("auto": on
 
 
 def make_engine(cfg, params, *, max_num_seqs, ctx, dtype, spec=None, drafter=None, page_size=16, extra=64,
-                sched_steps=1):
+                sched_steps=1, async_scheduling=True):
     pages_per_seq = -(-(ctx + extra) // page_size) + 2
     ec = EngineConfig(
         model=f"random-{cfg.family}", dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=ctx + extra,
         page_size=page_size, num_pages=max_num_seqs * pages_per_seq + 4, enable_prefix_caching=False,
         speculative_config=spec, num_scheduler_steps=sched_steps, linear_impl=LINEAR_IMPL,
+        async_scheduling=async_scheduling,
     )
     eng = LLMEngine(ec, preloaded=(cfg, params), preloaded_drafter=drafter)
     # Random KV everywhere: attention must not run on zeros.
@@ -153,10 +167,26 @@ def clear(eng):
         eng.abort_request(s.request_id)
 
 
+def compile_decode(eng, B, ctx, max_tokens):
+    """Compile the decode shapes (page-table widths) a batch grows through from ctx to
+    ctx + max_tokens, so that no bucket crossing recompiles inside the timed loop."""
+    from jspec.engine.buckets import pick
+
+    r, c = eng.runner, eng.config
+    pages = lambda n: pick(r.buckets.pages, -(-n // c.page_size))  # noqa: E731
+    # Async scheduling reserves pages two calls ahead.
+    lo, hi = pages(ctx + 1), pages(min(ctx + max_tokens + 2 * max(1, c.num_scheduler_steps), eng.max_model_len))
+    shapes = [s for s in r.warmup_shapes(c.num_scheduler_steps, eng._async)
+              if s[0] == pick(r.buckets.batch, B) and s[1] == 1 and lo <= s[2] <= hi]
+    r.warmup(shapes=shapes)
+
+
 def engine_decode(eng, B, ctx, rng, steps):
     """Median step time and tok/s of LLMEngine.step over ``steps`` steps (after warm-up)."""
     inject(eng, B, ctx, rng, max_tokens=eng.max_model_len)
-    for _ in range(3):  # compile + warm
+    per_call = max(1, eng.config.num_scheduler_steps)
+    compile_decode(eng, B, ctx, (steps + 3) * per_call)
+    for _ in range(3):  # warm
         eng.step()
     n0 = eng.num_generation_tokens
     ts = []
@@ -198,25 +228,33 @@ def plain_section(args, bw):
     rng = np.random.default_rng(0)
     rows = []
     kv_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bytes per token, bf16
-    runs = [(1, args.sched_steps)] if args.sched_steps > 1 else []
-    runs.append((args.sched_steps, None))
-    for steps_per_call, only_b1 in runs:
+    # (steps per call, async scheduling, batch-1 / first-context only): the full table runs
+    # with args.sched_steps and async on; batch 1 also without async and with 1 step per call.
+    runs = [(1, False, True), (1, True, True)] if args.sched_steps > 1 else []
+    runs += [(args.sched_steps, False, True)] if not args.no_sync_rows else []
+    runs.append((args.sched_steps, True, False))
+    for steps_per_call, asyn, only_b1 in runs:
         for ctx in (512, 4096) if not args.quick else (64, 256):
-            if only_b1 is not None and ctx != (512 if not args.quick else 64):
+            if only_b1 and ctx != (512 if not args.quick else 64):
                 continue
             eng = make_engine(cfg, params, max_num_seqs=64 if not args.quick else 8, ctx=ctx, dtype=dtype,
-                              sched_steps=steps_per_call, extra=64 + steps_per_call * (args.steps + 8))
+                              sched_steps=steps_per_call, extra=64 + steps_per_call * (args.steps + 8),
+                              async_scheduling=asyn)
             for B in [int(b) for b in args.batches.split(",")] if not args.quick else (1, 8):
-                if only_b1 is not None and B != 1:
+                if only_b1 and B != 1:
                     continue
+                c0 = eng.num_chained_calls
                 step, tps = engine_decode(eng, B, ctx, rng, args.steps)
                 step = B / tps  # per generated token of each row: multi-step calls emit several
                 bound = (wbytes + B * ctx * kv_tok) / (bw["best_TBps"] * 1e12)
-                rows.append(dict(batch=B, ctx=ctx, num_scheduler_steps=steps_per_call, step_ms=step * 1e3, tok_s=tps,
+                rows.append(dict(batch=B, ctx=ctx, num_scheduler_steps=steps_per_call, async_scheduling=asyn,
+                                 roofline_bytes=wbytes + B * ctx * kv_tok,
+                                 chained_calls=eng.num_chained_calls - c0, step_ms=step * 1e3, tok_s=tps,
                                  roofline_ms=bound * 1e3, roofline_frac=bound / step, attn_impl=eng.runner.model.attn_impl,
                                  linear_impl=eng.runner.model.linear_impl))
-                print(f"plain B={B:3d} ctx={ctx:5d} sched_steps={steps_per_call}: {step*1e3:7.2f} ms/token-step "
-                      f"{tps:9.1f} tok/s roofline {bound*1e3:6.2f} ms -> {bound/step:5.1%}", flush=True)
+                print(f"plain B={B:3d} ctx={ctx:5d} sched_steps={steps_per_call} async={int(asyn)}: "
+                      f"{step*1e3:7.2f} ms/token-step {tps:9.1f} tok/s roofline {bound*1e3:6.2f} ms -> "
+                      f"{bound/step:5.1%} (chained calls {eng.num_chained_calls - c0})", flush=True)
             del eng
     return dict(weight_bytes=wbytes, rows=rows)
 
@@ -415,6 +453,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--batches", default="1,8,32,64", help="plain section: batch sizes")
     ap.add_argument("--sched-steps", type=int, default=8, help="num_scheduler_steps for the plain section")
+    ap.add_argument("--no-sync-rows", action="store_true", help="plain section: skip the async-off batch-1 row")
     ap.add_argument("--linear-impl", default="auto", help="EngineConfig.linear_impl (auto | reference | gpu)")
     ap.add_argument("--spec-batches", default="1,32", help="eagle3/parallel sections: batch sizes")
     ap.add_argument("--ks", default="", help="eagle3/parallel sections: only these K (default: the plan's)")
@@ -432,6 +471,19 @@ def main():
         results["diag"] = diag_section(args, bw)
     if args.section in ("plain", "all"):
         results["plain"] = plain_section(args, bw)
+        # The probe again at the end, warm: the rooflines use the best of both.
+        bw_end = measure_bandwidth(args.quick)
+        print("bandwidth at the end", {k: round(v, 3) for k, v in bw_end.items()}, flush=True)
+        results["bandwidth_end"] = bw_end
+        best = max(bw["best_TBps"], bw_end["best_TBps"])
+        print(f"plain rows against the best probe of the run, {best:.3f} TB/s:")
+        for r in results["plain"]["rows"]:
+            r["roofline_ms"] = r["roofline_bytes"] / (best * 1e12) * 1e3
+            r["roofline_frac"] = r["roofline_ms"] / r["step_ms"]
+            r["probe_TBps"] = best
+            print(f"  B={r['batch']:3d} ctx={r['ctx']:5d} steps={r['num_scheduler_steps']} async={int(r['async_scheduling'])}: "
+                  f"{r['step_ms']:6.2f} ms {r['tok_s']:8.1f} tok/s roofline {r['roofline_ms']:5.2f} ms -> "
+                  f"{r['roofline_frac']:5.1%}", flush=True)
     if args.section in ("eagle3", "all"):
         results["eagle3"] = spec_section(args, bw, "eagle3")
     if args.section in ("parallel", "all"):

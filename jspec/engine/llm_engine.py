@@ -1,6 +1,8 @@
-"""LLMEngine: requests in, tokens out, one scheduling step at a time (synchronous).
+"""LLMEngine: requests in, tokens out, one scheduling step at a time.
 
 Not thread-safe: one thread drives it (jspec.LLM.generate, or the server's engine loop).
+With async scheduling a decode call may still be running on the device when ``step()``
+returns (``_inflight``); the next ``step()`` reads it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,15 @@ class RequestOutput:
     _new: list = dataclasses.field(default_factory=list, repr=False)
 
 
+@dataclasses.dataclass
+class _InFlight:
+    """A fed-back decode call dispatched but not yet read."""
+
+    sched: object  # SchedulerOutput: its rows, in the order of the call's batch
+    steps: int
+    tokens: jax.Array  # i32[B, steps] on the device
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -67,6 +78,11 @@ class EngineConfig:
     # this many steps per jit call, tokens fed back on the device. Trades streaming
     # granularity for less host overhead per token. Without speculation only.
     num_scheduler_steps: int = 1
+    # Async scheduling (vLLM's name): a decode call is dispatched before the previous one's
+    # tokens are read (it starts from them on the device), so the host's bookkeeping for
+    # call n runs while the device computes call n + 1. A sequence that stops inside call n
+    # has its tokens of call n + 1 discarded. Without speculation only.
+    async_scheduling: bool = True
 
 
 def engine_impl(impl: str) -> str:
@@ -175,6 +191,7 @@ class LLMEngine:
                 mc, params, kv, buckets, dtype=dtype, **impls, spec=self.spec, dcfg=self.dcfg,
                 dparams=dparams, dkv=dkv, max_num_seqs=c.max_num_seqs,
             )
+        self._inflight: _InFlight | None = None
         self._prob_rows: dict[str, int] = {}
         self._rng = np.random.default_rng(c.seed)
         self._seqs: dict[str, Sequence] = {}
@@ -182,6 +199,7 @@ class LLMEngine:
         self.spec_metrics = SpecMetrics()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_chained_calls = 0  # decode calls dispatched before the previous one was read
 
     @staticmethod
     def _spec_config(d):
@@ -263,7 +281,11 @@ class LLMEngine:
 
     def warmup(self):
         """Compile every shape bucket now, so serving never stalls on a compilation."""
-        self.runner.warmup(self.config.num_scheduler_steps)
+        self.runner.warmup(self.config.num_scheduler_steps, self._async)
+
+    @property
+    def _async(self) -> bool:
+        return self.config.async_scheduling and self.spec is None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -284,25 +306,49 @@ class LLMEngine:
                 break
         return new
 
-    def _multi_steps(self, sched) -> int:
-        """How many decode steps this batch may run in one call (1: a plain step)."""
+    def _room(self, seq: Sequence) -> int:
+        """Tokens the sequence may still emit (max_tokens, max_model_len)."""
+        return min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
+
+    def _decode_steps(self, sched) -> int:
+        """Steps of a fed-back decode call for this batch; 0: a plain step."""
         n = self.config.num_scheduler_steps
-        if n <= 1 or self.spec is not None or sched.kind != "decode" or sched.preempted or self.scheduler.waiting:
-            return 1
-        for r in sched.seqs:
-            s = r.seq
-            if min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - s.num_tokens) < n:
-                return 1
+        if self.spec is not None or sched.kind != "decode":
+            return 0
+        if n <= 1:
+            return 1 if self._async else 0
+        if sched.preempted or self.scheduler.waiting or any(self._room(r.seq) < n for r in sched.seqs):
+            return 0
         # Pages for all n positions; a sequence that cannot grow that far takes a plain step.
         if not all(self.blocks.ensure_slots(r.seq, r.seq.num_computed + n) for r in sched.seqs):
-            return 1
+            return 0
         return n
 
+    def _chain(self, f: _InFlight) -> _InFlight | None:
+        """Dispatch the call after ``f`` (same rows, ``f.steps`` positions further) before
+        ``f`` is read, when nothing can change the batch in between: no request waiting,
+        every row still running with room for both calls, pages for both."""
+        if not self._async or self.scheduler.waiting or len(self.scheduler.running) != len(f.sched.seqs):
+            return None
+        n = f.steps
+        for r in f.sched.seqs:
+            s = r.seq
+            if s.status is not Status.RUNNING or self._seqs.get(s.request_id) is not s or self._room(s) < 2 * n:
+                return None
+        if not all(self.blocks.ensure_slots(r.seq, r.seq.num_computed + 2 * n) for r in f.sched.seqs):
+            return None
+        self.num_chained_calls += 1
+        return _InFlight(f.sched, n, self.runner.dispatch_decode(f.sched, n, prev=f.tokens))
+
+    def _collect(self, f: _InFlight) -> list[RequestOutput]:
+        """Read a fed-back decode call (waits for the device) and apply its tokens. Rows
+        that stopped or were aborted meanwhile are skipped: a chained call ran past them."""
+        toks = np.asarray(f.tokens)[: len(f.sched.seqs)].tolist()
+        return [o for r, t in zip(f.sched.seqs, toks)
+                if r.seq.status is Status.RUNNING and (o := self._advance(r.seq, t, f.steps)) is not None]
+
     def _run(self, sched) -> list[tuple[list[int], int]]:
-        """Execute a step; per scheduled row, (emitted tokens, positions newly computed)."""
-        n = self._multi_steps(sched)
-        if n > 1:
-            return [(t, n) for t in self.runner.execute_multi(sched, n)]
+        """Execute a plain step; per scheduled row, (emitted tokens, positions newly computed)."""
         if self.spec is None:
             return [(t, r.num_new) for r, t in zip(sched.seqs, self.runner.execute(sched))]
         live = {s.request_id for s in self.scheduler.running}
@@ -332,23 +378,36 @@ class LLMEngine:
         return out
 
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        if sched is None or not sched.seqs:
-            return []
-        outputs = []
-        for r, (toks, computed) in zip(sched.seqs, self._run(sched)):
-            seq = r.seq
-            seq.num_computed += computed
-            new = self._append(seq, toks)
-            self.num_generation_tokens += len(new)
-            if seq.finish_reason:
-                self.scheduler.finish(seq, seq.finish_reason)
-                self._seqs.pop(seq.request_id, None)
-            else:
-                self.blocks.commit(seq, seq.num_computed)
-            if new or seq.finish_reason:
-                outputs.append(self._output(seq, new))
-        return outputs
+        f, self._inflight = self._inflight, None
+        try:
+            if f is None:
+                sched = self.scheduler.schedule()
+                if sched is None or not sched.seqs:
+                    return []
+                n = self._decode_steps(sched)
+                if n == 0:
+                    return [o for r, (toks, computed) in zip(sched.seqs, self._run(sched))
+                            if (o := self._advance(r.seq, toks, computed)) is not None]
+                f = _InFlight(sched, n, self.runner.dispatch_decode(sched, n))
+            # The next call goes to the device before this one is read: the host work below
+            # (and the caller's, until the next step()) overlaps the device's.
+            self._inflight = self._chain(f)
+            return self._collect(f)
+        except BaseException:
+            self._inflight = None  # a failed step leaves nothing chained behind it
+            raise
+
+    def _advance(self, seq: Sequence, toks: list[int], computed: int) -> RequestOutput | None:
+        """Apply a row's step: positions computed, tokens emitted, finish or commit pages."""
+        seq.num_computed += computed
+        new = self._append(seq, toks)
+        self.num_generation_tokens += len(new)
+        if seq.finish_reason:
+            self.scheduler.finish(seq, seq.finish_reason)
+            self._seqs.pop(seq.request_id, None)
+        else:
+            self.blocks.commit(seq, seq.num_computed)
+        return self._output(seq, new) if new or seq.finish_reason else None
 
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
         finished = seq.finish_reason is not None
@@ -375,4 +434,5 @@ class LLMEngine:
             "num_free_pages": self.num_free_pages,
             "num_pages": self.num_pages,
             "num_compilations": self.runner.num_compilations,
+            "num_chained_calls": self.num_chained_calls,
         }

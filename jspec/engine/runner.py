@@ -72,6 +72,7 @@ class ModelRunner:
         # argument, which is far cheaper to hash per call than the layout itself.
         self._layout_ids: dict = {}
         self._layouts: list = []
+        self._no_prev: dict = {}  # (B, steps) -> zeros, the ``prev`` of an unchained decode call
 
     def _layout_id(self, layout) -> int:
         if layout not in self._layout_ids:
@@ -105,15 +106,19 @@ class ModelRunner:
         )
         return kv, tokens[:, 0]
 
-    def _multi_step_impl(self, params, kv, ints, floats, *, layout, steps: int, filtering):
+    def _multi_step_impl(self, params, kv, ints, floats, prev, *, layout, steps: int, filtering):
         """``steps`` decode steps in one call, each sampled token fed back on the device.
 
         Host bookkeeping (and its ~1 ms per step on the H200) is paid once per call. Same
         maths and RNG keys as ``steps`` single calls: step t samples at sample_pos + t.
+        ``prev`` (i32[B, steps']) is the previous call's output, still on the device: a row
+        whose host token is -1 starts from ``prev[b, -1]`` (async scheduling dispatches
+        this call before the host has read that token).
         """
         self.num_compilations += 1
         inp: StepInput = self._unpack(ints, floats, layout)
         B = inp.tokens.shape[0]
+        first = jnp.where(inp.tokens[:, 0] < 0, prev[:, -1], inp.tokens[:, 0])
         ps, drop = self.page_size, self.num_pages * self.page_size
         table = inp.meta.page_table
         active = inp.q_lens > 0
@@ -131,12 +136,17 @@ class ModelRunner:
                                       inp.sample_pos + t, impl=self.sample_impl, filtering=filtering)
             return (kv, out[:, 0]), out[:, 0]
 
-        (kv, _), toks = jax.lax.scan(body, (kv, inp.tokens[:, 0]), jnp.arange(steps, dtype=jnp.int32))
+        (kv, _), toks = jax.lax.scan(body, (kv, first), jnp.arange(steps, dtype=jnp.int32))
         return kv, toks.T  # i32[B, steps]
 
     # ---- host side --------------------------------------------------------------------
-    def build_input(self, sched: SchedulerOutput, q_override: int | None = None) -> tuple[StepInput, int]:
-        """Pad the scheduled rows to buckets. Decode rows carry [last token, drafts...]."""
+    def build_input(self, sched: SchedulerOutput, q_override: int | None = None,
+                    advance: int = 0) -> tuple[StepInput, int]:
+        """Pad the scheduled rows to buckets. Decode rows carry [last token, drafts...].
+
+        ``advance`` > 0: a decode call chained behind one still running, which computes
+        ``advance`` more positions per row first; its first token is not on the host yet
+        (token -1: take it from the previous call's output on the device)."""
         rows = sched.seqs
         n = len(rows)
         decode = sched.kind == "decode"
@@ -158,10 +168,10 @@ class ModelRunner:
         sample_pos = np.zeros((B,), np.int32)
         for b, r in enumerate(rows):
             s, k = r.seq, r.num_new
-            start = s.num_computed
+            start = s.num_computed + advance
             pos = np.arange(start, start + k)
             pages = np.asarray(s.pages, np.int32)
-            tokens[b, :k] = s.tokens_between(start, start + k)
+            tokens[b, :k] = s.tokens_between(start, start + k) if not advance else -1
             positions[b, :k] = pos
             slots[b, :k] = pages[pos // ps] * ps + pos % ps
             table[b, : len(pages)] = pages
@@ -185,21 +195,29 @@ class ModelRunner:
         """"on" when some request of the step uses top-k / top-p, else "off"."""
         return host_filtering(inp.temperature, inp.top_k, inp.top_p, self.cfg.vocab_size)
 
-    def run(self, inp: StepInput, steps: int = 1):
-        """One jitted call on a host-built input (two transfers): the sampled tokens, i32[B]
-        for one step, i32[B, steps] for ``steps`` decode steps fed back on the device."""
+    def run(self, inp: StepInput, steps: int = 0, prev: jax.Array | None = None):
+        """One jitted call on a host-built input (two transfers), returned without waiting
+        for the device. ``steps`` = 0: the plain step, i32[B] sampled tokens; ``steps`` >= 1:
+        that many decode steps fed back on the device (``_multi_step_impl``), i32[B, steps]."""
         ints, floats, layout = pack(inp)
         kw = dict(layout=self._layout_id(layout), filtering=self._filtering(inp))
-        if steps == 1:
+        if steps == 0:
             self.kv, sampled = self._step(self.params, self.kv, ints, floats, **kw)
-        else:
-            self.kv, sampled = self._multi(self.params, self.kv, ints, floats, steps=steps, **kw)
+            return sampled
+        if prev is None:
+            key = (inp.tokens.shape[0], steps)
+            if key not in self._no_prev:
+                self._no_prev[key] = jnp.zeros(key, jnp.int32)
+            prev = self._no_prev[key]
+        self.kv, sampled = self._multi(self.params, self.kv, ints, floats, prev, steps=steps, **kw)
         return sampled
 
-    def execute_multi(self, sched: SchedulerOutput, steps: int) -> list[list[int]]:
-        """``steps`` decode steps at once; per row the ``steps`` tokens sampled."""
-        inp, n = self.build_input(sched)
-        return np.asarray(self.run(inp, steps))[:n].tolist()
+    def dispatch_decode(self, sched: SchedulerOutput, steps: int, prev: jax.Array | None = None) -> jax.Array:
+        """Start ``steps`` fed-back decode steps; i32[B, steps] on the device (rows past the
+        scheduled ones are padding). With ``prev`` (the output of a call not yet read) the
+        call continues that one: positions start ``steps`` further, tokens from ``prev``."""
+        inp, _ = self.build_input(sched, advance=0 if prev is None else prev.shape[1])
+        return self.run(inp, steps, prev)
 
     def execute(self, sched: SchedulerOutput) -> list[list[int]]:
         """Run one step; returns, per scheduled sequence, the tokens it emitted ([] if none)."""
@@ -207,20 +225,25 @@ class ModelRunner:
         sampled = np.asarray(self.run(inp))
         return [[int(sampled[i])] if sched.seqs[i].sample else [] for i in range(n)]
 
-    def warmup_shapes(self, num_scheduler_steps: int = 1):
-        """Every (B, Q, W, steps) the step may compile for: the bounded, known set."""
+    def warmup_shapes(self, num_scheduler_steps: int = 1, async_scheduling: bool = False):
+        """Every (B, Q, W, steps) the step may compile for: the bounded, known set (steps 0:
+        the plain step; >= 1: the fed-back decode call, which with async scheduling and one
+        step per call serves every decode step, so the plain Q = 1 step is never needed)."""
+        plain_decode = num_scheduler_steps > 1 or not async_scheduling
+        fed = num_scheduler_steps if num_scheduler_steps > 1 or async_scheduling else 0
         for B in self.buckets.batch:
-            for Q in (1,) + self.buckets.prefill_q:
+            for Q in ((1,) if plain_decode else ()) + self.buckets.prefill_q:
                 for W in self.buckets.pages:
-                    yield B, Q, W, 1
-            if num_scheduler_steps > 1:
+                    yield B, Q, W, 0
+            if fed:
                 for W in self.buckets.pages:
-                    yield B, 1, W, num_scheduler_steps
+                    yield B, 1, W, fed
 
-    def warmup(self, num_scheduler_steps: int = 1):
-        """Compile every bucket with empty rows (all writes dropped: the cache is unchanged)."""
+    def warmup(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None):
+        """Compile every bucket (or ``shapes``, a subset of ``warmup_shapes``) with empty rows
+        (all writes dropped: the cache is unchanged)."""
         drop = self.num_pages * self.page_size
-        for B, Q, W, steps in self.warmup_shapes(num_scheduler_steps):
+        for B, Q, W, steps in shapes or self.warmup_shapes(num_scheduler_steps, async_scheduling):
             zi = lambda *s: np.zeros(s, np.int32)  # noqa: E731
             meta = AttentionMetadata(zi(B, W), zi(B), zi(B, Q), np.full((B, Q), drop, np.int32), np.ones((B,), bool))
             self.run(StepInput(zi(B, Q), meta, zi(B), np.zeros((B,), np.float32), zi(B), np.ones((B,), np.float32),
