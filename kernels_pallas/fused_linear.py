@@ -117,19 +117,15 @@ def default_blocks(F: int, K: int):
     return (bf, bd, warps, stages) if bf and bd else None
 
 
-def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_bias, has_res):
-    # refs: x [1, K_in] (whole), w [block_f, K] (this program's rows), [norm_w [K]],
-    # [bias [F]], [residual [1, F]], out [1, F] (whole; this program writes its columns).
-    x_ref, w_ref, *rest = refs
-    norm_ref = rest.pop(0) if has_norm else None
-    bias_ref = rest.pop(0) if has_bias else None
-    res_ref = rest.pop(0) if has_res else None
-    (o_ref,) = rest
+def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps):
+    """The weight stream of one program: for each w_ref (rows [n, K] of W), its rows
+    times prologue(x), f32 [n], the RMSNorm's 1 / rms applied. Shared with
+    kernels_pallas/qkv_rope_kv_write.py, whose programs take two row blocks."""
     f32 = jnp.float32
-    dt = w_ref.dtype
+    dt = w_refs[0].dtype
 
     def body(i, carry):
-        acc, ss = carry
+        accs, ss = carry
         d0 = pl.multiple_of(i * block_d, block_d)
         xs = x_ref[0, pl.ds(d0, block_d)].astype(f32)  # [block_d]
         if prologue == "rmsnorm":
@@ -148,13 +144,27 @@ def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_bias, has_r
             h = (rnd(xs * sig) * u).astype(dt)
         else:
             h = xs.astype(dt)
-        return acc + w_ref[:, pl.ds(d0, block_d)].astype(f32) * h.astype(f32)[None, :], ss
+        hf = h.astype(f32)[None, :]
+        return tuple(a + w[:, pl.ds(d0, block_d)].astype(f32) * hf for a, w in zip(accs, w_refs)), ss
 
-    init = (jnp.zeros((block_f, block_d), f32), jnp.zeros((), f32))
-    acc, ss = lax.fori_loop(0, K // block_d, body, init)
-    y = jnp.sum(acc, axis=1)  # [block_f]
+    init = (tuple(jnp.zeros((w.shape[0], block_d), f32) for w in w_refs), jnp.zeros((), f32))
+    accs, ss = lax.fori_loop(0, K // block_d, body, init)
+    ys = [jnp.sum(a, axis=1) for a in accs]
     if prologue == "rmsnorm":
-        y = y * lax.rsqrt(ss / K + eps)
+        ys = [y * lax.rsqrt(ss / K + eps) for y in ys]
+    return ys
+
+
+def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_bias, has_res):
+    # refs: x [1, K_in] (whole), w [block_f, K] (this program's rows), [norm_w [K]],
+    # [bias [F]], [residual [1, F]], out [1, F] (whole; this program writes its columns).
+    x_ref, w_ref, *rest = refs
+    norm_ref = rest.pop(0) if has_norm else None
+    bias_ref = rest.pop(0) if has_bias else None
+    res_ref = rest.pop(0) if has_res else None
+    (o_ref,) = rest
+    f32 = jnp.float32
+    (y,) = stream_rows(x_ref, [w_ref], norm_ref, prologue=prologue, K=K, block_d=block_d, eps=eps)  # [block_f]
     cols = pl.ds(pl.program_id(0) * block_f, block_f)
     y = y.astype(o_ref.dtype)  # the matmul's output rounding, as in the reference
     if has_bias:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.fused_linear import fused_linear, fused_linear_gpu, ref_fused_linear, use_kernel
+from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write, ref_qkv_rope_kv_write
 from kernels_pallas.rope_kv_write import ref_rope_kv_write, rope_kv_write, rope_tables
 
 # (name, F, K, prologue, residual): the projections of one Llama-3.1-8B layer + lm_head
@@ -109,6 +110,40 @@ def rope_case(H, KVH, D, M, qk_norm, impl, timing):
     return row
 
 
+def qkv_rope_case(H, KVH, D, K, impl, timing, copies=4):
+    """One token: norm + qkv + RoPE + KV write in one kernel vs the two kernels (projection,
+    then RoPE + KV write) and vs the XLA reference; ``copies`` rotating weights."""
+    keys = jax.random.split(jax.random.PRNGKey(K + H), 8)
+    P, S = 8, 16  # small: the undonated caches are copied (~0.5 us each), in both timings
+    F = (H + 2 * KVH) * D
+    ws = [(0.02 * jax.random.normal(jax.random.fold_in(keys[0], i), (F, K), jnp.float32)).astype(jnp.bfloat16)
+          for i in range(copies)]
+    x = jax.random.normal(keys[1], (1, K), jnp.float32).astype(jnp.bfloat16)
+    nw = (1 + 0.1 * jax.random.normal(keys[2], (K,), jnp.float32)).astype(jnp.bfloat16)
+    kp = jax.random.normal(keys[3], (P, S, KVH, D), jnp.float32).astype(jnp.bfloat16)
+    vp = jax.random.normal(keys[4], (P, S, KVH, D), jnp.float32).astype(jnp.bfloat16)
+    cos, sin = rope_tables(jnp.array([517]), 1.0 / (500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32))
+    slot = jnp.array([101], jnp.int32)
+    one = jax.jit(lambda w, kp, vp: qkv_rope_kv_write(x, w, nw, None, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5,
+                                                       impl=impl))
+
+    def two_fn(w, kp, vp):
+        qkv = fused_linear(x, w, prologue="rmsnorm", norm_w=nw, eps=1e-5, impl=impl)
+        return rope_kv_write(qkv, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5, impl=impl)
+
+    two = jax.jit(two_fn)
+    got, pair = one(ws[0], kp, vp), two(ws[0], kp, vp)
+    ref = ref_qkv_rope_kv_write(x, ws[0], nw, None, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5)
+    row = dict(H=H, KVH=KVH, D=D, K=K, err_vs_reference=max(rel_err(a, b) for a, b in zip(got, ref)),
+               err_vs_two_kernels=max(rel_err(a, b) for a, b in zip(got, pair)))
+    if timing:
+        from gpu_trace import device_times
+        args = [(w, kp, vp) for w in ws]
+        row["one_kernel_us"] = device_times(one, args, reps=20)["busy_us"]
+        row["two_kernels_us"] = device_times(two, args, reps=20)["busy_us"]
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="tiny shapes, interpret mode (CPU)")
@@ -143,6 +178,13 @@ def main():
                 t = f" fused {r['fused_us']:.1f} us xla {r['xla_us']:.1f} us" if gpu else ""
                 print(f"rope H={H} KVH={KVH} D={D} M={M:2d} qk_norm={int(qk)} err q {r['q_err']:.1e} "
                       f"k {r['k_err']:.1e} v {r['v_err']:.1e}{t}", flush=True)
+    K = 128 if args.quick or not gpu else 4096
+    for H, KVH, D in heads:
+        r = qkv_rope_case(H, KVH, D, K, impl, timing=gpu)
+        out["qkv_rope"] = r
+        t = f" one kernel {r['one_kernel_us']:.1f} us, two kernels {r['two_kernels_us']:.1f} us" if gpu else ""
+        print(f"qkv+rope H={H} KVH={KVH} D={D} K={K} err vs reference {r['err_vs_reference']:.1e}, "
+              f"vs the two kernels {r['err_vs_two_kernels']:.1e}{t}", flush=True)
     dest = os.environ.get("OUT")
     if dest:
         with open(os.path.join(dest, "bench_linear.json"), "w") as f:

@@ -98,3 +98,13 @@ def test_async_warmup_compiles_every_decode_shape_once(llama_ckpt):
     llm.generate(prompts, jspec.SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
     assert eng.runner.num_compilations == len(shapes)
     assert eng.stats()["num_chained_calls"] > 0
+
+
+def test_serve_flags_and_bad_num_scheduler_steps(llama_ckpt):
+    from jspec.serve.cli import build_parser, engine_kwargs
+
+    kw = engine_kwargs(build_parser().parse_args(["--num-scheduler-steps", "4", "--no-async-scheduling"]))
+    assert kw["num_scheduler_steps"] == 4 and kw["async_scheduling"] is False
+    assert engine_kwargs(build_parser().parse_args([]))["async_scheduling"] is True
+    with pytest.raises(ValueError, match="num_scheduler_steps must be >= 1, got 0"):
+        jspec.LLM(llama_ckpt[0], num_scheduler_steps=0, max_model_len=64)

@@ -23,6 +23,8 @@ from jspec.models.layers import apply_rope, rope_inv_freq
 from jspec.models.transformer import Transformer
 from kernels_pallas.fused_linear import fused_linear, fused_linear_gpu, ref_fused_linear, rms_norm, use_kernel
 from kernels_pallas.paged_attention import write_kv
+from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
+from kernels_pallas.qkv_rope_kv_write import use_kernel as qkv_use_kernel
 from kernels_pallas.rope_kv_write import rope_kv_write, rope_tables
 
 BF16 = jnp.bfloat16
@@ -206,3 +208,47 @@ def test_decoder_with_fused_kernels_matches_reference(qk_norm, bias):
     slot = 5 * S + 40 % S
     np.testing.assert_allclose(f32(kv1.k[0]).reshape(P * S, -1)[slot], f32(kv0.k[0]).reshape(P * S, -1)[slot],
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype,bias,drop", [(BF16, False, False), (BF16, True, True), (jnp.float32, True, False)])
+def test_qkv_rope_kv_write_kernel_is_the_two_kernels_composed(dtype, bias, drop):
+    """The one-kernel batch-1 attention input (norm + qkv + RoPE + KV write) == the
+    projection kernel followed by the RoPE + KV-write kernel, bit for bit (same arithmetic
+    per row), and == the XLA reference within the dtype's tolerance; a padding slot
+    writes nothing."""
+    H, KVH, D, K, P, S = 4, 2, 32, 256, 6, 8
+    ks = jax.random.split(jax.random.PRNGKey(8), 8)
+    x = (2 * jax.random.normal(ks[0], (1, K))).astype(dtype)
+    w = (0.05 * jax.random.normal(ks[1], ((H + 2 * KVH) * D, K))).astype(dtype)
+    nw = (1 + 0.1 * jax.random.normal(ks[2], (K,))).astype(dtype)
+    b = (0.1 * jax.random.normal(ks[3], (w.shape[0],))).astype(dtype) if bias else None
+    kp = jax.random.normal(ks[4], (P, S, KVH, D)).astype(dtype)
+    vp = jax.random.normal(ks[5], (P, S, KVH, D)).astype(dtype)
+    cos, sin = rope_tables(jnp.array([29]), rope_inv_freq(RopeConfig(10000.0), D))
+    slot = jnp.array([P * S if drop else 19], jnp.int32)
+    args = (x, w, nw, b, cos, sin, slot, kp, vp)
+    q1, k1, v1 = qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, impl="interpret")
+    qkv = fused_linear_gpu(x, w, nw, b, prologue="rmsnorm", eps=1e-5, interpret=True)
+    q2, k2, v2 = rope_kv_write(qkv, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5, impl="interpret")
+    for a, c in ((q1, q2), (k1, k2), (v1, v2)):
+        np.testing.assert_array_equal(f32(a), f32(c))
+    q3, k3, v3 = qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, impl="reference")
+    tol = 1e-2 if dtype == BF16 else 1e-5
+    assert rel(q1, q3) < tol and rel(k1, k3) < tol and rel(v1, v3) < tol
+    written = (k1 != kp).any(axis=(2, 3)).reshape(-1)
+    assert int(written.sum()) == (0 if drop else 1) and (drop or bool(written[19]))
+    assert bool((v1 != vp).any()) != drop
+
+
+def test_qkv_rope_kv_write_routing_and_errors():
+    x, w = jnp.zeros((1, 256), BF16), jnp.zeros((256, 256), BF16)
+    kp = jnp.zeros((4, 8, 2, 32), BF16)
+    assert qkv_use_kernel("gpu", x, w, kp) and qkv_use_kernel("interpret", x, w, kp)
+    assert not qkv_use_kernel("reference", x, w, kp) and not qkv_use_kernel("gpu", jnp.zeros((2, 256)), w, kp)
+    cos = jnp.zeros((1, 16))
+    with pytest.raises(ValueError, match=r"qkv weight must be \[\(heads \+ 2 kv_heads\) \* head_dim, in\] = \[192"):
+        qkv_rope_kv_write(x, w, jnp.ones(256, BF16), None, cos, cos, jnp.zeros(1, jnp.int32), kp, kp, num_heads=2,
+                          eps=1e-5)
+    with pytest.raises(ValueError, match=r"norm_w must be \[256\]"):
+        qkv_rope_kv_write(x, w, jnp.ones(128, BF16), None, cos, cos, jnp.zeros(1, jnp.int32), kp, kp, num_heads=4,
+                          eps=1e-5)

@@ -127,6 +127,8 @@ class LLMEngine:
         self.max_model_len = c.max_model_len or min(mc.max_position_embeddings, 4096)
         if c.page_size < 1 or c.max_num_seqs < 1:
             raise ValueError(f"page_size and max_num_seqs must be >= 1 (got {c.page_size}, {c.max_num_seqs})")
+        if c.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {c.num_scheduler_steps}")
         self.spec = self._spec_config(c.speculative_config)
         if self.spec is not None:
             from jspec.drafters import load_drafter

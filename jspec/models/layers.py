@@ -28,6 +28,7 @@ class Linear(nn.Module):
     The optional prologue (RMSNorm of x with ``norm_w``, or SwiGLU of a fused gate|up
     input) and residual add run inside the weight-streaming kernel when ``impl`` selects
     it (kernels_pallas/fused_linear.py: small batches on GPU); otherwise as XLA ops.
+    Called without x it returns (weight, bias | None), for a kernel that fuses more.
     """
 
     features: int
@@ -37,9 +38,11 @@ class Linear(nn.Module):
     impl: str = "reference"  # fused_linear impl: "reference" (XLA) | "gpu" | "interpret"
 
     @nn.compact
-    def __call__(self, x, *, prologue="none", norm_w=None, eps=1e-6, residual=None, out_dtype=None):
+    def __call__(self, x=None, *, prologue="none", norm_w=None, eps=1e-6, residual=None, out_dtype=None):
         w = self.param("weight", _normal, (self.features, self.in_features), self.dtype)
         b = self.param("bias", _zeros, (self.features,), self.dtype) if self.use_bias else None
+        if x is None:
+            return w, b
         return fused_linear(x, w, prologue=prologue, norm_w=norm_w, eps=eps, bias=b, residual=residual,
                             out_dtype=out_dtype, impl=self.impl)
 

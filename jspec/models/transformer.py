@@ -25,6 +25,8 @@ from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import GatedMLP, Linear, RMSNorm, rope_inv_freq
 from kernels_pallas.fused_linear import fused_linear
 from kernels_pallas.paged_attention import paged_attention
+from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
+from kernels_pallas.qkv_rope_kv_write import use_kernel as qkv_kernel
 from kernels_pallas.rope_kv_write import rope_kv_write, rope_tables
 
 
@@ -45,17 +47,26 @@ class Attention(nn.Module):
         c = self.cfg
         B, Q, _ = x.shape
         d_in = self.in_features or c.hidden_size
-        qkv = Linear(c.q_size + 2 * c.kv_size, d_in, c.attention_bias, self.dtype, self.linear_impl, name="qkv_proj")(
-            x, prologue="none" if norm_w is None else "rmsnorm", norm_w=norm_w, eps=c.rms_norm_eps)
-        qn = kn = None
-        if c.qk_norm:
-            qn = RMSNorm(c.rms_norm_eps, self.dtype, c.head_dim, name="q_norm")()
-            kn = RMSNorm(c.rms_norm_eps, self.dtype, c.head_dim, name="k_norm")()
+        qkv_proj = Linear(c.q_size + 2 * c.kv_size, d_in, c.attention_bias, self.dtype, self.linear_impl,
+                          name="qkv_proj")
         cos, sin = rope if rope is not None else rope_tables(meta.positions, rope_inv_freq(c.rope, c.head_dim))
-        q, k_pages, v_pages = rope_kv_write(
-            qkv.reshape(B * Q, -1), cos.reshape(B * Q, -1), sin.reshape(B * Q, -1), meta.slot_mapping.reshape(B * Q),
-            k_pages, v_pages, qn, kn, num_heads=c.num_heads, eps=c.rms_norm_eps, impl=self.linear_impl,
-        )
+        w, b = qkv_proj()
+        if norm_w is not None and not c.qk_norm and qkv_kernel(self.linear_impl, x.reshape(B * Q, -1), w, k_pages):
+            # Batch-1 decode on GPU: norm, projection, RoPE and KV write in one kernel.
+            q, k_pages, v_pages = qkv_rope_kv_write(
+                x.reshape(1, -1), w, norm_w, b, cos.reshape(1, -1), sin.reshape(1, -1), meta.slot_mapping.reshape(1),
+                k_pages, v_pages, num_heads=c.num_heads, eps=c.rms_norm_eps, impl=self.linear_impl)
+        else:
+            qkv = qkv_proj(x, prologue="none" if norm_w is None else "rmsnorm", norm_w=norm_w, eps=c.rms_norm_eps)
+            qn = kn = None
+            if c.qk_norm:
+                qn = RMSNorm(c.rms_norm_eps, self.dtype, c.head_dim, name="q_norm")()
+                kn = RMSNorm(c.rms_norm_eps, self.dtype, c.head_dim, name="k_norm")()
+            q, k_pages, v_pages = rope_kv_write(
+                qkv.reshape(B * Q, -1), cos.reshape(B * Q, -1), sin.reshape(B * Q, -1),
+                meta.slot_mapping.reshape(B * Q), k_pages, v_pages, qn, kn, num_heads=c.num_heads,
+                eps=c.rms_norm_eps, impl=self.linear_impl,
+            )
         o = paged_attention(
             q.reshape(B, Q, c.num_heads, c.head_dim), k_pages, v_pages, meta.page_table, meta.kv_lens,
             meta.positions, meta.causal, sm_scale=c.head_dim**-0.5, impl=self.attn_impl,

@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps per device call (tokens fed back on the device)")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="read each decode call before dispatching the next (default: dispatch first)")
     # server behaviour
     # uvicorn's default (5 s) closes idle keep-alive connections so soon that a loaded
     # client reusing a pooled connection races the close and sees a connection error.
@@ -50,7 +54,8 @@ def engine_kwargs(args) -> dict:
     kw = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               page_size=args.page_size, num_pages=args.num_pages,
               gpu_memory_utilization=args.gpu_memory_utilization,
-              enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+              enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+              num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling)
     if args.speculative_config is not None:
         kw["speculative_config"] = args.speculative_config
     return kw

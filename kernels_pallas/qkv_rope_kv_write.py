@@ -1,0 +1,169 @@
+"""Batch-1 attention input in one kernel: RMSNorm -> qkv projection -> RoPE -> paged KV
+write. The composition of kernels_pallas/fused_linear.py (prologue "rmsnorm") and
+kernels_pallas/rope_kv_write.py, for models without per-head q/k norms (Llama).
+
+Why: after those two kernels a batch-1 Llama-3.1-8B decode layer still launched the RoPE +
+KV-write kernel on its own: 3.1 us per layer, ~0.1 ms of a 4.3 ms step on the H200 (jax
+0.11.2, 2026-11-21, scripts/bench.py --section diag), for 12 KB of data the projection
+already holds in registers.
+
+How: rotate-half RoPE pairs feature j of a head with feature j + D/2. Each program streams
+two blocks of ``pairs`` weight rows, [j0, j0 + pairs) and [j0 + D/2, j0 + D/2 + pairs) of
+one head, so both halves of its rotations end in the same program; it rounds them as the
+projection's output is rounded, rotates them (q and k heads) like rope_kv_write, and
+stores q to the output and k / v to their cache slot (in place, aliased; slot P * S, a
+padding token, writes nothing). Same weight tile (2 x 4 rows x 512) and grid size as the
+projection kernel. Qwen3's q / k norms need a whole head per program first: that model keeps
+the two kernels (use_kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kernels_pallas.fused_linear import default_blocks, ref_fused_linear, stream_rows
+from kernels_pallas.rope_kv_write import ref_rope_kv_write
+
+
+def ref_qkv_rope_kv_write(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v_pages, *, num_heads, eps):
+    """jnp reference: the two references composed. x [M, K]; w [(H + 2 KVH) D, K]; norm_w [K];
+    bias [(H + 2 KVH) D] | None; cos, sin f32[M, D/2]; slot_mapping i32[M]; caches
+    [P, S, KVH, D]. -> (q [M, H, D], k_pages, v_pages)."""
+    qkv = ref_fused_linear(x, w, prologue="rmsnorm", norm_w=norm_w, eps=eps, bias=bias)
+    return ref_rope_kv_write(qkv, cos, sin, slot_mapping, k_pages, v_pages, num_heads=num_heads, eps=eps)
+
+
+def _kernel(slot_ref, cos_ref, sin_ref, x_ref, w_lo, w_hi, norm_ref, *refs, H, KVH, D, K, pairs, block_d, eps,
+            drop, has_bias):
+    # slot_ref i32[1]; cos_ref / sin_ref f32[D/2]; x_ref [1, K]; w_lo / w_hi [pairs, K]: this
+    # program's two row blocks; norm_ref [K]; [bias [(H + 2 KVH) D]]; k_in / v_in (aliased,
+    # not read); q_out [H * D]; k_out / v_out [P * S * KVH * D].
+    bias_ref = refs[0] if has_bias else None
+    q_out, k_out, v_out = refs[-3:]
+    f32 = jnp.float32
+    dt = w_lo.dtype
+    per_head = D // 2 // pairs
+    i = pl.program_id(0)
+    head, j0 = i // per_head, (i % per_head) * pairs
+    lo = pl.ds(head * D + j0, pairs)
+    hi = pl.ds(head * D + D // 2 + j0, pairs)
+    y1, y2 = stream_rows(x_ref, [w_lo, w_hi], norm_ref, prologue="rmsnorm", K=K, block_d=block_d, eps=eps)
+    y1, y2 = y1.astype(dt), y2.astype(dt)  # the projection's output rounding
+    if has_bias:
+        y1 = (y1.astype(f32) + bias_ref[lo].astype(f32)).astype(dt)
+        y2 = (y2.astype(f32) + bias_ref[hi].astype(f32)).astype(dt)
+    c, s = cos_ref[pl.ds(j0, pairs)], sin_ref[pl.ds(j0, pairs)]
+    f1, f2 = y1.astype(f32), y2.astype(f32)
+    r1, r2 = (f1 * c + (-f2) * s).astype(dt), (f2 * c + f1 * s).astype(dt)  # rope_halves' arithmetic
+    slot = slot_ref[0]
+
+    @pl.when(head < H)
+    def _():
+        q_out[lo] = r1
+        q_out[hi] = r2
+
+    def write(ref, kvh, a, b):
+        @pl.when(slot < drop)
+        def _():
+            base = (slot * KVH + kvh) * D + j0
+            ref[pl.ds(base, pairs)] = a.astype(ref.dtype)
+            ref[pl.ds(base + D // 2, pairs)] = b.astype(ref.dtype)
+
+    @pl.when((head >= H) & (head < H + KVH))
+    def _():
+        write(k_out, head - H, r1, r2)
+
+    @pl.when(head >= H + KVH)
+    def _():
+        write(v_out, head - H - KVH, y1, y2)
+
+
+def kernel_pairs(K: int, D: int) -> int:
+    """Rows per half-block: half of the projection kernel's tile (default_blocks), so a
+    program streams as many rows as it does; 0 when the head cannot be split that way."""
+    blocks = default_blocks(D, K)
+    if blocks is None:
+        return 0
+    pairs = blocks[0] // 2
+    return pairs if pairs >= 2 and (D // 2) % pairs == 0 else 0
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "eps", "interpret"))
+def qkv_rope_kv_write_gpu(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v_pages, *, num_heads, eps,
+                          interpret=False):
+    """The kernel (Pallas, Triton backend) on one token (M = 1); same contract as the
+    reference. Caches are updated in place when the caller donates them."""
+    P, S, KVH, D = k_pages.shape
+    K = w.shape[1]
+    H = num_heads
+    pairs = kernel_pairs(K, D)
+    _, bd, warps, stages = default_blocks(D, K)
+    blocks_per_half = D // 2 // pairs  # pair blocks per head
+    whole = pl.BlockSpec()
+
+    def rows(offset):  # block index (in units of `pairs` rows) of program i's lo / hi rows
+        return lambda i: ((i // blocks_per_half) * 2 * blocks_per_half + offset + i % blocks_per_half, 0)
+
+    inputs = [slot_mapping.astype(jnp.int32), cos.reshape(D // 2), sin.reshape(D // 2), x, w, w, norm_w]
+    in_specs = [whole, whole, whole, whole, pl.BlockSpec((pairs, K), rows(0)),
+                pl.BlockSpec((pairs, K), rows(blocks_per_half)), whole]
+    if bias is not None:
+        inputs.append(bias)
+        in_specs.append(whole)
+    inputs += [k_pages.reshape(-1), v_pages.reshape(-1)]
+    in_specs += [whole, whole]
+    n = len(inputs)
+    q, k, v = pl.pallas_call(
+        functools.partial(_kernel, H=H, KVH=KVH, D=D, K=K, pairs=pairs, block_d=bd, eps=eps, drop=P * S,
+                          has_bias=bias is not None),
+        grid=((H + 2 * KVH) * blocks_per_half,),
+        in_specs=in_specs,
+        out_specs=(whole, whole, whole),
+        out_shape=(jax.ShapeDtypeStruct((H * D,), w.dtype), jax.ShapeDtypeStruct(inputs[-2].shape, k_pages.dtype),
+                   jax.ShapeDtypeStruct(inputs[-1].shape, v_pages.dtype)),
+        input_output_aliases={n - 2: 1, n - 1: 2},
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+        name=f"qkv_rope_kv_write_p{pairs}_d{bd}",
+    )(*inputs)
+    return q.reshape(1, H, D), k.reshape(P, S, KVH, D), v.reshape(P, S, KVH, D)
+
+
+def validate(x, w, norm_w, bias, cos, slot_mapping, k_pages, v_pages, num_heads):
+    P, S, KVH, D = k_pages.shape
+    F = (num_heads + 2 * KVH) * D
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
+    if w.ndim != 2 or w.shape[0] != F:
+        raise ValueError(f"qkv weight must be [(heads + 2 kv_heads) * head_dim, in] = [{F}, ...], got {w.shape}")
+    M, K = x.shape[0], w.shape[1]
+    if x.shape != (M, K):
+        raise ValueError(f"x must be [tokens, {K}], got {x.shape}")
+    if norm_w.shape != (K,):
+        raise ValueError(f"norm_w must be [{K}], got {norm_w.shape}")
+    if bias is not None and bias.shape != (F,):
+        raise ValueError(f"bias must be [{F}], got {bias.shape}")
+    if cos.shape != (M, D // 2) or slot_mapping.shape != (M,):
+        raise ValueError(f"rope tables must be [{M}, {D // 2}] and slot_mapping [{M}], got {cos.shape}, "
+                         f"{slot_mapping.shape}")
+
+
+def use_kernel(impl, x, w, k_pages) -> bool:
+    """GPU impls, one token (batch-1 decode), a head that splits into the projection's tile."""
+    return impl in ("gpu", "interpret") and x.shape[0] == 1 and kernel_pairs(w.shape[1], k_pages.shape[3]) > 0
+
+
+def qkv_rope_kv_write(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v_pages, *, num_heads, eps,
+                      impl="reference"):
+    """Public entry: the kernel where use_kernel says so, else the reference."""
+    validate(x, w, norm_w, bias, cos, slot_mapping, k_pages, v_pages, num_heads)
+    if use_kernel(impl, x, w, k_pages):
+        return qkv_rope_kv_write_gpu(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v_pages,
+                                     num_heads=num_heads, eps=float(eps), interpret=impl == "interpret")
+    return ref_qkv_rope_kv_write(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v_pages,
+                                 num_heads=num_heads, eps=eps)
