@@ -186,7 +186,7 @@ def compile_decode(eng, B, ctx, max_tokens):
     r, c = eng.runner, eng.config
     pages = lambda n: pick(r.buckets.pages, -(-n // c.page_size))  # noqa: E731
     # Async scheduling reserves pages two calls ahead.
-    lo, hi = pages(ctx + 1), pages(min(ctx + max_tokens + 2 * max(1, c.num_scheduler_steps), eng.max_model_len))
+    lo, hi = pages(ctx + 1), pages(min(ctx + max_tokens + 2 * c.num_scheduler_steps, eng.max_model_len))
     shapes = [s for s in r.warmup_shapes(c.num_scheduler_steps, eng._async)
               if s[0] == pick(r.buckets.batch, B) and s[1] == 1 and lo <= s[2] <= hi]
     r.warmup(shapes=shapes)
@@ -195,8 +195,7 @@ def compile_decode(eng, B, ctx, max_tokens):
 def engine_decode(eng, B, ctx, rng, steps):
     """Median step time and tok/s of LLMEngine.step over ``steps`` steps (after warm-up)."""
     inject(eng, B, ctx, rng, max_tokens=eng.max_model_len)
-    per_call = max(1, eng.config.num_scheduler_steps)
-    compile_decode(eng, B, ctx, (steps + 3) * per_call)
+    compile_decode(eng, B, ctx, (steps + 3) * eng.config.num_scheduler_steps)
     for _ in range(3):  # warm
         eng.step()
     n0 = eng.num_generation_tokens

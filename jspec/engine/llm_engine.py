@@ -18,7 +18,7 @@ from jspec.checkpoint.target import load_target, resolve_dtype
 from jspec.engine.block_manager import BlockManager
 from jspec.engine.buckets import Buckets
 from jspec.engine.runner import ModelRunner
-from jspec.engine.scheduler import Scheduler, SchedulerConfig
+from jspec.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jspec.engine.sequence import Sequence, SpecMetrics, Status
 from jspec.kv_cache import KVCache
 from jspec.sampling_params import SamplingParams
@@ -47,7 +47,7 @@ class RequestOutput:
 class _InFlight:
     """A fed-back decode call dispatched but not yet read."""
 
-    sched: object  # SchedulerOutput: its rows, in the order of the call's batch
+    sched: SchedulerOutput  # its rows, in the order of the call's batch
     steps: int
     tokens: jax.Array  # i32[B, steps] on the device
 
@@ -308,9 +308,14 @@ class LLMEngine:
                 break
         return new
 
-    def _room(self, seq: Sequence) -> int:
-        """Tokens the sequence may still emit (max_tokens, max_model_len)."""
-        return min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
+    def _can_grow(self, sched: SchedulerOutput, n: int) -> bool:
+        """Every row may emit n more tokens (max_tokens, max_model_len) and has pages for n
+        more positions (reserved here; a row that cannot grow that far keeps what it got)."""
+        for r in sched.seqs:
+            s = r.seq
+            if min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - s.num_tokens) < n:
+                return False
+        return all(self.blocks.ensure_slots(r.seq, r.seq.num_computed + n) for r in sched.seqs)
 
     def _decode_steps(self, sched) -> int:
         """Steps of a fed-back decode call for this batch; 0: a plain step."""
@@ -319,10 +324,8 @@ class LLMEngine:
             return 0
         if n <= 1:
             return 1 if self._async else 0
-        if sched.preempted or self.scheduler.waiting or any(self._room(r.seq) < n for r in sched.seqs):
-            return 0
-        # Pages for all n positions; a sequence that cannot grow that far takes a plain step.
-        if not all(self.blocks.ensure_slots(r.seq, r.seq.num_computed + n) for r in sched.seqs):
+        # A batch that cannot grow n positions takes a plain step.
+        if sched.preempted or self.scheduler.waiting or not self._can_grow(sched, n):
             return 0
         return n
 
@@ -332,15 +335,13 @@ class LLMEngine:
         every row still running with room for both calls, pages for both."""
         if not self._async or self.scheduler.waiting or len(self.scheduler.running) != len(f.sched.seqs):
             return None
-        n = f.steps
-        for r in f.sched.seqs:
-            s = r.seq
-            if s.status is not Status.RUNNING or self._seqs.get(s.request_id) is not s or self._room(s) < 2 * n:
-                return None
-        if not all(self.blocks.ensure_slots(r.seq, r.seq.num_computed + 2 * n) for r in f.sched.seqs):
+        if any(r.seq.status is not Status.RUNNING or self._seqs.get(r.seq.request_id) is not r.seq
+               for r in f.sched.seqs):
+            return None
+        if not self._can_grow(f.sched, 2 * f.steps):  # f's positions are not counted yet
             return None
         self.num_chained_calls += 1
-        return _InFlight(f.sched, n, self.runner.dispatch_decode(f.sched, n, prev=f.tokens))
+        return _InFlight(f.sched, f.steps, self.runner.dispatch_decode(f.sched, f.steps, prev=f.tokens))
 
     def _collect(self, f: _InFlight) -> list[RequestOutput]:
         """Read a fed-back decode call (waits for the device) and apply its tokens. Rows

@@ -79,7 +79,8 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer. Both norms and both residual adds are passed into the
     projections, which fuse them on GPU at small batch (four weight-streaming kernels,
-    one RoPE + KV-write kernel and the attention per layer)."""
+    one RoPE + KV-write kernel and the attention per layer; without qk-norm the first
+    projection also does RoPE and the KV write)."""
 
     cfg: ModelConfig
     dtype: jnp.dtype
