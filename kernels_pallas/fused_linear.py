@@ -14,10 +14,15 @@ along with the weight stream (RoPE and the KV write: kernels_pallas/rope_kv_writ
 With both, the step is 4.31 ms of GPU time (scripts/bench.py --section diag).
 
 Kernel (Pallas, Triton backend): grid over blocks of ``block_f`` output features; each
-program loops over K in ``block_d`` chunks (software-pipelined), accumulating w * x in an
-f32 [block_f, block_d] tile reduced once at the end. One row only: at M = 1 an MMA tile
-would be 1/16 used, and a first version that gathered up to 16 rows into one was slower
-than XLA for M = 2-16 (qkv 22 vs 18 us), so more rows go to XLA (use_kernel).
+program loops over K in ``block_d`` chunks. For bf16 / f16 weights each [block_f, block_d]
+tile goes through a tensor-core dot against h in row 0 of a 16-row operand: the MMA is
+1/16 used, but compute is not the bound, and Triton software-pipelines a dot's operand
+loads through shared memory (num_stages deep), which it does not do for the elementwise
+form; that keeps more weight bytes in flight (default_mma_blocks: 3-12% faster on the
+H200). f32 weights (a dot would run in TF32) and shapes no MMA tile divides use the
+elementwise form: w * x accumulated in an f32 [block_f, block_d] tile, reduced once at the
+end. One row only: a first version that gathered up to 16 rows into one was slower than
+XLA for M = 2-16 (qkv 22 vs 18 us), so more rows go to XLA (use_kernel).
 The RMSNorm is factored out of the dot: W (w_norm * x) and sum(x^2) accumulate in the same
 pass and 1 / rms scales the result, instead of a first pass over x in every program.
 
@@ -31,7 +36,10 @@ Measured on the H200 (2026-11-21, jax 0.11.2, scripts/bench.py --section diag, p
 GPU time per layer inside a decode step): qkv + RMSNorm 15.9 us, o + residual 10.8, down +
 SwiGLU + residual 31.6; before, XLA took 14.6 + ~1.3 (norm), 10.6 + ~1.8 (add) and
 29.4 + 2.8 (silu * u) + ~1.8 (add). gate_up stays with XLA (MAX_KERNEL_FEATURES). Tile
-sweep: scripts/bench_linear.py --sweep.
+sweep: scripts/bench_linear.py --sweep. With the MMA form (seventh session, same method):
+o + residual 11.5 us per layer in the step (11.7 before), down 32.7 (33.3); alone
+(scripts/bench_linear.py) qkv + RMSNorm 15.6 us (Qwen3's path; Llama's qkv runs in
+kernels_pallas/qkv_rope_kv_write.py), o 11.3, down 32.5.
 """
 
 from __future__ import annotations
@@ -117,10 +125,28 @@ def default_blocks(F: int, K: int):
     return (bf, bd, warps, stages) if bf and bd else None
 
 
-def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps):
+def default_mma_blocks(F: int, K: int, dtype):
+    """fused_linear's default tiles, (block_f, block_d, num_warps, num_stages, True): the
+    weight tile feeds a tensor-core dot (h in row 0 of a 16-row operand), which Triton
+    software-pipelines through shared memory; the elementwise stream's loads it does not.
+    From the H200 exploration (2026-11-21, scripts/explore_gemv.py, GPU time, two runs):
+    o [4096, 4096] 11.3 us vs 11.8 elementwise, qkv [6144, 4096] + RMSNorm 15.4-16.0 vs
+    17.5, down [4096, 14336] + SwiGLU 31.9 vs 33.1. bf16 / f16 only (an f32 dot would run in
+    TF32); None where no tile divides the shape (then default_blocks)."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return None
+    bf, bd = (32, 512) if K >= 8192 else ((64, 256) if F >= 6144 else (32, 256))
+    stages = 4 if bf == 64 else 6
+    bf, bd = _pow2_divisor(F, bf, 16), _pow2_divisor(K, bd, 32)
+    return (bf, bd, 4, stages, True) if bf and bd else None
+
+
+def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False):
     """The weight stream of one program: for each w_ref (rows [n, K] of W), its rows
     times prologue(x), f32 [n], the RMSNorm's 1 / rms applied. Shared with
-    kernels_pallas/qkv_rope_kv_write.py, whose programs take two row blocks."""
+    kernels_pallas/qkv_rope_kv_write.py, whose programs take two row blocks.
+    mma: each [n, block_d] weight tile goes through a tensor-core dot with h in row 0 of
+    a [16, block_d] operand (zeros below), accumulating [16, n] (default_mma_blocks)."""
     f32 = jnp.float32
     dt = w_refs[0].dtype
 
@@ -144,18 +170,26 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps):
             h = (rnd(xs * sig) * u).astype(dt)
         else:
             h = xs.astype(dt)
+        if mma:
+            hm = jnp.where(lax.broadcasted_iota(jnp.int32, (16, block_d), 0) == 0, h[None, :], jnp.zeros((), dt))
+            return tuple(a + plt.dot(hm, w[:, pl.ds(d0, block_d)], trans_b=True)
+                         for a, w in zip(accs, w_refs)), ss
         hf = h.astype(f32)[None, :]
         return tuple(a + w[:, pl.ds(d0, block_d)].astype(f32) * hf for a, w in zip(accs, w_refs)), ss
 
-    init = (tuple(jnp.zeros((w.shape[0], block_d), f32) for w in w_refs), jnp.zeros((), f32))
+    acc_shape = (lambda n: (16, n)) if mma else (lambda n: (n, block_d))
+    init = (tuple(jnp.zeros(acc_shape(w.shape[0]), f32) for w in w_refs), jnp.zeros((), f32))
     accs, ss = lax.fori_loop(0, K // block_d, body, init)
-    ys = [jnp.sum(a, axis=1) for a in accs]
+    if mma:  # row 0 holds h @ W.T
+        ys = [jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, a.shape, 0) == 0, a, 0.0), axis=0) for a in accs]
+    else:
+        ys = [jnp.sum(a, axis=1) for a in accs]
     if prologue == "rmsnorm":
         ys = [y * lax.rsqrt(ss / K + eps) for y in ys]
     return ys
 
 
-def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_bias, has_res):
+def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_bias, has_res, mma):
     # refs: x [1, K_in] (whole), w [block_f, K] (this program's rows), [norm_w [K]],
     # [bias [F]], [residual [1, F]], out [1, F] (whole; this program writes its columns).
     x_ref, w_ref, *rest = refs
@@ -164,7 +198,7 @@ def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_bias, has_r
     res_ref = rest.pop(0) if has_res else None
     (o_ref,) = rest
     f32 = jnp.float32
-    (y,) = stream_rows(x_ref, [w_ref], norm_ref, prologue=prologue, K=K, block_d=block_d, eps=eps)  # [block_f]
+    (y,) = stream_rows(x_ref, [w_ref], norm_ref, prologue=prologue, K=K, block_d=block_d, eps=eps, mma=mma)  # [block_f]
     cols = pl.ds(pl.program_id(0) * block_f, block_f)
     y = y.astype(o_ref.dtype)  # the matmul's output rounding, as in the reference
     if has_bias:
@@ -178,22 +212,24 @@ def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_bias, has_r
 def fused_linear_gpu(x, w, norm_w=None, bias=None, residual=None, *, prologue="none", eps=1e-6, out_dtype=None,
                      blocks=None, interpret=False):
     """The kernel on one row, x: [1, K_in]. blocks: (block_f, block_d, num_warps,
-    num_stages), or None for default_blocks."""
+    num_stages[, mma]), or None for default_mma_blocks, else default_blocks."""
     F, K = w.shape
-    bf, bd, warps, stages = blocks or default_blocks(F, K)
+    bf, bd, warps, stages, *mma = blocks or default_mma_blocks(F, K, w.dtype) or default_blocks(F, K)
+    mma = bool(mma and mma[0])
     whole = pl.BlockSpec()
     inputs = [x, w] + [a for a in (norm_w, bias, residual) if a is not None]
     in_specs = [whole, pl.BlockSpec((bf, K), lambda i: (i, 0))] + [whole] * (len(inputs) - 2)
     return pl.pallas_call(
         functools.partial(_kernel, prologue=prologue, K=K, block_f=bf, block_d=bd, eps=eps,
-                          has_norm=norm_w is not None, has_bias=bias is not None, has_res=residual is not None),
+                          has_norm=norm_w is not None, has_bias=bias is not None, has_res=residual is not None,
+                          mma=mma),
         grid=(F // bf,),
         in_specs=in_specs,
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct((1, F), jnp.dtype(out_dtype or w.dtype)),
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name=f"fused_linear_{prologue}_f{bf}_d{bd}",
+        name=f"fused_linear_{prologue}_f{bf}_d{bd}{'_mma' if mma else ''}",
     )(*inputs)
 
 

@@ -71,18 +71,17 @@ def sweep_case(name, F, K, prologue, residual):
     from gpu_trace import device_times
     x, ws, kw = linear_inputs(name, F, K, prologue, residual, 1, 4)
     out = []
-    for bf in (8, 16):
-        for bd in (512, 1024, 2048):
-            for stages in (2, 4):
-                for warps in (4, 8):
-                    blocks = (bf, bd, warps, stages)
-                    fn = jax.jit(lambda x, w, b=blocks: fused_linear_gpu(
-                        x, w, kw["norm_w"], None, kw["residual"], prologue=prologue, eps=1e-5, blocks=b))
-                    try:
-                        us = device_times(fn, [(x, w) for w in ws], reps=5)["busy_us"]
-                    except Exception as e:  # noqa: BLE001 (e.g. shared memory exceeded)
-                        us = f"{type(e).__name__}"
-                    out.append((blocks, us))
+    elementwise = [(bf, bd, warps, stages) for bf in (8, 16) for bd in (512, 1024, 2048) for stages in (2, 4)
+                   for warps in (4, 8)]
+    mma = [(bf, bd, 4, stages, True) for bf in (32, 64, 128) for bd in (256, 512) for stages in (4, 6)]
+    for blocks in elementwise + mma:
+        fn = jax.jit(lambda x, w, b=blocks: fused_linear_gpu(
+            x, w, kw["norm_w"], None, kw["residual"], prologue=prologue, eps=1e-5, blocks=b))
+        try:
+            us = device_times(fn, [(x, w) for w in ws], reps=5)["busy_us"]
+        except Exception as e:  # noqa: BLE001 (e.g. shared memory exceeded)
+            us = f"{type(e).__name__}"
+        out.append((blocks, us))
     return sorted(out, key=lambda r: r[1] if isinstance(r[1], float) else 1e9)
 
 

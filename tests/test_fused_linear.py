@@ -21,7 +21,8 @@ from jspec.config import ModelConfig, RopeConfig
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import apply_rope, rope_inv_freq
 from jspec.models.transformer import Transformer
-from kernels_pallas.fused_linear import fused_linear, fused_linear_gpu, ref_fused_linear, rms_norm, use_kernel
+from kernels_pallas.fused_linear import (default_blocks, default_mma_blocks, fused_linear, fused_linear_gpu,
+                                        ref_fused_linear, rms_norm, use_kernel)
 from kernels_pallas.paged_attention import write_kv
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
 from kernels_pallas.qkv_rope_kv_write import use_kernel as qkv_use_kernel
@@ -82,7 +83,7 @@ def test_fused_linear_block_tilings_agree():
     """Other tilings than the default (a sweep's candidates) compute the same thing."""
     x, w, kw = linear_inputs(4, 64, 512, "silu_mul", BF16, residual=True)
     want = ref_fused_linear(x, w, **kw)
-    for blocks in [(8, 128, 4, 2), (16, 512, 8, 3), (32, 256, 4, 4)]:
+    for blocks in [(8, 128, 4, 2), (16, 512, 8, 3), (32, 256, 4, 4), (16, 128, 4, 2, True), (64, 256, 4, 4, True)]:
         got = fused_linear_gpu(x[0], w, None, None, kw["residual"][0], prologue="silu_mul", eps=1e-5,
                                blocks=blocks, interpret=True)
         assert rel(got, want[0]) < 2e-2, blocks
@@ -90,6 +91,11 @@ def test_fused_linear_block_tilings_agree():
 
 def test_fused_linear_routing_and_errors():
     x, w, kw = linear_inputs(5, 64, 128, "rmsnorm", BF16)
+    # bf16 / f16 weights stream through the MMA form, f32 (TF32 dots) through the elementwise one
+    assert default_mma_blocks(64, 128, BF16) == (32, 128, 4, 6, True)
+    assert default_mma_blocks(6144, 4096, jnp.float16) == (64, 256, 4, 4, True)
+    assert default_mma_blocks(4096, 14336, BF16) == (32, 512, 4, 6, True)
+    assert default_mma_blocks(64, 128, jnp.float32) is None and default_mma_blocks(8, 128, BF16) is None
     assert not use_kernel("reference", x, w, "rmsnorm", None)
     assert not use_kernel("tpu", x, w, "rmsnorm", None)
     assert not use_kernel("interpret", jnp.zeros((2, 1, 128), BF16), w, "rmsnorm", None)  # > 1 row: XLA
@@ -228,7 +234,8 @@ def test_qkv_rope_kv_write_kernel_is_the_two_kernels_composed(dtype, bias, drop)
     slot = jnp.array([P * S if drop else 19], jnp.int32)
     args = (x, w, nw, b, cos, sin, slot, kp, vp)
     q1, k1, v1 = qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, impl="interpret")
-    qkv = fused_linear_gpu(x, w, nw, b, prologue="rmsnorm", eps=1e-5, interpret=True)
+    # the elementwise stream (the bf16 default is the MMA form, another summation order)
+    qkv = fused_linear_gpu(x, w, nw, b, prologue="rmsnorm", eps=1e-5, blocks=default_blocks(*w.shape), interpret=True)
     q2, k2, v2 = rope_kv_write(qkv, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5, impl="interpret")
     for a, c in ((q1, q2), (k1, k2), (v1, v2)):
         np.testing.assert_array_equal(f32(a), f32(c))
