@@ -141,14 +141,28 @@ def default_mma_blocks(F: int, K: int, dtype):
     return (bf, bd, 4, stages, True) if bf and bd else None
 
 
+def silu_mul_rounded(g, u, dtype):
+    """jax.nn.silu(g) * u op by op (negate, exp, add, divide, multiply, multiply) on f32
+    values of `dtype` numbers, each result rounded to `dtype` as XLA's bf16 ops are on CPU.
+    -> f32 (not yet rounded after the last multiply)."""
+    f32 = jnp.float32
+    rnd = lambda a: a.astype(dtype).astype(f32)  # noqa: E731
+    sig = rnd(1.0 / rnd(1.0 + rnd(jnp.exp(-g))))
+    return rnd(g * sig) * u
+
+
 def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False):
     """The weight stream of one program: for each w_ref (rows [n, K] of W), its rows
-    times prologue(x), f32 [n], the RMSNorm's 1 / rms applied. Shared with
-    kernels_pallas/qkv_rope_kv_write.py, whose programs take two row blocks.
+    times prologue(x), f32 [n], the RMSNorm's 1 / rms applied. A w_ref may also be
+    (ref, pl.ds(row0, n)): those rows of a whole weight (Triton takes one indexer per
+    load, so no .at[] view). Shared with kernels_pallas/qkv_rope_kv_write.py (two row
+    blocks per program) and kernels_pallas/fused_mlp.py.
     mma: each [n, block_d] weight tile goes through a tensor-core dot with h in row 0 of
     a [16, block_d] operand (zeros below), accumulating [16, n] (default_mma_blocks)."""
     f32 = jnp.float32
-    dt = w_refs[0].dtype
+    w_refs = [w if isinstance(w, tuple) else (w, slice(None)) for w in w_refs]
+    dt = w_refs[0][0].dtype
+    rows_of = [w.shape[0] if isinstance(r, slice) else r.size for w, r in w_refs]
 
     def body(i, carry):
         accs, ss = carry
@@ -162,23 +176,18 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
             ss = ss + jnp.sum(xs * xs)
             h = (xs * norm_ref[pl.ds(d0, block_d)].astype(f32)).astype(dt)
         elif prologue == "silu_mul":
-            # jax.nn.silu(g) * u op by op (negate, exp, add, divide, multiply, multiply),
-            # each result rounded to the activation dtype as XLA's bf16 ops are on CPU.
-            rnd = lambda a: a.astype(x_ref.dtype).astype(f32)  # noqa: E731
-            u = x_ref[0, pl.ds(K + d0, block_d)].astype(f32)
-            sig = rnd(1.0 / rnd(1.0 + rnd(jnp.exp(-xs))))
-            h = (rnd(xs * sig) * u).astype(dt)
+            h = silu_mul_rounded(xs, x_ref[0, pl.ds(K + d0, block_d)].astype(f32), x_ref.dtype).astype(dt)
         else:
             h = xs.astype(dt)
         if mma:
             hm = jnp.where(lax.broadcasted_iota(jnp.int32, (16, block_d), 0) == 0, h[None, :], jnp.zeros((), dt))
-            return tuple(a + plt.dot(hm, w[:, pl.ds(d0, block_d)], trans_b=True)
-                         for a, w in zip(accs, w_refs)), ss
+            return tuple(a + plt.dot(hm, w[r, pl.ds(d0, block_d)], trans_b=True)
+                         for a, (w, r) in zip(accs, w_refs)), ss
         hf = h.astype(f32)[None, :]
-        return tuple(a + w[:, pl.ds(d0, block_d)].astype(f32) * hf for a, w in zip(accs, w_refs)), ss
+        return tuple(a + w[r, pl.ds(d0, block_d)].astype(f32) * hf for a, (w, r) in zip(accs, w_refs)), ss
 
     acc_shape = (lambda n: (16, n)) if mma else (lambda n: (n, block_d))
-    init = (tuple(jnp.zeros(acc_shape(w.shape[0]), f32) for w in w_refs), jnp.zeros((), f32))
+    init = (tuple(jnp.zeros(acc_shape(n), f32) for n in rows_of), jnp.zeros((), f32))
     accs, ss = lax.fori_loop(0, K // block_d, body, init)
     if mma:  # row 0 holds h @ W.T
         ys = [jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, a.shape, 0) == 0, a, 0.0), axis=0) for a in accs]

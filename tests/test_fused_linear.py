@@ -22,7 +22,7 @@ from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import apply_rope, rope_inv_freq
 from jspec.models.transformer import Transformer
 from kernels_pallas.fused_linear import (default_blocks, default_mma_blocks, fused_linear, fused_linear_gpu,
-                                        ref_fused_linear, rms_norm, use_kernel)
+                                        ref_fused_linear, rms_norm, stream_rows, use_kernel)
 from kernels_pallas.paged_attention import write_kv
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
 from kernels_pallas.qkv_rope_kv_write import use_kernel as qkv_use_kernel
@@ -87,6 +87,26 @@ def test_fused_linear_block_tilings_agree():
         got = fused_linear_gpu(x[0], w, None, None, kw["residual"][0], prologue="silu_mul", eps=1e-5,
                                blocks=blocks, interpret=True)
         assert rel(got, want[0]) < 2e-2, blocks
+
+
+@pytest.mark.parametrize("mma", [False, True])
+def test_stream_rows_takes_row_slices_of_a_whole_weight(mma):
+    """(ref, pl.ds(row0, n)) streams those rows of the whole weight, row0 traced (a kernel
+    whose programs pick their rows at run time: scripts/experiments/explore_mlp_ticket.py)."""
+    from jax.experimental import pallas as pl
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 256)).astype(BF16)
+    w = (0.1 * jax.random.normal(jax.random.PRNGKey(1), (64, 256))).astype(BF16)
+
+    def kernel(x_ref, w_ref, o_ref):
+        r0 = pl.multiple_of(pl.program_id(0) * 16, 16)
+        (y,) = stream_rows(x_ref, [(w_ref, pl.ds(r0, 16))], None, prologue="none", K=256, block_d=128, eps=0.0,
+                           mma=mma)
+        o_ref[0, pl.ds(r0, 16)] = y
+
+    got = pl.pallas_call(kernel, grid=(4,), in_specs=[pl.BlockSpec(), pl.BlockSpec()], out_specs=pl.BlockSpec(),
+                         out_shape=jax.ShapeDtypeStruct((1, 64), jnp.float32), interpret=True)(x, w)
+    want = jnp.einsum("md,fd->mf", x, w, preferred_element_type=jnp.float32)
+    assert rel(got, want) < 1e-5
 
 
 def test_fused_linear_routing_and_errors():
