@@ -129,7 +129,8 @@ def default_mma_blocks(F: int, K: int, dtype):
     """fused_linear's default tiles, (block_f, block_d, num_warps, num_stages, True): the
     weight tile feeds a tensor-core dot (h in row 0 of a 16-row operand), which Triton
     software-pipelines through shared memory; the elementwise stream's loads it does not.
-    From the H200 exploration (2026-11-21, scripts/explore_gemv.py, GPU time, two runs):
+    From the H200 exploration (2026-11-21, GPU time, two runs of a scratch sweep now in
+    scripts/bench_linear.py --sweep; docs/bench/2026-11-21_v7_explore_gemv_mma*.json):
     o [4096, 4096] 11.3 us vs 11.8 elementwise, qkv [6144, 4096] + RMSNorm 15.4-16.0 vs
     17.5, down [4096, 14336] + SwiGLU 31.9 vs 33.1. bf16 / f16 only (an f32 dot would run in
     TF32); None where no tile divides the shape (then default_blocks)."""
@@ -156,7 +157,7 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
     times prologue(x), f32 [n], the RMSNorm's 1 / rms applied. A w_ref may also be
     (ref, pl.ds(row0, n)): those rows of a whole weight (Triton takes one indexer per
     load, so no .at[] view). Shared with kernels_pallas/qkv_rope_kv_write.py (two row
-    blocks per program) and kernels_pallas/fused_mlp.py.
+    blocks per program) and scripts/experiments/explore_mlp_ticket.py.
     mma: each [n, block_d] weight tile goes through a tensor-core dot with h in row 0 of
     a [16, block_d] operand (zeros below), accumulating [16, n] (default_mma_blocks)."""
     f32 = jnp.float32

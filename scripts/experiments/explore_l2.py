@@ -15,19 +15,16 @@ attention is ~7 us per layer, less than streaming 33.6 MB), so the engine does n
 from __future__ import annotations
 
 import functools
-import glob
 import json
 import os
-import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
-from jax.profiler import ProfileData
 
+from gpu_trace import device_times
 from kernels_pallas.fused_linear import fused_linear_gpu
 
 f32 = jnp.float32
@@ -59,38 +56,12 @@ def prefetch(w, rows=8, bd=512, policy=None, warps=4, stages=4, interpret=False)
     )(w)
 
 
-def events(path):
-    pd = ProfileData.from_file(path)
-    out = []
-    for plane in pd.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if line.name.startswith("Stream"):
-                out += [(ev.name, ev.start_ns, ev.duration_ns, line.name) for ev in line.events]
-    return out
-
-
-def trace(fn, reps=10):
-    jax.block_until_ready(fn())
-    d = tempfile.mkdtemp()
-    with jax.profiler.trace(d):
-        for _ in range(reps):
-            jax.block_until_ready(fn())
-    evs = events(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-    per = {}
-    for name, _, dur, _ in evs:
-        per[name] = per.get(name, 0) + dur / reps / 1e3
-    return per, evs
-
-
 def main():
     interpret = jax.default_backend() != "gpu"
     res = {}
     K = 4096
     flush_buf = jnp.ones((256 << 20,), jnp.bfloat16)  # 512 MB
     x = jax.random.normal(jax.random.PRNGKey(1), (1, K), jnp.bfloat16)
-    r = jax.random.normal(jax.random.PRNGKey(2), (1, 4096), jnp.bfloat16)
     for F in (2048, 4096, 6144, 8192):
         w = jax.random.normal(jax.random.PRNGKey(F), (F, K), jnp.bfloat16)
         res_f = jax.random.normal(jax.random.PRNGKey(3), (1, F), jnp.bfloat16)
@@ -98,7 +69,7 @@ def main():
             for mode in ("cold", "warm", "warm_evict_last"):
                 @jax.jit
                 def f(fb, w, x, res_f):
-                    s = jnp.sum(fb[::64].astype(f32)) if False else jnp.sum(fb, dtype=f32)
+                    s = jnp.sum(fb, dtype=f32)  # the L2 flush, ordered before the rest through x
                     x = x + (s * 0).astype(x.dtype)
                     if mode != "cold":
                         p = prefetch(w, policy="evict_last" if mode == "warm_evict_last" else None,
@@ -108,14 +79,14 @@ def main():
                         return fused_linear_gpu(x, w, residual=res_f, interpret=interpret)
                     return jnp.einsum("md,fd->mf", x, w)
 
-                per, _ = trace(lambda: f(flush_buf, w, x, res_f))
+                per = device_times(lambda: f(flush_buf, w, x, res_f), [()], reps=10)["kernels_us"]
                 key = f"F{F}_{consumer}_{mode}"
                 res[key] = per
                 mb = F * K * 2 / 1e6
                 gem = sum(v for k, v in per.items() if ("fused_linear" in k or "gemv" in k.lower() or "gemm" in k.lower() or "dot" in k.lower()) and "prefetch" not in k)
                 pre = sum(v for k, v in per.items() if "prefetch" in k)
                 print(f"{key:32s} W {mb:6.1f} MB  prefetch {pre:6.2f} us  gemv {gem:6.2f} us  "
-                      f"({mb / max(gem, 1e-9) / 1e6 * 1e3:5.2f} TB/s)  all: " +
+                      f"({mb / gem if gem else 0.0:5.2f} TB/s)  all: " +
                       ", ".join(f"{k[:40]}={v:.2f}" for k, v in per.items()), flush=True)
     # prefetch kernel tunings alone on 33.5 MB (warm = its own re-read is irrelevant: flushed)
     w = jax.random.normal(jax.random.PRNGKey(7), (4096, K), jnp.bfloat16)
@@ -123,9 +94,9 @@ def main():
         @jax.jit
         def g(fb, w):
             s = jnp.sum(fb, dtype=f32)
-            return prefetch(w + 0 if False else w, rows=rows, bd=bd, warps=warps, stages=stages,
+            return prefetch(w, rows=rows, bd=bd, warps=warps, stages=stages,
                             interpret=interpret)[0, 0] + s
-        per, _ = trace(lambda: g(flush_buf, w))
+        per = device_times(lambda: g(flush_buf, w), [()], reps=10)["kernels_us"]
         pre = sum(v for k, v in per.items() if "prefetch" in k)
         print(f"prefetch alone rows={rows} bd={bd} warps={warps} stages={stages}: {pre:.2f} us "
               f"({4096 * K * 2 / pre / 1e6:.2f} TB/s)", flush=True)

@@ -50,18 +50,6 @@ def ref_fused_mlp(x, w_gu, w_down, norm_w, residual, *, eps):
     return ref_fused_linear(gu, w_down, prologue="silu_mul", residual=residual)
 
 
-def validate(x, w_gu, w_down, norm_w, residual):
-    if w_gu.ndim != 2 or w_down.ndim != 2 or w_gu.shape[0] % 2:
-        raise ValueError(f"w_gu must be [2I, H] and w_down [H, I], got {w_gu.shape} and {w_down.shape}")
-    I2, H = w_gu.shape
-    if w_down.shape != (H, I2 // 2):
-        raise ValueError(f"w_down must be [{H}, {I2 // 2}] for w_gu {w_gu.shape}, got {w_down.shape}")
-    if x.shape[-1] != H or residual.shape != x.shape:
-        raise ValueError(f"x and residual must be [..., {H}], got {x.shape} and {residual.shape}")
-    if norm_w.shape != (H,):
-        raise ValueError(f"norm_w must have shape ({H},), got {norm_w.shape}")
-
-
 def default_blocks(H: int, I: int, dtype):
     """(rows per gate_up program c, its K tile, rows per down program f, its K tile,
     num_warps, num_stages), or None when the shape takes no tile."""
@@ -72,14 +60,6 @@ def default_blocks(H: int, I: int, dtype):
     bd_gu = 256 if H % 256 == 0 else 128 if H % 128 == 0 else 0
     bd_d = 512 if I % 512 == 0 else 256 if I % 256 == 0 else 128 if I % 128 == 0 else 0
     return (c, bd_gu, f, bd_d, 4, 4) if c and f and bd_gu and bd_d else None
-
-
-def use_kernel(impl, x, w_gu) -> bool:
-    rows = 1
-    for n in x.shape[:-1]:
-        rows *= n
-    return impl in ("gpu", "interpret") and rows == 1 and default_blocks(w_gu.shape[1], w_gu.shape[0] // 2,
-                                                                          w_gu.dtype) is not None
 
 
 def _kernel(x_ref, wgu_ref, nw_ref, wd_ref, res_ref, _ctr_in, o_ref, act_ref, ctr_ref, *, H, I, c, bd_gu, f, bd_d,
@@ -136,17 +116,6 @@ def fused_mlp_gpu(x, w_gu, w_down, norm_w, residual, *, eps=1e-6, blocks=None, i
         name=f"fused_mlp_c{c}_f{f}",
     )(x, w_gu, norm_w, w_down, residual, jnp.zeros((2,), jnp.int32))
     return out
-
-
-def fused_mlp(x, w_gu, w_down, norm_w, residual, *, eps=1e-6, impl="reference"):
-    """Public entry: the kernel where use_kernel says so, else ref_fused_mlp (XLA)."""
-    validate(x, w_gu, w_down, norm_w, residual)
-    if not use_kernel(impl, x, w_gu):
-        return ref_fused_mlp(x, w_gu, w_down, norm_w, residual, eps=eps)
-    H = w_gu.shape[1]
-    y = fused_mlp_gpu(x.reshape(1, H), w_gu, w_down, norm_w, residual.reshape(1, H), eps=float(eps),
-                      interpret=impl == "interpret")
-    return y.reshape(x.shape)
 
 
 def main():
