@@ -12,9 +12,13 @@ two blocks of ``pairs`` weight rows, [j0, j0 + pairs) and [j0 + D/2, j0 + D/2 + 
 one head, so both halves of its rotations end in the same program; it rounds them as the
 projection's output is rounded, rotates them (q and k heads) like rope_kv_write, and
 stores q to the output and k / v to their cache slot (in place, aliased; slot P * S, a
-padding token, writes nothing). Same weight tile (2 x 4 rows x 512) and grid size as the
-projection kernel. Qwen3's q / k norms need a whole head per program first: that model keeps
-the two kernels (use_kernel).
+padding token, writes nothing). As many rows per program as the projection kernel's tile
+(kernel_blocks): for bf16 2 x 32 rows x 256 through the tensor-core dot (fused_linear's
+MMA form), else 2 x 4 rows x 512 elementwise. On the H200 (jax 0.11.2, 2026-11-21, profiler
+GPU time): 16.1 us per layer in the decode step with the MMA tiles against 17.7 elementwise
+(scripts/bench.py --section diag); alone 18.7 against 22.1 us, and 2 x 16-row tiles 27.7-32.3
+(scripts/bench_linear.py --qkv-rope-only --sweep). Qwen3's q / k norms need a whole head
+per program first: that model keeps the two kernels (use_kernel).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.fused_linear import default_blocks, ref_fused_linear, stream_rows
+from kernels_pallas.fused_linear import default_blocks, default_mma_blocks, ref_fused_linear, stream_rows
 from kernels_pallas.rope_kv_write import ref_rope_kv_write
 
 
@@ -39,7 +43,7 @@ def ref_qkv_rope_kv_write(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v
 
 
 def _kernel(slot_ref, cos_ref, sin_ref, x_ref, w_lo, w_hi, norm_ref, *refs, H, KVH, D, K, pairs, block_d, eps,
-            drop, has_bias):
+            drop, has_bias, mma):
     # slot_ref i32[1]; cos_ref / sin_ref f32[D/2]; x_ref [1, K]; w_lo / w_hi [pairs, K]: this
     # program's two row blocks; norm_ref [K]; [bias [(H + 2 KVH) D]]; k_in / v_in (aliased,
     # not read); q_out [H * D]; k_out / v_out [P * S * KVH * D].
@@ -52,7 +56,7 @@ def _kernel(slot_ref, cos_ref, sin_ref, x_ref, w_lo, w_hi, norm_ref, *refs, H, K
     head, j0 = i // per_head, (i % per_head) * pairs
     lo = pl.ds(head * D + j0, pairs)
     hi = pl.ds(head * D + D // 2 + j0, pairs)
-    y1, y2 = stream_rows(x_ref, [w_lo, w_hi], norm_ref, prologue="rmsnorm", K=K, block_d=block_d, eps=eps)
+    y1, y2 = stream_rows(x_ref, [w_lo, w_hi], norm_ref, prologue="rmsnorm", K=K, block_d=block_d, eps=eps, mma=mma)
     y1, y2 = y1.astype(dt), y2.astype(dt)  # the projection's output rounding
     if has_bias:
         y1 = (y1.astype(f32) + bias_ref[lo].astype(f32)).astype(dt)
@@ -83,26 +87,30 @@ def _kernel(slot_ref, cos_ref, sin_ref, x_ref, w_lo, w_hi, norm_ref, *refs, H, K
         write(v_out, head - H - KVH, y1, y2)
 
 
-def kernel_pairs(K: int, D: int) -> int:
-    """Rows per half-block: half of the projection kernel's tile (default_blocks), so a
-    program streams as many rows as it does; 0 when the head cannot be split that way."""
-    blocks = default_blocks(D, K)
-    if blocks is None:
-        return 0
-    pairs = blocks[0] // 2
-    return pairs if pairs >= 2 and (D // 2) % pairs == 0 else 0
+def kernel_blocks(F: int, K: int, D: int, dtype):
+    """(pairs, block_d, num_warps, num_stages, mma): rows per half-block, so a program
+    streams 2 * pairs rows, as many as the projection kernel's tile (fused_linear's
+    default_mma_blocks for bf16 / f16, whose dot needs pairs >= 16; else the elementwise
+    default_blocks); None when the head cannot be split that way."""
+    b = default_mma_blocks(F, K, dtype)
+    if b is not None and b[0] // 2 >= 16 and (D // 2) % (b[0] // 2) == 0:
+        return (b[0] // 2,) + tuple(b[1:])
+    b = default_blocks(D, K)
+    if b is None or b[0] // 2 < 2 or (D // 2) % (b[0] // 2):
+        return None
+    return (b[0] // 2,) + tuple(b[1:]) + (False,)
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "eps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_heads", "eps", "blocks", "interpret"))
 def qkv_rope_kv_write_gpu(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v_pages, *, num_heads, eps,
-                          interpret=False):
+                          blocks=None, interpret=False):
     """The kernel (Pallas, Triton backend) on one token (M = 1); same contract as the
-    reference. Caches are updated in place when the caller donates them."""
+    reference. Caches are updated in place when the caller donates them. blocks: see
+    kernel_blocks (its default when None)."""
     P, S, KVH, D = k_pages.shape
     K = w.shape[1]
     H = num_heads
-    pairs = kernel_pairs(K, D)
-    _, bd, warps, stages = default_blocks(D, K)
+    pairs, bd, warps, stages, mma = blocks or kernel_blocks(w.shape[0], K, D, w.dtype)
     blocks_per_half = D // 2 // pairs  # pair blocks per head
     whole = pl.BlockSpec()
 
@@ -120,7 +128,7 @@ def qkv_rope_kv_write_gpu(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v
     n = len(inputs)
     q, k, v = pl.pallas_call(
         functools.partial(_kernel, H=H, KVH=KVH, D=D, K=K, pairs=pairs, block_d=bd, eps=eps, drop=P * S,
-                          has_bias=bias is not None),
+                          has_bias=bias is not None, mma=mma),
         grid=((H + 2 * KVH) * blocks_per_half,),
         in_specs=in_specs,
         out_specs=(whole, whole, whole),
@@ -129,7 +137,7 @@ def qkv_rope_kv_write_gpu(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v
         input_output_aliases={n - 2: 1, n - 1: 2},
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name=f"qkv_rope_kv_write_p{pairs}_d{bd}",
+        name=f"qkv_rope_kv_write_p{pairs}_d{bd}{'_mma' if mma else ''}",
     )(*inputs)
     return q.reshape(1, H, D), k.reshape(P, S, KVH, D), v.reshape(P, S, KVH, D)
 
@@ -155,7 +163,8 @@ def validate(x, w, norm_w, bias, cos, slot_mapping, k_pages, v_pages, num_heads)
 
 def use_kernel(impl, x, w, k_pages) -> bool:
     """GPU impls, one token (batch-1 decode), a head that splits into the projection's tile."""
-    return impl in ("gpu", "interpret") and x.shape[0] == 1 and kernel_pairs(w.shape[1], k_pages.shape[3]) > 0
+    return (impl in ("gpu", "interpret") and x.shape[0] == 1
+            and kernel_blocks(w.shape[0], w.shape[1], k_pages.shape[3], w.dtype) is not None)
 
 
 def qkv_rope_kv_write(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v_pages, *, num_heads, eps,

@@ -109,9 +109,10 @@ def rope_case(H, KVH, D, M, qk_norm, impl, timing):
     return row
 
 
-def qkv_rope_case(H, KVH, D, K, impl, timing, copies=4):
+def qkv_rope_case(H, KVH, D, K, impl, timing, copies=4, sweep=False):
     """One token: norm + qkv + RoPE + KV write in one kernel vs the two kernels (projection,
-    then RoPE + KV write) and vs the XLA reference; ``copies`` rotating weights."""
+    then RoPE + KV write) and vs the XLA reference; ``copies`` rotating weights. sweep: also
+    time other tiles of the one kernel (qkv_rope_kv_write.kernel_blocks)."""
     keys = jax.random.split(jax.random.PRNGKey(K + H), 8)
     P, S = 8, 16  # small: the undonated caches are copied (~0.5 us each), in both timings
     F = (H + 2 * KVH) * D
@@ -140,6 +141,20 @@ def qkv_rope_case(H, KVH, D, K, impl, timing, copies=4):
         args = [(w, kp, vp) for w in ws]
         row["one_kernel_us"] = device_times(one, args, reps=20)["busy_us"]
         row["two_kernels_us"] = device_times(two, args, reps=20)["busy_us"]
+        if sweep:
+            from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write_gpu
+            row["sweep"] = []
+            tiles = [(4, 512, 4, 4, False)] + [(p, bd, 4, st, True) for p in (16, 32) for bd in (256, 512)
+                                               for st in (3, 4, 6)]
+            for b in tiles:
+                fn = jax.jit(lambda w, kp, vp, b=b: qkv_rope_kv_write_gpu(x, w, nw, None, cos, sin, slot, kp, vp,
+                                                                        num_heads=H, eps=1e-5, blocks=b))
+                try:
+                    err = max(rel_err(a, c) for a, c in zip(fn(ws[0], kp, vp), ref))
+                    row["sweep"].append((b, device_times(fn, args, reps=10)["busy_us"], err))
+                except Exception as e:  # noqa: BLE001  (a tile that does not fit shared memory)
+                    row["sweep"].append((b, f"{type(e).__name__}: {str(e)[:80]}", None))
+            row["sweep"].sort(key=lambda r: r[1] if isinstance(r[1], float) else 1e9)
     return row
 
 
@@ -147,13 +162,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="tiny shapes, interpret mode (CPU)")
     ap.add_argument("--sweep", action="store_true", help="also time other tilings of the layer projections (GPU)")
+    ap.add_argument("--qkv-rope-only", action="store_true", help="only the qkv + RoPE + KV-write kernel (with --sweep:"
+                    " its tiles)")
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     impl = "gpu" if gpu else "interpret"
     out = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
            "linear": [], "rope": []}
     shapes = TINY if args.quick or not gpu else LLAMA_8B
-    for name, F, K, pro, res in shapes:
+    for name, F, K, pro, res in ([] if args.qkv_rope_only else shapes):
         for M in (1, 8):  # M > 1 (and shapes use_kernel keeps with XLA) run XLA: kernel=0, for contrast
             r = linear_case(name, F, K, pro, res, M, impl, args.quick, timing=gpu)
             out["linear"].append(r)
@@ -161,7 +178,7 @@ def main():
                 f"({r['xla_TBps']:.2f} TB/s, {r['xla_kernels']} kernels)" if gpu else ""
             print(f"linear {name:8s} M={M:2d} {pro:8s} res={int(res)} kernel={int(r['kernel'])} "
                   f"err {r['rel_err']:.2e}{t}", flush=True)
-    if args.sweep and gpu:
+    if args.sweep and gpu and not args.qkv_rope_only:
         out["sweep"] = []
         for name, F, K, pro, res in shapes[:4]:
             sw = sweep_case(name, F, K, pro, res)
@@ -170,7 +187,7 @@ def main():
                                                  for b, us in sw[:6]), flush=True)
     heads = [(4, 2, 32)] if args.quick or not gpu else [(32, 8, 128)]
     for H, KVH, D in heads:
-        for M in (1, 8, 64):
+        for M in (() if args.qkv_rope_only else (1, 8, 64)):
             for qk in (False, True):
                 r = rope_case(H, KVH, D, M, qk, impl, timing=gpu)
                 out["rope"].append(r)
@@ -179,11 +196,13 @@ def main():
                       f"k {r['k_err']:.1e} v {r['v_err']:.1e}{t}", flush=True)
     K = 128 if args.quick or not gpu else 4096
     for H, KVH, D in heads:
-        r = qkv_rope_case(H, KVH, D, K, impl, timing=gpu)
+        r = qkv_rope_case(H, KVH, D, K, impl, timing=gpu, sweep=args.sweep and gpu)
         out["qkv_rope"] = r
         t = f" one kernel {r['one_kernel_us']:.1f} us, two kernels {r['two_kernels_us']:.1f} us" if gpu else ""
         print(f"qkv+rope H={H} KVH={KVH} D={D} K={K} err vs reference {r['err_vs_reference']:.1e}, "
               f"vs the two kernels {r['err_vs_two_kernels']:.1e}{t}", flush=True)
+        for b, us, err in r.get("sweep", []):
+            print(f"  qkv+rope tiles {b}: {us if isinstance(us, str) else f'{us:.2f} us'} err {err}", flush=True)
     dest = os.environ.get("OUT")
     if dest:
         with open(os.path.join(dest, "bench_linear.json"), "w") as f:

@@ -25,6 +25,7 @@ from kernels_pallas.fused_linear import (default_blocks, default_mma_blocks, fus
                                         ref_fused_linear, rms_norm, stream_rows, use_kernel)
 from kernels_pallas.paged_attention import write_kv
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
+from kernels_pallas.qkv_rope_kv_write import kernel_blocks as qkv_kernel_blocks
 from kernels_pallas.qkv_rope_kv_write import use_kernel as qkv_use_kernel
 from kernels_pallas.rope_kv_write import rope_kv_write, rope_tables
 
@@ -254,8 +255,12 @@ def test_qkv_rope_kv_write_kernel_is_the_two_kernels_composed(dtype, bias, drop)
     slot = jnp.array([P * S if drop else 19], jnp.int32)
     args = (x, w, nw, b, cos, sin, slot, kp, vp)
     q1, k1, v1 = qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, impl="interpret")
-    # the elementwise stream (the bf16 default is the MMA form, another summation order)
-    qkv = fused_linear_gpu(x, w, nw, b, prologue="rmsnorm", eps=1e-5, blocks=default_blocks(*w.shape), interpret=True)
+    # the projection kernel with the same tile per weight (bf16: through the MMA,
+    # f32: the elementwise stream), hence the same summation order per row
+    pairs, bd, warps, stages, mma = qkv_kernel_blocks(w.shape[0], K, D, dtype)
+    assert mma == (dtype == BF16)
+    qkv = fused_linear_gpu(x, w, nw, b, prologue="rmsnorm", eps=1e-5, blocks=(pairs, bd, warps, stages, mma),
+                           interpret=True)
     q2, k2, v2 = rope_kv_write(qkv, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5, impl="interpret")
     for a, c in ((q1, q2), (k1, k2), (v1, v2)):
         np.testing.assert_array_equal(f32(a), f32(c))
