@@ -26,7 +26,9 @@ raw docs/bench/2026-11-21_v7_mlp_ticket_sweep{1,2}.json): correct (0.6% from the
 reference, as the two-kernel path's 0.3%), no deadlock, but 91.6 us at best against 90.6
 for the engine's path (XLA gate_up with its norm, then the fused down kernel) and 89.3 for
 the XLA ops: the overlap is paid for by a gate_up stream ~3 us slower than XLA's GEMM.
-The ticket + counter scheme is what a persistent batch-1 layer kernel would build on.
+The ticket + counter scheme is what a persistent batch-1 layer kernel would build on;
+explore_layer_tail.py extends it to o_proj + the whole MLP, with a prefetch while waiting
+(also not adopted).
 
     PYTHONPATH=.:scripts python scripts/experiments/explore_mlp_ticket.py   # GPU (CPU: interpret)
 """
