@@ -67,22 +67,15 @@ def linear_case(name, F, K, prologue, residual, M, impl, quick, timing):
 
 
 def sweep_case(name, F, K, prologue, residual):
-    """GPU time of the kernel at other tilings (one row), best first: [(blocks, us | error)]."""
-    from gpu_trace import device_times
+    """GPU time of the kernel at other tilings (one row), best first: [(blocks, us | error, None)]."""
+    from gpu_trace import time_tilings
     x, ws, kw = linear_inputs(name, F, K, prologue, residual, 1, 4)
-    out = []
     elementwise = [(bf, bd, warps, stages) for bf in (8, 16) for bd in (512, 1024, 2048) for stages in (2, 4)
                    for warps in (4, 8)]
     mma = [(bf, bd, 4, stages, True) for bf in (32, 64, 128) for bd in (256, 512) for stages in (4, 6)]
-    for blocks in elementwise + mma:
-        fn = jax.jit(lambda x, w, b=blocks: fused_linear_gpu(
-            x, w, kw["norm_w"], None, kw["residual"], prologue=prologue, eps=1e-5, blocks=b))
-        try:
-            us = device_times(fn, [(x, w) for w in ws], reps=5)["busy_us"]
-        except Exception as e:  # noqa: BLE001 (e.g. shared memory exceeded)
-            us = f"{type(e).__name__}"
-        out.append((blocks, us))
-    return sorted(out, key=lambda r: r[1] if isinstance(r[1], float) else 1e9)
+    return time_tilings(lambda b: jax.jit(lambda x, w: fused_linear_gpu(
+        x, w, kw["norm_w"], None, kw["residual"], prologue=prologue, eps=1e-5, blocks=b)),
+        elementwise + mma, [(x, w) for w in ws])
 
 
 def rope_case(H, KVH, D, M, qk_norm, impl, timing):
@@ -142,19 +135,15 @@ def qkv_rope_case(H, KVH, D, K, impl, timing, copies=4, sweep=False):
         row["one_kernel_us"] = device_times(one, args, reps=20)["busy_us"]
         row["two_kernels_us"] = device_times(two, args, reps=20)["busy_us"]
         if sweep:
+            from gpu_trace import time_tilings
+
             from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write_gpu
-            row["sweep"] = []
             tiles = [(4, 512, 4, 4, False)] + [(p, bd, 4, st, True) for p in (16, 32) for bd in (256, 512)
                                                for st in (3, 4, 6)]
-            for b in tiles:
-                fn = jax.jit(lambda w, kp, vp, b=b: qkv_rope_kv_write_gpu(x, w, nw, None, cos, sin, slot, kp, vp,
-                                                                        num_heads=H, eps=1e-5, blocks=b))
-                try:
-                    err = max(rel_err(a, c) for a, c in zip(fn(ws[0], kp, vp), ref))
-                    row["sweep"].append((b, device_times(fn, args, reps=10)["busy_us"], err))
-                except Exception as e:  # noqa: BLE001  (a tile that does not fit shared memory)
-                    row["sweep"].append((b, f"{type(e).__name__}: {str(e)[:80]}", None))
-            row["sweep"].sort(key=lambda r: r[1] if isinstance(r[1], float) else 1e9)
+            row["sweep"] = time_tilings(
+                lambda b: jax.jit(lambda w, kp, vp: qkv_rope_kv_write_gpu(x, w, nw, None, cos, sin, slot, kp, vp,
+                                                                          num_heads=H, eps=1e-5, blocks=b)),
+                tiles, args, reps=10, check=lambda fn: max(rel_err(a, c) for a, c in zip(fn(ws[0], kp, vp), ref)))
     return row
 
 
@@ -184,7 +173,7 @@ def main():
             sw = sweep_case(name, F, K, pro, res)
             out["sweep"].append(dict(name=name, F=F, K=K, prologue=pro, sweep=sw))
             print(f"sweep {name}: " + ", ".join(f"{b} {us:.1f}" if isinstance(us, float) else f"{b} {us}"
-                                                 for b, us in sw[:6]), flush=True)
+                                                 for b, us, _ in sw[:6]), flush=True)
     heads = [(4, 2, 32)] if args.quick or not gpu else [(32, 8, 128)]
     for H, KVH, D in heads:
         for M in (() if args.qkv_rope_only else (1, 8, 64)):

@@ -8,6 +8,8 @@ adds to a GPU step whatever the host does.
 
 device_times(fn, arg_sets, reps) -> {"busy_us": mean GPU busy time per call (every kernel,
 memset and copy the call ran), "kernels_us": {kernel name: mean us per call}}.
+time_tilings(make_fn, tilings, arg_sets, ...) -> the same for each tiling of a kernel, best
+first (the tile sweeps of scripts/bench_linear.py and scripts/experiments/).
 """
 
 from __future__ import annotations
@@ -60,6 +62,26 @@ def device_times(fn, arg_sets, reps=10):
         "busy_us": sum(per_name.values()) / calls / 1e3,
         "kernels_us": {n: ns / calls / 1e3 for n, ns in per_name.most_common()},
     }
+
+
+def time_tilings(make_fn, tilings, arg_sets, *, reps=5, check=None, log=""):
+    """[(tiling, us | "Error: message", check(fn) | None)], fastest first: GPU time per call
+    of make_fn(tiling) (a jitted fn of *arg_sets[i]) for each tiling. A tiling that fails to
+    compile or run (e.g. more shared memory than an SM has) gets its error instead of a
+    time. check(fn), if given, runs first (e.g. the error against a reference). log: print
+    each row as it comes, after this prefix."""
+    rows = []
+    for tiling in tilings:
+        fn = make_fn(tiling)
+        try:
+            checked = check(fn) if check else None
+            us = device_times(fn, arg_sets, reps=reps)["busy_us"]
+        except Exception as e:  # noqa: BLE001
+            checked, us = None, f"{type(e).__name__}: {str(e)[:80]}"
+        rows.append((tiling, us, checked))
+        if log:
+            print(log, tiling, us, "" if checked is None else checked, flush=True)
+    return sorted(rows, key=lambda r: r[1] if isinstance(r[1], float) else 1e9)
 
 
 def kernel_us(times, substring):

@@ -46,7 +46,8 @@ docs/bench/2026-11-21_v8_layer_tail_timeline{1,2,3}.json). With 64-row gate_up p
   ~2.5 us longer.
 One wave of 112-row programs (128 programs) balances well (5% spread), but one SM's
 stream is then too slow:
-- as 7 x 2 row blocks of 16: 125 us per program, 15 GB/s;
+- as 7 x 2 row blocks of 16 (blocks (32, 256, 112, 128, 32, 512, 4, 3, 0, 0)): 125 us per
+  program, 15 GB/s;
 - as two masked 128-row tiles: 88 us, 21 GB/s;
 - against ~35 GB/s per SM needed on 128 SMs.
 
@@ -68,7 +69,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from gpu_trace import device_times
+from gpu_trace import device_times, time_tilings
 from kernels_pallas.fused_linear import fused_linear_gpu, ref_fused_linear, silu_mul_rounded, stream_rows
 
 # counters (i32[4], zero at the start of a call): ticket, o programs done, gate_up done
@@ -152,7 +153,7 @@ def _acquire(ctr_ref, idx, target, rows, *, block_d, n_tiles, sink_ref, interpre
 
 
 def _kernel(a_ref, x_ref, wo_ref, nw_ref, wgu_ref, wd_ref, _ctr_in, y_ref, x1_ref, act_ref, ctr_ref, sink_ref,
-            *trace_ref, H, Hq, I, fo, bdo, c, bdg, fd, bdd, pf, eps, interpret):
+            *trace_ref, H, Hq, I, fo, bdo, c, bdg, fd, bdd, pf, masked, eps, interpret):
     # a [1, Hq]; x, y, x1 [1, H]; act [1, I]; wo [H, Hq]; wgu [2I, H]; wd [H, I]; nw [H];
     # ctr i32[4] (aliased in and out); sink f32[grid].
     f32 = jnp.float32
@@ -219,11 +220,11 @@ def _kernel(a_ref, x_ref, wo_ref, nw_ref, wgu_ref, wd_ref, _ctr_in, y_ref, x1_re
 
     @pl.when((t >= p_o) & (t < p_o + p_gu))
     def _gate_up():
-        if c & (c - 1):  # c rows per program, not a power of two: masked pow2 tiles
+        if c & (c - 1) and masked:  # c rows per program, not a power of two: masked pow2 tiles
             _gate_up_masked((t - p_o) * c)
             return
-        # c rows per program, as nb row blocks of `sub` (a power of two: Triton's tiles), so
-        # that e.g. c = 112 puts Llama-3.1-8B's 14336 features on 128 programs, one wave
+        # c rows per program as nb row blocks of `sub` (a power of two: Triton's tiles), e.g.
+        # c = 112 (masked = 0) as 7 x 16 rows: Llama-3.1-8B's 14336 features on 128 programs
         sub = c & -c if c & -c <= 64 else 64
         nb = c // sub
         r0 = pl.multiple_of((t - p_o) * c, sub)
@@ -247,20 +248,24 @@ def _kernel(a_ref, x_ref, wo_ref, nw_ref, wgu_ref, wd_ref, _ctr_in, y_ref, x1_re
         y_ref[0, cols] = (x1_ref[0, cols].astype(f32) + rnd(y)).astype(dt)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "blocks", "interpret", "timeline"))
-def attn_out_mlp_gpu(a, x, w_o, norm_w, w_gu, w_d, *, eps=1e-6, blocks=None, interpret=False, timeline=False):
-    """The kernel on one row: a [1, Hq], x [1, H]. blocks: see default_blocks. -> y [1, H]
+@functools.partial(jax.jit, static_argnames=("eps", "blocks", "interpret", "timeline", "grid_cut"))
+def attn_out_mlp_gpu(a, x, w_o, norm_w, w_gu, w_d, *, eps=1e-6, blocks=None, interpret=False, timeline=False,
+                     grid_cut=None):
+    """The kernel on one row: a [1, Hq], x [1, H]. blocks: see default_blocks, plus an
+    optional 10th entry, masked (default 1): a gate_up row count c that is not a power of
+    two runs as masked power-of-two tiles (1) or as row blocks of 16-64 (0). -> y [1, H]
     (timeline, GPU only: (y, i32[grid, 4]) with each ticket's start, end of wait, end of
-    stream (%globaltimer ns) and SM)."""
+    stream (%globaltimer ns) and SM). grid_cut: run only the first grid_cut tickets (the
+    phases before them; see phases())."""
     H, Hq = w_o.shape
     I = w_gu.shape[0] // 2
-    fo, bdo, c, bdg, fd, bdd, warps, stages, pf = blocks or default_blocks(H, Hq, I, w_o.dtype)
-    grid = H // fo + I // c + H // fd
+    fo, bdo, c, bdg, fd, bdd, warps, stages, pf, *masked = blocks or default_blocks(H, Hq, I, w_o.dtype)
+    grid = grid_cut or H // fo + I // c + H // fd
     whole = pl.BlockSpec()
     dt = w_o.dtype
     outs = pl.pallas_call(
-        functools.partial(_kernel, H=H, Hq=Hq, I=I, fo=fo, bdo=bdo, c=c, bdg=bdg, fd=fd, bdd=bdd, pf=pf, eps=eps,
-                          interpret=interpret),
+        functools.partial(_kernel, H=H, Hq=Hq, I=I, fo=fo, bdo=bdo, c=c, bdg=bdg, fd=fd, bdd=bdd, pf=pf,
+                          masked=bool(masked[0]) if masked else True, eps=eps, interpret=interpret),
         grid=(grid,),
         in_specs=[whole] * 7,
         out_specs=[whole] * (6 if timeline else 5),
@@ -281,7 +286,7 @@ def timeline(blocks, sets, H, I, eps, calls=6):
     `calls` calls over rotating weights): when the phase's programs start, end waiting and
     end streaming (us from the first program's start), how many SMs stream in each
     microsecond, and the HBM-idle gaps between phases."""
-    fo, bdo, c, bdg, fd, bdd, w, st, pf = blocks
+    fo, _, c, *_ = blocks
     fn = jax.jit(lambda *a: attn_out_mlp_gpu(*a, eps=eps, blocks=blocks, timeline=True))
     for i in range(calls):
         _, tr = fn(*sets[i % len(sets)])
@@ -310,21 +315,10 @@ def timeline(blocks, sets, H, I, eps, calls=6):
 def phases(blocks, sets, H, Hq, I, eps, reps):
     """GPU time of the kernel with its grid cut after the o phase, after gate_up, and whole,
     against fused_linear alone with the same tiles and stages (the phase sum)."""
-    fo, bdo, c, bdg, fd, bdd, w, st, pf = blocks
-    bf = jnp.bfloat16
+    fo, bdo, c, bdg, fd, bdd, w, st, pf = blocks[:9]
     res = {}
     for label, grid in (("o", H // fo), ("o+gate_up", H // fo + I // c), ("all", H // fo + I // c + H // fd)):
-        def call(a, x, wo, nw, wgu, wd, grid=grid):
-            whole = pl.BlockSpec()
-            return pl.pallas_call(
-                functools.partial(_kernel, H=H, Hq=Hq, I=I, fo=fo, bdo=bdo, c=c, bdg=bdg, fd=fd, bdd=bdd, pf=pf,
-                                  eps=eps, interpret=False),
-                grid=(grid,), in_specs=[whole] * 7, out_specs=[whole] * 5,
-                out_shape=[jax.ShapeDtypeStruct((1, H), bf), jax.ShapeDtypeStruct((1, H), bf),
-                           jax.ShapeDtypeStruct((1, I), bf), jax.ShapeDtypeStruct((4,), jnp.int32),
-                           jax.ShapeDtypeStruct((grid,), jnp.float32)],
-                input_output_aliases={6: 3}, compiler_params=plt.CompilerParams(num_warps=w, num_stages=st),
-            )(a, x, wo, nw, wgu, wd, jnp.zeros((4,), jnp.int32))
+        call = functools.partial(attn_out_mlp_gpu, eps=eps, blocks=blocks, grid_cut=grid)
         res["kernel_" + label] = device_times(jax.jit(call), sets, reps=reps)["busy_us"]
     res["alone_o"] = device_times(jax.jit(lambda a, x, wo, nw, wgu, wd: fused_linear_gpu(
         a, wo, residual=x, blocks=(fo, bdo, w, st, True))), sets, reps=reps)["busy_us"]
@@ -376,46 +370,31 @@ def main():
     x1 = fl(sets[0][0], sets[0][2], residual=sets[0][1], blocks=(fo, bdo, w, st, True))
     gu = fl(x1, sets[0][4], sets[0][3], prologue="rmsnorm", eps=eps, blocks=(c, bdg, w, st, True))
     comp = fl(gu, sets[0][5], residual=x1, prologue="silu_mul", blocks=(fd, bdd, w, st, True))
-    y0 = mega(blocks0)(*sets[0])
+    one = mega(blocks0)
+    y0 = one(*sets[0])
     out = dict(date=str(np.datetime64("today")), jax=jax.__version__, device=jax.devices()[0].device_kind,
                bytes=nbytes, default_blocks=blocks0, err_kernel=err(y0), err_engine=err(engine(*sets[0])),
                bitwise_vs_composition=bool(jnp.array_equal(y0, comp)))
     print(out, flush=True)
     if not gpu:
         return
-    for label, fn in (("xla", ref), ("engine_path", engine), ("one_kernel", mega(blocks0))):
+    for label, fn in (("xla", ref), ("engine_path", engine), ("one_kernel", one)):
         t = device_times(fn, sets, reps=args.reps)
         out[label] = dict(us=t["busy_us"], kernels={k: round(v, 2) for k, v in t["kernels_us"].items()})
         print(label, round(t["busy_us"], 2), out[label]["kernels"], f"{nbytes / t['busy_us'] / 1e6:.3f} TB/s",
               flush=True)
     if args.time:
-        out["time"] = []
-        for b in args.time.split(";"):
-            blocks = tuple(int(v) for v in b.split(","))
-            try:
-                e = err(mega(blocks)(*sets[0]))
-                us = device_times(mega(blocks), sets, reps=args.reps)["busy_us"]
-            except Exception as ex:  # noqa: BLE001
-                e, us = None, f"{type(ex).__name__}: {str(ex)[:80]}"
-            out["time"].append((blocks, us, e))
-            print("  time", blocks, us, "err", e, flush=True)
+        out["time"] = time_tilings(mega, [tuple(int(v) for v in b.split(",")) for b in args.time.split(";")], sets,
+                                   reps=args.reps, check=lambda fn: err(fn(*sets[0])), log="  time (us, err)")
     if args.timeline:
         out["timeline"] = [timeline(tuple(int(v) for v in b.split(",")), sets, H, I, eps)
                            for b in args.timeline.split(";")]
     if args.phases:
         out["phases"] = phases(tuple(int(v) for v in args.phases.split(",")), sets, H, Hq, I, eps, args.reps)
     if args.sweep:
-        out["sweep"] = []
         grid = itertools.product((32,), (256,), (32, 64), (256,), (32,), (512, 1024), (4, 8), (3, 4), (0, 2, 4, 8))
-        for blocks in grid:
-            try:
-                us = device_times(mega(blocks), sets, reps=max(3, args.reps // 2))["busy_us"]
-            except Exception as e:  # noqa: BLE001  (a tile that does not fit shared memory)
-                us = f"{type(e).__name__}: {str(e)[:80]}"
-            out["sweep"].append((blocks, us))
-            print("  sweep", blocks, us, flush=True)
-        out["sweep"].sort(key=lambda r: r[1] if isinstance(r[1], float) else 1e9)
-        for b, us in out["sweep"][:8]:
+        out["sweep"] = time_tilings(mega, list(grid), sets, reps=max(3, args.reps // 2), log="  sweep")
+        for b, us, _ in out["sweep"][:8]:
             print("  best", b, us, flush=True)
     json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "explore_layer_tail.json"), "w"), indent=1)
 

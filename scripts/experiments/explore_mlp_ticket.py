@@ -124,7 +124,7 @@ def main():
     import json
     import os
 
-    from gpu_trace import device_times
+    from gpu_trace import device_times, time_tilings
 
     from kernels_pallas.fused_linear import fused_linear_gpu
     gpu = jax.default_backend() == "gpu"
@@ -152,17 +152,11 @@ def main():
             t = device_times(fn, sets, reps=10)
             row[label] = (t["busy_us"], {k: round(v, 2) for k, v in t["kernels_us"].items()})
             print(label, row[label], flush=True)
-        row["sweep"] = []
-        for blocks in [(c, bdg, 32, bd, w, st) for c in (32, 64, 128) for bdg in (128, 256) for bd in (512, 1024)
-                       for w in (4, 8) for st in (3, 4)]:
-            fn = jax.jit(lambda x, a, b, n, r, bl=blocks: fused_mlp_gpu(x, a, b, n, r, eps=1e-5, blocks=bl))
-            try:
-                us = device_times(fn, sets, reps=5)["busy_us"]
-            except Exception as e:  # noqa: BLE001
-                us = type(e).__name__
-            row["sweep"].append((blocks, us))
-        row["sweep"].sort(key=lambda r: r[1] if isinstance(r[1], float) else 1e9)
-        for b, us in row["sweep"][:10]:
+        row["sweep"] = time_tilings(
+            lambda bl: jax.jit(lambda x, a, b, n, r: fused_mlp_gpu(x, a, b, n, r, eps=1e-5, blocks=bl)),
+            [(c, bdg, 32, bd, w, st) for c in (32, 64, 128) for bdg in (128, 256) for bd in (512, 1024)
+             for w in (4, 8) for st in (3, 4)], sets)
+        for b, us, _ in row["sweep"][:10]:
             print("  sweep", b, us, flush=True)
     json.dump(row, open(os.path.join(os.environ.get("OUT", "/tmp"), "explore_mlp_ticket.json"), "w"), indent=1)
 
