@@ -1,0 +1,272 @@
+"""Probe: one Mosaic GPU kernel streaming a chain of batch-1 GEMVs without stopping.
+
+The question behind issue 7's last bar: per op, every compiler's batch-1 GEMV streams at
+2.9-3.9 TB/s on the H200 (ramp-up and drain around each kernel; explore_mgpu_gemv.py shows
+Mosaic GPU's TMA pipeline at XLA's rate too), while 90% of the roofline needs ~4.0 TB/s
+across a whole layer. Can a persistent kernel keep HBM busy across the op boundaries?
+
+The kernel: 132 programs (one per SM), two warpgroups each. The memory warpgroup streams the
+program's weight tiles for every op in the chain back to back (emit_pipeline_warp_specialized
+with pipeline_state START / STEADY / STOP: it never waits for an op's input, only for ring
+slots). The compute warpgroup, before each op, waits on a grid-wide semaphore for the
+previous op's outputs, TMA-loads its slice of them as the B operand (8 rows: one per
+split-K partial, zero-padded), and multiplies each 64-row weight tile with wgmma; the
+partials' sum is the row sum of the accumulator. So while the compute side waits at a
+boundary, the ring is already filling with the next op's tiles.
+
+Chain (Llama-3.1-8B shapes, one layer's bytes): qkv [6144, 4096] -> o [4096, 4096] ->
+gate_up [28672, 4096] -> down [4096, 14336], each op's input being the first K entries of
+the previous op's output (the attention / norm / SwiGLU in between are left out: this
+probes the streaming, not the layer's math).
+
+    python scripts/experiments/explore_mgpu_chain.py [--out FILE] [--xla] \
+        [--runs "qkv,o,gate_up,down@128:4 gate_up@64:8 qkv,o,gate_up,downx4@256:4:nomma ..."]
+        (OPS[xLAYERS]@TILE_K:STAGES[:nomma]; xLAYERS repeats the chain, nomma streams only)
+
+CPU: lowers the kernel for "cuda" (an API check).
+
+Outcome (2026-11-22, H200, jax 0.11.2; docs/benchmarks.md, ninth session): one layer's four
+GEMVs in 108-110 us (3.97-4.04 TB/s) against 116.5 us for XLA's GEMV chain and 118.9 us for
+the same four ops as separate kernels; four layers in one kernel 110.4 us per layer (no
+further gain); streaming only (no multiplies) 104.8-105.9 us per layer. A megakernel on
+this base would land near 89% of the roofline before attention, norms and RoPE: not
+adopted; the 90% bar needs multiplies hidden under the stream and attention hidden behind
+the next op's weights.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+ROWS = 64  # weight rows per tile: one wgmma M
+N = 8  # B columns: the split-K partials of the previous op (zero-padded)
+
+CHAIN = (("qkv", 6144, 4096, 4), ("o", 4096, 4096, 2), ("gate_up", 28672, 4096, 2),
+         ("down", 4096, 14336, 4))
+
+
+def plan(chain, ncta, tile_k):
+    ops = []
+    for name, F, K, s in chain:
+        R, groups = F // ROWS, ncta // s
+        if ncta % s or (K // s) % tile_k or F % ROWS:
+            raise ValueError(f"{name}: splits {s} / tile_k {tile_k} do not fit {F}x{K} on {ncta} programs")
+        ops.append(dict(name=name, F=F, K=K, R=R, s=s, groups=groups, units=-(-R // groups),
+                        kper=K // s, ksteps=K // s // tile_k))
+    return ops
+
+
+def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mma=True):
+    """x0 [N, K0] bf16 -> the last op's outputs P [N, F_last] bf16 (row j: split j's partial;
+    y = P.sum(0)), plus every op's P. mma=False skips the multiplies (a streaming-only
+    diagnostic: the outputs are then garbage)."""
+    chain = [(names[i] if names else str(i), w.shape[0], w.shape[1], s) for i, (w, s) in enumerate(zip(ws, splits))]
+    ops = plan(chain, ncta, tile_k)
+    n_ops = len(ops)
+    max_ks = max(o["ksteps"] for o in ops)
+    sw = plgpu.find_swizzle(tile_k * 16)
+    tr = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
+    if len(ops) > 1 and any(o["units"] * o["ksteps"] % stages for o in ops):
+        raise ValueError(f"every op's steps {[o['units'] * o['ksteps'] for o in ops]} must divide by stages {stages}")
+
+    def kernel(x0_ref, *refs):
+        w_refs, p_refs = refs[:n_ops], refs[n_ops:2 * n_ops]
+        x_smem, out_smem, zero_smem, xbar = refs[2 * n_ops:]
+        # One semaphore for the whole grid (kernel scratch semaphores are per program);
+        # it persists across calls, so the kernel leaves it at zero.
+        sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+        c = lax.axis_index("c")
+        def rows(o, u):
+            """The row block of this program's unit u of op o (clamped) and whether it is real."""
+            r_raw = c // o["s"] + o["groups"] * u
+            return jnp.minimum(r_raw, o["R"] - 1), r_raw < o["R"]
+
+        def make_pipe(body, ctx, i, state):
+            o = ops[i]
+            s_idx = c % o["s"]
+
+            def index(u, k):
+                r, real = rows(o, u)
+                # A program past the op's last row block (the units do not divide evenly)
+                # re-reads one tile, from L2, instead of streaming a real slab from HBM.
+                return r, jnp.where(real, s_idx * o["ksteps"] + k, s_idx * o["ksteps"])
+
+            return plgpu.emit_pipeline_warp_specialized(
+                body, grid=(o["units"], o["ksteps"]), memory_registers=40,
+                in_specs=[plgpu.BlockSpec((ROWS, tile_k), index, transforms=tr)],
+                wg_axis="wg", num_compute_wgs=1, max_concurrent_steps=stages,
+                compute_context=ctx, pipeline_state=state)
+
+        ignore = lambda *_, **__: None
+        allocs_spec = make_pipe(ignore, ignore, 0, plgpu.PipelinePipeline.START).get_allocations(w_refs[0])
+
+        def scope(allocs):
+            for i, o in enumerate(ops):
+                s_idx = c % o["s"]
+                state = (None if n_ops == 1 else plgpu.PipelinePipeline.START if i == 0 else
+                         plgpu.PipelinePipeline.STOP if i == n_ops - 1 else plgpu.PipelinePipeline.STEADY)
+                src = x0_ref if i == 0 else p_refs[i - 1]
+
+                def ctx(eval_pipeline, i=i, o=o, s_idx=s_idx, src=src):
+                    # Runs on the compute warpgroup only: the memory warpgroup is already
+                    # streaming this op's tiles into the ring while we wait here.
+                    if i == 0:
+                        zero_smem[...] = jnp.zeros((N, ROWS), jnp.bfloat16)
+                    else:
+                        pl.semaphore_wait(sem, ncta * i, decrement=False)
+                    for k0 in range(0, o["ksteps"], 32):  # <= 32 barriers per group
+                        kks = range(k0, min(k0 + 32, o["ksteps"]))
+                        for kk in kks:
+                            plgpu.copy_gmem_to_smem(
+                                src.at[:, pl.ds(s_idx * o["kper"] + kk * tile_k, tile_k)],
+                                x_smem.at[kk], xbar.at[kk - k0])
+                        for kk in kks:
+                            plgpu.barrier_wait(xbar.at[kk - k0])
+
+                    def acc_scope(acc_ref):
+                        eval_pipeline(acc_ref)
+                        plgpu.wait_smem_to_gmem(0)
+                        pl.semaphore_signal(sem, 1)
+
+                    pl.run_scoped(acc_scope, plgpu.ACC((ROWS, N), jnp.float32))
+
+                def body(idxs, w_smem, acc_ref, i=i, o=o, s_idx=s_idx):
+                    u, k = idxs
+                    if mma:
+                        plgpu.wgmma(acc_ref, w_smem, plgpu.transpose_ref(x_smem.at[k], (1, 0)))
+                        plgpu.wgmma_wait(0)
+
+                    @pl.when(k == o["ksteps"] - 1)
+                    def _flush():  # the unit's row block is done: row-sum the partials, store
+                        if not mma:
+                            return
+                        y = acc_ref[...].sum(axis=1).astype(jnp.bfloat16)
+                        acc_ref[...] = jnp.zeros((ROWS, N), jnp.float32)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        out_smem[...] = y
+                        plgpu.commit_smem()
+                        r, real = rows(o, u)
+
+                        @pl.when(real)
+                        def _():
+                            plgpu.copy_smem_to_gmem(out_smem, p_refs[i].at[s_idx, pl.ds(r * ROWS, ROWS)])
+
+                            @pl.when(s_idx == 0)
+                            def _():
+                                plgpu.copy_smem_to_gmem(zero_smem.at[pl.ds(0, N - o["s"])],
+                                                        p_refs[i].at[pl.ds(o["s"], N - o["s"]), pl.ds(r * ROWS, ROWS)])
+                    return acc_ref
+
+                make_pipe(body, ctx, i, state)(w_refs[i], allocations=allocs)
+
+            @pl.when((c == 0) & (lax.axis_index("wg") == 0))
+            def _():
+                pl.semaphore_wait(sem, ncta * n_ops)  # back to zero for the next call
+
+        pl.run_scoped(scope, allocs_spec, collective_axes="wg")
+
+    out_type = tuple(jax.ShapeDtypeStruct((N, o["F"]), jnp.bfloat16) for o in ops)
+    f = plgpu.kernel(
+        kernel, out_type=out_type,
+        scratch_types=[plgpu.SMEM((max_ks, N, tile_k), jnp.bfloat16, transforms=tr),
+                       plgpu.SMEM((ROWS,), jnp.bfloat16),
+                       plgpu.SMEM((N, ROWS), jnp.bfloat16),
+                       plgpu.Barrier(num_barriers=min(max_ks, 32))],
+        grid=(ncta,), grid_names=("c",), num_threads=2, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return f(x0, *ws)
+
+
+def reference(x0, ws, splits):
+    """The kernel's math in jnp: each op's B = the previous P (rows = bf16 split partials)."""
+    ps, p = [], x0
+    for w, s in zip(ws, splits):
+        F, K = w.shape
+        xk = p[:, :K].astype(jnp.float32).sum(0)  # the row sum of the partials = this op's input
+        parts = jnp.stack([jnp.einsum("k,fk->f", xk[j * K // s:(j + 1) * K // s], w[:, j * K // s:(j + 1) * K // s].astype(jnp.float32))
+                           for j in range(s)]).astype(jnp.bfloat16)
+        p = jnp.zeros((N, F), jnp.bfloat16).at[:s].set(parts)
+        ps.append(p)
+    return ps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    ap.add_argument("--runs", default="qkv,o,gate_up,down@128:4",
+                    help="space-separated OPS[xLAYERS]@TILE_K:STAGES[:nomma]; each is built, checked and timed "
+                         "(nomma: no multiplies, a streaming-only diagnostic)")
+    ap.add_argument("--xla", action="store_true", help="also time XLA's GEMV chain for each run's ops")
+    a = ap.parse_args()
+    gpu = jax.default_backend() == "gpu"
+    res = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "runs": []}
+    for run in a.runs.split():
+        ops_s, cfg = run.split("@")
+        layers = 1
+        if "x" in ops_s.split(",")[-1]:  # "qkv,o,gate_up,downx4": the chain repeated 4 times
+            ops_s, layers = ops_s.rsplit("x", 1)
+            layers = int(layers)
+        tile_k, stages, *flags = cfg.split(":")
+        tile_k, stages, mma = int(tile_k), int(stages), "nomma" not in flags
+        chain = [c for c in CHAIN if c[0] in ops_s.split(",")] * layers
+        ws = [[jax.random.normal(jax.random.PRNGKey(10 * j + i), (F, K), jnp.bfloat16) * 0.02
+               for i, (_, F, K, _) in enumerate(chain)] for j in range(2)]
+        x0 = jnp.zeros((N, chain[0][2]), jnp.bfloat16).at[0].set(
+            jax.random.normal(jax.random.PRNGKey(5), (chain[0][2],), jnp.bfloat16))
+        splits = [c[3] for c in chain]
+        fn = jax.jit(functools.partial(chain_gemv, splits=splits, tile_k=tile_k, stages=stages,
+                                       names=[c[0] for c in chain], mma=mma))
+        if not gpu:
+            try:
+                fn.trace(x0, ws[0]).lower(lowering_platforms=("cuda",))
+            except Exception as e:  # noqa: BLE001
+                print(run, "does not lower:", type(e).__name__, str(e)[:200])
+                continue
+            print("lowered", run, [(o["name"], o["units"], o["ksteps"]) for o in plan(chain, 132, tile_k)])
+            continue
+        from gpu_trace import device_times
+        mb = sum(F * K * 2 for _, F, K, _ in chain) / 1e6
+        row = {"run": run, "mb": mb}
+        try:
+            for rep in range(2):  # twice: the semaphore must be back at zero for the second call
+                got = fn(x0, ws[0])
+                ref = reference(x0, ws[0], splits)
+                errs = [float(jnp.max(jnp.abs(g.astype(jnp.float32).sum(0) - r.astype(jnp.float32).sum(0))) /
+                              jnp.max(jnp.abs(r.astype(jnp.float32).sum(0)))) for g, r in zip(got, ref)]
+            t = device_times(fn, [(x0, w) for w in ws], reps=10)
+        except Exception as e:  # noqa: BLE001
+            print(run, "failed:", type(e).__name__, str(e)[:300], flush=True)
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            res["runs"].append(row)
+            continue
+        row.update(rel_err=errs, us=t["busy_us"], TBps=mb / t["busy_us"])
+        print(f"{run}: {t['busy_us']:.2f} us for {mb:.1f} MB = {mb / t['busy_us']:.3f} TB/s, rel err per op "
+              f"{[round(e, 4) for e in errs]}", flush=True)
+        if a.xla:
+            def xla_plain(x0, ws):
+                v = x0[0]
+                for w in ws:
+                    v = jnp.einsum("k,fk->f", v[:w.shape[1]], w)
+                return v
+            tp = device_times(jax.jit(xla_plain), [(x0, w) for w in ws], reps=10)
+            gemm = sum(v for k, v in tp["kernels_us"].items() if "gemm" in k or "nvjet" in k or "reduce" in k)
+            print(f"  XLA GEMV chain: {tp['busy_us']:.2f} us ({gemm:.2f} us in its GEMMs + split reduces) "
+                  f"{ {k[:30]: round(v, 2) for k, v in tp['kernels_us'].items()} }", flush=True)
+            row.update(xla_us=tp["busy_us"], xla_gemm_us=gemm, xla_kernels=tp["kernels_us"])
+        res["runs"].append(row)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, __file__.rsplit("/", 2)[0])
+    main()
