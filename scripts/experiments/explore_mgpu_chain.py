@@ -28,10 +28,12 @@ CPU: lowers the kernel for "cuda" (an API check).
 Outcome (2026-11-22, H200, jax 0.11.2; docs/benchmarks.md, ninth session): one layer's four
 GEMVs in 108-110 us (3.97-4.04 TB/s) against 116.5 us for XLA's GEMV chain and 118.9 us for
 the same four ops as separate kernels; four layers in one kernel 110.4 us per layer (no
-further gain); streaming only (no multiplies) 104.8-105.9 us per layer. A megakernel on
-this base would land near 89% of the roofline before attention, norms and RoPE: not
-adopted; the 90% bar needs multiplies hidden under the stream and attention hidden behind
-the next op's weights.
+further gain); streaming only (no multiplies) 104.8-105.9 us per layer, and the same with
+the multiplies but without the per-row-block flush (105.3): the flush and the op
+boundaries it sits on cost the ~4.5 us, not the wgmmas. A megakernel on this base would
+land near 89% of the roofline before attention, norms and RoPE: not adopted; 90% needs
+cheaper boundaries (finer dependencies than one grid barrier per op) and attention hidden
+behind the next op's weights.
 """
 from __future__ import annotations
 
@@ -64,10 +66,11 @@ def plan(chain, ncta, tile_k):
     return ops
 
 
-def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mma=True):
+def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mma=True, flush=True):
     """x0 [N, K0] bf16 -> the last op's outputs P [N, F_last] bf16 (row j: split j's partial;
     y = P.sum(0)), plus every op's P. mma=False skips the multiplies (a streaming-only
-    diagnostic: the outputs are then garbage)."""
+    diagnostic: the outputs are then garbage); flush=False multiplies but never reads or
+    stores the accumulator (the same, to split the compute side's cost)."""
     chain = [(names[i] if names else str(i), w.shape[0], w.shape[1], s) for i, (w, s) in enumerate(zip(ws, splits))]
     ops = plan(chain, ncta, tile_k)
     n_ops = len(ops)
@@ -146,7 +149,7 @@ def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mm
 
                     @pl.when(k == o["ksteps"] - 1)
                     def _flush():  # the unit's row block is done: row-sum the partials, store
-                        if not mma:
+                        if not (mma and flush):
                             return
                         y = acc_ref[...].sum(axis=1).astype(jnp.bfloat16)
                         acc_ref[...] = jnp.zeros((ROWS, N), jnp.float32)
@@ -202,8 +205,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     ap.add_argument("--runs", default="qkv,o,gate_up,down@128:4",
-                    help="space-separated OPS[xLAYERS]@TILE_K:STAGES[:nomma]; each is built, checked and timed "
-                         "(nomma: no multiplies, a streaming-only diagnostic)")
+                    help="space-separated OPS[xLAYERS]@TILE_K:STAGES[:nomma|:noflush]; each is built, checked and "
+                         "timed (nomma: no multiplies, a streaming-only diagnostic; noflush: no "
+                         "accumulator reads or output stores)")
     ap.add_argument("--xla", action="store_true", help="also time XLA's GEMV chain for each run's ops")
     a = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
@@ -215,7 +219,7 @@ def main():
             ops_s, layers = ops_s.rsplit("x", 1)
             layers = int(layers)
         tile_k, stages, *flags = cfg.split(":")
-        tile_k, stages, mma = int(tile_k), int(stages), "nomma" not in flags
+        tile_k, stages, mma, flush = int(tile_k), int(stages), "nomma" not in flags, "noflush" not in flags
         chain = [c for c in CHAIN if c[0] in ops_s.split(",")] * layers
         ws = [[jax.random.normal(jax.random.PRNGKey(10 * j + i), (F, K), jnp.bfloat16) * 0.02
                for i, (_, F, K, _) in enumerate(chain)] for j in range(2)]
@@ -223,7 +227,7 @@ def main():
             jax.random.normal(jax.random.PRNGKey(5), (chain[0][2],), jnp.bfloat16))
         splits = [c[3] for c in chain]
         fn = jax.jit(functools.partial(chain_gemv, splits=splits, tile_k=tile_k, stages=stages,
-                                       names=[c[0] for c in chain], mma=mma))
+                                       names=[c[0] for c in chain], mma=mma, flush=flush))
         if not gpu:
             try:
                 fn.trace(x0, ws[0]).lower(lowering_platforms=("cuda",))
