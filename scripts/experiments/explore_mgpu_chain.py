@@ -19,9 +19,10 @@ gate_up [28672, 4096] -> down [4096, 14336], each op's input being the first K e
 the previous op's output (the attention / norm / SwiGLU in between are left out: this
 probes the streaming, not the layer's math).
 
-    python scripts/experiments/explore_mgpu_chain.py [--out FILE] [--xla] \
+    PYTHONPATH=.:scripts python scripts/experiments/explore_mgpu_chain.py [--out FILE] [--xla] \
         [--runs "qkv,o,gate_up,down@128:4 gate_up@64:8 qkv,o,gate_up,downx4@256:4:nomma ..."]
-        (OPS[xLAYERS]@TILE_K:STAGES[:nomma]; xLAYERS repeats the chain, nomma streams only)
+        (OPS[xLAYERS]@TILE_K:STAGES[:nomma|:noflush]; xLAYERS repeats the chain, nomma
+        streams only, noflush multiplies but never reads or stores the accumulator)
 
 CPU: lowers the kernel for "cuda" (an API check).
 
@@ -40,7 +41,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -240,9 +240,9 @@ def main():
         mb = sum(F * K * 2 for _, F, K, _ in chain) / 1e6
         row = {"run": run, "mb": mb}
         try:
+            ref = reference(x0, ws[0], splits)
             for rep in range(2):  # twice: the semaphore must be back at zero for the second call
                 got = fn(x0, ws[0])
-                ref = reference(x0, ws[0], splits)
                 errs = [float(jnp.max(jnp.abs(g.astype(jnp.float32).sum(0) - r.astype(jnp.float32).sum(0))) /
                               jnp.max(jnp.abs(r.astype(jnp.float32).sum(0)))) for g, r in zip(got, ref)]
             t = device_times(fn, [(x0, w) for w in ws], reps=10)
@@ -272,5 +272,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, __file__.rsplit("/", 2)[0])
     main()

@@ -7,7 +7,7 @@ Mosaic GPU kernel (plgpu.kernel: TMA loads of the weight tiles through emit_pipe
 tensor cores with the weight tile as the 64-row A operand and x padded to 8 columns as B)
 on Llama-3.1-8B's four projection shapes against XLA's einsum, in one run.
 
-    python scripts/experiments/explore_mgpu_gemv.py [--quick] [--out FILE]
+    PYTHONPATH=.:scripts python scripts/experiments/explore_mgpu_gemv.py [--quick] [--out FILE]
 
 CPU: lowers every tiling for the "cuda" platform (API check only; Mosaic GPU's interpreter
 does not take transposed wgmma operands).
@@ -23,7 +23,6 @@ import argparse
 import functools
 import itertools
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -141,5 +140,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, __file__.rsplit("/", 2)[0])
     main()
