@@ -7,7 +7,8 @@ start and end on the device, so the sum of a call's kernel durations is what the
 adds to a GPU step whatever the host does.
 
 device_times(fn, arg_sets, reps) -> {"busy_us": mean GPU busy time per call (every kernel,
-memset and copy the call ran), "kernels_us": {kernel name: mean us per call}}.
+memset and copy the call ran), "union_us": the same as the union of their intervals (below
+busy_us only where kernels overlap, as with PDL), "kernels_us": {kernel name: mean us per call}}.
 time_tilings(make_fn, tilings, arg_sets, ...) -> the same for each tiling of a kernel, best
 first (the tile sweeps of scripts/bench_linear.py and scripts/experiments/).
 """
@@ -23,7 +24,7 @@ from jax.profiler import ProfileData
 
 
 def _device_events(path):
-    """(name, duration_ns) of every event on the GPU streams of a trace."""
+    """(name, duration_ns, start_ns) of every event on the GPU streams of a trace."""
     pd = ProfileData.from_file(path)
     out = []
     for plane in pd.planes:
@@ -33,7 +34,7 @@ def _device_events(path):
         # count them twice.
         for line in plane.lines:
             if line.name.startswith("Stream"):
-                out += [(ev.name, ev.duration_ns) for ev in line.events]
+                out += [(ev.name, ev.duration_ns, ev.start_ns) for ev in line.events]
     return out
 
 
@@ -56,10 +57,21 @@ def device_times(fn, arg_sets, reps=10):
         raise RuntimeError(f"no GPU stream events in the trace (is this a GPU backend?); planes/lines: {seen}")
     calls = reps * len(arg_sets)
     per_name = collections.Counter()
-    for name, ns in events:
+    for name, ns, _ in events:
         per_name[name] += ns
+    # The union of the events' intervals: kernels launched with programmatic dependent
+    # launch (PDL) overlap their predecessor, so their durations' sum counts the overlap
+    # twice; the union is the time the GPU had any of the call's work in flight.
+    union, end = 0, None
+    for _, ns, t0 in sorted(events, key=lambda e: e[2]):
+        t1 = t0 + ns
+        if end is None or t0 >= end:
+            union, end = union + ns, t1
+        elif t1 > end:
+            union, end = union + t1 - end, t1
     return {
         "busy_us": sum(per_name.values()) / calls / 1e3,
+        "union_us": union / calls / 1e3,
         "kernels_us": {n: ns / calls / 1e3 for n, ns in per_name.most_common()},
     }
 

@@ -19,10 +19,15 @@ gate_up [28672, 4096] -> down [4096, 14336], each op's input being the first K e
 the previous op's output (the attention / norm / SwiGLU in between are left out: this
 probes the streaming, not the layer's math).
 
-    PYTHONPATH=.:scripts python scripts/experiments/explore_mgpu_chain.py [--out FILE] [--xla] \
+    PYTHONPATH=.:scripts python scripts/experiments/explore_mgpu_chain.py [--out FILE] [--xla] [--probe] \
         [--runs "qkv,o,gate_up,down@128:4 gate_up@64:8 qkv,o,gate_up,downx4@256:4:nomma ..."]
-        (OPS[xLAYERS]@TILE_K:STAGES[:nomma|:noflush]; xLAYERS repeats the chain, nomma
-        streams only, noflush multiplies but never reads or stores the accumulator)
+        (OPS[xLAYERS]@TILE_K:STAGES[:nomma|:noflush|:sep|:pdl[:pfN][:apfN]]; xLAYERS repeats the chain,
+        nomma streams only, noflush multiplies but never reads or stores the accumulator,
+        sep runs one kernel per op, pdl one kernel per op chained by programmatic dependent
+        launch, pfN with it an L2 prefetch of N tiles past the ring before the wait; "attn"
+        in OPS puts a latency-bound attention stand-in between qkv and o, apfN makes it
+        prefetch N [64, 256] tiles of o's weights per program into L2; times are the
+        union of the kernels' intervals)
 
 CPU: lowers the kernel for "cuda" (an API check).
 
@@ -35,6 +40,15 @@ boundaries it sits on cost the ~4.5 us, not the wgmmas. A megakernel on this bas
 land near 89% of the roofline before attention, norms and RoPE: not adopted; 90% needs
 cheaper boundaries (finer dependencies than one grid barrier per op) and attention hidden
 behind the next op's weights.
+
+Outcome of the separate-kernel modes (2026-11-22, tenth session): with PDL, and with the
+custom calls kept out of XLA's command buffers (inside a CUDA graph the kernels do not
+overlap), one kernel per op streams a layer's four GEMVs in 106.1-107.1 us (92.6-93.1% of
+the same run's GEMV probe), 101.0-101.6 us without the output flush (97.4-98.0%); the
+attention stand-in adds ~5.9 us per layer that neither the ring nor an L2 prefetch hides
+(the prefetches only add time). Extrapolated: 88.6% of the roofline before the norms,
+RoPE, KV write and SwiGLU; 90% needs the output hand-over to cost <= 3.3 us per layer
+instead of 5.2.
 """
 from __future__ import annotations
 
@@ -51,8 +65,10 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 ROWS = 64  # weight rows per tile: one wgmma M
 N = 8  # B columns: the split-K partials of the previous op (zero-padded)
 
-CHAIN = (("qkv", 6144, 4096, 4), ("o", 4096, 4096, 2), ("gate_up", 28672, 4096, 2),
+CHAIN = (("qkv", 6144, 4096, 4), ("attn", 8192, 128, 0), ("o", 4096, 4096, 2), ("gate_up", 28672, 4096, 2),
          ("down", 4096, 14336, 4))
+# "attn": a stand-in for batch-1 decode attention in a chain of separate kernels (attn_standin):
+# its "weight" is a [8192, 128] bf16 buffer (2 MB, the KV of 512 tokens x 8 heads).
 
 
 def plan(chain, ncta, tile_k):
@@ -66,17 +82,26 @@ def plan(chain, ncta, tile_k):
     return ops
 
 
-def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mma=True, flush=True):
+def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mma=True, flush=True, pdl=False, pf=0):
     """x0 [N, K0] bf16 -> the last op's outputs P [N, F_last] bf16 (row j: split j's partial;
     y = P.sum(0)), plus every op's P. mma=False skips the multiplies (a streaming-only
     diagnostic: the outputs are then garbage); flush=False multiplies but never reads or
-    stores the accumulator (the same, to split the compute side's cost)."""
+    stores the accumulator (the same, to split the compute side's cost). pdl=True (one op
+    per kernel, for a chain of kernels): the kernel lets its successor launch at once
+    (griddepcontrol.launch_dependents) and, launched itself with programmatic dependent
+    launch, waits for its predecessor (griddepcontrol.wait) only before loading x0, so its
+    memory warpgroup fills the ring with weight tiles while the predecessor drains. pf > 0
+    (with pdl): before that wait the compute warpgroup also prefetches into L2 the pf weight
+    tiles after the ring's first fill, so more of the op's weights are in flight while the
+    predecessor (e.g. attention) runs than the ring holds."""
     chain = [(names[i] if names else str(i), w.shape[0], w.shape[1], s) for i, (w, s) in enumerate(zip(ws, splits))]
     ops = plan(chain, ncta, tile_k)
     n_ops = len(ops)
     max_ks = max(o["ksteps"] for o in ops)
     sw = plgpu.find_swizzle(tile_k * 16)
     tr = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
+    if pdl and n_ops > 1:
+        raise ValueError("pdl chains kernels of one op each")
     if len(ops) > 1 and any(o["units"] * o["ksteps"] % stages for o in ops):
         raise ValueError(f"every op's steps {[o['units'] * o['ksteps'] for o in ops]} must divide by stages {stages}")
 
@@ -85,8 +110,10 @@ def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mm
         x_smem, out_smem, zero_smem, xbar = refs[2 * n_ops:]
         # One semaphore for the whole grid (kernel scratch semaphores are per program);
         # it persists across calls, so the kernel leaves it at zero.
-        sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+        sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if n_ops > 1 else None
         c = lax.axis_index("c")
+        if pdl:
+            plgpu.griddepcontrol_launch_dependents()
         def rows(o, u):
             """The row block of this program's unit u of op o (clamped) and whether it is real."""
             r_raw = c // o["s"] + o["groups"] * u
@@ -123,6 +150,12 @@ def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mm
                     # streaming this op's tiles into the ring while we wait here.
                     if i == 0:
                         zero_smem[...] = jnp.zeros((N, ROWS), jnp.bfloat16)
+                        if pdl:
+                            for t in range(stages, min(stages + pf, o["units"] * o["ksteps"])):
+                                r, _ = rows(o, t // o["ksteps"])
+                                plgpu.async_prefetch(w_refs[i].at[pl.ds(r * ROWS, ROWS),
+                                                                  pl.ds((s_idx * o["ksteps"] + t % o["ksteps"]) * tile_k, tile_k)])
+                            plgpu.griddepcontrol_wait()
                     else:
                         pl.semaphore_wait(sem, ncta * i, decrement=False)
                     for k0 in range(0, o["ksteps"], 32):  # <= 32 barriers per group
@@ -137,7 +170,8 @@ def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mm
                     def acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
                         plgpu.wait_smem_to_gmem(0)
-                        pl.semaphore_signal(sem, 1)
+                        if sem is not None:
+                            pl.semaphore_signal(sem, 1)
 
                     pl.run_scoped(acc_scope, plgpu.ACC((ROWS, N), jnp.float32))
 
@@ -170,9 +204,10 @@ def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mm
 
                 make_pipe(body, ctx, i, state)(w_refs[i], allocations=allocs)
 
-            @pl.when((c == 0) & (lax.axis_index("wg") == 0))
-            def _():
-                pl.semaphore_wait(sem, ncta * n_ops)  # back to zero for the next call
+            if sem is not None:
+                @pl.when((c == 0) & (lax.axis_index("wg") == 0))
+                def _():
+                    pl.semaphore_wait(sem, ncta * n_ops)  # back to zero for the next call
 
         pl.run_scoped(scope, allocs_spec, collective_axes="wg")
 
@@ -188,10 +223,72 @@ def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mm
     return f(x0, *ws)
 
 
+def attn_standin(p, kv, w_next=None, *, ctas=32, pdl=False, apf=0):
+    """A stand-in for batch-1 decode attention between qkv and o: `ctas` programs each wait
+    for the qkv kernel, read their share of kv [R, 128] one 16 KB tile after another (a
+    latency-bound chain like attention's), then pass p[:, :4096] (q's columns) on as the
+    output. It lets its successor launch at once, so with PDL the o kernel's programs can
+    stream their first weight tiles while it runs. apf > 0: once through its wait, each
+    program also prefetches into L2 apf [64, 256] tiles of w_next (the o weights), so HBM
+    streams o's weights while the attention's latency chain runs."""
+    steps = kv.shape[0] // (64 * ctas)
+    cols = 4096 // ctas
+
+    def kernel(p_ref, kv_ref, *refs):
+        w_ref = refs[0] if apf else None
+        o_ref, buf, obuf, bar = refs[-4:]
+        c = lax.axis_index("c")
+        if pdl:
+            plgpu.griddepcontrol_launch_dependents()
+            plgpu.griddepcontrol_wait()
+        if apf:
+            per_row = w_ref.shape[1] // 256
+            for j in range(apf):
+                t = c * apf + j
+                plgpu.async_prefetch(w_ref.at[pl.ds((t // per_row) * 64, 64), pl.ds((t % per_row) * 256, 256)])
+
+        def step(i, carry):
+            plgpu.copy_gmem_to_smem(kv_ref.at[pl.ds((c * steps + i) * 64, 64)], buf, bar.at[0])
+            plgpu.barrier_wait(bar.at[0])
+            return carry
+
+        lax.fori_loop(0, steps, step, 0)
+        plgpu.copy_gmem_to_smem(p_ref.at[:, pl.ds(c * cols, cols)], obuf, bar.at[1])
+        plgpu.barrier_wait(bar.at[1])
+        plgpu.copy_smem_to_gmem(obuf, o_ref.at[:, pl.ds(c * cols, cols)])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((N, 4096), jnp.bfloat16),
+        scratch_types=[plgpu.SMEM((64, 128), jnp.bfloat16), plgpu.SMEM((N, cols), jnp.bfloat16),
+                       plgpu.Barrier(num_barriers=2)],
+        grid=(ctas,), grid_names=("c",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(
+            p, kv, *([w_next] if apf else []))
+
+
+def separate_gemvs(x0, ws, *, splits, names, **kw):
+    """The same chain as one kernel per op (pdl=True: chained by programmatic dependent
+    launch); each kernel's input is the previous one's partials."""
+    ps, p = [], x0
+    apf = kw.pop("apf", 0)
+    for i, (w, s, name) in enumerate(zip(ws, splits, names)):
+        if name == "attn":
+            p = attn_standin(p, w, ws[i + 1], pdl=kw.get("pdl", False), apf=apf)
+        else:
+            p = chain_gemv(p, [w], splits=[s], names=[name], **kw)[0]
+        ps.append(p)
+    return tuple(ps)
+
+
 def reference(x0, ws, splits):
     """The kernel's math in jnp: each op's B = the previous P (rows = bf16 split partials)."""
     ps, p = [], x0
     for w, s in zip(ws, splits):
+        if s == 0:  # the attention stand-in passes q's columns on
+            p = p[:, :4096]
+            ps.append(p)
+            continue
         F, K = w.shape
         xk = p[:, :K].astype(jnp.float32).sum(0)  # the row sum of the partials = this op's input
         parts = jnp.stack([jnp.einsum("k,fk->f", xk[j * K // s:(j + 1) * K // s], w[:, j * K // s:(j + 1) * K // s].astype(jnp.float32))
@@ -205,13 +302,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     ap.add_argument("--runs", default="qkv,o,gate_up,down@128:4",
-                    help="space-separated OPS[xLAYERS]@TILE_K:STAGES[:nomma|:noflush]; each is built, checked and "
+                    help="space-separated OPS[xLAYERS]@TILE_K:STAGES[:nomma|:noflush|:sep|:pdl]; each is built, checked and "
                          "timed (nomma: no multiplies, a streaming-only diagnostic; noflush: no "
                          "accumulator reads or output stores)")
     ap.add_argument("--xla", action="store_true", help="also time XLA's GEMV chain for each run's ops")
+    ap.add_argument("--probe", action="store_true",
+                    help="measure the HBM bandwidth first (bench.measure_bandwidth) and report each run against it")
     a = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     res = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "runs": []}
+    bw = None
+    if a.probe and gpu:
+        from bench import measure_bandwidth
+        res["probe"] = measure_bandwidth(quick=False)
+        bw = res["probe"]["best_TBps"]
+        print("bandwidth probe (TB/s):", {k: round(v, 3) for k, v in res["probe"].items()}, flush=True)
     for run in a.runs.split():
         ops_s, cfg = run.split("@")
         layers = 1
@@ -220,21 +325,26 @@ def main():
             layers = int(layers)
         tile_k, stages, *flags = cfg.split(":")
         tile_k, stages, mma, flush = int(tile_k), int(stages), "nomma" not in flags, "noflush" not in flags
+        sep, pdl = "sep" in flags or "pdl" in flags, "pdl" in flags
+        pf = sum(int(f[2:]) for f in flags if f.startswith("pf"))
+        apf = sum(int(f[3:]) for f in flags if f.startswith("apf"))
+        if "attn" in ops_s.split(",") and not sep:
+            raise ValueError(f"{run}: the attention stand-in runs only in a chain of separate kernels (:sep / :pdl)")
         chain = [c for c in CHAIN if c[0] in ops_s.split(",")] * layers
         ws = [[jax.random.normal(jax.random.PRNGKey(10 * j + i), (F, K), jnp.bfloat16) * 0.02
                for i, (_, F, K, _) in enumerate(chain)] for j in range(2)]
         x0 = jnp.zeros((N, chain[0][2]), jnp.bfloat16).at[0].set(
             jax.random.normal(jax.random.PRNGKey(5), (chain[0][2],), jnp.bfloat16))
         splits = [c[3] for c in chain]
-        fn = jax.jit(functools.partial(chain_gemv, splits=splits, tile_k=tile_k, stages=stages,
-                                       names=[c[0] for c in chain], mma=mma, flush=flush))
+        kw = dict(splits=splits, tile_k=tile_k, stages=stages, names=[c[0] for c in chain], mma=mma, flush=flush)
+        fn = jax.jit(functools.partial(separate_gemvs, pdl=pdl, pf=pf, apf=apf, **kw) if sep else functools.partial(chain_gemv, **kw))
         if not gpu:
             try:
                 fn.trace(x0, ws[0]).lower(lowering_platforms=("cuda",))
             except Exception as e:  # noqa: BLE001
                 print(run, "does not lower:", type(e).__name__, str(e)[:200])
                 continue
-            print("lowered", run, [(o["name"], o["units"], o["ksteps"]) for o in plan(chain, 132, tile_k)])
+            print("lowered", run, [(o["name"], o["units"], o["ksteps"]) for o in plan([c for c in chain if c[3]], 132, tile_k)])
             continue
         from gpu_trace import device_times
         mb = sum(F * K * 2 for _, F, K, _ in chain) / 1e6
@@ -251,9 +361,13 @@ def main():
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             res["runs"].append(row)
             continue
-        row.update(rel_err=errs, us=t["busy_us"], TBps=mb / t["busy_us"])
-        print(f"{run}: {t['busy_us']:.2f} us for {mb:.1f} MB = {mb / t['busy_us']:.3f} TB/s, rel err per op "
-              f"{[round(e, 4) for e in errs]}", flush=True)
+        row.update(rel_err=errs, us=t["union_us"], busy_us=t["busy_us"], TBps=mb / t["union_us"],
+                   kernels=t["kernels_us"])
+        print(f"{run}: {t['union_us']:.2f} us for {mb:.1f} MB = {mb / t['union_us']:.3f} TB/s (kernel durations "
+              f"summed {t['busy_us']:.2f} us), rel err per op {[round(e, 4) for e in errs]}", flush=True)
+        if bw:
+            row["of_probe"] = mb / t["union_us"] / bw
+            print(f"  {row['of_probe']:.1%} of the probe's {bw:.3f} TB/s", flush=True)
         if a.xla:
             def xla_plain(x0, ws):
                 v = x0[0]
