@@ -45,7 +45,7 @@ Outcome of the separate-kernel modes (2026-11-22, tenth session): with PDL, and 
 custom calls kept out of XLA's command buffers (inside a CUDA graph the kernels do not
 overlap), one kernel per op streams a layer's four GEMVs in 106.1-107.1 us (92.6-93.1% of
 the same run's GEMV probe), 101.0-101.6 us without the output flush (97.4-98.0%); the
-attention stand-in adds ~5.9 us per layer that neither the ring nor an L2 prefetch hides
+attention stand-in adds 5.0-6.0 us per layer that neither the ring nor an L2 prefetch hides
 (the prefetches only add time). Extrapolated: 88.6% of the roofline before the norms,
 RoPE, KV write and SwiGLU; 90% needs the output hand-over to cost <= 3.3 us per layer
 instead of 5.2.
