@@ -68,7 +68,8 @@ N = 8  # B columns: the split-K partials of the previous op (zero-padded)
 CHAIN = (("qkv", 6144, 4096, 4), ("attn", 8192, 128, 0), ("o", 4096, 4096, 2), ("gate_up", 28672, 4096, 2),
          ("down", 4096, 14336, 4))
 # "attn": a stand-in for batch-1 decode attention in a chain of separate kernels (attn_standin):
-# its "weight" is a [8192, 128] bf16 buffer (2 MB, the KV of 512 tokens x 8 heads).
+# its "weight" is a [8192, 128] bf16 buffer (2 MB, the KV of 512 tokens x 8 heads); its split
+# count 0 marks it in reference() and in the --xla chain.
 
 
 def plan(chain, ncta, tile_k):
@@ -302,9 +303,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     ap.add_argument("--runs", default="qkv,o,gate_up,down@128:4",
-                    help="space-separated OPS[xLAYERS]@TILE_K:STAGES[:nomma|:noflush|:sep|:pdl]; each is built, checked and "
-                         "timed (nomma: no multiplies, a streaming-only diagnostic; noflush: no "
-                         "accumulator reads or output stores)")
+                    help="space-separated OPS[xLAYERS]@TILE_K:STAGES[:FLAG...] (the flags and the attn stand-in: "
+                         "see the module docstring); each is built, checked and timed")
     ap.add_argument("--xla", action="store_true", help="also time XLA's GEMV chain for each run's ops")
     ap.add_argument("--probe", action="store_true",
                     help="measure the HBM bandwidth first (bench.measure_bandwidth) and report each run against it")
@@ -371,8 +371,9 @@ def main():
         if a.xla:
             def xla_plain(x0, ws):
                 v = x0[0]
-                for w in ws:
-                    v = jnp.einsum("k,fk->f", v[:w.shape[1]], w)
+                for w, s in zip(ws, splits):
+                    # the attention stand-in (split 0) passes q's columns on, as in reference()
+                    v = v[:4096] if s == 0 else jnp.einsum("k,fk->f", v[:w.shape[1]], w)
                 return v
             tp = device_times(jax.jit(xla_plain), [(x0, w) for w in ws], reps=10)
             gemm = sum(v for k, v in tp["kernels_us"].items() if "gemm" in k or "nvjet" in k or "reduce" in k)
