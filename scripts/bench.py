@@ -22,13 +22,16 @@ import os
 
 # XLA flags are left at their defaults: on jax 0.11.2 / H200 (2026-11-21, this script's
 # diag section) the default GEMV path streamed weights at 3.10 TB/s, and
-# --xla_gpu_enable_triton_gemm=false at 0.76 TB/s -- the reverse of an earlier note.
+# --xla_gpu_enable_triton_gemm=false at 0.76 TB/s -- the reverse of an earlier note. Without
+# command buffers (--xla_gpu_enable_command_buffer=), XLA's PDL (on by default in 0.11.2)
+# makes batch-1 decode as fast as the default CUDA graphs, not faster (2026-11-22).
 
 import argparse
 import dataclasses
 import json
 import statistics
 import time
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -135,6 +138,7 @@ def measure_bandwidth(quick: bool) -> dict:
 
 
 LINEAR_IMPL = "auto"  # --linear-impl: fused small-batch projections ("auto": on GPU) or "reference" (XLA)
+ATTN_IMPL = "auto"  # --attn-impl: the paged attention kernel ("auto": on GPU / TPU) or "reference" (XLA)
 
 
 def make_engine(cfg, params, *, max_num_seqs, ctx, dtype, spec=None, drafter=None, page_size=16, extra=64,
@@ -143,7 +147,7 @@ def make_engine(cfg, params, *, max_num_seqs, ctx, dtype, spec=None, drafter=Non
     ec = EngineConfig(
         model=f"random-{cfg.family}", dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=ctx + extra,
         page_size=page_size, num_pages=max_num_seqs * pages_per_seq + 4, enable_prefix_caching=False,
-        speculative_config=spec, num_scheduler_steps=sched_steps, linear_impl=LINEAR_IMPL,
+        speculative_config=spec, num_scheduler_steps=sched_steps, linear_impl=LINEAR_IMPL, attn_impl=ATTN_IMPL,
         async_scheduling=async_scheduling,
     )
     eng = LLMEngine(ec, preloaded=(cfg, params), preloaded_drafter=drafter)
@@ -193,8 +197,10 @@ def compile_decode(eng, B, ctx, max_tokens):
 
 
 def engine_decode(eng, B, ctx, rng, steps):
-    """Median step time and tok/s of LLMEngine.step over ``steps`` steps (after warm-up)."""
-    inject(eng, B, ctx, rng, max_tokens=eng.max_model_len)
+    """Median step time and tok/s of LLMEngine.step over ``steps`` steps (after warm-up), and
+    a CRC of the generated tokens (same weights and prompts: runs under other XLA flags or
+    kernels must reproduce it, a check that no launch setting races)."""
+    seqs = inject(eng, B, ctx, rng, max_tokens=eng.max_model_len)
     compile_decode(eng, B, ctx, (steps + 3) * eng.config.num_scheduler_steps)
     for _ in range(3):  # warm
         eng.step()
@@ -207,8 +213,9 @@ def engine_decode(eng, B, ctx, rng, steps):
         ts.append(time.perf_counter() - t)
     wall = time.perf_counter() - t_all
     toks = eng.num_generation_tokens - n0
+    digest = zlib.crc32(repr([s.output_token_ids for s in seqs]).encode())
     clear(eng)
-    return statistics.median(ts), toks / wall
+    return statistics.median(ts), toks / wall, digest
 
 
 def target_forward_time(eng, B, ctx, rng, q, gpu_time=False):
@@ -244,8 +251,9 @@ def plain_section(args, bw):
     runs += [(args.sched_steps, False, True)] if not args.no_sync_rows else []
     runs.append((args.sched_steps, True, False))
     for steps_per_call, asyn, only_b1 in runs:
-        for ctx in (512, 4096) if not args.quick else (64, 256):
-            if only_b1 and ctx != (512 if not args.quick else 64):
+        ctxs = [int(c) for c in args.contexts.split(",")] if not args.quick else (64, 256)
+        for ctx in ctxs:
+            if only_b1 and ctx != ctxs[0]:
                 continue
             eng = make_engine(cfg, params, max_num_seqs=64 if not args.quick else 8, ctx=ctx, dtype=dtype,
                               sched_steps=steps_per_call, extra=64 + steps_per_call * (args.steps + 8),
@@ -254,17 +262,18 @@ def plain_section(args, bw):
                 if only_b1 and B != 1:
                     continue
                 c0 = eng.num_chained_calls
-                step, tps = engine_decode(eng, B, ctx, rng, args.steps)
+                step, tps, digest = engine_decode(eng, B, ctx, rng, args.steps)
                 step = B / tps  # per generated token of each row: multi-step calls emit several
                 bound = (wbytes + B * ctx * kv_tok) / (bw["best_TBps"] * 1e12)
                 rows.append(dict(batch=B, ctx=ctx, num_scheduler_steps=steps_per_call, async_scheduling=asyn,
                                  roofline_bytes=wbytes + B * ctx * kv_tok,
                                  chained_calls=eng.num_chained_calls - c0, step_ms=step * 1e3, tok_s=tps,
-                                 roofline_ms=bound * 1e3, roofline_frac=bound / step, attn_impl=eng.runner.model.attn_impl,
+                                 roofline_ms=bound * 1e3, roofline_frac=bound / step, tokens_crc=digest,
+                                 attn_impl=eng.runner.model.attn_impl,
                                  linear_impl=eng.runner.model.linear_impl))
                 print(f"plain B={B:3d} ctx={ctx:5d} sched_steps={steps_per_call} async={int(asyn)}: "
                       f"{step*1e3:7.2f} ms/token-step {tps:9.1f} tok/s roofline {bound*1e3:6.2f} ms -> "
-                      f"{bound/step:5.1%} (chained calls {eng.num_chained_calls - c0})", flush=True)
+                      f"{bound/step:5.1%} (chained calls {eng.num_chained_calls - c0}, tokens crc {digest:08x})", flush=True)
             del eng
     return dict(weight_bytes=wbytes, rows=rows)
 
@@ -276,7 +285,7 @@ def diag_section(args, bw):
     wbytes = weight_bytes(params)
     rng = np.random.default_rng(0)
     eng = make_engine(cfg, params, max_num_seqs=8, ctx=512, dtype="bfloat16")
-    step, _ = engine_decode(eng, 1, 512, rng, args.steps)
+    step, _, _ = engine_decode(eng, 1, 512, rng, args.steps)
     seqs = inject(eng, 1, 512, rng, max_tokens=8)
     sched = SchedulerOutput("decode", [ScheduledSeq(s, 1, True) for s in seqs], [])
     r = eng.runner
@@ -394,7 +403,7 @@ def spec_section(args, bw, kind):
     batches = [int(b) for b in args.spec_batches.split(",")] if not args.quick else (1, 4)
     ks = {int(k) for k in args.ks.split(",")} if args.ks else None
     for B in batches:
-        t1, base_tps = engine_decode(base, B, ctx, rng, args.steps)
+        t1, base_tps, _ = engine_decode(base, B, ctx, rng, args.steps)
         for K, lengths in plan:
             if ks is not None and K not in ks:
                 continue
@@ -409,7 +418,7 @@ def spec_section(args, bw, kind):
 
                 eng.runner.synthetic_rates = jnp.asarray(conditional_rates(synthetic_rates_from_length(length, K)), jnp.float32)
                 eng.spec_metrics.__init__()
-                step, tps = engine_decode(eng, B, ctx, rng, args.steps)
+                step, tps, _ = engine_decode(eng, B, ctx, rng, args.steps)
                 tau = eng.spec_metrics.mean_acceptance_length
                 ideal = tau * t1 / (t_draft + tK)
                 rows.append(dict(method=kind, batch=B, K=K, synthetic_length=length, tau=tau, tok_s=tps,
@@ -462,17 +471,21 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--batches", default="1,8,32,64", help="plain section: batch sizes")
+    ap.add_argument("--contexts", default="512,4096", help="plain section: contexts (the first one also gets "
+                    "the batch-1 rows without async / with one step per call)")
     ap.add_argument("--sched-steps", type=int, default=8, help="num_scheduler_steps for the plain section")
     ap.add_argument("--no-sync-rows", action="store_true", help="plain section: skip the async-off batch-1 row")
     ap.add_argument("--linear-impl", default="auto", help="EngineConfig.linear_impl (auto | reference | gpu)")
+    ap.add_argument("--attn-impl", default="auto", help="EngineConfig.attn_impl (auto | reference | gpu | tpu)")
     ap.add_argument("--spec-batches", default="1,32", help="eagle3/parallel sections: batch sizes")
     ap.add_argument("--ks", default="", help="eagle3/parallel sections: only these K (default: the plan's)")
     ap.add_argument("--methods", default="dflash,peagle", help="parallel section: which drafters")
     args = ap.parse_args()
-    global LINEAR_IMPL
-    LINEAR_IMPL = args.linear_impl
+    global LINEAR_IMPL, ATTN_IMPL
+    LINEAR_IMPL, ATTN_IMPL = args.linear_impl, args.attn_impl
     info = dict(date=time.strftime("%Y-%m-%d"), jax=jax.__version__, device=str(jax.devices()[0].device_kind),
-                backend=jax.default_backend(), xla_flags=os.environ.get("XLA_FLAGS", ""), linear_impl=LINEAR_IMPL)
+                backend=jax.default_backend(), xla_flags=os.environ.get("XLA_FLAGS", ""), linear_impl=LINEAR_IMPL,
+                attn_impl=ATTN_IMPL)
     print(info, flush=True)
     bw = measure_bandwidth(args.quick)
     print("bandwidth", {k: round(v, 3) for k, v in bw.items()}, flush=True)

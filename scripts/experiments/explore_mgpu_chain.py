@@ -21,13 +21,16 @@ probes the streaming, not the layer's math).
 
     PYTHONPATH=.:scripts python scripts/experiments/explore_mgpu_chain.py [--out FILE] [--xla] [--probe] \
         [--runs "qkv,o,gate_up,down@128:4 gate_up@64:8 qkv,o,gate_up,downx4@256:4:nomma ..."]
-        (OPS[xLAYERS]@TILE_K:STAGES[:nomma|:noflush|:sep|:pdl[:pfN][:apfN]]; xLAYERS repeats the chain,
-        nomma streams only, noflush multiplies but never reads or stores the accumulator,
+        (OPS[xLAYERS]@TILE_K:STAGES[:nomma|:noflush|:nozero|:nostore|:sep|:pdl[:pfN][:apfN][:ro][:dr|:mr]];
+        xLAYERS repeats the chain, nomma streams only, noflush multiplies but never reads or
+        stores the accumulator, nozero / nostore flush it but store no zero rows / nothing,
         sep runs one kernel per op, pdl one kernel per op chained by programmatic dependent
         launch, pfN with it an L2 prefetch of N tiles past the ring before the wait; "attn"
         in OPS puts a latency-bound attention stand-in between qkv and o, apfN makes it
-        prefetch N [64, 256] tiles of o's weights per program into L2; times are the
-        union of the kernels' intervals)
+        prefetch N [64, 256] tiles of o's weights per program into L2, ro makes each kernel
+        exit without waiting for its output stores to land, dr keeps one wgmma in flight, mr
+        releases each weight slot before the flush; times are the union of the kernels'
+        intervals)
 
 CPU: lowers the kernel for "cuda" (an API check).
 
@@ -49,6 +52,14 @@ attention stand-in adds 5.0-6.0 us per layer that neither the ring nor an L2 pre
 (the prefetches only add time). Extrapolated: 88.6% of the roofline before the norms,
 RoPE, KV write and SwiGLU; 90% needs the output hand-over to cost <= 3.3 us per layer
 instead of 5.2.
+
+Eleventh session (2026-11-22): the flush taken apart, four layers against :noflush in the
+same runs: 1.9-2.0 us per layer are the TMA stores (:nostore), 2.7-3.3 us the register and
+shared-memory work before them; not waiting for the stores to land (:ro) and releasing
+each weight slot before the flush (:mr) save nothing, keeping a wgmma in flight (:dr)
+costs 6.5 us per layer, rings small enough for two kernels' programs per SM stream slower
+than they hand over; storing the row sums from registers (:rs) saves 0.5-0.8 us per layer,
+and the flush still costs 4.5: the last row block's flush in each kernel's tail.
 """
 from __future__ import annotations
 
@@ -83,7 +94,8 @@ def plan(chain, ncta, tile_k):
     return ops
 
 
-def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mma=True, flush=True, pdl=False, pf=0):
+def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mma=True, flush=True, pdl=False, pf=0, ro=False,
+               store="all", dr=False, mr=False, rs=False):
     """x0 [N, K0] bf16 -> the last op's outputs P [N, F_last] bf16 (row j: split j's partial;
     y = P.sum(0)), plus every op's P. mma=False skips the multiplies (a streaming-only
     diagnostic: the outputs are then garbage); flush=False multiplies but never reads or
@@ -94,7 +106,18 @@ def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mm
     memory warpgroup fills the ring with weight tiles while the predecessor drains. pf > 0
     (with pdl): before that wait the compute warpgroup also prefetches into L2 the pf weight
     tiles after the ring's first fill, so more of the op's weights are in flight while the
-    predecessor (e.g. attention) runs than the ring holds."""
+    predecessor (e.g. attention) runs than the ring holds. ro=True (with pdl): a program
+    exits once its last output store has read shared memory, without waiting for the write
+    to land (the successor's griddepcontrol.wait covers the grid's memory flush). store
+    (diagnostics, the outputs then wrong): "all" stores the unit's sums and the zero rows
+    past the splits, "data" only the sums, "none" neither (the flush's register and shared
+    memory work stays). dr=True (one op per kernel): a weight slot is released one step after
+    its wgmma is issued (BlockSpec delay_release=1), so the compute warpgroup keeps one wgmma
+    in flight (wgmma_wait(1)) instead of waiting for each before the next tile. mr=True: the
+    compute warpgroup releases each weight slot itself (manual consumed barriers) as soon as
+    its wgmma is done, before a row block's flush, so the ring refills during the flush.
+    rs=True: the row sums go from registers straight to global memory (no shared memory,
+    fence or TMA store; the zero rows are stored once, up front)."""
     chain = [(names[i] if names else str(i), w.shape[0], w.shape[1], s) for i, (w, s) in enumerate(zip(ws, splits))]
     ops = plan(chain, ncta, tile_k)
     n_ops = len(ops)
@@ -103,6 +126,14 @@ def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mm
     tr = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
     if pdl and n_ops > 1:
         raise ValueError("pdl chains kernels of one op each")
+    if rs and not pdl:
+        raise ValueError("rs stores the zero rows before the wait: one op per kernel (pdl)")
+    if dr and mr:
+        raise ValueError("dr and mr both decide when a slot is released")
+    if dr and n_ops > 1:
+        raise ValueError("dr: a pipeline of pipelines does not support delay_release")
+    if ro and not pdl:
+        raise ValueError("ro needs pdl: in one kernel the grid semaphore must follow the landed writes")
     if len(ops) > 1 and any(o["units"] * o["ksteps"] % stages for o in ops):
         raise ValueError(f"every op's steps {[o['units'] * o['ksteps'] for o in ops]} must divide by stages {stages}")
 
@@ -132,9 +163,9 @@ def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mm
 
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(o["units"], o["ksteps"]), memory_registers=40,
-                in_specs=[plgpu.BlockSpec((ROWS, tile_k), index, transforms=tr)],
+                in_specs=[plgpu.BlockSpec((ROWS, tile_k), index, transforms=tr, delay_release=int(dr))],
                 wg_axis="wg", num_compute_wgs=1, max_concurrent_steps=stages,
-                compute_context=ctx, pipeline_state=state)
+                compute_context=ctx, pipeline_state=state, manual_consumed_barriers=mr)
 
         ignore = lambda *_, **__: None
         allocs_spec = make_pipe(ignore, ignore, 0, plgpu.PipelinePipeline.START).get_allocations(w_refs[0])
@@ -151,6 +182,15 @@ def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mm
                     # streaming this op's tiles into the ring while we wait here.
                     if i == 0:
                         zero_smem[...] = jnp.zeros((N, ROWS), jnp.bfloat16)
+                        if rs:  # the rows past the splits, stored before the wait
+                            plgpu.commit_smem()
+                            for u in range(o["units"]):
+                                r, real = rows(o, u)
+
+                                @pl.when(real & (s_idx == 0))
+                                def _():
+                                    plgpu.copy_smem_to_gmem(zero_smem.at[pl.ds(0, N - o["s"])],
+                                                            p_refs[i].at[pl.ds(o["s"], N - o["s"]), pl.ds(r * ROWS, ROWS)])
                         if pdl:
                             for t in range(stages, min(stages + pf, o["units"] * o["ksteps"])):
                                 r, _ = rows(o, t // o["ksteps"])
@@ -170,24 +210,36 @@ def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mm
 
                     def acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
-                        plgpu.wait_smem_to_gmem(0)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=ro)
                         if sem is not None:
                             pl.semaphore_signal(sem, 1)
 
                     pl.run_scoped(acc_scope, plgpu.ACC((ROWS, N), jnp.float32))
 
-                def body(idxs, w_smem, acc_ref, i=i, o=o, s_idx=s_idx):
+                def body(idxs, w_smem, *rest, i=i, o=o, s_idx=s_idx):
+                    acc_ref = rest[-1]
                     u, k = idxs
                     if mma:
                         plgpu.wgmma(acc_ref, w_smem, plgpu.transpose_ref(x_smem.at[k], (1, 0)))
-                        plgpu.wgmma_wait(0)
+                        plgpu.wgmma_wait(int(dr))
+                    if mr:
+                        plgpu.barrier_arrive(rest[0])
 
                     @pl.when(k == o["ksteps"] - 1)
                     def _flush():  # the unit's row block is done: row-sum the partials, store
                         if not (mma and flush):
                             return
+                        if dr:
+                            plgpu.wgmma_wait(0)
                         y = acc_ref[...].sum(axis=1).astype(jnp.bfloat16)
                         acc_ref[...] = jnp.zeros((ROWS, N), jnp.float32)
+                        if rs:
+                            r, real = rows(o, u)
+
+                            @pl.when(real)
+                            def _():
+                                p_refs[i][s_idx, pl.ds(r * ROWS, ROWS)] = y
+                            return
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         out_smem[...] = y
                         plgpu.commit_smem()
@@ -195,7 +247,11 @@ def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mm
 
                         @pl.when(real)
                         def _():
+                            if store == "none":
+                                return
                             plgpu.copy_smem_to_gmem(out_smem, p_refs[i].at[s_idx, pl.ds(r * ROWS, ROWS)])
+                            if store == "data":
+                                return
 
                             @pl.when(s_idx == 0)
                             def _():
@@ -325,7 +381,7 @@ def main():
             layers = int(layers)
         tile_k, stages, *flags = cfg.split(":")
         tile_k, stages, mma, flush = int(tile_k), int(stages), "nomma" not in flags, "noflush" not in flags
-        sep, pdl = "sep" in flags or "pdl" in flags, "pdl" in flags
+        sep, pdl, ro = "sep" in flags or "pdl" in flags, "pdl" in flags, "ro" in flags
         pf = sum(int(f[2:]) for f in flags if f.startswith("pf"))
         apf = sum(int(f[3:]) for f in flags if f.startswith("apf"))
         if "attn" in ops_s.split(",") and not sep:
@@ -336,7 +392,9 @@ def main():
         x0 = jnp.zeros((N, chain[0][2]), jnp.bfloat16).at[0].set(
             jax.random.normal(jax.random.PRNGKey(5), (chain[0][2],), jnp.bfloat16))
         splits = [c[3] for c in chain]
-        kw = dict(splits=splits, tile_k=tile_k, stages=stages, names=[c[0] for c in chain], mma=mma, flush=flush)
+        kw = dict(splits=splits, tile_k=tile_k, stages=stages, names=[c[0] for c in chain], mma=mma, flush=flush,
+                  ro=ro, store="data" if "nozero" in flags else "none" if "nostore" in flags else "all",
+                  dr="dr" in flags, mr="mr" in flags, rs="rs" in flags)
         fn = jax.jit(functools.partial(separate_gemvs, pdl=pdl, pf=pf, apf=apf, **kw) if sep else functools.partial(chain_gemv, **kw))
         if not gpu:
             try:
