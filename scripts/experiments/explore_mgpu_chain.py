@@ -21,7 +21,7 @@ probes the streaming, not the layer's math).
 
     PYTHONPATH=.:scripts python scripts/experiments/explore_mgpu_chain.py [--out FILE] [--xla] [--probe] \
         [--runs "qkv,o,gate_up,down@128:4 gate_up@64:8 qkv,o,gate_up,downx4@256:4:nomma ..."]
-        (OPS[xLAYERS]@TILE_K:STAGES[:nomma|:noflush|:nozero|:nostore|:sep|:pdl[:pfN][:apfN][:ro][:dr|:mr]];
+        (OPS[xLAYERS]@TILE_K:STAGES[:nomma|:noflush|:nozero|:nostore|:sep|:pdl[:pfN][:apfN][:ro][:dr|:mr][:rs]];
         xLAYERS repeats the chain, nomma streams only, noflush multiplies but never reads or
         stores the accumulator, nozero / nostore flush it but store no zero rows / nothing,
         sep runs one kernel per op, pdl one kernel per op chained by programmatic dependent
@@ -29,8 +29,8 @@ probes the streaming, not the layer's math).
         in OPS puts a latency-bound attention stand-in between qkv and o, apfN makes it
         prefetch N [64, 256] tiles of o's weights per program into L2, ro makes each kernel
         exit without waiting for its output stores to land, dr keeps one wgmma in flight, mr
-        releases each weight slot before the flush; times are the union of the kernels'
-        intervals)
+        releases each weight slot before the flush, rs stores the row sums from registers;
+        times are the union of the kernels' intervals)
 
 CPU: lowers the kernel for "cuda" (an API check).
 
