@@ -250,8 +250,8 @@ def plain_section(args, bw):
     runs = [(1, False, True), (1, True, True)] if args.sched_steps > 1 else []
     runs += [(args.sched_steps, False, True)] if not args.no_sync_rows else []
     runs.append((args.sched_steps, True, False))
+    ctxs = [int(c) for c in args.contexts.split(",")] if not args.quick else (64, 256)
     for steps_per_call, asyn, only_b1 in runs:
-        ctxs = [int(c) for c in args.contexts.split(",")] if not args.quick else (64, 256)
         for ctx in ctxs:
             if only_b1 and ctx != ctxs[0]:
                 continue

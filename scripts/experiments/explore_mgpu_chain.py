@@ -151,6 +151,12 @@ def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mm
             r_raw = c // o["s"] + o["groups"] * u
             return jnp.minimum(r_raw, o["R"] - 1), r_raw < o["R"]
 
+        def store_zero_rows(i, o, r):
+            """Op i's output rows past its splits, for row block r (the consumer's B operand
+            reads all N rows)."""
+            plgpu.copy_smem_to_gmem(zero_smem.at[pl.ds(0, N - o["s"])],
+                                    p_refs[i].at[pl.ds(o["s"], N - o["s"]), pl.ds(r * ROWS, ROWS)])
+
         def make_pipe(body, ctx, i, state):
             o = ops[i]
             s_idx = c % o["s"]
@@ -187,10 +193,7 @@ def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mm
                             for u in range(o["units"]):
                                 r, real = rows(o, u)
 
-                                @pl.when(real & (s_idx == 0))
-                                def _():
-                                    plgpu.copy_smem_to_gmem(zero_smem.at[pl.ds(0, N - o["s"])],
-                                                            p_refs[i].at[pl.ds(o["s"], N - o["s"]), pl.ds(r * ROWS, ROWS)])
+                                pl.when(real & (s_idx == 0))(functools.partial(store_zero_rows, i, o, r))
                         if pdl:
                             for t in range(stages, min(stages + pf, o["units"] * o["ksteps"])):
                                 r, _ = rows(o, t // o["ksteps"])
@@ -233,9 +236,8 @@ def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mm
                             plgpu.wgmma_wait(0)
                         y = acc_ref[...].sum(axis=1).astype(jnp.bfloat16)
                         acc_ref[...] = jnp.zeros((ROWS, N), jnp.float32)
+                        r, real = rows(o, u)
                         if rs:
-                            r, real = rows(o, u)
-
                             @pl.when(real)
                             def _():
                                 p_refs[i][s_idx, pl.ds(r * ROWS, ROWS)] = y
@@ -243,20 +245,14 @@ def chain_gemv(x0, ws, *, splits, tile_k=128, stages=4, ncta=132, names=None, mm
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         out_smem[...] = y
                         plgpu.commit_smem()
-                        r, real = rows(o, u)
+                        if store == "none":
+                            return
 
                         @pl.when(real)
                         def _():
-                            if store == "none":
-                                return
                             plgpu.copy_smem_to_gmem(out_smem, p_refs[i].at[s_idx, pl.ds(r * ROWS, ROWS)])
-                            if store == "data":
-                                return
-
-                            @pl.when(s_idx == 0)
-                            def _():
-                                plgpu.copy_smem_to_gmem(zero_smem.at[pl.ds(0, N - o["s"])],
-                                                        p_refs[i].at[pl.ds(o["s"], N - o["s"]), pl.ds(r * ROWS, ROWS)])
+                            if store == "all":
+                                pl.when(s_idx == 0)(functools.partial(store_zero_rows, i, o, r))
                     return acc_ref
 
                 make_pipe(body, ctx, i, state)(w_refs[i], allocations=allocs)
