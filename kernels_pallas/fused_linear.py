@@ -52,8 +52,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas import pdl
-
 PROLOGUES = ("none", "rmsnorm", "silu_mul")
 
 
@@ -154,16 +152,14 @@ def silu_mul_rounded(g, u, dtype):
     return rnd(g * sig) * u
 
 
-def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False, trigger=False):
+def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False):
     """The weight stream of one program: for each w_ref (rows [n, K] of W), its rows
     times prologue(x), f32 [n], the RMSNorm's 1 / rms applied. A w_ref may also be
     (ref, pl.ds(row0, n)): those rows of a whole weight (Triton takes one indexer per
     load, so no .at[] view). Shared with kernels_pallas/qkv_rope_kv_write.py (two row
     blocks per program) and scripts/experiments/explore_mlp_ticket.py.
     mma: each [n, block_d] weight tile goes through a tensor-core dot with h in row 0 of
-    a [16, block_d] operand (zeros below), accumulating [16, n] (default_mma_blocks).
-    trigger: start the first accumulator from pdl.launch_dependents, so the successor
-    kernel may launch before this stream starts (compiled GPU kernels only)."""
+    a [16, block_d] operand (zeros below), accumulating [16, n] (default_mma_blocks)."""
     f32 = jnp.float32
     w_refs = [w if isinstance(w, tuple) else (w, slice(None)) for w in w_refs]
     dt = w_refs[0][0].dtype
@@ -192,13 +188,8 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
         return tuple(a + w[r, pl.ds(d0, block_d)].astype(f32) * hf for a, (w, r) in zip(accs, w_refs)), ss
 
     acc_shape = (lambda n: (16, n)) if mma else (lambda n: (n, block_d))
-    zeros = [jnp.zeros(acc_shape(n), f32) for n in rows_of]
-    if trigger and pdl.mode() == "early":
-        zeros[0] = pdl.launch_dependents(zeros[0])
-    init = (tuple(zeros), jnp.zeros((), f32))
+    init = (tuple(jnp.zeros(acc_shape(n), f32) for n in rows_of), jnp.zeros((), f32))
     accs, ss = lax.fori_loop(0, K // block_d, body, init)
-    if trigger and pdl.mode() == "late":
-        accs = (pdl.launch_dependents(accs[0]),) + tuple(accs[1:])
     if mma:  # row 0 holds h @ W.T
         ys = [jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, a.shape, 0) == 0, a, 0.0), axis=0) for a in accs]
     else:
@@ -208,7 +199,7 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
     return ys
 
 
-def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_bias, has_res, mma, trigger):
+def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_bias, has_res, mma):
     # refs: x [1, K_in] (whole), w [block_f, K] (this program's rows), [norm_w [K]],
     # [bias [F]], [residual [1, F]], out [1, F] (whole; this program writes its columns).
     x_ref, w_ref, *rest = refs
@@ -217,8 +208,7 @@ def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_bias, has_r
     res_ref = rest.pop(0) if has_res else None
     (o_ref,) = rest
     f32 = jnp.float32
-    (y,) = stream_rows(x_ref, [w_ref], norm_ref, prologue=prologue, K=K, block_d=block_d, eps=eps, mma=mma,
-                       trigger=trigger)  # [block_f]
+    (y,) = stream_rows(x_ref, [w_ref], norm_ref, prologue=prologue, K=K, block_d=block_d, eps=eps, mma=mma)  # [block_f]
     cols = pl.ds(pl.program_id(0) * block_f, block_f)
     y = y.astype(o_ref.dtype)  # the matmul's output rounding, as in the reference
     if has_bias:
@@ -242,7 +232,7 @@ def fused_linear_gpu(x, w, norm_w=None, bias=None, residual=None, *, prologue="n
     return pl.pallas_call(
         functools.partial(_kernel, prologue=prologue, K=K, block_f=bf, block_d=bd, eps=eps,
                           has_norm=norm_w is not None, has_bias=bias is not None, has_res=residual is not None,
-                          mma=mma, trigger=pdl.enabled() and not interpret),
+                          mma=mma),
         grid=(F // bf,),
         in_specs=in_specs,
         out_specs=whole,

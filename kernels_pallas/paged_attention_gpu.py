@@ -57,8 +57,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas import pdl
-
 NEG_INF = -1e30  # finite "minus infinity": exp(NEG_INF - NEG_INF) stays defined
 NONCAUSAL_POS = 2**30  # row position of DFlash rows: sees every key below kv_len
 NUM_SMS_H200 = 132
@@ -101,7 +99,6 @@ def _kernel(
     block_kv: int,
     tokens_per_split: int,
     has_causal: bool,
-    trigger: bool,
 ):
     # refs: pt_ref i32[B * W] (flattened page table), pos_ref i32[B * Q], q_ref [N = B*Q*H, D],
     # k_ref/v_ref [P * S * KVH, D] (row = (page * S + slot) * KVH + head), then outputs:
@@ -168,8 +165,6 @@ def _kernel(
         return acc * alpha[:, None] + pv, m_new, l
 
     acc = jnp.zeros((block_rows, D), jnp.float32)
-    if trigger and pdl.mode() == "early":  # let the successor (the combine, or o_proj) launch now
-        acc = pdl.launch_dependents(acc)
     m = jnp.full((block_rows,), NEG_INF, jnp.float32)
     l = jnp.zeros((block_rows,), jnp.float32)
     # Blocks every real row sees whole (below kv_len and below the smallest real row's
@@ -181,8 +176,6 @@ def _kernel(
     n_full = jnp.clip(lax.div(full_end - start, block_kv), 0, num_blocks)
     carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), (acc, m, l))
     acc, m, l = lax.fori_loop(n_full, num_blocks, body, carry)
-    if trigger and pdl.mode() == "late":
-        acc = pdl.launch_dependents(acc)
 
     o_row = jnp.where(real, q_row, N)  # padding rows -> trash row N
     o_ref = out_refs[0]
@@ -191,7 +184,7 @@ def _kernel(
         out_refs[1][o_row] = jnp.where(l == 0.0, NEG_INF, m + jnp.log(jnp.where(l == 0.0, 1.0, l)))
 
 
-def _combine_kernel(lse_ref, o_ref, out_ref, *, splits: int, rows: int, trigger: bool):
+def _combine_kernel(lse_ref, o_ref, out_ref, *, splits: int, rows: int):
     """Merge the kv splits of one query row: out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max).
 
     lse_ref f32[splits * rows], o_ref [splits * rows, D] (split s of row n at s * rows + n).
@@ -207,13 +200,7 @@ def _combine_kernel(lse_ref, o_ref, out_ref, *, splits: int, rows: int, trigger:
     # Splits that saw no key have lse = NEG_INF: weight exp(NEG_INF - max) = 0, or, when no
     # split saw a key, weight 1 on all-zero outputs (a zero row, as the reference gives).
     w = jnp.where(real, jnp.exp(lse - jnp.max(lse)), 0.0)
-    acc = jnp.zeros((o_ref.shape[1],), jnp.float32)
-    if trigger and pdl.mode() == "early":  # its input is a constant: it need not wait for the loads above
-        acc = pdl.launch_dependents(acc)
-    acc = acc + jnp.sum(w[:, None] * o, axis=0)
-    if trigger and pdl.mode() == "late":
-        acc = pdl.launch_dependents(acc)
-    out_ref[...] = (acc / jnp.sum(w)).astype(out_ref.dtype)
+    out_ref[...] = (jnp.sum(w[:, None] * o, axis=0) / jnp.sum(w)).astype(out_ref.dtype)
 
 
 def combine_splits(o_s, lse, n, dtype, *, kernel: bool, num_warps: int = 2, interpret: bool = False):
@@ -225,7 +212,7 @@ def combine_splits(o_s, lse, n, dtype, *, kernel: bool, num_warps: int = 2, inte
         return o.astype(dtype)
     whole = pl.BlockSpec()
     return pl.pallas_call(
-        functools.partial(_combine_kernel, splits=splits, rows=rows, trigger=pdl.enabled() and not interpret),
+        functools.partial(_combine_kernel, splits=splits, rows=rows),
         grid=(n,),
         in_specs=[whole, whole],
         out_specs=pl.BlockSpec((None, D), lambda i: (i, 0)),
@@ -316,7 +303,6 @@ def paged_attention_gpu(
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, page_size=S, kv_heads=KVH, group=G, q_len=Q, table_width=W,
         block_rows=block_rows, block_kv=block_kv, tokens_per_split=tokens_per_split, has_causal=has_causal,
-        trigger=pdl.enabled() and not interpret,
     )
     whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
     if kv_splits == 1:

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas import pdl
 from kernels_pallas.fused_linear import default_blocks, default_mma_blocks, ref_fused_linear, stream_rows
 from kernels_pallas.rope_kv_write import ref_rope_kv_write
 
@@ -44,7 +43,7 @@ def ref_qkv_rope_kv_write(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v
 
 
 def _kernel(slot_ref, cos_ref, sin_ref, x_ref, w_lo, w_hi, norm_ref, *refs, H, KVH, D, K, pairs, block_d, eps,
-            drop, has_bias, mma, trigger):
+            drop, has_bias, mma):
     # slot_ref i32[1]; cos_ref / sin_ref f32[D/2]; x_ref [1, K]; w_lo / w_hi [pairs, K]: this
     # program's two row blocks; norm_ref [K]; [bias [(H + 2 KVH) D]]; k_in / v_in (aliased,
     # not read); q_out [H * D]; k_out / v_out [P * S * KVH * D].
@@ -57,8 +56,7 @@ def _kernel(slot_ref, cos_ref, sin_ref, x_ref, w_lo, w_hi, norm_ref, *refs, H, K
     head, j0 = i // per_head, (i % per_head) * pairs
     lo = pl.ds(head * D + j0, pairs)
     hi = pl.ds(head * D + D // 2 + j0, pairs)
-    y1, y2 = stream_rows(x_ref, [w_lo, w_hi], norm_ref, prologue="rmsnorm", K=K, block_d=block_d, eps=eps, mma=mma,
-                         trigger=trigger)
+    y1, y2 = stream_rows(x_ref, [w_lo, w_hi], norm_ref, prologue="rmsnorm", K=K, block_d=block_d, eps=eps, mma=mma)
     y1, y2 = y1.astype(dt), y2.astype(dt)  # the projection's output rounding
     if has_bias:
         y1 = (y1.astype(f32) + bias_ref[lo].astype(f32)).astype(dt)
@@ -130,7 +128,7 @@ def qkv_rope_kv_write_gpu(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v
     n = len(inputs)
     q, k, v = pl.pallas_call(
         functools.partial(_kernel, H=H, KVH=KVH, D=D, K=K, pairs=pairs, block_d=bd, eps=eps, drop=P * S,
-                          has_bias=bias is not None, mma=mma, trigger=pdl.enabled() and not interpret),
+                          has_bias=bias is not None, mma=mma),
         grid=((H + 2 * KVH) * blocks_per_half,),
         in_specs=in_specs,
         out_specs=(whole, whole, whole),
