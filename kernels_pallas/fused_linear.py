@@ -26,6 +26,10 @@ XLA for M = 2-16 (qkv 22 vs 18 us), so more rows go to XLA (use_kernel).
 The RMSNorm is factored out of the dot: W (w_norm * x) and sum(x^2) accumulate in the same
 pass and 1 / rms scales the result, instead of a first pass over x in every program.
 
+A decoder layer also hands its post-attention RMSNorm from o_proj's kernel to down_proj's
+(norm_handoff): o_proj writes h * norm_w and per-program sums of h^2 besides h, so the norm
+needs no kernel of its own before XLA's gate_up GEMM.
+
 Numerics: f32 accumulation, the output rounded to the activation dtype, then bias and
 residual added in that dtype, as the reference's XLA ops do. The SwiGLU product is rounded
 op by op like jax.nn.silu(g) * u in bf16. The factored RMSNorm rounds w_norm * x to the
@@ -45,6 +49,7 @@ kernels_pallas/qkv_rope_kv_write.py), o 11.3, down 32.5.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -68,25 +73,39 @@ def silu_mul(gu):
     return jax.nn.silu(g) * u
 
 
-def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, residual=None, out_dtype=None):
+def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, residual=None, out_dtype=None,
+                     sumsq=None, next_norm_w=None):
     """The jnp reference (and the path for large M, TPU and CPU): XLA ops, unfused.
 
     x: [..., K] ([..., 2K] for silu_mul); w: [F, K]; norm_w: [K]; bias: [F];
     residual: [..., F]; out_dtype: None (w.dtype) or float32 (logits). -> [..., F]
+    The RMSNorm hand-over between two projections (see norm_handoff):
+    - next_norm_w [F]: also return the next RMSNorm's input scaled by its weight, un-normalised,
+      and the sum of squares of y: (y, y * next_norm_w, f32[..., n] whose sum over n is
+      sum(y^2); n = 1 here, one partial per program in the kernel);
+    - sumsq f32[..., n] (silu_mul only): x is a gate|up projection of such an input; it is
+      first scaled by 1 / rms = rsqrt(sum(sumsq) / F + eps), F the width of the normed vector
+      (= this projection's output width, the residual stream).
     """
     if prologue == "rmsnorm":
         x = rms_norm(x, norm_w, eps)
     elif prologue == "silu_mul":
+        if sumsq is not None:
+            r = lax.rsqrt(jnp.sum(sumsq, axis=-1, keepdims=True) / w.shape[0] + eps)
+            x = (x.astype(jnp.float32) * r).astype(x.dtype)
         x = silu_mul(x)
     y = jnp.einsum("...d,fd->...f", x.astype(w.dtype), w, preferred_element_type=out_dtype)
     if bias is not None:
         y = y + bias
     if residual is not None:
         y = residual + y
-    return y
+    if next_norm_w is None:
+        return y
+    yf = y.astype(jnp.float32)
+    return y, (yf * next_norm_w.astype(jnp.float32)).astype(y.dtype), jnp.sum(yf * yf, axis=-1, keepdims=True)
 
 
-def validate(x, w, prologue, norm_w, bias, residual, out_dtype):
+def validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq=None, next_norm_w=None):
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
     if w.ndim != 2:
@@ -103,6 +122,11 @@ def validate(x, w, prologue, norm_w, bias, residual, out_dtype):
         raise ValueError(f"residual must have shape {x.shape[:-1] + (F,)}, got {residual.shape}")
     if out_dtype is not None and residual is not None and jnp.dtype(out_dtype) != residual.dtype:
         raise ValueError(f"out_dtype {out_dtype} with a {residual.dtype} residual")
+    if sumsq is not None and (prologue != "silu_mul" or sumsq.shape[:-1] != x.shape[:-1]):
+        raise ValueError(f"sumsq (shape {sumsq.shape}) goes with the silu_mul prologue and one row per row of x "
+                         f"{x.shape}")
+    if next_norm_w is not None and next_norm_w.shape != (F,):
+        raise ValueError(f"next_norm_w must have shape ({F},), got {next_norm_w.shape}")
 
 
 def _pow2_divisor(n: int, pref: int, least: int) -> int:
@@ -152,14 +176,16 @@ def silu_mul_rounded(g, u, dtype):
     return rnd(g * sig) * u
 
 
-def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False):
+def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False, scale=None):
     """The weight stream of one program: for each w_ref (rows [n, K] of W), its rows
     times prologue(x), f32 [n], the RMSNorm's 1 / rms applied. A w_ref may also be
     (ref, pl.ds(row0, n)): those rows of a whole weight (Triton takes one indexer per
     load, so no .at[] view). Shared with kernels_pallas/qkv_rope_kv_write.py (two row
     blocks per program) and scripts/experiments/explore_mlp_ticket.py.
     mma: each [n, block_d] weight tile goes through a tensor-core dot with h in row 0 of
-    a [16, block_d] operand (zeros below), accumulating [16, n] (default_mma_blocks)."""
+    a [16, block_d] operand (zeros below), accumulating [16, n] (default_mma_blocks).
+    scale: an f32 scalar the silu_mul prologue's gate and up values are first multiplied by
+    (rounded to x's dtype): the 1 / rms of an RMSNorm handed over (ref_fused_linear)."""
     f32 = jnp.float32
     w_refs = [w if isinstance(w, tuple) else (w, slice(None)) for w in w_refs]
     dt = w_refs[0][0].dtype
@@ -177,7 +203,10 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
             ss = ss + jnp.sum(xs * xs)
             h = (xs * norm_ref[pl.ds(d0, block_d)].astype(f32)).astype(dt)
         elif prologue == "silu_mul":
-            h = silu_mul_rounded(xs, x_ref[0, pl.ds(K + d0, block_d)].astype(f32), x_ref.dtype).astype(dt)
+            us = x_ref[0, pl.ds(K + d0, block_d)].astype(f32)
+            if scale is not None:
+                xs, us = (xs * scale).astype(x_ref.dtype).astype(f32), (us * scale).astype(x_ref.dtype).astype(f32)
+            h = silu_mul_rounded(xs, us, x_ref.dtype).astype(dt)
         else:
             h = xs.astype(dt)
         if mma:
@@ -199,54 +228,89 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
     return ys
 
 
-def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_bias, has_res, mma):
+def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_sumsq, has_bias, has_res, has_next, mma):
     # refs: x [1, K_in] (whole), w [block_f, K] (this program's rows), [norm_w [K]],
-    # [bias [F]], [residual [1, F]], out [1, F] (whole; this program writes its columns).
+    # [sumsq f32[1, n] (whole)], [bias [F]], [residual [1, F]], [next_norm_w [F]],
+    # out [1, F] (whole; this program writes its columns), [out * next_norm_w [1, F],
+    # f32[1, programs] (this program's sum of out^2)].
     x_ref, w_ref, *rest = refs
     norm_ref = rest.pop(0) if has_norm else None
+    sumsq_ref = rest.pop(0) if has_sumsq else None
     bias_ref = rest.pop(0) if has_bias else None
     res_ref = rest.pop(0) if has_res else None
-    (o_ref,) = rest
+    next_ref = rest.pop(0) if has_next else None
+    o_ref, *next_outs = rest
     f32 = jnp.float32
-    (y,) = stream_rows(x_ref, [w_ref], norm_ref, prologue=prologue, K=K, block_d=block_d, eps=eps, mma=mma)  # [block_f]
-    cols = pl.ds(pl.program_id(0) * block_f, block_f)
+    scale = None
+    if has_sumsq:  # the handed-over RMSNorm's 1 / rms (the residual stream is this kernel's output width)
+        # (Computed before the stream, this load delays the first weight tiles: down_proj
+        # + 1.2 us on the H200. Inside the loop's first iteration, under a cond, it broke the
+        # pipelining: + 3.2 us. scripts/experiments/explore_norm_handoff.py)
+        scale = lax.rsqrt(jnp.sum(sumsq_ref[0, :]) / o_ref.shape[1] + eps)
+    (y,) = stream_rows(x_ref, [w_ref], norm_ref, prologue=prologue, K=K, block_d=block_d, eps=eps, mma=mma,
+                       scale=scale)  # [block_f]
+    i = pl.program_id(0)
+    cols = pl.ds(i * block_f, block_f)
     y = y.astype(o_ref.dtype)  # the matmul's output rounding, as in the reference
     if has_bias:
         y = (y.astype(f32) + bias_ref[cols].astype(f32)).astype(o_ref.dtype)
     if has_res:
         y = (res_ref[0, cols].astype(f32) + y.astype(f32)).astype(o_ref.dtype)
     o_ref[0, cols] = y
+    if has_next:
+        hn_ref, ss_ref = next_outs
+        yf = y.astype(f32)
+        hn_ref[0, cols] = (yf * next_ref[cols].astype(f32)).astype(hn_ref.dtype)
+        ss_ref[0, pl.ds(i, 1)] = jnp.full((1,), jnp.sum(yf * yf), f32)
 
 
 @functools.partial(jax.jit, static_argnames=("prologue", "eps", "out_dtype", "blocks", "interpret"))
 def fused_linear_gpu(x, w, norm_w=None, bias=None, residual=None, *, prologue="none", eps=1e-6, out_dtype=None,
-                     blocks=None, interpret=False):
+                     blocks=None, interpret=False, sumsq=None, next_norm_w=None):
     """The kernel on one row, x: [1, K_in]. blocks: (block_f, block_d, num_warps,
-    num_stages[, mma]), or None for default_mma_blocks, else default_blocks."""
+    num_stages[, mma]), or None for default_mma_blocks, else default_blocks. sumsq
+    f32[1, n] / next_norm_w [F]: the RMSNorm hand-over (ref_fused_linear); with next_norm_w
+    it returns (y, y * next_norm_w, f32[1, programs]), one partial sum per program. A sumsq
+    whose n is not a power of two is zero-padded here (Triton loads power-of-two blocks)."""
     F, K = w.shape
     bf, bd, warps, stages, *mma = blocks or default_mma_blocks(F, K, w.dtype) or default_blocks(F, K)
     mma = bool(mma and mma[0])
     whole = pl.BlockSpec()
-    inputs = [x, w] + [a for a in (norm_w, bias, residual) if a is not None]
+    if sumsq is not None and sumsq.shape[-1] & (sumsq.shape[-1] - 1):
+        sumsq = jnp.pad(sumsq, ((0, 0), (0, _next_pow2(sumsq.shape[-1]) - sumsq.shape[-1])))
+    inputs = [x, w] + [a for a in (norm_w, sumsq, bias, residual, next_norm_w) if a is not None]
     in_specs = [whole, pl.BlockSpec((bf, K), lambda i: (i, 0))] + [whole] * (len(inputs) - 2)
+    dt = jnp.dtype(out_dtype or w.dtype)
+    out_shape = jax.ShapeDtypeStruct((1, F), dt)
+    if next_norm_w is not None:
+        out_shape = (out_shape, out_shape, jax.ShapeDtypeStruct((1, F // bf), jnp.float32))
     return pl.pallas_call(
         functools.partial(_kernel, prologue=prologue, K=K, block_f=bf, block_d=bd, eps=eps,
-                          has_norm=norm_w is not None, has_bias=bias is not None, has_res=residual is not None,
-                          mma=mma),
+                          has_norm=norm_w is not None, has_sumsq=sumsq is not None, has_bias=bias is not None,
+                          has_res=residual is not None, has_next=next_norm_w is not None, mma=mma),
         grid=(F // bf,),
         in_specs=in_specs,
-        out_specs=whole,
-        out_shape=jax.ShapeDtypeStruct((1, F), jnp.dtype(out_dtype or w.dtype)),
+        out_specs=(whole, whole, whole) if next_norm_w is not None else whole,
+        out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name=f"fused_linear_{prologue}_f{bf}_d{bd}{'_mma' if mma else ''}",
+        name=f"fused_linear_{prologue}_f{bf}_d{bd}{'_mma' if mma else ''}{'_norm_out' if next_norm_w is not None else ''}",
     )(*inputs)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 # Wider projections stay with XLA: gate_up (28672 x 4096) streams at 4.0-4.2 TB/s through
 # XLA's autotuned GEMM against 3.9 here (60.3 vs 55.8-58.2 us on the H200), more than the
 # RMSNorm kernel it would save (~1.3 us). The lm_head has nothing to fuse.
 MAX_KERNEL_FEATURES = 16384
+
+
+def _kernel_shape_ok(impl, rows, w_shape, fused) -> bool:
+    return (impl in ("gpu", "interpret") and rows == 1 and fused and w_shape[0] <= MAX_KERNEL_FEATURES
+            and default_blocks(*w_shape) is not None)
 
 
 def use_kernel(impl, x, w, prologue, residual) -> bool:
@@ -256,21 +320,41 @@ def use_kernel(impl, x, w, prologue, residual) -> bool:
     rows = 1
     for n in x.shape[:-1]:
         rows *= n
-    return (impl in ("gpu", "interpret") and rows == 1 and (prologue != "none" or residual is not None)
-            and w.shape[0] <= MAX_KERNEL_FEATURES and default_blocks(*w.shape) is not None)
+    return _kernel_shape_ok(impl, rows, w.shape, prologue != "none" or residual is not None)
+
+
+def norm_handoff(impl, rows, o_shape, down_shape) -> bool:
+    """Whether a decoder layer hands its post-attention RMSNorm over from o_proj to down_proj
+    (both kernels run): o_proj's kernel also writes h * norm_w and per-program sums of h^2,
+    XLA's gate_up GEMM reads h * norm_w as is, and down_proj's kernel scales the gate|up
+    values by 1 / rms before SwiGLU. The norm's two XLA fusions (reduce, multiply) before
+    the gate_up GEMM go away: 2.26 us per layer on the H200 (jax 0.11.2, 2026-11-22,
+    scripts/experiments/explore_balance.py: gate_up 57.94 us with them, 55.68 without),
+    against +0.36 us in o_proj's kernel and +1.0-1.2 in down's (explore_norm_handoff.py).
+    In the engine's decode step (bench.py, batch 1, ctx 512, three interleaved pairs):
+    4.15-4.17 ms per token with it, 4.18-4.22 without. o_shape / down_shape: the [out, in] weight shapes. JSPEC_NORM_HANDOFF=0 turns it off
+    (read at trace time; for A/B measurements)."""
+    if os.environ.get("JSPEC_NORM_HANDOFF", "1").strip() == "0":
+        return False
+    return _kernel_shape_ok(impl, rows, o_shape, True) and _kernel_shape_ok(impl, rows, down_shape, True)
 
 
 def fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, residual=None, out_dtype=None,
-                 impl="reference"):
-    """Public entry: the kernel where use_kernel says so, else ref_fused_linear (XLA)."""
-    validate(x, w, prologue, norm_w, bias, residual, out_dtype)
+                 impl="reference", sumsq=None, next_norm_w=None):
+    """Public entry: the kernel where use_kernel says so, else ref_fused_linear (XLA).
+    With next_norm_w -> (y, y * next_norm_w, f32[..., n] partial sums of y^2)."""
+    validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq, next_norm_w)
     if not use_kernel(impl, x, w, prologue, residual):
         return ref_fused_linear(x, w, prologue=prologue, norm_w=norm_w, eps=eps, bias=bias, residual=residual,
-                                out_dtype=out_dtype)
+                                out_dtype=out_dtype, sumsq=sumsq, next_norm_w=next_norm_w)
     lead, F = x.shape[:-1], w.shape[0]
-    y = fused_linear_gpu(
+    out = fused_linear_gpu(
         x.reshape(1, x.shape[-1]), w, norm_w, bias, None if residual is None else residual.reshape(1, F),
         prologue=prologue, eps=float(eps), out_dtype=None if out_dtype is None else jnp.dtype(out_dtype).name,
-        interpret=impl == "interpret",
+        interpret=impl == "interpret", sumsq=None if sumsq is None else sumsq.reshape(1, sumsq.shape[-1]),
+        next_norm_w=next_norm_w,
     )
-    return y.reshape(lead + (F,))
+    if next_norm_w is None:
+        return out.reshape(lead + (F,))
+    y, hn, ss = out
+    return y.reshape(lead + (F,)), hn.reshape(lead + (F,)), ss.reshape(lead + ss.shape[-1:])

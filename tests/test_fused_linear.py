@@ -21,7 +21,7 @@ from jspec.config import ModelConfig, RopeConfig
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import apply_rope, rope_inv_freq
 from jspec.models.transformer import Transformer
-from kernels_pallas.fused_linear import (default_mma_blocks, fused_linear, fused_linear_gpu,
+from kernels_pallas.fused_linear import (default_blocks, default_mma_blocks, fused_linear, fused_linear_gpu, norm_handoff,
                                         ref_fused_linear, rms_norm, stream_rows, use_kernel)
 from kernels_pallas.paged_attention import write_kv
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
@@ -88,6 +88,50 @@ def test_fused_linear_block_tilings_agree():
         got = fused_linear_gpu(x[0], w, None, None, kw["residual"][0], prologue="silu_mul", eps=1e-5,
                                blocks=blocks, interpret=True)
         assert rel(got, want[0]) < 2e-2, blocks
+
+
+@pytest.mark.parametrize("dtype,F", [(BF16, 128), (BF16, 96), (jnp.float32, 128)])
+def test_norm_handoff_kernels_match_reference_and_the_unfused_mlp(dtype, F):
+    """The post-attention RMSNorm handed over from o_proj to down_proj: o_proj's kernel
+    writes h (bit for bit the plain kernel's), h * norm_w and per-program sums of h^2 (96
+    features: 3 programs, padded to 4 for the consumer); down_proj's kernel applies 1 / rms
+    to the gate|up values == its reference; and the chain == rms_norm -> gate_up -> SwiGLU ->
+    down, all three against the same float32 maths within the unfused path's own error."""
+    I = 128
+    k = jax.random.split(jax.random.PRNGKey(11), 6)
+    a = jax.random.normal(k[0], (1, 1, 64)).astype(dtype)
+    res = jax.random.normal(k[1], (1, 1, F)).astype(dtype)
+    w_o = (0.1 * jax.random.normal(k[2], (F, 64))).astype(dtype)
+    w_gu = (0.1 * jax.random.normal(k[3], (2 * I, F))).astype(dtype)
+    w_d = (0.1 * jax.random.normal(k[4], (F, I))).astype(dtype)
+    nw = (1 + 0.1 * jax.random.normal(k[5], (F,))).astype(dtype)
+    assert norm_handoff("interpret", 1, w_o.shape, w_d.shape) and not norm_handoff("reference", 1, w_o.shape, w_d.shape)
+    assert not norm_handoff("interpret", 2, w_o.shape, w_d.shape)
+    h, hn, ss = fused_linear(a, w_o, residual=res, next_norm_w=nw, impl="interpret")
+    h_ref, hn_ref, ss_ref = ref_fused_linear(a, w_o, residual=res, next_norm_w=nw)
+    np.testing.assert_array_equal(f32(h), f32(fused_linear(a, w_o, residual=res, impl="interpret")))
+    assert rel(h, h_ref) < (1e-2 if dtype == BF16 else 1e-5)
+    np.testing.assert_array_equal(f32(hn), f32((h.astype(jnp.float32) * nw.astype(jnp.float32)).astype(dtype)))
+    assert ss.shape[-1] == F // (default_mma_blocks(F, 64, dtype) or default_blocks(F, 64))[0]  # one per program
+    np.testing.assert_allclose(float(ss.sum()), float(jnp.sum(h.astype(jnp.float32) ** 2)), rtol=1e-5)
+    assert ss_ref.shape == (1, 1, 1)
+
+    gu = jnp.einsum("...d,fd->...f", hn, w_gu)
+    out = fused_linear(gu, w_d, prologue="silu_mul", residual=h, sumsq=ss, eps=1e-5, impl="interpret")
+    out_ref = ref_fused_linear(gu, w_d, prologue="silu_mul", residual=h, sumsq=ss, eps=1e-5)
+    assert rel(out, out_ref) < (2e-2 if dtype == BF16 else 1e-5)
+
+    hf = h.astype(jnp.float32)  # the MLP delta in float32 from the same h
+    g, u = jnp.split(rms_norm(hf, nw.astype(jnp.float32), 1e-5) @ w_gu.astype(jnp.float32).T, 2, axis=-1)
+    delta = (jax.nn.silu(g) * u) @ w_d.astype(jnp.float32).T
+    unfused = ref_fused_linear(ref_fused_linear(h, w_gu, prologue="rmsnorm", norm_w=nw, eps=1e-5), w_d,
+                               prologue="silu_mul", residual=h)
+    err = lambda o: float(jnp.linalg.norm(o.astype(jnp.float32) - hf - delta) / jnp.linalg.norm(delta))  # noqa: E731
+    assert err(out) < max(2 * err(unfused), 1e-5), (err(out), err(unfused))
+    with pytest.raises(ValueError, match="sumsq .* goes with the silu_mul prologue"):
+        fused_linear(a, w_o, residual=res, sumsq=ss)
+    with pytest.raises(ValueError, match="next_norm_w must have shape"):
+        fused_linear(a, w_o, residual=res, next_norm_w=nw[:8])
 
 
 @pytest.mark.parametrize("mma", [False, True])
@@ -228,6 +272,8 @@ def test_decoder_with_fused_kernels_matches_reference(qk_norm, bias):
         h, _, kv2 = m.apply({"params": params}, tok, meta, kv)
         outs[impl] = (h, m.apply({"params": params}, h[:, -1], method=Transformer.logits), kv2)
     (h0, l0, kv0), (h1, l1, kv1) = outs["reference"], outs["interpret"]
+    # the interpret model hands the post-attention norm over (o_proj -> down_proj kernels)
+    assert norm_handoff("interpret", 1, (cfg.hidden_size, cfg.q_size), (cfg.hidden_size, cfg.intermediate_size))
     assert rel(h1, h0) < 3e-2 and rel(l1, l0) < 3e-2
     for a, b in zip(kv0.k + kv0.v, kv1.k + kv1.v):
         assert rel(b, a) < 3e-2

@@ -38,13 +38,14 @@ class Linear(nn.Module):
     impl: str = "reference"  # fused_linear impl: "reference" (XLA) | "gpu" | "interpret"
 
     @nn.compact
-    def __call__(self, x=None, *, prologue="none", norm_w=None, eps=1e-6, residual=None, out_dtype=None):
+    def __call__(self, x=None, *, prologue="none", norm_w=None, eps=1e-6, residual=None, out_dtype=None,
+                 sumsq=None, next_norm_w=None):
         w = self.param("weight", _normal, (self.features, self.in_features), self.dtype)
         b = self.param("bias", _zeros, (self.features,), self.dtype) if self.use_bias else None
         if x is None:
             return w, b
         return fused_linear(x, w, prologue=prologue, norm_w=norm_w, eps=eps, bias=b, residual=residual,
-                            out_dtype=out_dtype, impl=self.impl)
+                            out_dtype=out_dtype, impl=self.impl, sumsq=sumsq, next_norm_w=next_norm_w)
 
 
 class RMSNorm(nn.Module):
@@ -87,7 +88,9 @@ def apply_rope(x, positions, inv_freq):
 class GatedMLP(nn.Module):
     """SwiGLU with gate and up fused into one [2I, H] matrix (one weight stream). With
     ``norm_w`` the input RMSNorm, with ``residual`` the residual add, happen in the
-    projections (fused into their kernels when ``impl`` selects them)."""
+    projections (fused into their kernels when ``impl`` selects them). With ``normed``
+    = (x * norm_w, partial sums of x^2) the norm was handed over by the previous projection
+    (kernels_pallas/fused_linear.norm_handoff): gate_up reads x * norm_w, down scales by 1 / rms."""
 
     hidden: int
     intermediate: int
@@ -96,8 +99,11 @@ class GatedMLP(nn.Module):
     impl: str = "reference"
 
     @nn.compact
-    def __call__(self, x, *, norm_w=None, eps=1e-6, residual=None):
-        gu = Linear(2 * self.intermediate, self.hidden, self.use_bias, self.dtype, self.impl, name="gate_up_proj")(
-            x, prologue="none" if norm_w is None else "rmsnorm", norm_w=norm_w, eps=eps)
-        return Linear(self.hidden, self.intermediate, self.use_bias, self.dtype, self.impl, name="down_proj")(
-            gu, prologue="silu_mul", residual=residual)
+    def __call__(self, x, *, norm_w=None, eps=1e-6, residual=None, normed=None):
+        gate_up = Linear(2 * self.intermediate, self.hidden, self.use_bias, self.dtype, self.impl, name="gate_up_proj")
+        down = Linear(self.hidden, self.intermediate, self.use_bias, self.dtype, self.impl, name="down_proj")
+        if normed is not None:
+            x_scaled, sumsq = normed
+            return down(gate_up(x_scaled), prologue="silu_mul", sumsq=sumsq, eps=eps, residual=residual)
+        gu = gate_up(x, prologue="none" if norm_w is None else "rmsnorm", norm_w=norm_w, eps=eps)
+        return down(gu, prologue="silu_mul", residual=residual)

@@ -23,7 +23,7 @@ from flax import linen as nn
 from jspec.config import ModelConfig
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import GatedMLP, Linear, RMSNorm, rope_inv_freq
-from kernels_pallas.fused_linear import fused_linear
+from kernels_pallas.fused_linear import fused_linear, norm_handoff
 from kernels_pallas.paged_attention import paged_attention
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
 from kernels_pallas.qkv_rope_kv_write import use_kernel as qkv_kernel
@@ -34,7 +34,8 @@ class Attention(nn.Module):
     """Self-attention over the paged cache; q/k/v read ``in_features`` (0: hidden_size;
     EAGLE3's first drafter layer reads 2H). With ``norm_w`` the input RMSNorm happens in
     the qkv projection, with ``residual`` the residual add in o_proj (fused into their
-    kernels when ``linear_impl`` selects them)."""
+    kernels when ``linear_impl`` selects them). With ``next_norm_w`` the o_proj output comes
+    as (h, h * next_norm_w, partial sums of h^2): the RMSNorm hand-over (norm_handoff)."""
 
     cfg: ModelConfig
     dtype: jnp.dtype
@@ -43,7 +44,8 @@ class Attention(nn.Module):
     linear_impl: str = "reference"  # fused_linear / rope_kv_write impl
 
     @nn.compact
-    def __call__(self, x, meta: AttentionMetadata, k_pages, v_pages, *, norm_w=None, residual=None, rope=None):
+    def __call__(self, x, meta: AttentionMetadata, k_pages, v_pages, *, norm_w=None, residual=None, rope=None,
+                 next_norm_w=None):
         c = self.cfg
         B, Q, _ = x.shape
         d_in = self.in_features or c.hidden_size
@@ -72,7 +74,7 @@ class Attention(nn.Module):
             meta.positions, meta.causal, sm_scale=c.head_dim**-0.5, impl=self.attn_impl,
         )
         o = Linear(c.hidden_size, c.q_size, c.attention_bias, self.dtype, self.linear_impl, name="o_proj")(
-            o.reshape(B, Q, c.q_size), residual=residual)
+            o.reshape(B, Q, c.q_size), residual=residual, next_norm_w=next_norm_w)
         return o, k_pages, v_pages
 
 
@@ -91,12 +93,16 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, meta, k_pages, v_pages, rope=None):
         c = self.cfg
         ln1 = RMSNorm(c.rms_norm_eps, self.dtype, c.hidden_size, name="input_layernorm")()
-        x, k_pages, v_pages = Attention(c, self.dtype, self.attn_impl, linear_impl=self.linear_impl, name="attn")(
-            x, meta, k_pages, v_pages, norm_w=ln1, residual=x, rope=rope)
         ln2 = RMSNorm(c.rms_norm_eps, self.dtype, c.hidden_size, name="post_attention_layernorm")()
-        x = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.linear_impl, name="mlp")(
-            x, norm_w=ln2, eps=c.rms_norm_eps, residual=x)
-        return x, k_pages, v_pages
+        handoff = norm_handoff(self.linear_impl, x.shape[0] * x.shape[1], (c.hidden_size, c.q_size),
+                               (c.hidden_size, c.intermediate_size))
+        x, k_pages, v_pages = Attention(c, self.dtype, self.attn_impl, linear_impl=self.linear_impl, name="attn")(
+            x, meta, k_pages, v_pages, norm_w=ln1, residual=x, rope=rope, next_norm_w=ln2 if handoff else None)
+        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.linear_impl, name="mlp")
+        if handoff:  # o_proj's kernel wrote (h, h * ln2, partial sums of h^2); down applies 1 / rms
+            x, x_scaled, sumsq = x
+            return mlp(x, eps=c.rms_norm_eps, residual=x, normed=(x_scaled, sumsq)), k_pages, v_pages
+        return mlp(x, norm_w=ln2, eps=c.rms_norm_eps, residual=x), k_pages, v_pages
 
 
 class Transformer(nn.Module):
