@@ -294,7 +294,8 @@ def fused_linear_gpu(x, w, norm_w=None, bias=None, residual=None, *, prologue="n
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name=f"fused_linear_{prologue}_f{bf}_d{bd}{'_mma' if mma else ''}{'_norm_out' if next_norm_w is not None else ''}",
+        name=f"fused_linear_{prologue}_f{bf}_d{bd}{'_mma' if mma else ''}"
+             f"{'_norm_out' if next_norm_w is not None else ''}",
     )(*inputs)
 
 
@@ -332,8 +333,9 @@ def norm_handoff(impl, rows, o_shape, down_shape) -> bool:
     scripts/experiments/explore_balance.py: gate_up 57.94 us with them, 55.68 without),
     against +0.36 us in o_proj's kernel and +1.0-1.2 in down's (explore_norm_handoff.py).
     In the engine's decode step (bench.py, batch 1, ctx 512, three interleaved pairs):
-    4.15-4.17 ms per token with it, 4.18-4.22 without. o_shape / down_shape: the [out, in] weight shapes. JSPEC_NORM_HANDOFF=0 turns it off
-    (read at trace time; for A/B measurements)."""
+    4.15-4.17 ms per token with it, 4.18-4.22 without. o_shape / down_shape: the [out, in]
+    weight shapes. JSPEC_NORM_HANDOFF=0 turns it off (read at trace time; for A/B
+    measurements)."""
     if os.environ.get("JSPEC_NORM_HANDOFF", "1").strip() == "0":
         return False
     return _kernel_shape_ok(impl, rows, o_shape, True) and _kernel_shape_ok(impl, rows, down_shape, True)

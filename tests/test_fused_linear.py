@@ -21,8 +21,8 @@ from jspec.config import ModelConfig, RopeConfig
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import apply_rope, rope_inv_freq
 from jspec.models.transformer import Transformer
-from kernels_pallas.fused_linear import (default_blocks, default_mma_blocks, fused_linear, fused_linear_gpu, norm_handoff,
-                                        ref_fused_linear, rms_norm, stream_rows, use_kernel)
+from kernels_pallas.fused_linear import (default_blocks, default_mma_blocks, fused_linear, fused_linear_gpu,
+                                        norm_handoff, ref_fused_linear, rms_norm, stream_rows, use_kernel)
 from kernels_pallas.paged_attention import write_kv
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
 from kernels_pallas.qkv_rope_kv_write import kernel_blocks as qkv_kernel_blocks
