@@ -176,14 +176,7 @@ def silu_mul_rounded(g, u, dtype):
     return rnd(g * sig) * u
 
 
-def x_ahead_default() -> bool:
-    """JSPEC_X_AHEAD (read at trace time): "1" loads each x block one loop iteration ahead
-    of its use (stream_rows' x_ahead); "0" loads it in the iteration that uses it."""
-    return os.environ.get("JSPEC_X_AHEAD", "0").strip() == "1"
-
-
-def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False, scale=None, x_ahead=None,
-                scale_ref=None, scale_width=None):
+def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False, scale=None):
     """The weight stream of one program: for each w_ref (rows [n, K] of W), its rows
     times prologue(x), f32 [n], the RMSNorm's 1 / rms applied. A w_ref may also be
     (ref, pl.ds(row0, n)): those rows of a whole weight (Triton takes one indexer per
@@ -192,65 +185,40 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
     mma: each [n, block_d] weight tile goes through a tensor-core dot with h in row 0 of
     a [16, block_d] operand (zeros below), accumulating [16, n] (default_mma_blocks).
     scale: an f32 scalar the silu_mul prologue's gate and up values are first multiplied by
-    (rounded to x's dtype): the 1 / rms of an RMSNorm handed over (ref_fused_linear).
-    x_ahead: load the x (and norm weight) blocks of iteration i + 1 in iteration i, carried
-    in the loop, so their L2 latency is off each iteration's dot chain (None:
-    x_ahead_default())."""
+    (rounded to x's dtype): the 1 / rms of an RMSNorm handed over (ref_fused_linear)."""
     f32 = jnp.float32
     w_refs = [w if isinstance(w, tuple) else (w, slice(None)) for w in w_refs]
     dt = w_refs[0][0].dtype
     rows_of = [w.shape[0] if isinstance(r, slice) else r.size for w, r in w_refs]
 
-    x_ahead = x_ahead_default() if x_ahead is None else x_ahead
-    n_iter = K // block_d
-
-    def load_x(d0):  # the raw x-side blocks of the iteration at column d0
-        xs = x_ref[0, pl.ds(d0, block_d)]
-        if prologue == "rmsnorm":
-            return xs, norm_ref[pl.ds(d0, block_d)]
-        if prologue == "silu_mul":
-            return (xs, x_ref[0, pl.ds(K + d0, block_d)]) + ((scale_ref[0, :],) if scale_ref is not None else ())
-        return (xs,)
-
     def body(i, carry):
-        accs, ss, *ahead = carry
+        accs, ss = carry
         d0 = pl.multiple_of(i * block_d, block_d)
-        if x_ahead:  # this iteration's blocks were loaded by the previous one; load the next
-            raw = ahead
-            nxt = pl.multiple_of(jnp.minimum(i + 1, n_iter - 1) * block_d, block_d)
-            ahead = list(load_x(nxt))
-        else:
-            raw = load_x(d0)
-        xs = raw[0].astype(f32)  # [block_d]
+        xs = x_ref[0, pl.ds(d0, block_d)].astype(f32)  # [block_d]
         if prologue == "rmsnorm":
             # RMSNorm factored out of the dot: W (nw * x) accumulates in this same pass
             # while sum(x^2) does, and 1 / rms scales the result at the end. A first pass for
             # the rms would put a chain of L2 reads before the first weight load of every
             # program (gate_up: +22 us per call on the H200).
             ss = ss + jnp.sum(xs * xs)
-            h = (xs * raw[1].astype(f32)).astype(dt)
+            h = (xs * norm_ref[pl.ds(d0, block_d)].astype(f32)).astype(dt)
         elif prologue == "silu_mul":
-            us = raw[1].astype(f32)
-            sc = scale
-            if scale_ref is not None:  # EXPERIMENT: the hand-over's 1 / rms from sums loaded with x
-                sc = lax.rsqrt(jnp.sum(raw[2]) / scale_width + eps)
-            if sc is not None:
-                xs, us = (xs * sc).astype(x_ref.dtype).astype(f32), (us * sc).astype(x_ref.dtype).astype(f32)
+            us = x_ref[0, pl.ds(K + d0, block_d)].astype(f32)
+            if scale is not None:
+                xs, us = (xs * scale).astype(x_ref.dtype).astype(f32), (us * scale).astype(x_ref.dtype).astype(f32)
             h = silu_mul_rounded(xs, us, x_ref.dtype).astype(dt)
         else:
             h = xs.astype(dt)
         if mma:
             hm = jnp.where(lax.broadcasted_iota(jnp.int32, (16, block_d), 0) == 0, h[None, :], jnp.zeros((), dt))
-            accs = tuple(a + plt.dot(hm, w[r, pl.ds(d0, block_d)], trans_b=True) for a, (w, r) in zip(accs, w_refs))
-        else:
-            hf = h.astype(f32)[None, :]
-            accs = tuple(a + w[r, pl.ds(d0, block_d)].astype(f32) * hf for a, (w, r) in zip(accs, w_refs))
-        return (accs, ss, *ahead)
+            return tuple(a + plt.dot(hm, w[r, pl.ds(d0, block_d)], trans_b=True)
+                         for a, (w, r) in zip(accs, w_refs)), ss
+        hf = h.astype(f32)[None, :]
+        return tuple(a + w[r, pl.ds(d0, block_d)].astype(f32) * hf for a, (w, r) in zip(accs, w_refs)), ss
 
     acc_shape = (lambda n: (16, n)) if mma else (lambda n: (n, block_d))
     init = (tuple(jnp.zeros(acc_shape(n), f32) for n in rows_of), jnp.zeros((), f32))
-    init += tuple(load_x(0)) if x_ahead else ()
-    accs, ss, *_ = lax.fori_loop(0, n_iter, body, init)
+    accs, ss = lax.fori_loop(0, K // block_d, body, init)
     if mma:  # row 0 holds h @ W.T
         ys = [jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, a.shape, 0) == 0, a, 0.0), axis=0) for a in accs]
     else:
@@ -278,12 +246,9 @@ def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_sumsq, has_
         # (Computed before the stream, this load delays the first weight tiles: down_proj
         # + 1.2 us on the H200. Inside the loop's first iteration, under a cond, it broke the
         # pipelining: + 3.2 us. scripts/experiments/explore_norm_handoff.py)
-        if os.environ.get("JSPEC_SCALE_IN_LOOP", "0") != "1":
-            scale = lax.rsqrt(jnp.sum(sumsq_ref[0, :]) / o_ref.shape[1] + eps)
-    in_loop = has_sumsq and scale is None
+        scale = lax.rsqrt(jnp.sum(sumsq_ref[0, :]) / o_ref.shape[1] + eps)
     (y,) = stream_rows(x_ref, [w_ref], norm_ref, prologue=prologue, K=K, block_d=block_d, eps=eps, mma=mma,
-                       scale=scale, scale_ref=sumsq_ref if in_loop else None,
-                       scale_width=o_ref.shape[1])  # [block_f]
+                       scale=scale)  # [block_f]
     i = pl.program_id(0)
     cols = pl.ds(i * block_f, block_f)
     y = y.astype(o_ref.dtype)  # the matmul's output rounding, as in the reference

@@ -121,21 +121,6 @@ def _kernel(
     real = r < q_len * group
     token = jnp.minimum(lax.div(r, group), q_len - 1)  # padding rows: clamp, then discard
     q_row = (b * q_len + token) * H + h * group + lax.rem(r, group)  # row of q.reshape(N, D)
-    start = split * tokens_per_split
-    arange = jnp.arange(block_kv, dtype=jnp.int32)
-
-    def kv_rows(t):  # cache rows of tokens t (clamped into the table: t >= W*S is masked anyway)
-        slot = jnp.minimum(lax.div(t, page_size), table_width - 1)
-        page = pt_ref[b * table_width + slot]  # per-token page id
-        return (page * page_size + lax.rem(t, page_size)) * kv_heads + h
-
-    # EXPERIMENT (JSPEC_ATTN_PEEL): the split's first block is loaded before the bounds below
-    # are known (its page ids depend on nothing loaded), so the page-table and K/V round trips
-    # could overlap the one for kv_len and the positions. Every page-table entry is a valid
-    # page id, and keys this program may not see are masked as in the loop.
-    rows0 = kv_rows(start + arange)
-    q = q_ref[q_row, :]  # [block_rows, D]; scaled after the dot, in f32, as the reference does
-    kv0 = (k_ref[rows0, :], v_ref[rows0, :])
     row_pos = pos_ref[b * q_len + token]
     if has_causal:  # DFlash rows see every key below kv_len
         row_pos = jnp.where(causal_ref[b], row_pos, NONCAUSAL_POS)
@@ -145,20 +130,24 @@ def _kernel(
     # Keys this program can see: below kv_len, at or before its rows' largest position,
     # inside its split.
     end = jnp.minimum(kv_len, jnp.max(row_pos) + 1)
+    start = split * tokens_per_split
     end = jnp.minimum(end, start + tokens_per_split)
     num_blocks = jnp.maximum(0, lax.div(end - start + (block_kv - 1), block_kv))
 
+    q = q_ref[q_row, :]  # [block_rows, D]; scaled after the dot, in f32, as the reference does
     # Triton's DEFAULT f32 dot is TF32 (~4e-4 relative error, seen on the H200): ask for
     # IEEE f32 when the cache is f32; bf16 operands are unaffected.
     prec = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
+    arange = jnp.arange(block_kv, dtype=jnp.int32)
 
-    def body(i, carry, masked=True, kv=None):
+    def body(i, carry, masked=True):
         acc, m, l = carry
         t = start + i * block_kv + arange  # i32[block_kv] token indices
-        if kv is None:
-            rows = kv_rows(t)
-            kv = (k_ref[rows, :], v_ref[rows, :])  # [block_kv, D] gathers: one contiguous D-row per token
-        k, v = kv
+        slot = jnp.minimum(lax.div(t, page_size), table_width - 1)  # t >= W*S is masked anyway
+        page = pt_ref[b * table_width + slot]  # per-token page id
+        rows = (page * page_size + lax.rem(t, page_size)) * kv_heads + h
+        k = k_ref[rows, :]  # [block_kv, D] gather: one contiguous D-row per token
+        v = v_ref[rows, :]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
         s = s * sm_scale
         if masked:
@@ -184,16 +173,9 @@ def _kernel(
     # (2026-11-21, batch 1) this took verify-8 from 10.1 to 9.5 us of kernel time.
     lo = jnp.min(jnp.where(real, row_pos, NONCAUSAL_POS)) + 1
     full_end = jnp.minimum(jnp.minimum(kv_len, lo), end)
-    import os
-    if os.environ.get("JSPEC_ATTN_PEEL", "1") == "1":  # the peeled first block always takes the masks
-        n_full = jnp.clip(lax.div(full_end - start, block_kv), 1, jnp.maximum(num_blocks, 1))
-        carry = body(0, (acc, m, l), kv=kv0)
-        carry = lax.fori_loop(1, n_full, functools.partial(body, masked=False), carry)
-        acc, m, l = lax.fori_loop(n_full, num_blocks, body, carry)
-    else:
-        n_full = jnp.clip(lax.div(full_end - start, block_kv), 0, num_blocks)
-        carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), (acc, m, l))
-        acc, m, l = lax.fori_loop(n_full, num_blocks, body, carry)
+    n_full = jnp.clip(lax.div(full_end - start, block_kv), 0, num_blocks)
+    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), (acc, m, l))
+    acc, m, l = lax.fori_loop(n_full, num_blocks, body, carry)
 
     o_row = jnp.where(real, q_row, N)  # padding rows -> trash row N
     o_ref = out_refs[0]
