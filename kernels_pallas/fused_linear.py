@@ -199,8 +199,11 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
             # RMSNorm factored out of the dot: W (nw * x) accumulates in this same pass
             # while sum(x^2) does, and 1 / rms scales the result at the end. A first pass for
             # the rms would put a chain of L2 reads before the first weight load of every
-            # program (gate_up: +22 us per call on the H200).
-            ss = ss + jnp.sum(xs * xs)
+            # program (gate_up: +22 us per call on the H200). x^2 accumulates elementwise and
+            # is reduced once after the loop: a reduction per K block (a barrier each) cost
+            # the qkv projection 0.5-0.65 us per call on the H200
+            # (scripts/experiments/explore_prologue_cost.py).
+            ss = ss + xs * xs
             h = (xs * norm_ref[pl.ds(d0, block_d)].astype(f32)).astype(dt)
         elif prologue == "silu_mul":
             us = x_ref[0, pl.ds(K + d0, block_d)].astype(f32)
@@ -217,14 +220,15 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
         return tuple(a + w[r, pl.ds(d0, block_d)].astype(f32) * hf for a, (w, r) in zip(accs, w_refs)), ss
 
     acc_shape = (lambda n: (16, n)) if mma else (lambda n: (n, block_d))
-    init = (tuple(jnp.zeros(acc_shape(n), f32) for n in rows_of), jnp.zeros((), f32))
+    init = (tuple(jnp.zeros(acc_shape(n), f32) for n in rows_of),
+            jnp.zeros((block_d,) if prologue == "rmsnorm" else (), f32))
     accs, ss = lax.fori_loop(0, K // block_d, body, init)
     if mma:  # row 0 holds h @ W.T
         ys = [jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, a.shape, 0) == 0, a, 0.0), axis=0) for a in accs]
     else:
         ys = [jnp.sum(a, axis=1) for a in accs]
     if prologue == "rmsnorm":
-        ys = [y * lax.rsqrt(ss / K + eps) for y in ys]
+        ys = [y * lax.rsqrt(jnp.sum(ss) / K + eps) for y in ys]
     return ys
 
 
