@@ -255,7 +255,7 @@ def paged_attention_gpu(
     block_rows: int | None = None,  # query rows (tokens x heads of one kv head) per program; pow2
     block_kv: int | None = None,  # keys per inner-loop step; pow2, need not relate to page_size
     kv_splits: int | None = None,  # programs along the kv axis; None: default_kv_splits
-    num_warps: int | None = None,  # None: 2 for small grids of <= 32-row tiles, else 4
+    num_warps: int | None = None,  # None: 2 for small grids of <= 32-row tiles split into >= 1 wave, else 4
     num_stages: int | None = None,  # Triton software-pipelining depth of the kv loop; None: 1 for <= 2 blocks, else 2
     split_dtype=None,  # dtype of the per-split outputs (None: the cache dtype)
     split_combine: str = "kernel",  # "kernel" (one Pallas launch; > 64 splits: jnp) | "jnp" (XLA fusions)
@@ -281,10 +281,17 @@ def paged_attention_gpu(
     blocks_per_split = -(-num_kv_blocks // kv_splits)
     # Short programs (a small grid split finely: one or two kv blocks each) are latency
     # chains: 2 warps and no software pipelining were fastest there on the H200 (batch 1,
-    # profiler GPU time: decode kernel 7.8 us vs 8.7 with 4 warps / 2 stages). Tiles of
-    # more than 32 rows keep 4 warps (a 64 x 128 f32 accumulator would spill on 2).
+    # profiler GPU time: decode kernel 7.8 us vs 8.7 with 4 warps / 2 stages), as long as
+    # the splits give at least one program per SM. When the context caps the splits below
+    # that (batch 1, context 512: 8-9 splits, 64-72 programs), each program's latency is the
+    # call's and 4 warps were faster: decode 4.18 vs 4.38 us, verify-8 5.21 vs 6.58
+    # (2026-11-22, scripts/bench_attention.py --b1-sweep --ctx 512; at context 4096, 512
+    # programs, 2 warps stay best). Tiles of more than 32 rows keep 4 warps (a 64 x 128 f32
+    # accumulator would spill on 2).
     if num_warps is None:
-        num_warps = 2 if B * KVH * row_blocks < NUM_SMS_H200 and block_rows <= 32 else 4
+        small_grid = B * KVH * row_blocks < NUM_SMS_H200
+        one_wave = B * KVH * row_blocks * kv_splits < NUM_SMS_H200
+        num_warps = 2 if small_grid and not one_wave and block_rows <= 32 else 4
     if num_stages is None:
         num_stages = 1 if blocks_per_split <= 2 else 2
     tokens_per_split = blocks_per_split * block_kv

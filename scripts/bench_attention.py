@@ -18,7 +18,8 @@ serve a repeated table's KV. Medians of REPS. At batch 1-8 a call is 5-50 us and
 times host launches too (+-20% between runs), so 3b uses GPU time from the profiler's
 kernel records (scripts/gpu_trace.py), every set on its own pages (NSETS x 16.8 MB > the
 50 MB L2 at batch 1). `--b1-ratio [--no-check] [--defaults-only]` runs only 3b's ratio;
-`--b1-sweep`: a GPU-time tuning sweep at batch 1 (Q = 1 and Q = 8).
+`--b1-sweep [--ctx N]`: a GPU-time tuning sweep at batch 1 (Q = 1 and Q = 8), context 4096
+or N.
 """
 
 from __future__ import annotations
@@ -275,16 +276,18 @@ def try_time(label, fn, inputs, kv_bytes, bw, table, extra=None):
     return row
 
 
-def b1_sweep(reps=5):
-    """Batch-1 tuning sweep by GPU time, context 4096: Q = 1 over splits x block_kv x warps x
-    stages, Q = 8 over the same and 16- or 32-row programs."""
-    sets = {Q: timing_inputs(B=1, Q=Q, ctx=4096, S=16, distinct_pages_per_set=True) for Q in (1, 8)}
+def b1_sweep(reps=5, ctx=4096):
+    """Batch-1 tuning sweep by GPU time at one context: Q = 1 over splits x block_kv x warps x
+    stages, Q = 8 over the same and 16- or 32-row programs. The splits span ~1 to ~2 kv blocks
+    per program (at 4096: 33, 48, 66; at 512: 5, 9, 17 with 16- to 128-key blocks)."""
+    sets = {Q: timing_inputs(B=1, Q=Q, ctx=ctx, S=16, distinct_pages_per_set=True) for Q in (1, 8)}
     grid = [(Q, {}) for Q in (1, 8)]
-    for s in (33, 48, 66):
-        for bk in (32, 64, 128):
+    splits = (33, 48, 66) if ctx >= 4096 else (ctx // 128 + 1, ctx // 64 + 1, ctx // 32 + 1)
+    for s in splits:
+        for bk in (32, 64, 128) if ctx >= 4096 else (16, 32, 64, 128):
             for w in (2, 4):
                 for st in (1, 2):
-                    if s * bk > 2 * 4096:
+                    if s * bk > 2 * ctx or (ctx < 4096 and s * bk < ctx // 2):
                         continue
                     t = dict(kv_splits=s, block_kv=bk, num_warps=w, num_stages=st)
                     grid += [(1, t), (8, dict(t, block_rows=16)), (8, dict(t, block_rows=32))]
@@ -297,7 +300,7 @@ def b1_sweep(reps=5):
             continue
         rows.append(dict(Q=Q, tuning=str(t), us=d["busy_us"], kernels=d["kernels_us"]))
     for Q in (1, 8):
-        log(f"--- batch 1, ctx 4096, Q{Q}: fastest tunings (GPU time)")
+        log(f"--- batch 1, ctx {ctx}, Q{Q}: fastest tunings (GPU time)")
         for r in sorted([r for r in rows if r["Q"] == Q], key=lambda r: r["us"])[:8]:
             log(f"  {r['us']:6.2f} us {r['tuning']}")
     RESULTS["b1_sweep"] = rows
@@ -337,7 +340,7 @@ def main():
     if "--b32-gpu-time" in sys.argv:
         return b32_gpu_time()
     if "--b1-sweep" in sys.argv:
-        return b1_sweep()
+        return b1_sweep(ctx=int(sys.argv[sys.argv.index("--ctx") + 1]) if "--ctx" in sys.argv else 4096)
     if "--b1-ratio" in sys.argv:  # [kernel == reference,] the batch-1 verify/decode ratio by GPU time
         if "--no-check" not in sys.argv:
             check_correctness()
