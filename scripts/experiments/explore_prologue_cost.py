@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_linear import rel_err
 from gpu_trace import device_times
 from kernels_pallas.fused_linear import fused_linear_gpu, ref_fused_linear
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write_gpu, ref_qkv_rope_kv_write
@@ -35,28 +36,35 @@ f32, bf16 = jnp.float32, jnp.bfloat16
 
 
 def weights(seed, shape, n=4):
+    """n random bf16 weights of one shape (rotated through the timed calls, so none is read from L2)."""
     return [(0.02 * jax.random.normal(jax.random.PRNGKey(seed + i), shape)).astype(bf16) for i in range(n)]
 
 
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
+def layer_inputs():
+    """One token's activations for a Llama-3.1-8B layer's kernels (also explore_wide_blocks.py):
+    a / res [1, 4096] (the attention output and the residual), nw [4096] (a norm weight), gu
+    [1, 28672] (gate|up), act [1, 14336] (pre-activated), ss f32[1, 128] (o_proj's partial sums
+    of h^2), a small KV cache kp / vp [8, 16, 8, 128] with slot 101, and RoPE tables at 517."""
+    k = jax.random.split(jax.random.PRNGKey(0), 8)
+    D = 128
+    cos, sin = rope_tables(jnp.array([517]), 1.0 / (500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32))
+    return dict(a=jax.random.normal(k[0], (1, 4096), bf16), res=jax.random.normal(k[1], (1, 4096), bf16),
+                nw=(1 + 0.1 * jax.random.normal(k[2], (4096,))).astype(bf16),
+                gu=jax.random.normal(k[3], (1, 28672), bf16), act=jax.random.normal(k[7], (1, 14336), bf16),
+                ss=jnp.abs(jax.random.normal(k[4], (1, 128), f32)) * 100.0,
+                kp=jax.random.normal(k[5], (8, 16, 8, D), bf16), vp=jax.random.normal(k[6], (8, 16, 8, D), bf16),
+                cos=cos, sin=sin, slot=jnp.array([101], jnp.int32))
 
 
 def cases():
-    k = jax.random.split(jax.random.PRNGKey(0), 8)
-    a, res = jax.random.normal(k[0], (1, 4096), bf16), jax.random.normal(k[1], (1, 4096), bf16)
-    nw = (1 + 0.1 * jax.random.normal(k[2], (4096,))).astype(bf16)
-    gu = jax.random.normal(k[3], (1, 28672), bf16)
-    act = jax.random.normal(k[7], (1, 14336), bf16)
-    ss = jnp.abs(jax.random.normal(k[4], (1, 128), f32)) * 100.0
-    P, S, KVH, D = 8, 16, 8, 128
-    kp = jax.random.normal(k[5], (P, S, KVH, D), bf16)
-    vp = jax.random.normal(k[6], (P, S, KVH, D), bf16)
-    cos, sin = rope_tables(jnp.array([517]), 1.0 / (500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32))
-    slot = jnp.array([101], jnp.int32)
+    i = layer_inputs()
+    a, res, nw, gu, act, ss = i["a"], i["res"], i["nw"], i["gu"], i["act"], i["ss"]
+    cos, sin, slot, kp, vp = i["cos"], i["sin"], i["slot"], i["kp"], i["vp"]
     wq, wo, wd = weights(10, (6144, 4096)), weights(20, (4096, 4096)), weights(30, (4096, 14336))
-    qkv_ref = lambda w: ref_qkv_rope_kv_write(a, w, nw, None, cos, sin, slot, kp, vp, num_heads=32, eps=1e-5)  # noqa: E731
+
+    def qkv_ref(w):
+        return ref_qkv_rope_kv_write(a, w, nw, None, cos, sin, slot, kp, vp, num_heads=32, eps=1e-5)
+
     return {
         "qkv rmsnorm": (lambda w: fused_linear_gpu(a, w, nw, prologue="rmsnorm", eps=1e-5), wq,
                         lambda w: ref_fused_linear(a, w, prologue="rmsnorm", norm_w=nw, eps=1e-5)),

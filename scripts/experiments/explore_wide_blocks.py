@@ -28,29 +28,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from explore_prologue_cost import layer_inputs, weights
 from gpu_trace import time_tilings
 from kernels_pallas.fused_linear import default_mma_blocks, fused_linear_gpu
 from kernels_pallas.qkv_rope_kv_write import kernel_blocks, qkv_rope_kv_write_gpu
-from kernels_pallas.rope_kv_write import rope_tables
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 
 
-def weights(seed, shape, n=4):
-    return [(0.02 * jax.random.normal(jax.random.PRNGKey(seed + i), shape)).astype(bf16) for i in range(n)]
-
-
 def main():
-    k = jax.random.split(jax.random.PRNGKey(0), 8)
-    a, res = jax.random.normal(k[0], (1, 4096), bf16), jax.random.normal(k[1], (1, 4096), bf16)
-    nw = (1 + 0.1 * jax.random.normal(k[2], (4096,))).astype(bf16)
-    gu = jax.random.normal(k[3], (1, 28672), bf16)
-    ss = jnp.abs(jax.random.normal(k[4], (1, 128), f32)) * 100.0
-    P, S, KVH, D = 8, 16, 8, 128
-    kp = jax.random.normal(k[5], (P, S, KVH, D), bf16)
-    vp = jax.random.normal(k[6], (P, S, KVH, D), bf16)
-    cos, sin = rope_tables(jnp.array([517]), 1.0 / (500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32))
-    slot = jnp.array([101], jnp.int32)
+    i = layer_inputs()
+    a, res, nw, gu, ss = i["a"], i["res"], i["nw"], i["gu"], i["ss"]
+    cos, sin, slot, kp, vp = i["cos"], i["sin"], i["slot"], i["kp"], i["vp"]
+    D = kp.shape[-1]
     cases = {
         "down": (lambda b: jax.jit(lambda w: fused_linear_gpu(gu, w, None, None, res, prologue="silu_mul", eps=1e-5,
                                                               sumsq=ss, blocks=b)),
