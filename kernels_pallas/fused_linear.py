@@ -176,20 +176,7 @@ def silu_mul_rounded(g, u, dtype):
     return rnd(g * sig) * u
 
 
-def operand_rows(rows: int) -> int:
-    """Rows of the tensor-core dot's activation operand for ``rows`` rows of x (>= 16: the
-    MMA's smallest M for 16-bit operands)."""
-    return max(16, _next_pow2(rows))
-
-
-def row_index(rows: int):
-    """i32[operand_rows(rows)]: the row of x each operand row reads. Padding rows repeat
-    the last real row, so they compute its values again and their stores (to that row)
-    write what it writes: no masks, nothing out of bounds."""
-    return jnp.minimum(jnp.arange(operand_rows(rows), dtype=jnp.int32), rows - 1)
-
-
-def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False, scale=None, rows=1):
+def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False, scale=None):
     """The weight stream of one program: for each w_ref (rows [n, K] of W), its rows
     times prologue(x), f32 [n], the RMSNorm's 1 / rms applied. A w_ref may also be
     (ref, pl.ds(row0, n)): those rows of a whole weight (Triton takes one indexer per
@@ -198,18 +185,11 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
     mma: each [n, block_d] weight tile goes through a tensor-core dot with h in row 0 of
     a [16, block_d] operand (zeros below), accumulating [16, n] (default_mma_blocks).
     scale: an f32 scalar the silu_mul prologue's gate and up values are first multiplied by
-    (rounded to x's dtype): the 1 / rms of an RMSNorm handed over (ref_fused_linear).
-    rows > 1 (mma only): x has that many rows, all in the dot's operand (row_index), and
-    each result is f32 [operand_rows(rows), n]; scale is then f32 [operand_rows(rows)]."""
+    (rounded to x's dtype): the 1 / rms of an RMSNorm handed over (ref_fused_linear)."""
     f32 = jnp.float32
     w_refs = [w if isinstance(w, tuple) else (w, slice(None)) for w in w_refs]
     dt = w_refs[0][0].dtype
     rows_of = [w.shape[0] if isinstance(r, slice) else r.size for w, r in w_refs]
-    if rows > 1:
-        if not mma:
-            raise ValueError("stream_rows: more than one row of x needs the tensor-core (mma) form")
-        return _stream_rows_multi(x_ref, w_refs, rows_of, norm_ref, prologue=prologue, K=K, block_d=block_d,
-                                  eps=eps, scale=scale, rows=rows)
 
     def body(i, carry):
         accs, ss = carry
@@ -252,65 +232,11 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
     return ys
 
 
-def _stream_rows_multi(x_ref, w_refs, rows_of, norm_ref, *, prologue, K, block_d, eps, scale, rows):
-    """stream_rows for 2-16 rows of x (batch-2-16 decode, batch-1 verification): each
-    operand row is a row of x (row_index), so the tensor-core dot that carries one row at
-    batch 1 carries them all for the same weight bytes. Per row the maths is the one-row
-    stream's."""
-    f32 = jnp.float32
-    dt = w_refs[0][0].dtype
-    R = operand_rows(rows)
-    ridx = row_index(rows)
-
-    def x_rows(c0):
-        if rows == R and os.environ.get("JSPEC_X_GATHER", "0") != "1":  # no padding rows: a block load
-            return x_ref[pl.ds(0, R), pl.ds(c0, block_d)]
-        return x_ref[ridx, pl.ds(c0, block_d)]
-
-    def body(i, carry):
-        accs, ss = carry
-        d0 = pl.multiple_of(i * block_d, block_d)
-        xs = x_rows(d0).astype(f32)  # [R, block_d]
-        if prologue == "rmsnorm":  # factored out of the dot, as in stream_rows
-            v = os.environ.get("JSPEC_SS", "carry")
-            if v == "carry":
-                ss = ss + xs * xs
-            elif v == "reduce":
-                ss = ss + jnp.sum(xs * xs, axis=1)
-            elif v == "mma":  # x x^T on the tensor cores: its diagonal is sum(x^2) (bf16 products exact in f32)
-                xb = xs.astype(x_ref.dtype)
-                ss = ss + plt.dot(xb, xb, trans_b=True)
-            h = (xs * norm_ref[pl.ds(d0, block_d)].astype(f32)[None, :]).astype(dt)
-        elif prologue == "silu_mul":
-            us = x_rows(K + d0).astype(f32)
-            if scale is not None:
-                xs = (xs * scale[:, None]).astype(x_ref.dtype).astype(f32)
-                us = (us * scale[:, None]).astype(x_ref.dtype).astype(f32)
-            h = silu_mul_rounded(xs, us, x_ref.dtype).astype(dt)
-        else:
-            h = xs.astype(dt)
-        return tuple(a + plt.dot(h, w[r, pl.ds(d0, block_d)], trans_b=True) for a, (w, r) in zip(accs, w_refs)), ss
-
-    v = os.environ.get("JSPEC_SS", "carry")
-    init = (tuple(jnp.zeros((R, n), f32) for n in rows_of),
-            jnp.zeros((R, block_d) if prologue == "rmsnorm" and v == "carry" else (R, R) if v == "mma" else (R,), f32))
-    ys, ss = lax.fori_loop(0, K // block_d, body, init)
-    if prologue == "rmsnorm":
-        if v == "carry":
-            ss = jnp.sum(ss, axis=1)
-        elif v == "mma":
-            eye = lax.broadcasted_iota(jnp.int32, (R, R), 0) == lax.broadcasted_iota(jnp.int32, (R, R), 1)
-            ss = jnp.sum(jnp.where(eye, ss, 0.0), axis=1)
-        ys = tuple(y * lax.rsqrt(ss / K + eps)[:, None] for y in ys)
-    return list(ys)
-
-
-def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_sumsq, has_bias, has_res, has_next, mma,
-            rows=1):
-    # refs: x [M, K_in] (whole), w [block_f, K] (this program's rows), [norm_w [K]],
-    # [sumsq f32[M, n] (whole)], [bias [F]], [residual [M, F]], [next_norm_w [F]],
-    # out [M, F] (whole; this program writes its columns), [out * next_norm_w [M, F],
-    # f32[M, programs] (this program's sums of out^2)]. M = rows.
+def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_sumsq, has_bias, has_res, has_next, mma):
+    # refs: x [1, K_in] (whole), w [block_f, K] (this program's rows), [norm_w [K]],
+    # [sumsq f32[1, n] (whole)], [bias [F]], [residual [1, F]], [next_norm_w [F]],
+    # out [1, F] (whole; this program writes its columns), [out * next_norm_w [1, F],
+    # f32[1, programs] (this program's sum of out^2)].
     x_ref, w_ref, *rest = refs
     norm_ref = rest.pop(0) if has_norm else None
     sumsq_ref = rest.pop(0) if has_sumsq else None
@@ -319,9 +245,6 @@ def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_sumsq, has_
     next_ref = rest.pop(0) if has_next else None
     o_ref, *next_outs = rest
     f32 = jnp.float32
-    if rows > 1:
-        return _kernel_rows(x_ref, w_ref, norm_ref, sumsq_ref, bias_ref, res_ref, next_ref, o_ref, next_outs,
-                            prologue=prologue, K=K, block_f=block_f, block_d=block_d, eps=eps, rows=rows)
     scale = None
     if has_sumsq:  # the handed-over RMSNorm's 1 / rms (the residual stream is this kernel's output width)
         # (Computed before the stream, this load delays the first weight tiles: down_proj
@@ -345,63 +268,30 @@ def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_sumsq, has_
         ss_ref[0, pl.ds(i, 1)] = jnp.full((1,), jnp.sum(yf * yf), f32)
 
 
-def _kernel_rows(x_ref, w_ref, norm_ref, sumsq_ref, bias_ref, res_ref, next_ref, o_ref, next_outs, *, prologue, K,
-                 block_f, block_d, eps, rows):
-    """_kernel's epilogue for 2-16 rows: the same per row, on [operand_rows, block_f] tiles
-    whose padding rows repeat (and store again) the last real row (row_index)."""
-    f32 = jnp.float32
-    ridx = row_index(rows)
-    scale = None
-    if sumsq_ref is not None:  # the handed-over RMSNorm's 1 / rms, one per row
-        scale = lax.rsqrt(jnp.sum(sumsq_ref[ridx, :], axis=1) / o_ref.shape[1] + eps)
-    (y,) = stream_rows(x_ref, [w_ref], norm_ref, prologue=prologue, K=K, block_d=block_d, eps=eps, mma=True,
-                       scale=scale, rows=rows)  # [R, block_f]
-    i = pl.program_id(0)
-    cols = pl.ds(i * block_f, block_f)
-    y = y.astype(o_ref.dtype)
-    if bias_ref is not None:
-        y = (y.astype(f32) + bias_ref[cols].astype(f32)[None, :]).astype(o_ref.dtype)
-    if res_ref is not None:
-        y = (res_ref[ridx, cols].astype(f32) + y.astype(f32)).astype(o_ref.dtype)
-    o_ref[ridx, cols] = y
-    if next_ref is not None:
-        hn_ref, ss_ref = next_outs
-        yf = y.astype(f32)
-        hn_ref[ridx, cols] = (yf * next_ref[cols].astype(f32)[None, :]).astype(hn_ref.dtype)
-        ss_ref[ridx, pl.ds(i, 1)] = jnp.sum(yf * yf, axis=1, keepdims=True)
-
-
 @functools.partial(jax.jit, static_argnames=("prologue", "eps", "out_dtype", "blocks", "interpret"))
 def fused_linear_gpu(x, w, norm_w=None, bias=None, residual=None, *, prologue="none", eps=1e-6, out_dtype=None,
                      blocks=None, interpret=False, sumsq=None, next_norm_w=None):
-    """The kernel on M rows, x: [M, K_in], M <= MAX_KERNEL_ROWS (M > 1: bf16 / f16
-    weights, the tensor-core form). blocks: (block_f, block_d, num_warps, num_stages[,
-    mma]), or None for default_mma_blocks, else default_blocks. sumsq f32[M, n] /
-    next_norm_w [F]: the RMSNorm hand-over (ref_fused_linear); with next_norm_w it returns
-    (y, y * next_norm_w, f32[M, programs]), one partial sum per row and program. A sumsq
+    """The kernel on one row, x: [1, K_in]. blocks: (block_f, block_d, num_warps,
+    num_stages[, mma]), or None for default_mma_blocks, else default_blocks. sumsq
+    f32[1, n] / next_norm_w [F]: the RMSNorm hand-over (ref_fused_linear); with next_norm_w
+    it returns (y, y * next_norm_w, f32[1, programs]), one partial sum per program. A sumsq
     whose n is not a power of two is zero-padded here (Triton loads power-of-two blocks)."""
     F, K = w.shape
-    M = x.shape[0]
     bf, bd, warps, stages, *mma = blocks or default_mma_blocks(F, K, w.dtype) or default_blocks(F, K)
     mma = bool(mma and mma[0])
-    if M > 1 and not mma:
-        raise ValueError(f"fused_linear_gpu: {M} rows need the tensor-core tiles (bf16 / f16 weights, "
-                         f"default_mma_blocks), got blocks {blocks} for a {w.dtype} weight")
-    if M > MAX_KERNEL_ROWS:
-        raise ValueError(f"fused_linear_gpu: at most {MAX_KERNEL_ROWS} rows, got x of shape {x.shape}")
     whole = pl.BlockSpec()
     if sumsq is not None and sumsq.shape[-1] & (sumsq.shape[-1] - 1):
         sumsq = jnp.pad(sumsq, ((0, 0), (0, _next_pow2(sumsq.shape[-1]) - sumsq.shape[-1])))
     inputs = [x, w] + [a for a in (norm_w, sumsq, bias, residual, next_norm_w) if a is not None]
     in_specs = [whole, pl.BlockSpec((bf, K), lambda i: (i, 0))] + [whole] * (len(inputs) - 2)
     dt = jnp.dtype(out_dtype or w.dtype)
-    out_shape = jax.ShapeDtypeStruct((M, F), dt)
+    out_shape = jax.ShapeDtypeStruct((1, F), dt)
     if next_norm_w is not None:
-        out_shape = (out_shape, out_shape, jax.ShapeDtypeStruct((M, F // bf), jnp.float32))
+        out_shape = (out_shape, out_shape, jax.ShapeDtypeStruct((1, F // bf), jnp.float32))
     return pl.pallas_call(
         functools.partial(_kernel, prologue=prologue, K=K, block_f=bf, block_d=bd, eps=eps,
                           has_norm=norm_w is not None, has_sumsq=sumsq is not None, has_bias=bias is not None,
-                          has_res=residual is not None, has_next=next_norm_w is not None, mma=mma, rows=M),
+                          has_res=residual is not None, has_next=next_norm_w is not None, mma=mma),
         grid=(F // bf,),
         in_specs=in_specs,
         out_specs=(whole, whole, whole) if next_norm_w is not None else whole,
@@ -409,7 +299,7 @@ def fused_linear_gpu(x, w, norm_w=None, bias=None, residual=None, *, prologue="n
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name=f"fused_linear_{prologue}_f{bf}_d{bd}{'_mma' if mma else ''}"
-             f"{'_norm_out' if next_norm_w is not None else ''}{f'_m{M}' if M > 1 else ''}",
+             f"{'_norm_out' if next_norm_w is not None else ''}",
     )(*inputs)
 
 
@@ -421,33 +311,24 @@ def _next_pow2(n: int) -> int:
 # XLA's autotuned GEMM against 3.9 here (60.3 vs 55.8-58.2 us on the H200), more than the
 # RMSNorm kernel it would save (~1.3 us). The lm_head has nothing to fuse.
 MAX_KERNEL_FEATURES = 16384
-# Rows of x the kernel takes (more go to XLA's GEMMs): all of them ride in the
-# tensor-core dot's 16-row activation operand, so 2-16 rows stream the same weight bytes
-# as one (batch-2-16 decode, and batch-1 verification of up to 16 tokens).
-# Experiment (fourteenth session): off by default; JSPEC_KERNEL_ROWS=16 turns it on (read at import).
-MAX_KERNEL_ROWS = int(os.environ.get("JSPEC_KERNEL_ROWS", "1"))
 
 
-def _kernel_shape_ok(impl, rows, w_shape, fused, dtype=None) -> bool:
-    if not (impl in ("gpu", "interpret") and fused and w_shape[0] <= MAX_KERNEL_FEATURES
-            and default_blocks(*w_shape) is not None):
-        return False
-    return rows == 1 or (1 < rows <= MAX_KERNEL_ROWS and dtype is not None
-                         and default_mma_blocks(*w_shape, dtype) is not None)
+def _kernel_shape_ok(impl, rows, w_shape, fused) -> bool:
+    return (impl in ("gpu", "interpret") and rows == 1 and fused and w_shape[0] <= MAX_KERNEL_FEATURES
+            and default_blocks(*w_shape) is not None)
 
 
 def use_kernel(impl, x, w, prologue, residual) -> bool:
-    """Whether fused_linear runs the kernel: GPU impls, one row (batch-1 decode) or up to
-    MAX_KERNEL_ROWS rows with bf16 / f16 weights (the tensor-core form), something to fuse
-    (a prologue or a residual: a bare GEMV is as fast through XLA), at most
+    """Whether fused_linear runs the kernel: GPU impls, one row (batch-1 decode), something
+    to fuse (a prologue or a residual: a bare GEMV is as fast through XLA), at most
     MAX_KERNEL_FEATURES outputs, and power-of-2 tiles that divide the weight."""
     rows = 1
     for n in x.shape[:-1]:
         rows *= n
-    return _kernel_shape_ok(impl, rows, w.shape, prologue != "none" or residual is not None, w.dtype)
+    return _kernel_shape_ok(impl, rows, w.shape, prologue != "none" or residual is not None)
 
 
-def norm_handoff(impl, rows, o_shape, down_shape, dtype=None) -> bool:
+def norm_handoff(impl, rows, o_shape, down_shape) -> bool:
     """Whether a decoder layer hands its post-attention RMSNorm over from o_proj to down_proj
     (both kernels run): o_proj's kernel also writes h * norm_w and per-program sums of h^2,
     XLA's gate_up GEMM reads h * norm_w as is, and down_proj's kernel scales the gate|up
@@ -461,7 +342,7 @@ def norm_handoff(impl, rows, o_shape, down_shape, dtype=None) -> bool:
     measurements)."""
     if os.environ.get("JSPEC_NORM_HANDOFF", "1").strip() == "0":
         return False
-    return _kernel_shape_ok(impl, rows, o_shape, True, dtype) and _kernel_shape_ok(impl, rows, down_shape, True, dtype)
+    return _kernel_shape_ok(impl, rows, o_shape, True) and _kernel_shape_ok(impl, rows, down_shape, True)
 
 
 def fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, residual=None, out_dtype=None,
@@ -473,11 +354,10 @@ def fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, res
         return ref_fused_linear(x, w, prologue=prologue, norm_w=norm_w, eps=eps, bias=bias, residual=residual,
                                 out_dtype=out_dtype, sumsq=sumsq, next_norm_w=next_norm_w)
     lead, F = x.shape[:-1], w.shape[0]
-    M = x.size // x.shape[-1]
     out = fused_linear_gpu(
-        x.reshape(M, x.shape[-1]), w, norm_w, bias, None if residual is None else residual.reshape(M, F),
+        x.reshape(1, x.shape[-1]), w, norm_w, bias, None if residual is None else residual.reshape(1, F),
         prologue=prologue, eps=float(eps), out_dtype=None if out_dtype is None else jnp.dtype(out_dtype).name,
-        interpret=impl == "interpret", sumsq=None if sumsq is None else sumsq.reshape(M, sumsq.shape[-1]),
+        interpret=impl == "interpret", sumsq=None if sumsq is None else sumsq.reshape(1, sumsq.shape[-1]),
         next_norm_w=next_norm_w,
     )
     if next_norm_w is None:

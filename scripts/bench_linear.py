@@ -160,7 +160,7 @@ def main():
            "linear": [], "rope": []}
     shapes = TINY if args.quick or not gpu else LLAMA_8B
     for name, F, K, pro, res in ([] if args.qkv_rope_only else shapes):
-        for M in (1, 8, 16):  # shapes use_kernel keeps with XLA (kernel=0) time XLA twice, for contrast
+        for M in (1, 8):  # M > 1 (and shapes use_kernel keeps with XLA) run XLA: kernel=0, for contrast
             r = linear_case(name, F, K, pro, res, M, impl, args.quick, timing=gpu)
             out["linear"].append(r)
             t = f" fused {r['fused_us']:7.1f} us ({r['fused_TBps']:.2f} TB/s) xla {r['xla_us']:7.1f} us " \

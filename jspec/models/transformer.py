@@ -95,7 +95,7 @@ class DecoderLayer(nn.Module):
         ln1 = RMSNorm(c.rms_norm_eps, self.dtype, c.hidden_size, name="input_layernorm")()
         ln2 = RMSNorm(c.rms_norm_eps, self.dtype, c.hidden_size, name="post_attention_layernorm")()
         handoff = norm_handoff(self.linear_impl, x.shape[0] * x.shape[1], (c.hidden_size, c.q_size),
-                               (c.hidden_size, c.intermediate_size), self.dtype)
+                               (c.hidden_size, c.intermediate_size))
         x, k_pages, v_pages = Attention(c, self.dtype, self.attn_impl, linear_impl=self.linear_impl, name="attn")(
             x, meta, k_pages, v_pages, norm_w=ln1, residual=x, rope=rope, next_norm_w=ln2 if handoff else None)
         mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.linear_impl, name="mlp")
