@@ -15,6 +15,7 @@ trace time, so set it before the first call of a jitted function.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
@@ -40,3 +41,19 @@ def resolve_impl(impl: str = "auto") -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS + ('auto',)}")
     return impl
+
+
+_log = logging.getLogger("jspec.kernels")
+_fallbacks_logged: set = set()
+
+
+def shape_fallback(kernel: str, impl: str, reason: str | None) -> str:
+    """``impl``, or "reference" (the jnp / XLA path) when ``reason`` says the kernel
+    cannot take the shape (e.g. a head_dim its tiles do not cover). A model with such a
+    shape still runs, on XLA; one log line per kernel and reason says so."""
+    if reason is None:
+        return impl
+    if (kernel, reason) not in _fallbacks_logged:
+        _fallbacks_logged.add((kernel, reason))
+        _log.warning("%s: %s; using the XLA path instead of the %r kernel", kernel, reason, impl)
+    return "reference"

@@ -113,19 +113,19 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lens, positions, causal=
     JSPEC_KERNEL_IMPL, else by jax.default_backend()). Kernels run in the KV cache dtype;
     the output is in q.dtype like the reference's.
     """
-    from kernels_pallas.dispatch import resolve_impl  # local: keeps this module's imports light
+    from kernels_pallas import paged_attention_gpu as gpu, paged_attention_tpu as tpu  # local: light imports
+    from kernels_pallas.dispatch import resolve_impl, shape_fallback
 
     validate(q, k_pages, v_pages, page_table, kv_lens, positions, causal)
     impl = resolve_impl(impl)
+    if impl != "reference":
+        kernel = gpu if impl in ("gpu", "interpret") else tpu
+        impl = shape_fallback("paged_attention", impl, kernel.unsupported_shape(q.shape[-1]))
     if impl == "reference":
         return ref_paged_attention(q, k_pages, v_pages, page_table, kv_lens, positions, causal, sm_scale=sm_scale)
     args = (q.astype(k_pages.dtype), k_pages, v_pages, page_table, kv_lens, positions, causal)
     if impl in ("gpu", "interpret"):
-        from kernels_pallas.paged_attention_gpu import paged_attention_gpu
-
-        out = paged_attention_gpu(*args, sm_scale=sm_scale, interpret=impl == "interpret")
+        out = gpu.paged_attention_gpu(*args, sm_scale=sm_scale, interpret=impl == "interpret")
     else:  # "tpu" | "tpu_interpret"
-        from kernels_pallas.paged_attention_tpu import paged_attention_tpu
-
-        out = paged_attention_tpu(*args, sm_scale=sm_scale, interpret=impl == "tpu_interpret")
+        out = tpu.paged_attention_tpu(*args, sm_scale=sm_scale, interpret=impl == "tpu_interpret")
     return out.astype(q.dtype)

@@ -67,10 +67,18 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def unsupported_shape(head_dim: int) -> str | None:
+    """Why the Triton kernel cannot take this head_dim (its dot tiles are powers of 2
+    >= 16), or None. The public entry then runs the XLA path instead."""
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        return f"head_dim {head_dim} is not a power of 2 >= 16"
+    return None
+
+
 def validate_gpu(q, k_pages, *, block_rows, block_kv, kv_splits, split_combine="kernel"):
     """Trace-time checks for what the Triton lowering needs (power-of-2 tiles)."""
     D = q.shape[-1]
-    if D & (D - 1) or D < 16:
+    if unsupported_shape(D):
         raise ValueError(f"head_dim must be a power of 2 >= 16 for the Triton kernel, got {D}")
     if q.dtype != k_pages.dtype:
         raise ValueError(f"q dtype {q.dtype} must match the KV cache dtype {k_pages.dtype}")

@@ -37,10 +37,15 @@ NEG_INF = -1e30  # finite: exp(NEG_INF - NEG_INF) stays defined for rows with no
 NONCAUSAL_POS = 2**30  # row position of DFlash rows: sees every key below kv_len
 
 
+def unsupported_shape(head_dim: int) -> str | None:
+    """Why the Mosaic kernel cannot take this head_dim (it tiles D by 128 lanes), or None."""
+    return f"head_dim {head_dim} is not a multiple of 128" if head_dim % 128 else None
+
+
 def validate_tpu(q, k_pages, *, pages_per_block, block_rows):
     """Trace-time checks for the Mosaic TPU tiling this kernel relies on."""
     D = q.shape[-1]
-    if D % 128:
+    if unsupported_shape(D):
         raise ValueError(f"head_dim must be a multiple of 128 (TPU lanes), got {D}")
     if q.dtype != k_pages.dtype:
         raise ValueError(f"q dtype {q.dtype} must match the KV cache dtype {k_pages.dtype}")

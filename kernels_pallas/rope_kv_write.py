@@ -26,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas.dispatch import shape_fallback
 from kernels_pallas.fused_linear import rms_norm
 from kernels_pallas.paged_attention import write_kv
 from kernels_pallas.paged_attention_gpu import _next_pow2
@@ -158,6 +159,13 @@ def rope_kv_write_gpu(qkv, cos, sin, slot_mapping, k_pages, v_pages, q_norm_w=No
     return q.reshape(M, H, D), k.reshape(P, S, KVH, D), v.reshape(P, S, KVH, D)
 
 
+def unsupported_shape(head_dim: int) -> str | None:
+    """Why the kernel cannot take this head_dim (Triton loads half-rows of D / 2 lanes,
+    a power of 2), or None."""
+    half = head_dim // 2
+    return None if half >= 1 and not half & (half - 1) else f"head_dim {head_dim} is not twice a power of 2"
+
+
 def validate(qkv, cos, slot_mapping, k_pages, v_pages, q_norm_w, k_norm_w, num_heads):
     P, S, KVH, D = k_pages.shape
     if v_pages.shape != k_pages.shape:
@@ -180,6 +188,8 @@ def rope_kv_write(qkv, cos, sin, slot_mapping, k_pages, v_pages, q_norm_w=None, 
                   eps=1e-6, impl="reference"):
     """Public entry: impl "gpu" / "interpret" run the kernel, anything else the reference."""
     validate(qkv, cos, slot_mapping, k_pages, v_pages, q_norm_w, k_norm_w, num_heads)
+    if impl in ("gpu", "interpret"):
+        impl = shape_fallback("rope_kv_write", impl, unsupported_shape(k_pages.shape[-1]))
     if impl in ("gpu", "interpret"):
         return rope_kv_write_gpu(qkv, cos, sin, slot_mapping, k_pages, v_pages, q_norm_w, k_norm_w,
                                  num_heads=num_heads, eps=float(eps), interpret=impl == "interpret")

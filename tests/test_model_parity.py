@@ -9,6 +9,7 @@ import torch
 from jspec.checkpoint.target import load_target
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.transformer import Transformer
+from conftest import hf_checkpoint
 
 PROMPT_LEN, DECODE_STEPS, PAGE = 40, 8, 8
 
@@ -61,3 +62,27 @@ def test_greedy_generate_matches_transformers(target):
             ref = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
         assert out.token_ids == ref[0, len(p):].tolist(), kind
+
+
+def test_unsupported_head_dim_falls_back_to_xla(ckpt_root, caplog):
+    """Qwen3's tiny head_dim 24 fits neither the GPU kernels' power-of-2 tiles nor the TPU
+    kernel's 128 lanes: with the kernels asked for (GPU kernel bodies in Pallas'
+    interpreter, as on a GPU) the engine runs the XLA path with one log line, and greedy
+    output still equals transformers'."""
+    import logging
+
+    import jspec
+
+    folder, hf = hf_checkpoint(ckpt_root, "qwen3")
+    prompt = [int(t) for t in np.random.default_rng(4).integers(3, 384, size=12)]
+    with caplog.at_level(logging.WARNING, logger="jspec.kernels"):
+        llm = jspec.LLM(folder, max_num_seqs=1, max_model_len=64, page_size=8, attn_impl="interpret",
+                        linear_impl="interpret")
+        out = llm.generate([prompt], jspec.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    assert out.token_ids == ref[0, len(prompt):].tolist()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("paged_attention: head_dim 24 is not a power of 2" in m for m in msgs), msgs
+    assert any("rope_kv_write: head_dim 24 is not twice a power of 2" in m for m in msgs), msgs
