@@ -182,17 +182,19 @@ def clear(eng):
         eng.abort_request(s.request_id)
 
 
-def compile_decode(eng, B, ctx, max_tokens):
-    """Compile the decode shapes (page-table widths) a batch grows through from ctx to
-    ctx + max_tokens, so that no bucket crossing recompiles inside the timed loop."""
+def compile_decode(eng, B, ctx, steps):
+    """Compile the decode shapes (page-table widths) a batch grows through from ctx over
+    ``steps`` engine steps, so that no bucket crossing recompiles inside the timed loop."""
     from jspec.engine.buckets import pick
 
     r, c = eng.runner, eng.config
     pages = lambda n: pick(r.buckets.pages, -(-n // c.page_size))  # noqa: E731
-    # Async scheduling reserves pages two calls ahead.
-    lo, hi = pages(ctx + 1), pages(min(ctx + max_tokens + 2 * c.num_scheduler_steps, eng.max_model_len))
+    per_step = eng.K + 1 if eng.spec is not None else c.num_scheduler_steps
+    # Async scheduling reserves pages two calls ahead; speculation a lookahead past the step.
+    hi = min(ctx + (steps + 2) * per_step + eng.lookahead, eng.max_model_len + eng.lookahead)
+    lo, hi = pages(ctx + 1), pages(hi)
     shapes = [s for s in r.warmup_shapes(c.num_scheduler_steps, eng._async)
-              if s[0] == pick(r.buckets.batch, B) and s[1] == 1 and lo <= s[2] <= hi]
+              if s.decode and s.batch == pick(r.buckets.batch, B) and lo <= s.pages <= hi]
     r.warmup(shapes=shapes)
 
 
@@ -201,7 +203,7 @@ def engine_decode(eng, B, ctx, rng, steps):
     a CRC of the generated tokens (same weights and prompts: runs under other XLA flags or
     kernels must reproduce it, a check that no launch setting races)."""
     seqs = inject(eng, B, ctx, rng, max_tokens=eng.max_model_len)
-    compile_decode(eng, B, ctx, (steps + 3) * eng.config.num_scheduler_steps)
+    compile_decode(eng, B, ctx, steps + 3)
     for _ in range(3):  # warm
         eng.step()
     n0 = eng.num_generation_tokens

@@ -8,6 +8,7 @@ is at most |batch buckets| x (|prefill buckets| + 1) x |page buckets|.
 
 from __future__ import annotations
 
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,16 @@ class StepInput:
     top_p: jax.Array  # f32[B]
     seeds: jax.Array  # i32[B]      request seed folded to 32 bits
     sample_pos: jax.Array  # i32[B]  position of the token being sampled (RNG key)
+
+
+class StepShape(NamedTuple):
+    """One compiled shape of a runner's jitted step (``warmup_shapes``)."""
+
+    batch: int  # B bucket
+    q: int  # Q: tokens per row (1 decode, K + 1 verification, a prefill chunk bucket)
+    pages: int  # W: page-table width bucket
+    steps: int = 0  # ModelRunner: 0 the plain step, >= 1 a fed-back decode call of that many steps
+    decode: bool = False  # a decode (or verification) step, not a prefill chunk
 
 
 def fold_seed(seed: int) -> int:
@@ -225,27 +236,32 @@ class ModelRunner:
         sampled = np.asarray(self.run(inp))
         return [[int(sampled[i])] if sched.seqs[i].sample else [] for i in range(n)]
 
-    def warmup_shapes(self, num_scheduler_steps: int = 1, async_scheduling: bool = False):
-        """Every (B, Q, W, steps) the step may compile for: the bounded, known set (steps 0:
-        the plain step; >= 1: the fed-back decode call, which with async scheduling and one
-        step per call serves every decode step, so the plain Q = 1 step is never needed)."""
+    def warmup_shapes(self, num_scheduler_steps: int = 1, async_scheduling: bool = False) -> list[StepShape]:
+        """Every shape the step may compile for: the bounded, known set (steps 0: the plain
+        step; >= 1: the fed-back decode call, which with async scheduling and one step per
+        call serves every decode step, so the plain Q = 1 step is never needed)."""
         plain_decode = num_scheduler_steps > 1 or not async_scheduling
         fed = num_scheduler_steps if num_scheduler_steps > 1 or async_scheduling else 0
+        shapes = []
         for B in self.buckets.batch:
             for Q in ((1,) if plain_decode else ()) + self.buckets.prefill_q:
-                for W in self.buckets.pages:
-                    yield B, Q, W, 0
+                shapes += [StepShape(B, Q, W, 0, decode=Q == 1) for W in self.buckets.pages]
             if fed:
-                for W in self.buckets.pages:
-                    yield B, 1, W, fed
+                shapes += [StepShape(B, 1, W, fed, decode=True) for W in self.buckets.pages]
+        return shapes
 
     def warmup(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None):
         """Compile every bucket (or ``shapes``, a subset of ``warmup_shapes``) with empty rows
         (all writes dropped: the cache is unchanged)."""
-        drop = self.num_pages * self.page_size
-        for B, Q, W, steps in shapes or self.warmup_shapes(num_scheduler_steps, async_scheduling):
-            zi = lambda *s: np.zeros(s, np.int32)  # noqa: E731
-            meta = AttentionMetadata(zi(B, W), zi(B), zi(B, Q), np.full((B, Q), drop, np.int32), np.ones((B,), bool))
-            self.run(StepInput(zi(B, Q), meta, zi(B), np.zeros((B,), np.float32), zi(B), np.ones((B,), np.float32),
-                               zi(B), zi(B)), steps)
+        for shape in shapes or self.warmup_shapes(num_scheduler_steps, async_scheduling):
+            self.run(self.empty_input(shape.batch, shape.q, shape.pages), shape.steps)
         jax.block_until_ready(self.kv)
+
+    def empty_input(self, B: int, Q: int, W: int) -> StepInput:
+        """A step input of B empty rows (q_lens 0, every slot dropped): compiles a shape
+        without touching the caches."""
+        zi = lambda *s: np.zeros(s, np.int32)  # noqa: E731
+        drop = self.num_pages * self.page_size
+        meta = AttentionMetadata(zi(B, W), zi(B), zi(B, Q), np.full((B, Q), drop, np.int32), np.ones((B,), bool))
+        return StepInput(zi(B, Q), meta, zi(B), np.zeros((B,), np.float32), zi(B), np.ones((B,), np.float32),
+                         zi(B), zi(B))

@@ -25,7 +25,7 @@ from jspec.drafters import DFlashDrafter, Eagle3Drafter
 from jspec.drafters.config import DrafterConfig
 from jspec.drafters.propose import dflash_propose, eagle3_propose, peagle_propose
 from jspec.engine.packing import pack
-from jspec.engine.runner import ModelRunner, StepInput
+from jspec.engine.runner import ModelRunner, StepInput, StepShape
 from jspec.engine.scheduler import SchedulerOutput
 from jspec.models.transformer import Transformer
 from jspec.speculative_config import SpeculativeConfig
@@ -145,16 +145,38 @@ class SpecModelRunner(ModelRunner):
                 pair_next[i, : len(nxt)] = nxt
         return SpecInput(base, num_draft, pair_next, sample, rows), n, decode
 
-    def execute_spec(self, sched: SchedulerOutput, prob_rows: dict) -> SpecStepResult:
-        inp, n, decode = self.build_spec_input(sched, prob_rows)
+    def run_spec(self, inp: SpecInput, decode: bool) -> jax.Array:
+        """One jitted speculative step on a host-built input, returned without waiting for
+        the device: i32[B, (K+1) + 1 + K] = emitted tokens | count | next drafts."""
         ints, floats, layout = pack(inp)
         self.kv, self.dkv, self.probs_buf, packed = self._spec_step(
             self.params, self.dparams, self.kv, self.dkv, self.probs_buf, self.synthetic_rates, ints, floats,
             decode=decode, layout=self._layout_id(layout), filtering=self._filtering(inp.base),
         )
-        packed = np.asarray(packed)[:n]
+        return packed
+
+    def execute_spec(self, sched: SchedulerOutput, prob_rows: dict) -> SpecStepResult:
+        inp, n, decode = self.build_spec_input(sched, prob_rows)
+        packed = np.asarray(self.run_spec(inp, decode))[:n]
         K1 = self.K + 1
         return SpecStepResult(packed[:, :K1], packed[:, K1], packed[:, K1 + 1 :])
 
-    def warmup(self):
-        raise NotImplementedError("warmup of the speculative step is not implemented; it compiles on first use")
+    def warmup_shapes(self, num_scheduler_steps: int = 1, async_scheduling: bool = False) -> list[StepShape]:
+        """Every shape the speculative step compiles for: verification (Q = K + 1) and the
+        prefill chunk buckets, for each batch and page-table bucket. (Speculation has no
+        multi-step or fed-back calls: the arguments are the plain runner's, ignored.)"""
+        qs = [(self.K + 1, True)] + [(Q, False) for Q in self.buckets.prefill_q]
+        return [StepShape(B, Q, W, 0, decode) for B in self.buckets.batch for Q, decode in qs
+                for W in self.buckets.pages]
+
+    def warmup(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None):
+        """Compile every shape (or ``shapes``, a subset of ``warmup_shapes``) with empty rows:
+        no row samples or drafts, every target and drafter write is dropped, so the caches
+        and the draft-probability buffer keep their contents."""
+        for sh in shapes or self.warmup_shapes():
+            B, Q = sh.batch, sh.q
+            zeros = np.zeros((B,), np.int32)
+            inp = SpecInput(self.empty_input(B, Q, sh.pages), zeros, np.zeros((B, Q), np.int32),
+                            np.zeros((B,), bool), zeros)
+            self.run_spec(inp, sh.decode)
+        jax.block_until_ready((self.kv, self.dkv))
