@@ -154,7 +154,7 @@ def default_mma_blocks(F: int, K: int, dtype):
     weight tile feeds a tensor-core dot (h in row 0 of a 16-row operand), which Triton
     software-pipelines through shared memory; the elementwise stream's loads it does not.
     From the H200 exploration (2026-11-21, GPU time, two runs of a scratch sweep now in
-    scripts/bench_linear.py --sweep; docs/bench/2026-11-21_v7_explore_gemv_mma*.json):
+    scripts/bench_linear.py --sweep; raw results in git history, commit 2f4c831):
     o [4096, 4096] 11.3 us vs 11.8 elementwise, qkv [6144, 4096] + RMSNorm 15.4-16.0 vs
     17.5, down [4096, 14336] + SwiGLU 31.9 vs 33.1. bf16 / f16 only (an f32 dot would run in
     TF32); None where no tile divides the shape (then default_blocks)."""
@@ -181,7 +181,7 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
     times prologue(x), f32 [n], the RMSNorm's 1 / rms applied. A w_ref may also be
     (ref, pl.ds(row0, n)): those rows of a whole weight (Triton takes one indexer per
     load, so no .at[] view). Shared with kernels_pallas/qkv_rope_kv_write.py (two row
-    blocks per program) and scripts/experiments/explore_mlp_ticket.py.
+    blocks per program) and the ticket-chained MLP experiment (git history, commit 7d2cdd6).
     mma: each [n, block_d] weight tile goes through a tensor-core dot with h in row 0 of
     a [16, block_d] operand (zeros below), accumulating [16, n] (default_mma_blocks).
     scale: an f32 scalar the silu_mul prologue's gate and up values are first multiplied by
@@ -202,7 +202,7 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
             # program (gate_up: +22 us per call on the H200). x^2 accumulates elementwise and
             # is reduced once after the loop: a reduction per K block (a barrier each) cost
             # the qkv projection 0.5-0.65 us per call on the H200
-            # (scripts/experiments/explore_prologue_cost.py).
+            # (docs/benchmarks.md; the script is in git history, commit 99d0c50).
             ss = ss + xs * xs
             h = (xs * norm_ref[pl.ds(d0, block_d)].astype(f32)).astype(dt)
         elif prologue == "silu_mul":
@@ -249,7 +249,7 @@ def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_sumsq, has_
     if has_sumsq:  # the handed-over RMSNorm's 1 / rms (the residual stream is this kernel's output width)
         # (Computed before the stream, this load delays the first weight tiles: down_proj
         # + 1.2 us on the H200. Inside the loop's first iteration, under a cond, it broke the
-        # pipelining: + 3.2 us. scripts/experiments/explore_norm_handoff.py)
+        # pipelining: + 3.2 us. explore_norm_handoff.py in git history, commit 5527950)
         scale = lax.rsqrt(jnp.sum(sumsq_ref[0, :]) / o_ref.shape[1] + eps)
     (y,) = stream_rows(x_ref, [w_ref], norm_ref, prologue=prologue, K=K, block_d=block_d, eps=eps, mma=mma,
                        scale=scale)  # [block_f]
@@ -334,8 +334,8 @@ def norm_handoff(impl, rows, o_shape, down_shape) -> bool:
     XLA's gate_up GEMM reads h * norm_w as is, and down_proj's kernel scales the gate|up
     values by 1 / rms before SwiGLU. The norm's two XLA fusions (reduce, multiply) before
     the gate_up GEMM go away: 2.26 us per layer on the H200 (jax 0.11.2, 2026-11-22,
-    scripts/experiments/explore_balance.py: gate_up 57.94 us with them, 55.68 without),
-    against +0.36 us in o_proj's kernel and +1.0-1.2 in down's (explore_norm_handoff.py).
+    explore_balance.py in git history, commit 4e58a84: gate_up 57.94 us with them, 55.68
+    without), against +0.36 us in o_proj's kernel and +1.0-1.2 in down's (commit 5527950).
     In the engine's decode step (bench.py, batch 1, ctx 512, three interleaved pairs):
     4.15-4.17 ms per token with it, 4.18-4.22 without. o_shape / down_shape: the [out, in]
     weight shapes. JSPEC_NORM_HANDOFF=0 turns it off (read at trace time; for A/B

@@ -10,7 +10,7 @@ device_times(fn, arg_sets, reps) -> {"busy_us": mean GPU busy time per call (eve
 memset and copy the call ran), "union_us": the same as the union of their intervals (below
 busy_us only where kernels overlap, as with PDL), "kernels_us": {kernel name: mean us per call}}.
 time_tilings(make_fn, tilings, arg_sets, ...) -> the same for each tiling of a kernel, best
-first (the tile sweeps of scripts/bench_linear.py and scripts/experiments/).
+first (the tile sweeps of scripts/bench_linear.py).
 """
 
 from __future__ import annotations

@@ -137,7 +137,8 @@ def test_norm_handoff_kernels_match_reference_and_the_unfused_mlp(dtype, F):
 @pytest.mark.parametrize("mma", [False, True])
 def test_stream_rows_takes_row_slices_of_a_whole_weight(mma):
     """(ref, pl.ds(row0, n)) streams those rows of the whole weight, row0 traced (a kernel
-    whose programs pick their rows at run time: scripts/experiments/explore_mlp_ticket.py)."""
+    whose programs pick their rows at run time: the ticket-chained MLP experiment in git
+    history, commit 7d2cdd6)."""
     from jax.experimental import pallas as pl
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 256)).astype(BF16)
     w = (0.1 * jax.random.normal(jax.random.PRNGKey(1), (64, 256))).astype(BF16)
