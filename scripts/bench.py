@@ -6,8 +6,9 @@ already in the cache (random, never zeros), then timed through the real engine l
 next to the bound it is compared with, measured in the same run:
   - decode roofline: (non-embedding weight bytes + KV bytes read) / HBM bandwidth, the
     bandwidth being the best of a bf16 read-only reduction and an f32 read+write copy;
-  - speculative: measured speedup over the same engine without speculation, and ideal
-    speedup tau * T_target(1) / (T_draft + T_target(K+1)) with those times measured here.
+  - speculative: measured speedup over the same engine without speculation, against the
+    physical ideal tau * T(1) / (T(1) + drafter weight bytes / bandwidth); T(K+1) / T(1)
+    and the drafter's time against its bytes / bandwidth.
 
     python scripts/bench.py --section plain              # issue 3 / 7: batch 1..64, ctx 512 / 4096
     python scripts/bench.py --section eagle3             # issue 5
@@ -389,6 +390,22 @@ def drafter_setup(kind, cfg, quick):
     return dc, random_tree(drafter_param_spec(dc), jnp.bfloat16, 1)
 
 
+def drafter_stream_bytes(cfg, dc, dparams) -> int:
+    """Bytes a drafter streams per speculative step at small batch: its own weights, plus
+    the target's lm_head when it borrows it (DFlash without its own head); embeddings
+    are gathered, not streamed."""
+    n = weight_bytes(dparams, skip=("embed_tokens",))
+    if dc.uses_target_lm_head:
+        n += cfg.vocab_size * cfg.hidden_size * 2  # bf16
+    return n
+
+
+def physical_ideal(tau, t1, drafter_bytes, bw_bytes_per_s) -> float:
+    """The speculative speedup bound: verification at the cost of one decode step, the
+    drafter streaming its weights once per step: tau * T(1) / (T(1) + bytes / bandwidth)."""
+    return tau * t1 / (t1 + drafter_bytes / bw_bytes_per_s)
+
+
 def spec_section(args, bw, kind):
     cfg = TINY if args.quick else (LLAMA_8B if kind == "eagle3" else QWEN3_8B)
     params = random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
@@ -400,6 +417,8 @@ def spec_section(args, bw, kind):
         "dflash": [(15, [4.24, 6.5])],
     }[kind]
     dc, dparams = drafter_setup(kind, cfg, args.quick)
+    dbytes = drafter_stream_bytes(cfg, dc, dparams)
+    t_dbound = dbytes / (bw["best_TBps"] * 1e12)
     base = make_engine(cfg, params, max_num_seqs=32 if not args.quick else 4, ctx=ctx, dtype="bfloat16")
     rows = []
     batches = [int(b) for b in args.spec_batches.split(",")] if not args.quick else (1, 4)
@@ -415,6 +434,11 @@ def spec_section(args, bw, kind):
             eng = make_engine(cfg, params, max_num_seqs=32 if not args.quick else 4, ctx=ctx, dtype="bfloat16",
                               spec=spec, drafter=(dc, dparams), extra=(args.steps + 8) * (K + 1) + 64)
             t_draft = draft_time(eng, B, ctx, rng, K)
+            if args.kernels and jax.default_backend() == "gpu":
+                prof = spec_step_kernels(eng, B, ctx, rng, K)
+                print(f"{kind} B={B} K={K} one step: GPU busy {prof['busy_us']:.1f} us", flush=True)
+                for name, us in prof["kernels_us"].items():
+                    print(f"  {us:8.1f} us  {name[:110]}", flush=True)
             for length in lengths:
                 from kernels_pallas.synthetic import conditional_rates, synthetic_rates_from_length
 
@@ -422,16 +446,37 @@ def spec_section(args, bw, kind):
                 eng.spec_metrics.__init__()
                 step, tps, _ = engine_decode(eng, B, ctx, rng, args.steps)
                 tau = eng.spec_metrics.mean_acceptance_length
-                ideal = tau * t1 / (t_draft + tK)
+                ideal = physical_ideal(tau, t1, dbytes, bw["best_TBps"] * 1e12)
                 rows.append(dict(method=kind, batch=B, K=K, synthetic_length=length, tau=tau, tok_s=tps,
                                  base_tok_s=base_tps, speedup=tps / base_tps, ideal=ideal,
                                  measured_over_ideal=(tps / base_tps) / ideal, t_target1_ms=t1 * 1e3,
-                                 t_targetK1_ms=tK * 1e3, t_draft_ms=t_draft * 1e3, spec_step_ms=step * 1e3))
+                                 t_targetK1_ms=tK * 1e3, t_draft_ms=t_draft * 1e3, draft_bound_ms=t_dbound * 1e3,
+                                 drafter_bytes=dbytes, spec_step_ms=step * 1e3))
                 print(f"{kind} B={B:2d} K={K:2d} L={length}: tau {tau:.2f} {tps:8.1f} tok/s (base {base_tps:7.1f}) "
-                      f"speedup {tps/base_tps:4.2f}x ideal {ideal:4.2f}x -> {(tps/base_tps)/ideal:5.1%}; "
-                      f"T1 {t1*1e3:.2f} TK+1 {tK*1e3:.2f} Tdraft {t_draft*1e3:.2f} ms", flush=True)
+                      f"speedup {tps/base_tps:4.2f}x physical ideal {ideal:4.2f}x -> {(tps/base_tps)/ideal:5.1%}; "
+                      f"T1 {t1*1e3:.2f} TK+1 {tK*1e3:.2f} ({tK/t1:.2f}x) Tdraft {t_draft*1e3:.2f} ms "
+                      f"(bytes/bw {t_dbound*1e3:.2f} ms, {t_draft/t_dbound:.2f}x)", flush=True)
             del eng
     return dict(rows=rows)
+
+
+def spec_step_kernels(eng, B, ctx, rng, K, top=30):
+    """Where a speculative step's GPU time goes: one jitted verify + sample + propose call
+    (SpecModelRunner.run_spec) at batch B, by the profiler's kernel records."""
+    from gpu_trace import device_times
+
+    r = eng.runner
+    seqs = inject(eng, B, ctx, rng, max_tokens=8)
+    for s in seqs:
+        s.draft_token_ids = [1] * K
+    sched = SchedulerOutput("decode", [ScheduledSeq(s, K + 1, True) for s in seqs], [])
+    rows = {s.request_id: i for i, s in enumerate(seqs)}
+    inp, _, _ = r.build_spec_input(sched, rows)
+    t = device_times(lambda: r.run_spec(inp, True), [()], reps=10)
+    for s in seqs:
+        s.draft_token_ids = []
+    clear(eng)
+    return dict(busy_us=t["busy_us"], union_us=t["union_us"], kernels_us=dict(list(t["kernels_us"].items())[:top]))
 
 
 def draft_time(eng, B, ctx, rng, K):
@@ -482,6 +527,8 @@ def main():
     ap.add_argument("--spec-batches", default="1,32", help="eagle3/parallel sections: batch sizes")
     ap.add_argument("--ks", default="", help="eagle3/parallel sections: only these K (default: the plan's)")
     ap.add_argument("--methods", default="dflash,peagle", help="parallel section: which drafters")
+    ap.add_argument("--kernels", action="store_true", help="eagle3/parallel sections: profile one speculative "
+                    "step per (batch, K) and print its GPU time by kernel")
     args = ap.parse_args()
     global LINEAR_IMPL, ATTN_IMPL
     LINEAR_IMPL, ATTN_IMPL = args.linear_impl, args.attn_impl

@@ -4,7 +4,8 @@ One tiny untied Llama target (vocab 64) and drafters of every method and layout,
 once per session with transformers / speculators ``save_pretrained``:
 
   eagle3        speculators EAGLE3, 1 layer, reduced draft vocab (48 of 64) + d2t
-  eagle3_orig   the same weights converted to the original LlamaForCausalLMEagle3 layout
+  eagle3_full   speculators EAGLE3, 1 layer, full draft vocabulary (no d2t)
+  eagle3_orig   the eagle3 weights converted to the original LlamaForCausalLMEagle3 layout
   peagle        speculators PEagle, 2 layers, full vocab, own embeddings, mask_hidden
   dflash4       speculators DFlash, block_size 4 (K = 3), reduced vocab + own lm_head
   dflash8_zlab  a block_size 8 (K = 7) DFlash converted to z-lab's DFlashDraftModel layout
@@ -149,6 +150,12 @@ def drafter(name: str) -> str:
         sc = _spec_config("eagle3", "llama", 1, 3, draft_vocab_size=DRAFT_VOCAB, norm_before_residual=True,
                           eagle_aux_hidden_state_layer_ids=AUX)
         _randomize(Eagle3DraftModel(sc), hf, DRAFT_VOCAB, seed=1, fc_col=F, boost=boost).save_pretrained(folder)
+    elif name == "eagle3_full":  # full draft vocabulary: no d2t / t2d maps
+        from speculators.models import Eagle3DraftModel
+
+        sc = _spec_config("eagle3", "llama", 1, 3, draft_vocab_size=V, norm_before_residual=True,
+                          eagle_aux_hidden_state_layer_ids=AUX)
+        _randomize(Eagle3DraftModel(sc), hf, V, seed=4, fc_col=F, boost=boost).save_pretrained(folder)
     elif name == "eagle3_orig":
         from jspec.drafters.convert import speculators_eagle3_to_original
 
@@ -182,7 +189,8 @@ def drafter(name: str) -> str:
     return folder
 
 
-METHOD = {"eagle3": "eagle3", "eagle3_orig": "eagle3", "eagle3_soft": "eagle3", "peagle": "peagle",
+METHOD = {"eagle3": "eagle3", "eagle3_full": "eagle3", "eagle3_orig": "eagle3", "eagle3_soft": "eagle3",
+          "peagle": "peagle",
           "peagle_soft": "peagle", "dflash4": "dflash", "dflash4_soft": "dflash", "dflash8_zlab": "dflash"}
 
 

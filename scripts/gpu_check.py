@@ -1,0 +1,392 @@
+"""The GPU check: what CI (CPU only) cannot see, in one device call.
+
+    # 1. On a CPU machine with the test extra (torch, speculators): build the tiny checkpoints
+    #    and the transformers references once (a few MB; carried to the GPU machine).
+    python scripts/gpu_check.py --build .gpu_check
+    # 2. On the GPU machine (fastapi / uvicorn as wheels if absent there; JSPEC_COMMIT names
+    #    the commit checked where the tree has no .git):
+    JSPEC_COMMIT=<hash> python scripts/gpu_check.py --ckpts .gpu_check --md $OUT/gpu_check.md
+
+Run it whenever jspec/ or kernels_pallas/ change, and commit its docs/gpu_check.md with
+the change (overwritten each run). Each line passes or fails on its own:
+  - speculative greedy == plain greedy on the GPU kernels, every drafter method and layout,
+    float32 and bfloat16, prefix caching on and a page pool small enough to preempt (the
+    tiny target of tests/spec_e2e_helpers.py, whose drafters agree with it through a
+    planted feature, so acceptance is well above 1);
+  - a head_dim (24) that the GPU kernels cannot take runs on the XLA path and matches
+    transformers' greedy output;
+  - the GPU rejection-sampling kernel == its jnp reference on seeded inputs (greedy,
+    probabilistic with draft probabilities, synthetic), at a Llama-3 vocabulary;
+  - LLMEngine.warmup() with a drafter, and ``python -m jspec.serve`` with a drafter
+    answering one OpenAI completion with the greedy tokens;
+  - a quick performance table (scripts/bench.py's measurements, batch 1, bf16 8B shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for p in (ROOT, HERE, os.path.join(ROOT, "tests")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+# (drafter name in tests/spec_e2e_helpers.py, K, what it covers)
+DRAFTERS = [
+    ("eagle3", 3, "EAGLE3 speculators, reduced vocabulary (d2t)"),
+    ("eagle3_full", 3, "EAGLE3 speculators, full vocabulary"),
+    ("eagle3_orig", 7, "EAGLE3 original layout (midlayer.*)"),
+    ("peagle", 7, "PEagle speculators"),
+    ("dflash4", 3, "DFlash speculators"),
+    ("dflash8_zlab", 7, "DFlash z-lab layout"),
+]
+MAX_TOKENS = 16
+FALLBACK_PROMPT_LEN, FALLBACK_TOKENS = 12, 12
+
+
+def build(folder: str):
+    """Tiny checkpoints and the transformers references (CPU; needs torch + speculators)."""
+    import torch
+
+    import spec_e2e_helpers as h
+    from conftest import build_hf_model
+
+    os.makedirs(folder, exist_ok=True)
+    h._CACHE["root"] = os.path.abspath(folder)
+    h.target()
+    for name, _, _ in DRAFTERS:
+        h.drafter(name)
+    qwen = build_hf_model("qwen3")  # head_dim 24: no GPU kernel takes it
+    qwen.save_pretrained(os.path.join(folder, "qwen3_hd24"))
+    prompt = [int(t) for t in np.random.default_rng(4).integers(3, 384, size=FALLBACK_PROMPT_LEN)]
+    with torch.no_grad():
+        ref = qwen.generate(torch.tensor([prompt]), max_new_tokens=FALLBACK_TOKENS, min_new_tokens=FALLBACK_TOKENS,
+                            do_sample=False, eos_token_id=None, pad_token_id=0)
+    with open(os.path.join(folder, "references.json"), "w") as f:
+        json.dump({"qwen3_hd24": {"prompt": prompt, "greedy": ref[0, len(prompt):].tolist()}}, f)
+    print(f"built {sorted(os.listdir(folder))} under {folder}")
+
+
+def use_checkpoints(folder: str):
+    """Point tests/spec_e2e_helpers at the prebuilt folders (no torch model is rebuilt)."""
+    import spec_e2e_helpers as h
+
+    folder = os.path.abspath(folder)
+    h._CACHE["root"] = folder
+    h._CACHE["target"] = (os.path.join(folder, "target"), None)
+    for name, _, _ in DRAFTERS:
+        path = os.path.join(folder, name)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{path}: run `python scripts/gpu_check.py --build {folder}` on a CPU machine first")
+        h._CACHE[("drafter", name)] = path
+    with open(os.path.join(folder, "references.json")) as f:
+        return json.load(f)
+
+
+class Report:
+    def __init__(self):
+        self.lines: list[tuple[str, bool, str]] = []
+
+    def check(self, name: str, fn):
+        t = time.perf_counter()
+        try:
+            detail = fn() or ""
+            ok = True
+        except Exception as e:  # a failed line is reported, the others still run
+            ok, detail = False, f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        detail = f"{detail} ({time.perf_counter() - t:.1f} s)"
+        self.lines.append((name, ok, detail))
+        print(f"[{'PASS' if ok else 'FAIL'}] {name}: {detail}", flush=True)
+
+
+def _on_gpu_kernels(eng):
+    """The engine picked the GPU kernels ("auto" on a GPU); --cpu smoke runs skip this."""
+    m = eng.runner.model
+    assert _cpu_smoke or (m.attn_impl, m.linear_impl) == ("gpu", "gpu"), (m.attn_impl, m.linear_impl)
+
+
+# ---- speculative greedy == plain greedy --------------------------------------------------
+def lossless(name: str, k: int, dtype: str) -> str:
+    import jspec
+    import spec_e2e_helpers as h
+
+    prompts = h.varied_prompts(8, 1, 50, seed=0)
+    # Prompts sharing a 40-token prefix with the longest one: prefix-cache hits.
+    longest = max(prompts, key=len)
+    prompts += [longest[:40] + [9 + i] for i in range(3)]
+    sp = jspec.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = [o.token_ids for o in h.llm(None, enable_prefix_caching=False, dtype=dtype).generate(prompts, sp)]
+    llm = h.llm(name, k, dtype=dtype)
+    eng = llm.engine
+    _on_gpu_kernels(eng)
+    before = eng.stats()
+    got = [o.token_ids for o in llm.generate(prompts, sp)]
+    d = h.stats_delta(before, eng.stats())
+    after = eng.stats()
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert not bad, f"prompts {bad} differ, e.g. {got[bad[0]]} vs {want[bad[0]]}"
+    pre = after["num_preemptions"] - before["num_preemptions"]
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    assert pre > 0 and hits > 0, f"preemptions {pre}, prefix hits {hits}"
+    assert d["mean_acceptance_length"] > 1.3, d
+    return f"mean acceptance length {d['mean_acceptance_length']:.2f}, preemptions {pre}, prefix-cache hits {hits}"
+
+
+def fallback(refs) -> str:
+    import jspec
+
+    r = refs["qwen3_hd24"]
+    llm = jspec.LLM(os.path.join(_ckpts, "qwen3_hd24"), max_num_seqs=1, max_model_len=64, page_size=8)
+    _on_gpu_kernels(llm.engine)
+    out = llm.generate([r["prompt"]], jspec.SamplingParams(temperature=0, max_tokens=FALLBACK_TOKENS,
+                                                           ignore_eos=True))[0].token_ids
+    assert out == r["greedy"], f"{out} vs transformers {r['greedy']}"
+    return f"{FALLBACK_TOKENS} greedy tokens == transformers (float32)"
+
+
+# ---- the rejection kernel ---------------------------------------------------------------
+def rejection(method: str, with_probs: bool) -> str:
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas.rejection_sampling import ref_rejection_sample, rejection_sample
+
+    B, K, V = (16, 7, 3000) if _cpu_smoke else (16, 7, 128256)
+    rng = np.random.default_rng(11)
+    key = jax.random.PRNGKey(5)
+    logits = 3.0 * jax.random.normal(key, (B, K + 1, V), jnp.float32)
+    drafts = jnp.asarray(rng.integers(0, V, (B, K)), jnp.int32)
+    # Half the drafts are the target's argmax, so greedy rows accept some and reject some.
+    top = jnp.argmax(logits[:, :K], -1).astype(jnp.int32)
+    drafts = jnp.where(jnp.asarray(rng.random((B, K)) < 0.7), top, drafts)
+    nd = jnp.asarray(rng.integers(0, K + 1, B), jnp.int32)
+    temp = jnp.asarray(np.where(np.arange(B) % 2, rng.uniform(0.5, 1.5, B), 0.0), jnp.float32)
+    top_k = jnp.asarray(np.where(np.arange(B) % 4 == 1, 50, 0), jnp.int32)
+    top_p = jnp.asarray(np.where(np.arange(B) % 4 == 3, 0.9, 1.0), jnp.float32)
+    q = None
+    if with_probs:
+        q = jax.nn.softmax(logits[:, :K] + jax.random.normal(jax.random.PRNGKey(6), (B, K, V)), -1)
+    seeds = jnp.asarray(rng.integers(0, 2**31, B), jnp.int32)
+    pos = jnp.asarray(rng.integers(0, 4000, B), jnp.int32)
+    args = (logits, drafts, nd, q, temp, top_k, top_p, seeds, pos)
+    kw = dict(method=method, synthetic_rates=(0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3) if method == "synthetic" else None)
+    want = ref_rejection_sample(*args, **kw)
+    impl = "interpret" if _cpu_smoke else "gpu"
+    got = jax.jit(lambda *a: rejection_sample(*a, impl=impl, **kw))(*args)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    n = np.asarray(want[1])
+    assert len(set(n.tolist())) > 2, n  # several acceptance lengths: not a vacuous batch
+    return f"B={B} K={K} V={V}: tokens and counts equal; counts {sorted(set(n.tolist()))}"
+
+
+# ---- warmup and the server --------------------------------------------------------------
+def warmup(name: str, k: int) -> str:
+    import jspec
+    import spec_e2e_helpers as h
+
+    llm = h.llm(name, k, seed=2)  # a fresh engine
+    eng = llm.engine
+    shapes = eng.runner.warmup_shapes()
+    eng.warmup()
+    n = eng.runner.num_compilations
+    assert n == len(shapes), (n, len(shapes))
+    prompts = h.varied_prompts(4, 1, 40, seed=3)
+    sp = jspec.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in h.llm(None, enable_prefix_caching=False).generate(prompts, sp)]
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    assert eng.runner.num_compilations == n, "a request compiled a new shape after warmup"
+    return f"{n} shapes compiled, none after; outputs == plain greedy"
+
+
+def serve(name: str, k: int) -> str:
+    import httpx
+
+    import jspec
+    import spec_e2e_helpers as h
+
+    folder, _ = h.target()
+    port = 8765
+    spec = json.dumps({"method": h.METHOD[name], "model": h.drafter(name), "num_speculative_tokens": k})
+    cmd = [sys.executable, "-m", "jspec.serve", "--model", folder, "--port", str(port), "--max-num-seqs", "2",
+           "--max-model-len", "56", "--page-size", "16", "--warmup", "on", "--speculative-config", spec]
+    log = open(os.path.join(os.environ.get("OUT", "/tmp"), "gpu_check_serve.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode} (log: gpu_check_serve.log)")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("server not healthy after 300 s")
+            time.sleep(1)
+        prompt = h.varied_prompts(1, 20, 20, seed=5)[0]
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": os.path.basename(folder), "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        r.raise_for_status()
+        got = r.json()["choices"][0]["token_ids"]
+        sp = jspec.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        want = h.llm(None, enable_prefix_caching=False).generate([prompt], sp)[0].token_ids
+        assert got == want, f"{got} vs {want}"
+        warm = [ln.strip() for ln in open(log.name) if "warmup:" in ln]
+        assert warm, "the server did not warm up"
+        return f"warmed up ({warm[-1].split('warmup:')[-1].strip()}), one completion == plain greedy"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+# ---- quick performance table ------------------------------------------------------------
+def perf(steps: int) -> list[dict]:
+    """Batch 1, ctx 512, bf16, through LLMEngine.step (bench.py's engine_decode): plain
+    Llama-3.1-8B, EAGLE3 K=3 at synthetic acceptance length 3.5, DFlash block 16 at 6.5
+    (on the same Llama shape, to keep the call short), each beside the physical ideal
+    tau * T(1) / (T(1) + drafter weight bytes / bandwidth), bandwidth probed here."""
+    import jax
+    import jax.numpy as jnp
+
+    import bench
+    from jspec.checkpoint.target import target_param_spec
+    from kernels_pallas.synthetic import conditional_rates, synthetic_rates_from_length
+
+    bw = bench.measure_bandwidth(False)["best_TBps"] * 1e12
+    cfg = bench.LLAMA_8B
+    params = bench.random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
+    rng = np.random.default_rng(0)
+    ctx = 512
+    base = bench.make_engine(cfg, params, max_num_seqs=1, ctx=ctx, dtype="bfloat16")
+    t1, tps1, _ = bench.engine_decode(base, 1, ctx, rng, steps)
+    rows = [dict(method="plain", K=0, tau=1.0, tok_s=tps1, speedup=1.0, t1_ms=t1 * 1e3, bw_TBps=bw / 1e12,
+                 roofline_frac=bench.weight_bytes(params) / bw / t1)]
+    for kind, K, length in (("eagle3", 3, 3.5), ("dflash", 15, 6.5)):
+        tk = bench.target_forward_time(base, 1, ctx, rng, K + 1)
+        dc, dparams = bench.drafter_setup(kind, cfg, False)
+        dbytes = bench.drafter_stream_bytes(cfg, dc, dparams)
+        spec = {"method": kind, "model": f"random-{kind}", "num_speculative_tokens": K,
+                "rejection_sample_method": "synthetic", "synthetic_acceptance_length": length}
+        eng = bench.make_engine(cfg, params, max_num_seqs=1, ctx=ctx, dtype="bfloat16", spec=spec,
+                                drafter=(dc, dparams), extra=(steps + 8) * (K + 1) + 64)
+        td = bench.draft_time(eng, 1, ctx, rng, K)
+        eng.runner.synthetic_rates = jnp.asarray(conditional_rates(synthetic_rates_from_length(length, K)), jnp.float32)
+        _, tps, _ = bench.engine_decode(eng, 1, ctx, rng, steps)
+        tau = eng.spec_metrics.mean_acceptance_length
+        ideal = bench.physical_ideal(tau, t1, dbytes, bw)
+        rows.append(dict(method=f"{kind} K={K}", K=K, tau=tau, tok_s=tps, speedup=tps / tps1, ideal=ideal,
+                         frac_of_ideal=tps / tps1 / ideal, tk1_over_t1=tk / t1, draft_ms=td * 1e3,
+                         draft_bound_ms=dbytes / bw * 1e3, draft_over_bound=td / (dbytes / bw)))
+        del eng
+        jax.clear_caches()
+    return rows
+
+
+def perf_table(rows) -> list[str]:
+    p = rows[0]
+    out = [f"Bandwidth probe (best of f32 copy, bf16 column sum, bf16 GEMV): {p['bw_TBps']:.2f} TB/s. "
+           f"Plain decode: {p['tok_s']:.1f} tok/s, T(1) {p['t1_ms']:.2f} ms, {p['roofline_frac']:.1%} of the "
+           "weight-streaming roofline.", "",
+           "| method | tau | tok/s | speedup over plain | physical ideal | of ideal | T(K+1) / T(1) "
+           "| draft time | drafter bytes / bandwidth |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows[1:]:
+        out.append(f"| {r['method']} | {r['tau']:.2f} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['ideal']:.2f}x "
+                   f"| {r['frac_of_ideal']:.1%} | {r['tk1_over_t1']:.2f} | {r['draft_ms']:.2f} ms "
+                   f"| {r['draft_bound_ms']:.2f} ms ({r['draft_over_bound']:.2f}x) |")
+    return out
+
+
+def write_md(path: str, report: Report, perf_lines: list[str]):
+    import jax
+
+    commit = os.environ.get("JSPEC_COMMIT")  # the device machine's copy of the tree has no .git
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=ROOT).stdout.strip() or "unknown"
+        except OSError:
+            commit = "unknown"
+    passed = sum(ok for _, ok, _ in report.lines)
+    lines = ["# GPU check", "",
+             "Written by `scripts/gpu_check.py` (see its docstring for how to run it); overwritten each run.", "",
+             f"- commit: {commit}", f"- date: {datetime.date.today().isoformat()}",
+             f"- device: {jax.devices()[0].device_kind} ({jax.default_backend()})", f"- jax: {jax.__version__}",
+             f"- result: {passed} of {len(report.lines)} lines pass", "",
+             "| check | result | detail |", "| --- | --- | --- |"]
+    lines += [f"| {n} | {'pass' if ok else '**FAIL**'} | {d.replace('|', '/')} |" for n, ok, d in report.lines]
+    if perf_lines:
+        lines += ["", "## Quick performance table (batch 1, ctx 512, bf16, random Llama-3.1-8B shape)", ""]
+        lines += perf_lines
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+_ckpts = ""
+_cpu_smoke = False
+
+
+def main():
+    global _ckpts, _cpu_smoke
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", metavar="DIR", help="build the tiny checkpoints and references into DIR (CPU)")
+    ap.add_argument("--ckpts", metavar="DIR", default=".gpu_check", help="the folder --build wrote")
+    ap.add_argument("--md", default=os.path.join(ROOT, "docs", "gpu_check.md"), help="where to write the report")
+    ap.add_argument("--perf-steps", type=int, default=24, help="timed steps per row of the performance table")
+    ap.add_argument("--no-perf", action="store_true")
+    ap.add_argument("--cpu", action="store_true", help="smoke-test this script on CPU (jnp references, no perf)")
+    args = ap.parse_args()
+    if args.build:
+        return build(args.build)
+    import jax
+
+    _cpu_smoke = args.cpu
+    if jax.default_backend() != "gpu" and not _cpu_smoke:
+        sys.exit(f"gpu_check needs a GPU; jax's backend is {jax.default_backend()!r}")
+    _ckpts = os.path.abspath(args.ckpts)
+    refs = use_checkpoints(_ckpts)
+    rep = Report()
+    for name, k, what in DRAFTERS:
+        for dtype in ("float32", "bfloat16"):
+            rep.check(f"spec greedy == plain greedy: {what}, K={k}, {dtype}", lambda: lossless(name, k, dtype))
+    rep.check("head_dim 24 runs on the XLA path == transformers", lambda: fallback(refs))
+    for method, probs, what in (("standard", False, "greedy + sampled rows, no draft probs"),
+                                ("standard", True, "probabilistic, with draft probs"),
+                                ("synthetic", False, "synthetic acceptance")):
+        rep.check(f"rejection kernel == reference: {what}", lambda: rejection(method, probs))
+    rep.check("LLMEngine.warmup() with a drafter (EAGLE3)", lambda: warmup("eagle3", 3))
+    rep.check("LLMEngine.warmup() with a drafter (DFlash)", lambda: warmup("dflash4", 3))
+    rep.check("python -m jspec.serve with a drafter answers a completion", lambda: serve("eagle3", 3))
+    perf_lines = []
+    if not (args.no_perf or _cpu_smoke):
+        try:
+            perf_lines = perf_table(perf(args.perf_steps))
+        except Exception as e:
+            traceback.print_exc()
+            rep.lines.append(("quick performance table", False, f"{type(e).__name__}: {e}"))
+        print("\n".join(perf_lines), flush=True)
+    write_md(args.md, rep, perf_lines)
+    print(f"wrote {args.md}")
+    sys.exit(0 if all(ok for _, ok, _ in rep.lines) else 1)
+
+
+if __name__ == "__main__":
+    main()
