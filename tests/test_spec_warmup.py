@@ -30,3 +30,32 @@ def test_warmup_compiles_every_shape_once(name, k, extra):
     assert [o.token_ids for o in outs] == want
     assert eng.spec_metrics.mean_acceptance_length > 1.3  # drafts were verified, not all rejected
     assert eng.runner.num_compilations == len(shapes)
+
+
+def test_kv_pages_from_memory_count_the_drafter_cache(monkeypatch):
+    """On an accelerator the page pool is sized from free memory; with a drafter each page
+    also holds the drafter's K/V (the server ran out of memory at warmup without this)."""
+    import jax
+    import numpy as np
+
+    class Dev:
+        def memory_stats(self):
+            return {"bytes_limit": 64 << 20, "bytes_in_use": 0}
+
+    folder, _ = h.target()
+    monkeypatch.setattr(jax, "devices", lambda *a: [Dev()])
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    kw = dict(max_num_seqs=2, max_model_len=56, page_size=16, gpu_memory_utilization=0.5,
+              attn_impl="reference", sample_impl="reference", linear_impl="reference")
+    plain = jspec.LLM(folder, **kw).engine
+    spec = jspec.LLM(folder, speculative_config=h.spec_config("dflash4", 3), **kw).engine
+    c = plain.model_cfg
+    page = 2 * c.num_layers * 16 * c.num_kv_heads * c.head_dim * 4  # float32
+    d = spec.dcfg
+    dpage = 2 * d.num_layers * 16 * d.num_kv_heads * d.head_dim * 4
+    budget = 0.5 * (64 << 20)
+    assert plain.num_pages == int(budget // page)
+    assert spec.num_pages == int(budget // (page + dpage)) < plain.num_pages
+    kv_bytes = sum(np.prod(a.shape) * a.dtype.itemsize for a in spec.runner.kv.k + spec.runner.kv.v
+                   + spec.runner.dkv.k + spec.runner.dkv.v)
+    assert kv_bytes <= budget

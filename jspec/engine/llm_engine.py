@@ -223,7 +223,12 @@ class LLMEngine:
         if not limit or jax.default_backend() == "cpu":
             return c.max_num_seqs * pages_per_seq
         itemsize = np.dtype(resolve_dtype(c.dtype)).itemsize
-        page_bytes = 2 * mc.num_layers * c.page_size * mc.num_kv_heads * mc.head_dim * itemsize
+        # K and V of every target layer, and of every drafter layer (its own cache over
+        # the same page ids) when speculating.
+        layers = [(mc.num_layers, mc.num_kv_heads, mc.head_dim)]
+        if self.spec is not None:
+            layers.append((self.dcfg.num_layers, self.dcfg.num_kv_heads, self.dcfg.head_dim))
+        page_bytes = sum(2 * n * c.page_size * kvh * d * itemsize for n, kvh, d in layers)
         free = limit * c.gpu_memory_utilization - stats.get("bytes_in_use", 0)
         return max(pages_per_seq, int(free // page_bytes))
 
