@@ -12,7 +12,9 @@ the change (overwritten each run). Each line passes or fails on its own:
   - speculative greedy == plain greedy on the GPU kernels, every drafter method and layout,
     float32 and bfloat16, prefix caching on and a page pool small enough to preempt (the
     tiny target of tests/spec_e2e_helpers.py, whose drafters agree with it through a
-    planted feature, so acceptance is well above 1);
+    planted feature, so acceptance is well above 1). float32: every token equal. bfloat16:
+    every token equal, or outputs part only at a near-tie (the float32 logits of the two
+    tokens within NEAR_TIE_ULPS bfloat16 steps of the top logit), each one reported;
   - a head_dim (24) that the GPU kernels cannot take runs on the XLA path and matches
     transformers' greedy output;
   - the GPU rejection-sampling kernel == its jnp reference on seeded inputs (greedy,
@@ -52,6 +54,7 @@ DRAFTERS = [
     ("dflash8_zlab", 7, "DFlash z-lab layout"),
 ]
 MAX_TOKENS = 16
+NEAR_TIE_ULPS = 4  # bfloat16 lines: a divergence passes only where float32 puts the two tokens this close
 FALLBACK_PROMPT_LEN, FALLBACK_TOKENS = 12, 12
 
 
@@ -141,18 +144,28 @@ def lossless(name: str, k: int, dtype: str) -> str:
     d = h.stats_delta(before, eng.stats())
     after = eng.stats()
     bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
-    assert not bad, f"prompts {bad} differ: {divergence(prompts[bad[0]], got[bad[0]], want[bad[0]], dtype)}"
+    ties = []
+    for i in bad:
+        text, gap, top = divergence(prompts[i], got[i], want[i], dtype)
+        # bfloat16: two schedules of the same maths (batch rows, chunking, kernels) round
+        # differently, so a token whose float32 lead is within NEAR_TIE_ULPS bf16 steps of
+        # the top logit may flip; anything wider is a verification bug.
+        assert dtype == "bfloat16" and abs(gap) <= NEAR_TIE_ULPS * 2.0 ** (np.floor(np.log2(top)) - 7), \
+            f"prompt {i} differs: {text}"
+        ties.append(f"prompt {i} parts at a near-tie: {text}")
     pre = after["num_preemptions"] - before["num_preemptions"]
     hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
     assert pre > 0 and hits > 0, f"preemptions {pre}, prefix hits {hits}"
     assert d["mean_acceptance_length"] > 1.3, d
-    return f"mean acceptance length {d['mean_acceptance_length']:.2f}, preemptions {pre}, prefix-cache hits {hits}"
+    return (f"mean acceptance length {d['mean_acceptance_length']:.2f}, preemptions {pre}, prefix-cache hits {hits}; "
+            f"{len(prompts) - len(bad)} of {len(prompts)} outputs equal" + "".join(f"; {t}" for t in ties))
 
 
 def divergence(prompt, got, want, dtype) -> str:
     """Where a speculative output leaves the plain one, and the target's logit gap between
     the two tokens there, from one single-sequence forward in ``dtype`` and in float32 (a
-    gap at the dtype's rounding level is a near-tie, not a verification bug)."""
+    gap at the dtype's rounding level is a near-tie, not a verification bug). Returns
+    (text, the float32 gap, the float32 top logit)."""
     import jax.numpy as jnp
 
     import spec_e2e_helpers as h
@@ -170,9 +183,9 @@ def divergence(prompt, got, want, dtype) -> str:
         meta = AttentionMetadata.for_single_sequence(list(range(n)), 16, 0, len(ids), n)
         hid, _, _ = r.model.apply({"params": r.params}, jnp.asarray([ids], jnp.int32), meta, kv)
         lg = np.asarray(r.model.apply({"params": r.params}, hid[:, -1], method=Transformer.logits)[0], np.float64)
-        gaps.append(f"{dt} logit[{want[j]}] - logit[{got[j]}] = {lg[want[j]] - lg[got[j]]:+.4f} "
-                    f"(top logit {lg.max():.3f})")
-    return f"first at output {j}: spec {got[j]} vs plain {want[j]}; " + "; ".join(gaps)
+        gap, top = lg[want[j]] - lg[got[j]], lg.max()
+        gaps.append(f"{dt} logit[{want[j]}] - logit[{got[j]}] = {gap:+.4f} (top logit {top:.3f})")
+    return f"first at output {j}: spec {got[j]} vs plain {want[j]}; " + "; ".join(gaps), gap, top
 
 
 def fallback(refs) -> str:

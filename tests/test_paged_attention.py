@@ -166,25 +166,6 @@ def test_public_entry_dispatch(impl):
     assert rel_err(out, ref) < TOL[jnp.bfloat16]
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_gpu_kernel_lowers_to_triton(dtype):
-    """The Pallas -> Triton IR lowering (not the PTX compile) runs on CPU too."""
-    B, Q, H, KVH, P, W = 2, 8, 8, 2, 64, 16
-    shapes = (
-        jax.ShapeDtypeStruct((B, Q, H, D), dtype),
-        jax.ShapeDtypeStruct((P, PAGE, KVH, D), dtype),
-        jax.ShapeDtypeStruct((P, PAGE, KVH, D), dtype),
-        jax.ShapeDtypeStruct((B, W), jnp.int32),
-        jax.ShapeDtypeStruct((B,), jnp.int32),
-        jax.ShapeDtypeStruct((B, Q), jnp.int32),
-        jax.ShapeDtypeStruct((B,), jnp.bool_),
-    )
-    for splits in (1, 4):
-        fn = jax.jit(lambda *a: paged_attention_gpu(*a, sm_scale=0.1, kv_splits=splits))
-        text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-        assert "triton" in text
-
-
 def test_validation_messages():
     args = make_batch(0, q_len=1, kv_lens=[5], kv_heads=1, group=1, dtype=jnp.float32, causal=None)
     with pytest.raises(ValueError, match="block_kv"):
