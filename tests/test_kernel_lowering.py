@@ -22,6 +22,8 @@ Kernels (grep -n pallas_call kernels_pallas/*.py):
 
 from __future__ import annotations
 
+import contextlib
+
 import re
 
 import pytest
@@ -76,18 +78,26 @@ def tpu_chip(request):
         yield request.param
         return
     info = tpu_info.get_tpu_info_for_chip(chip, 1)
-    saved = tpu_info.registry.get(kind)
-    tpu_info.registry[kind] = lambda: info
-    tpu_info.get_tpu_info.cache_clear()
-    try:
+    with _registered(tpu_info.registry, tpu_info.get_tpu_info, kind, info):
         assert tpu_info.get_tpu_info() is info  # the lowering will see this chip
         yield request.param
+
+
+@contextlib.contextmanager
+def _registered(registry, getter, kind, info):
+    """``registry[kind]`` answers ``info`` inside the block; ``getter``'s cache is cleared
+    on the way in and out, and the registry left as it was."""
+    saved = registry.get(kind)
+    registry[kind] = lambda: info
+    getter.cache_clear()
+    try:
+        yield
     finally:
         if saved is None:
-            tpu_info.registry.pop(kind, None)
+            registry.pop(kind, None)
         else:
-            tpu_info.registry[kind] = saved
-        tpu_info.get_tpu_info.cache_clear()
+            registry[kind] = saved
+        getter.cache_clear()
 
 
 @pytest.fixture
@@ -109,17 +119,8 @@ def gpu_target():
             pytest.skip(f"jax {jax.__version__}: jax._src.pallas.triton.gpu_info has no attribute {name!r}")
     kind = jax.devices()[0].device_kind
     info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-    saved = gpu_info.registry.get(kind)
-    gpu_info.registry[kind] = lambda: info
-    gpu_info.get_gpu_info.cache_clear()
-    try:
+    with _registered(gpu_info.registry, gpu_info.get_gpu_info, kind, info):
         yield
-    finally:
-        if saved is None:
-            gpu_info.registry.pop(kind, None)
-        else:
-            gpu_info.registry[kind] = saved
-        gpu_info.get_gpu_info.cache_clear()
 
 
 # ---- reading the lowered module ---------------------------------------------------------
