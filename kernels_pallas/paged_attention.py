@@ -98,8 +98,18 @@ def write_kv(
 ):  # -> (k_pages, v_pages)
     P, S, KVH, D = k_pages.shape
     idx = slot_mapping.reshape(-1)
-    k = k_pages.reshape(P * S, KVH, D).at[idx].set(k_new.reshape(-1, KVH, D).astype(k_pages.dtype), mode="drop")
-    v = v_pages.reshape(P * S, KVH, D).at[idx].set(v_new.reshape(-1, KVH, D).astype(v_pages.dtype), mode="drop")
+    k_new = k_new.reshape(-1, KVH, D).astype(k_pages.dtype)
+    v_new = v_new.reshape(-1, KVH, D).astype(v_pages.dtype)
+    if idx.shape[0] == 1:
+        # XLA rewrites a one-row scatter as select(in_bounds, dynamic_update_slice(cache),
+        # cache), which keeps the old and the new cache alive at once: a full copy of the
+        # buffer (and an OOM when the page pool fills the device). A second row, always
+        # dropped, keeps it a scatter, done in place.
+        idx = jnp.concatenate([idx, jnp.full((1,), P * S, idx.dtype)])
+        k_new = jnp.concatenate([k_new, k_new])
+        v_new = jnp.concatenate([v_new, v_new])
+    k = k_pages.reshape(P * S, KVH, D).at[idx].set(k_new, mode="drop")
+    v = v_pages.reshape(P * S, KVH, D).at[idx].set(v_new, mode="drop")
     return k.reshape(P, S, KVH, D), v.reshape(P, S, KVH, D)
 
 

@@ -59,3 +59,18 @@ def test_kv_pages_from_memory_count_the_drafter_cache(monkeypatch):
     kv_bytes = sum(np.prod(a.shape) * a.dtype.itemsize for a in spec.runner.kv.k + spec.runner.kv.v
                    + spec.runner.dkv.k + spec.runner.dkv.v)
     assert kv_bytes <= budget
+
+
+@pytest.mark.parametrize("name,k", [("eagle3", 3), ("peagle", 3), ("dflash4", 3)])
+def test_spec_step_updates_the_caches_in_place(name, k):
+    """The compiled step writes both caches where they lie: no temporary as large as one
+    layer's K or V buffer. (A one-row drafter write was rewritten by XLA into a select over
+    the whole buffer, two cache copies per layer: the server with an EAGLE3 drafter ran out
+    of memory on the H200 with the page pool sized to fill the device.)"""
+    llm = h.llm(name, k, num_pages=1024, attn_impl="reference", linear_impl="reference", sample_impl="reference")
+    r = llm.engine.runner
+    layer_buffer = r.dkv.k[0].nbytes  # 1024 pages x 16 x 2 heads x 16 x 4 bytes = 2 MiB
+    for sh in r.warmup_shapes():
+        if sh.decode or sh.batch == 1:
+            temp = r.lower_spec(sh).compile().memory_analysis().temp_size_in_bytes
+            assert temp < layer_buffer // 4, (sh, temp, layer_buffer)

@@ -169,14 +169,27 @@ class SpecModelRunner(ModelRunner):
         return [StepShape(B, Q, W, 0, decode) for B in self.buckets.batch for Q, decode in qs
                 for W in self.buckets.pages]
 
+    def empty_spec_input(self, sh: StepShape) -> SpecInput:
+        """A step of shape ``sh`` with no active row: nothing samples, drafts or writes."""
+        B, Q = sh.batch, sh.q
+        zeros = np.zeros((B,), np.int32)
+        return SpecInput(self.empty_input(B, Q, sh.pages), zeros, np.zeros((B, Q), np.int32), np.zeros((B,), bool),
+                         zeros)
+
+    def lower_spec(self, sh: StepShape):
+        """The speculative step of shape ``sh``, lowered (not run): ``.compile()`` gives its
+        executable and ``memory_analysis()`` (tests check it needs no cache-sized copies)."""
+        inp = self.empty_spec_input(sh)
+        ints, floats, layout = pack(inp)
+        return self._spec_step.lower(
+            self.params, self.dparams, self.kv, self.dkv, self.probs_buf, self.synthetic_rates, ints, floats,
+            decode=sh.decode, layout=self._layout_id(layout), filtering=self._filtering(inp.base),
+        )
+
     def warmup(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None):
         """Compile every shape (or ``shapes``, a subset of ``warmup_shapes``) with empty rows:
         no row samples or drafts, every target and drafter write is dropped, so the caches
         and the draft-probability buffer keep their contents."""
         for sh in shapes or self.warmup_shapes():
-            B, Q = sh.batch, sh.q
-            zeros = np.zeros((B,), np.int32)
-            inp = SpecInput(self.empty_input(B, Q, sh.pages), zeros, np.zeros((B, Q), np.int32),
-                            np.zeros((B,), bool), zeros)
-            self.run_spec(inp, sh.decode)
+            self.run_spec(self.empty_spec_input(sh), sh.decode)
         jax.block_until_ready((self.kv, self.dkv))
