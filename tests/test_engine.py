@@ -96,6 +96,20 @@ def test_prefix_caching_reuses_blocks_without_modifying_them(llama_ckpt):
     assert outs[True] == outs[False]
 
 
+def test_pages_filled_by_the_last_step_are_cached(llama_ckpt):
+    """A follow-up prompt (the first prompt and its output, as a chat's next turn) hits every
+    full page of the first request, the page its final step filled included."""
+    rng = np.random.default_rng(3)
+    prompt = random_prompt(rng, 10)
+    llm = jspec.LLM(llama_ckpt[0], max_num_seqs=2, max_model_len=128, page_size=16, num_pages=32)
+    # 10 + 39 tokens: the final step computes position 47 and so fills the third page.
+    first = llm.generate([prompt], jspec.SamplingParams(max_tokens=39, **GREEDY))[0]
+    follow_up = prompt + first.token_ids
+    hits = llm.engine.blocks.hits
+    llm.generate([follow_up], jspec.SamplingParams(max_tokens=2, **GREEDY))
+    assert llm.engine.blocks.hits - hits == (len(follow_up) - 1) // 16 == 3
+
+
 def test_seeded_sampling_reproducible_across_runs_and_batches(llama_ckpt):
     rng = np.random.default_rng(2)
     prompt = random_prompt(rng, 20)

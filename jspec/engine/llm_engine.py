@@ -410,11 +410,12 @@ class LLMEngine:
         seq.num_computed += computed
         new = self._append(seq, toks)
         self.num_generation_tokens += len(new)
+        # Pages filled by this step join the prefix cache even when the sequence ends here
+        # (a chat's next turn starts with this one's prompt and output).
+        self.blocks.commit(seq, seq.num_computed)
         if seq.finish_reason:
             self.scheduler.finish(seq, seq.finish_reason)
             self._seqs.pop(seq.request_id, None)
-        else:
-            self.blocks.commit(seq, seq.num_computed)
         return self._output(seq, new) if new or seq.finish_reason else None
 
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
