@@ -370,6 +370,7 @@ def drafter_setup(kind, cfg, quick):
         rms_norm_eps=cfg.rms_norm_eps, rope=cfg.rope, target_vocab_size=cfg.vocab_size,
         target_hidden_size=cfg.hidden_size, norm_before_fc=False, qk_norm=cfg.qk_norm,
         attention_bias=False, mlp_bias=False, num_speculative_tokens=None,
+        max_position_embeddings=cfg.max_position_embeddings,
     )
     if kind == "eagle3":
         dc = DrafterConfig(method="eagle3", source_format="speculators", num_layers=1,

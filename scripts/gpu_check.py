@@ -255,7 +255,7 @@ def warmup(name: str, k: int) -> str:
     want = [o.token_ids for o in h.llm(None, enable_prefix_caching=False).generate(prompts, sp)]
     llm = h.llm(name, k, seed=2)  # a fresh engine
     eng = llm.engine
-    shapes = eng.runner.warmup_shapes()
+    shapes = eng.warmup_shapes()
     eng.warmup()
     n = eng.runner.num_compilations
     assert n == len(shapes), (n, len(shapes))

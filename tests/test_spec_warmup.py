@@ -19,10 +19,11 @@ def test_warmup_compiles_every_shape_once(name, k, extra):
     # seed=1: a fresh engine (the helpers cache engines by their arguments).
     llm = h.llm(name, k, spec_extra=extra, seed=1)
     eng = llm.engine
-    shapes = eng.runner.warmup_shapes()
+    shapes = eng.warmup_shapes()
     b = eng.runner.buckets
-    assert len(shapes) == len(b.batch) * len(b.pages) * (1 + len(b.prefill_q))
-    assert sum(s.decode for s in shapes) == len(b.batch) * len(b.pages) and all(
+    # verification, its chained form (async scheduling) and the prefill buckets
+    assert len(shapes) == len(b.batch) * len(b.pages) * (2 + len(b.prefill_q))
+    assert sum(s.decode for s in shapes) == 2 * len(b.batch) * len(b.pages) and all(
         s.q == k + 1 for s in shapes if s.decode)
     eng.warmup()
     assert eng.runner.num_compilations == len(shapes)
@@ -70,7 +71,7 @@ def test_spec_step_updates_the_caches_in_place(name, k):
     llm = h.llm(name, k, num_pages=1024, attn_impl="reference", linear_impl="reference", sample_impl="reference")
     r = llm.engine.runner
     layer_buffer = r.dkv.k[0].nbytes  # 1024 pages x 16 x 2 heads x 16 x 4 bytes = 2 MiB
-    for sh in r.warmup_shapes():
+    for sh in r.warmup_shapes(1, True):
         if sh.decode or sh.batch == 1:
             temp = r.lower_spec(sh).compile().memory_analysis().temp_size_in_bytes
             assert temp < layer_buffer // 4, (sh, temp, layer_buffer)

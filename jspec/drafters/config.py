@@ -66,6 +66,7 @@ class DrafterConfig:
     qk_norm: bool
     attention_bias: bool
     mlp_bias: bool
+    max_position_embeddings: int  # the drafter's own positions: no draft is proposed at or past it
 
     @property
     def num_aux(self) -> int:
@@ -278,4 +279,5 @@ def drafter_config_from_hf(
         qk_norm=qk_norm,
         attention_bias=shape.attention_bias,
         mlp_bias=shape.mlp_bias,
+        max_position_embeddings=shape.max_position_embeddings,
     )

@@ -45,11 +45,13 @@ class RequestOutput:
 
 @dataclasses.dataclass
 class _InFlight:
-    """A fed-back decode call dispatched but not yet read."""
+    """A decode call dispatched but not yet read: fed-back plain decode steps, or one
+    speculative verification step (steps 0)."""
 
     sched: SchedulerOutput  # its rows, in the order of the call's batch
     steps: int
-    tokens: jax.Array  # i32[B, steps] on the device
+    tokens: jax.Array  # on the device: i32[B, steps], or the speculative step's packed output
+    spec: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +83,8 @@ class EngineConfig:
     # Async scheduling (vLLM's name): a decode call is dispatched before the previous one's
     # tokens are read (it starts from them on the device), so the host's bookkeeping for
     # call n runs while the device computes call n + 1. A sequence that stops inside call n
-    # has its tokens of call n + 1 discarded. Without speculation only.
+    # has its tokens of call n + 1 discarded. With speculation, the next verification step
+    # starts from the bonus token and drafts of the one before, on the device.
     async_scheduling: bool = True
 
 
@@ -286,13 +289,17 @@ class LLMEngine:
         if seq is not None and seq.status is not Status.FINISHED:
             self.scheduler.finish(seq, "abort")
 
+    def warmup_shapes(self) -> list:
+        """The shapes ``warmup`` compiles (``StepShape``s): every one a request can reach."""
+        return self.runner.warmup_shapes(self.config.num_scheduler_steps, self._async)
+
     def warmup(self):
         """Compile every shape bucket now, so serving never stalls on a compilation."""
         self.runner.warmup(self.config.num_scheduler_steps, self._async)
 
     @property
     def _async(self) -> bool:
-        return self.config.async_scheduling and self.spec is None
+        return self.config.async_scheduling
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -335,30 +342,46 @@ class LLMEngine:
         return n
 
     def _chain(self, f: _InFlight) -> _InFlight | None:
-        """Dispatch the call after ``f`` (same rows, ``f.steps`` positions further) before
-        ``f`` is read, when nothing can change the batch in between: no request waiting,
-        every row still running with room for both calls, pages for both."""
+        """Dispatch the call after ``f`` (same rows, further on) before ``f`` is read, when
+        nothing can change the batch in between: no request waiting, every row still
+        running with room for both calls, pages for both. A speculative step moves each
+        row by up to K + 1 positions (and its drafter writes ``lookahead`` past them)."""
         if not self._async or self.scheduler.waiting or len(self.scheduler.running) != len(f.sched.seqs):
             return None
         if any(r.seq.status is not Status.RUNNING or self._seqs.get(r.seq.request_id) is not r.seq
                for r in f.sched.seqs):
             return None
-        if not self._can_grow(f.sched, 2 * f.steps):  # f's positions are not counted yet
+        if f.spec:
+            # f's positions are not counted yet. Both steps verify all K drafts, and the drafts
+            # after them are not trimmed (_draft_room): the device drafts K for every row.
+            # max_tokens may cut either step's output (_append drops the rest).
+            K1 = self.K + 1
+            if any(self._draft_room(r.seq.num_tokens + 2 * K1) < self.K for r in f.sched.seqs):
+                return None
+            if not all(self.blocks.ensure_slots(r.seq, r.seq.num_computed + 2 * K1 + self.lookahead)
+                       for r in f.sched.seqs):
+                return None
+            self.num_chained_calls += 1
+            return _InFlight(f.sched, 0, self.runner.dispatch_spec(f.sched, self._prob_rows, prev=f.tokens), True)
+        if not self._can_grow(f.sched, 2 * f.steps):
             return None
         self.num_chained_calls += 1
         return _InFlight(f.sched, f.steps, self.runner.dispatch_decode(f.sched, f.steps, prev=f.tokens))
 
     def _collect(self, f: _InFlight) -> list[RequestOutput]:
-        """Read a fed-back decode call (waits for the device) and apply its tokens. Rows
-        that stopped or were aborted meanwhile are skipped: a chained call ran past them."""
+        """Read a dispatched call (waits for the device) and apply its tokens. Rows that
+        stopped or were aborted meanwhile are skipped: a chained call ran past them."""
+        if f.spec:
+            res = self.runner.read_spec(f.tokens, len(f.sched.seqs))
+            live = [r.seq.status is Status.RUNNING for r in f.sched.seqs]
+            return [o for r, (toks, n), ok in zip(f.sched.seqs, self._apply_spec(f.sched, res, live), live)
+                    if ok and (o := self._advance(r.seq, toks, n)) is not None]
         toks = np.asarray(f.tokens)[: len(f.sched.seqs)].tolist()
         return [o for r, t in zip(f.sched.seqs, toks)
                 if r.seq.status is Status.RUNNING and (o := self._advance(r.seq, t, f.steps)) is not None]
 
-    def _run(self, sched) -> list[tuple[list[int], int]]:
-        """Execute a plain step; per scheduled row, (emitted tokens, positions newly computed)."""
-        if self.spec is None:
-            return [(t, r.num_new) for r, t in zip(sched.seqs, self.runner.execute(sched))]
+    def _assign_prob_rows(self, sched):
+        """Rows of the runner's draft-probability buffer for the scheduled requests."""
         live = {s.request_id for s in self.scheduler.running}
         for rid in [r for r in self._prob_rows if r not in live]:
             del self._prob_rows[rid]
@@ -366,10 +389,16 @@ class LLMEngine:
         for r in sched.seqs:
             if r.seq.request_id not in self._prob_rows:
                 self._prob_rows[r.seq.request_id] = free.pop(0)
-        res = self.runner.execute_spec(sched, self._prob_rows)
+
+    def _apply_spec(self, sched, res, live=None) -> list[tuple[list[int], int]]:
+        """Per row of a speculative step: record acceptance, set the next drafts, and return
+        (emitted tokens, positions newly computed). Rows not ``live`` are left alone."""
         out = []
         for i, r in enumerate(sched.seqs):
             seq = r.seq
+            if live is not None and not live[i]:
+                out.append(([], 0))
+                continue
             if sched.kind == "decode":
                 n_emit = int(res.num_emitted[i])
                 n_draft = len(seq.draft_token_ids)
@@ -379,11 +408,24 @@ class LLMEngine:
                 out.append((res.tokens[i, :n_emit].tolist(), n_emit))
             else:
                 out.append(([int(res.tokens[i, 0])] if r.sample else [], r.num_new))
-            # Next proposals; near the window a sequence drafts fewer (verification of n
-            # drafts may emit n + 1 tokens, which must stay within max_model_len).
-            room = self.max_model_len - (seq.num_tokens + len(out[-1][0])) - 1
-            seq.draft_token_ids = res.drafts[i, : max(0, min(self.K, room))].tolist() if r.sample else []
+            seq.draft_token_ids = res.drafts[i, : self._draft_room(seq.num_tokens + len(out[-1][0]))].tolist() \
+                if r.sample else []
         return out
+
+    def _draft_room(self, num_tokens: int) -> int:
+        """Drafts a sequence of ``num_tokens`` tokens may verify next. Draft j sits at
+        position num_tokens - 1 + j: verification of n drafts may emit n + 1 tokens, which
+        must stay within max_model_len, and no draft goes past the drafter's own
+        max_position_embeddings (vLLM's guard: its positions were never trained)."""
+        room = min(self.max_model_len - num_tokens - 1, self.dcfg.max_position_embeddings - num_tokens)
+        return max(0, min(self.K, room))
+
+    def _run(self, sched) -> list[tuple[list[int], int]]:
+        """Execute a plain step; per scheduled row, (emitted tokens, positions newly computed)."""
+        if self.spec is None:
+            return [(t, r.num_new) for r, t in zip(sched.seqs, self.runner.execute(sched))]
+        self._assign_prob_rows(sched)
+        return self._apply_spec(sched, self.runner.execute_spec(sched, self._prob_rows))
 
     def step(self) -> list[RequestOutput]:
         f, self._inflight = self._inflight, None
@@ -392,11 +434,14 @@ class LLMEngine:
                 sched = self.scheduler.schedule()
                 if sched is None or not sched.seqs:
                     return []
-                n = self._decode_steps(sched)
-                if n == 0:
+                if self.spec is not None and sched.kind == "decode" and self._async:
+                    self._assign_prob_rows(sched)
+                    f = _InFlight(sched, 0, self.runner.dispatch_spec(sched, self._prob_rows), True)
+                elif (n := self._decode_steps(sched)) == 0:
                     return [o for r, (toks, computed) in zip(sched.seqs, self._run(sched))
                             if (o := self._advance(r.seq, toks, computed)) is not None]
-                f = _InFlight(sched, n, self.runner.dispatch_decode(sched, n))
+                else:
+                    f = _InFlight(sched, n, self.runner.dispatch_decode(sched, n))
             # The next call goes to the device before this one is read: the host work below
             # (and the caller's, until the next step()) overlaps the device's.
             self._inflight = self._chain(f)

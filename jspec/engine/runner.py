@@ -152,12 +152,14 @@ class ModelRunner:
 
     # ---- host side --------------------------------------------------------------------
     def build_input(self, sched: SchedulerOutput, q_override: int | None = None,
-                    advance: int = 0) -> tuple[StepInput, int]:
+                    advance: int = 0, tokens_on_device: bool = False) -> tuple[StepInput, int]:
         """Pad the scheduled rows to buckets. Decode rows carry [last token, drafts...].
 
         ``advance`` > 0: a decode call chained behind one still running, which computes
         ``advance`` more positions per row first; its first token is not on the host yet
-        (token -1: take it from the previous call's output on the device)."""
+        (token -1: take it from the previous call's output on the device).
+        ``tokens_on_device``: every token is -1 (a speculative step chained behind the one
+        that proposes them; the device also shifts the positions, see spec_runner)."""
         rows = sched.seqs
         n = len(rows)
         decode = sched.kind == "decode"
@@ -182,7 +184,7 @@ class ModelRunner:
             start = s.num_computed + advance
             pos = np.arange(start, start + k)
             pages = np.asarray(s.pages, np.int32)
-            tokens[b, :k] = s.tokens_between(start, start + k) if not advance else -1
+            tokens[b, :k] = -1 if advance or tokens_on_device else s.tokens_between(start, start + k)
             positions[b, :k] = pos
             slots[b, :k] = pages[pos // ps] * ps + pos % ps
             table[b, : len(pages)] = pages

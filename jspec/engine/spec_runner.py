@@ -10,6 +10,12 @@ sampled token as the last pair, so the first drafts exist as soon as the prompt 
 
 Draft probabilities (draft_sample_method="probabilistic") stay on the device between
 steps in ``probs_buf: f32[max_num_seqs, K, V]``, one row per running request.
+
+Async scheduling: a verification step can start from the output of the step before it
+while that one is still on the device (``prev``, its packed result): the host builds the
+rows as they stood before ``prev`` and the device shifts each row by the count ``prev``
+emitted and takes [bonus, next drafts] from it (``continue_from``). Same maths and RNG
+keys as the unchained step.
 """
 
 from __future__ import annotations
@@ -23,10 +29,10 @@ from flax import struct
 
 from jspec.drafters import DFlashDrafter, Eagle3Drafter
 from jspec.drafters.config import DrafterConfig
-from jspec.drafters.propose import dflash_propose, eagle3_propose, peagle_propose
+from jspec.drafters.propose import dflash_propose, eagle3_propose, peagle_propose, slots_for
 from jspec.engine.packing import pack
 from jspec.engine.runner import ModelRunner, StepInput, StepShape
-from jspec.engine.scheduler import SchedulerOutput
+from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jspec.models.transformer import Transformer
 from jspec.speculative_config import SpeculativeConfig
 from kernels_pallas.rejection_sampling import rejection_sample
@@ -39,6 +45,26 @@ class SpecInput:
     pair_next: jax.Array  # i32[B, Q]  token at position + 1, known on the host (prefill steps)
     sample: jax.Array  # bool[B]       rows that reach their last token (sample + propose)
     prob_rows: jax.Array  # i32[B]     row of each request in probs_buf (padding: 0, unused)
+
+
+def continue_from(inp: SpecInput, prev, K: int, page_size: int, num_pages: int) -> SpecInput:
+    """The verification input of a step chained behind ``prev`` (i32[B, (K+1) + 1 + K], the
+    previous step's packed output, still on the device). ``inp`` holds each row as it stood
+    before ``prev`` (positions from its num_computed then, tokens -1, K drafts): ``prev``
+    emitted n tokens, so the row moves n positions on and verifies [bonus, prev's drafts]."""
+    b = inp.base
+    active = b.q_lens > 0
+    n_prev = jnp.where(active, prev[:, K + 1], 0)  # i32[B]
+    bonus = jnp.take_along_axis(prev[:, : K + 1], jnp.maximum(n_prev - 1, 0)[:, None], axis=1)  # [B, 1]
+    tokens = jnp.where(active[:, None], jnp.concatenate([bonus, prev[:, K + 2 :]], axis=1), 0)
+    positions = b.meta.positions + n_prev[:, None]
+    valid = jnp.arange(tokens.shape[1])[None, :] < b.q_lens[:, None]
+    meta = b.meta.replace(
+        positions=positions,
+        slot_mapping=slots_for(b.meta.page_table, positions, valid, page_size, num_pages),
+        kv_lens=jnp.where(active, b.meta.kv_lens + n_prev, 0),
+    )
+    return inp.replace(base=b.replace(tokens=tokens, meta=meta, sample_pos=b.sample_pos + n_prev))
 
 
 @dataclasses.dataclass
@@ -73,10 +99,12 @@ class SpecModelRunner(ModelRunner):
                                   donate_argnums=(2, 3, 4))
 
     # ---- device side ------------------------------------------------------------------
-    def _spec_step_impl(self, params, dparams, kv, dkv, probs_buf, synthetic_rates, ints, floats, *, decode, layout,
-                        filtering):
+    def _spec_step_impl(self, params, dparams, kv, dkv, probs_buf, synthetic_rates, ints, floats, prev=None, *,
+                        decode, layout, filtering):
         self.num_compilations += 1
         inp: SpecInput = self._unpack(ints, floats, layout)
+        if prev is not None:
+            inp = continue_from(inp, prev, self.K, self.page_size, self.num_pages)
         b = inp.base
         h, aux, kv = self.model.apply({"params": params}, b.tokens, b.meta, kv, aux_layers=self.aux_layers)
         B, Q = b.tokens.shape
@@ -126,9 +154,15 @@ class SpecModelRunner(ModelRunner):
         return kv, dkv, probs_buf, packed
 
     # ---- host side --------------------------------------------------------------------
-    def build_spec_input(self, sched: SchedulerOutput, prob_rows: dict) -> tuple[SpecInput, int, bool]:
+    def build_spec_input(self, sched: SchedulerOutput, prob_rows: dict,
+                         chained: bool = False) -> tuple[SpecInput, int, bool]:
+        """The step's input from the host state. ``chained``: for a verification step that
+        continues one still on the device (``continue_from``): every row verifies K drafts,
+        tokens and the position shift come from that step."""
         decode = sched.kind == "decode"
-        base, n = self.build_input(sched, q_override=self.K + 1 if decode else None)
+        if chained:
+            sched = SchedulerOutput("decode", [ScheduledSeq(r.seq, self.K + 1, True) for r in sched.seqs], [])
+        base, n = self.build_input(sched, q_override=self.K + 1 if decode else None, tokens_on_device=chained)
         B, Q = base.tokens.shape
         num_draft = np.zeros((B,), np.int32)
         pair_next = np.zeros((B, Q), np.int32)
@@ -139,34 +173,46 @@ class SpecModelRunner(ModelRunner):
             sample[i] = r.sample
             rows[i] = prob_rows.get(s.request_id, 0)
             if decode:
-                num_draft[i] = len(s.draft_token_ids)
+                num_draft[i] = self.K if chained else len(s.draft_token_ids)
             else:
                 nxt = s.tokens_between(s.num_computed + 1, s.num_computed + 1 + r.num_new)
                 pair_next[i, : len(nxt)] = nxt
         return SpecInput(base, num_draft, pair_next, sample, rows), n, decode
 
-    def run_spec(self, inp: SpecInput, decode: bool) -> jax.Array:
+    def run_spec(self, inp: SpecInput, decode: bool, prev: jax.Array | None = None) -> jax.Array:
         """One jitted speculative step on a host-built input, returned without waiting for
-        the device: i32[B, (K+1) + 1 + K] = emitted tokens | count | next drafts."""
+        the device: i32[B, (K+1) + 1 + K] = emitted tokens | count | next drafts. With
+        ``prev`` (such an output, not yet read) the step continues that one."""
         ints, floats, layout = pack(inp)
         self.kv, self.dkv, self.probs_buf, packed = self._spec_step(
-            self.params, self.dparams, self.kv, self.dkv, self.probs_buf, self.synthetic_rates, ints, floats,
+            self.params, self.dparams, self.kv, self.dkv, self.probs_buf, self.synthetic_rates, ints, floats, prev,
             decode=decode, layout=self._layout_id(layout), filtering=self._filtering(inp.base),
         )
         return packed
 
-    def execute_spec(self, sched: SchedulerOutput, prob_rows: dict) -> SpecStepResult:
-        inp, n, decode = self.build_spec_input(sched, prob_rows)
-        packed = np.asarray(self.run_spec(inp, decode))[:n]
+    def dispatch_spec(self, sched: SchedulerOutput, prob_rows: dict, prev: jax.Array | None = None) -> jax.Array:
+        """Start a speculative step (chained behind ``prev`` when given); its packed output
+        stays on the device until ``read_spec``."""
+        inp, _, decode = self.build_spec_input(sched, prob_rows, chained=prev is not None)
+        return self.run_spec(inp, decode, prev)
+
+    def read_spec(self, packed: jax.Array, n: int) -> SpecStepResult:
+        """Wait for a step's packed output and split its first n rows."""
+        packed = np.asarray(packed)[:n]
         K1 = self.K + 1
         return SpecStepResult(packed[:, :K1], packed[:, K1], packed[:, K1 + 1 :])
 
+    def execute_spec(self, sched: SchedulerOutput, prob_rows: dict) -> SpecStepResult:
+        return self.read_spec(self.dispatch_spec(sched, prob_rows), len(sched.seqs))
+
     def warmup_shapes(self, num_scheduler_steps: int = 1, async_scheduling: bool = False) -> list[StepShape]:
-        """Every shape the speculative step compiles for: verification (Q = K + 1) and the
-        prefill chunk buckets, for each batch and page-table bucket. (Speculation has no
-        multi-step or fed-back calls: the arguments are the plain runner's, ignored.)"""
-        qs = [(self.K + 1, True)] + [(Q, False) for Q in self.buckets.prefill_q]
-        return [StepShape(B, Q, W, 0, decode) for B in self.buckets.batch for Q, decode in qs
+        """Every shape the speculative step compiles for: verification (Q = K + 1), with
+        async scheduling also its chained form (steps = 1: continues a step on the device),
+        and the prefill chunk buckets, for each batch and page-table bucket.
+        (num_scheduler_steps does not apply to speculation.)"""
+        qs = [(self.K + 1, 0, True)] + ([(self.K + 1, 1, True)] if async_scheduling else [])
+        qs += [(Q, 0, False) for Q in self.buckets.prefill_q]
+        return [StepShape(B, Q, W, steps, decode) for B in self.buckets.batch for Q, steps, decode in qs
                 for W in self.buckets.pages]
 
     def empty_spec_input(self, sh: StepShape) -> SpecInput:
@@ -176,6 +222,10 @@ class SpecModelRunner(ModelRunner):
         return SpecInput(self.empty_input(B, Q, sh.pages), zeros, np.zeros((B, Q), np.int32), np.zeros((B,), bool),
                          zeros)
 
+    def _empty_prev(self, sh: StepShape):
+        """A stand-in ``prev`` for compiling the chained form (steps = 1), else None."""
+        return jnp.zeros((sh.batch, 2 * self.K + 2), jnp.int32) if sh.steps else None
+
     def lower_spec(self, sh: StepShape):
         """The speculative step of shape ``sh``, lowered (not run): ``.compile()`` gives its
         executable and ``memory_analysis()`` (tests check it needs no cache-sized copies)."""
@@ -183,13 +233,14 @@ class SpecModelRunner(ModelRunner):
         ints, floats, layout = pack(inp)
         return self._spec_step.lower(
             self.params, self.dparams, self.kv, self.dkv, self.probs_buf, self.synthetic_rates, ints, floats,
-            decode=sh.decode, layout=self._layout_id(layout), filtering=self._filtering(inp.base),
+            self._empty_prev(sh), decode=sh.decode, layout=self._layout_id(layout),
+            filtering=self._filtering(inp.base),
         )
 
     def warmup(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None):
         """Compile every shape (or ``shapes``, a subset of ``warmup_shapes``) with empty rows:
         no row samples or drafts, every target and drafter write is dropped, so the caches
         and the draft-probability buffer keep their contents."""
-        for sh in shapes or self.warmup_shapes():
-            self.run_spec(self.empty_spec_input(sh), sh.decode)
+        for sh in shapes or self.warmup_shapes(num_scheduler_steps, async_scheduling):
+            self.run_spec(self.empty_spec_input(sh), sh.decode, self._empty_prev(sh))
         jax.block_until_ready((self.kv, self.dkv))
