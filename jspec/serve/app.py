@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -23,7 +24,7 @@ from jspec.serve.text import Detokenizer
 logger = logging.getLogger("jspec.serve")
 
 KNOWN_HANDLERS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                  "/v1/debug/engine"}
+                  "/v1/debug/engine"}  # /v1/models/{id} counts as /v1/models
 
 
 class ServerState:
@@ -36,8 +37,10 @@ class ServerState:
         self.created = int(time.time())
 
 
-def create_app(engine, served_model_name: str | None = None) -> FastAPI:
-    """The app over a (synchronous) engine; the engine thread starts with the app's lifespan."""
+def create_app(engine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+    """The app over a (synchronous) engine; the engine thread starts with the app's lifespan.
+    With ``api_key`` every /v1 route wants ``Authorization: Bearer <api_key>`` (vLLM's
+    --api-key); /health and /metrics stay open."""
     name = served_model_name or engine.model_name
     state = ServerState(engine, name, Metrics(name))
 
@@ -66,6 +69,8 @@ def create_app(engine, served_model_name: str | None = None) -> FastAPI:
         err = APIError(f"Internal server error: {type(e).__name__}: {e}", 500)
         return JSONResponse(err.body(), status_code=500)
 
+    if api_key:
+        app.add_middleware(_RequireKey, key=api_key)
     app.add_middleware(_CountRequests, metrics=state.metrics)
 
     @app.get("/health")
@@ -76,12 +81,21 @@ def create_app(engine, served_model_name: str | None = None) -> FastAPI:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
+    def model_card():
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "jspec",
+                "root": getattr(engine, "config", None) and engine.config.model,
+                "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "jspec",
-            "root": getattr(engine, "config", None) and engine.config.model,
-            "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != state.model_name:
+            raise APIError(f"The model `{model_id}` does not exist. This server serves `{state.model_name}`.",
+                           404, param="model", code="model_not_found")
+        return model_card()
 
     @app.get("/metrics")
     async def metrics():
@@ -101,6 +115,22 @@ def create_app(engine, served_model_name: str | None = None) -> FastAPI:
         return await _serve(state, request, chat=True)
 
     return app
+
+
+class _RequireKey:
+    """Pure ASGI middleware: /v1 routes answer 401 without ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app, key: str):
+        self.app, self.want = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(auth, self.want):
+                err = APIError("Invalid or missing API key (send 'Authorization: Bearer <key>')", 401,
+                               code="invalid_api_key")
+                return await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class _CountRequests:
@@ -125,6 +155,8 @@ class _CountRequests:
             await self.app(scope, receive, send_)
         finally:
             path = scope.get("path", "")
+            if path.startswith("/v1/models/"):
+                path = "/v1/models"
             self.metrics.http(path if path in KNOWN_HANDLERS else "other", scope.get("method", ""), status)
 
 
@@ -191,7 +223,8 @@ def _sampling_params(state: ServerState, req, chat: bool, n_prompt: int) -> Samp
     max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
     if max_tokens is None:
-        max_tokens = max_len - n_prompt
+        # OpenAI's defaults: 16 for a completion; a chat completion runs to the context's end.
+        max_tokens = max_len - n_prompt if chat else min(16, max_len - n_prompt)
     if max_tokens < 1:
         raise APIError(f"'{param}' must be at least 1, got {max_tokens}", param=param)
     if n_prompt + max_tokens > max_len:
@@ -292,7 +325,7 @@ async def _next(ctx: _Ctx, stream: RequestStream):
         ctx.token_ids = out.token_ids
     delta = ctx.detok.update(ctx.token_ids, out.finished)
     if ctx.detok.stopped and not out.finished:
-        ctx.state.loop.abort(ctx.rid)
+        ctx.state.loop.finish_on_stop_string(ctx.rid)
         stream.finished = True
         out.finished = True
     new_ids = ctx.token_ids[n_before:]

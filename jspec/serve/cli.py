@@ -29,7 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--speculative-config", type=json.loads, default=None,
-                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+                   help='JSON: method eagle3 | peagle | dflash, the drafter folder, e.g. '
+                        '\'{"method": "eagle3", "model": "path/to/drafter", "num_speculative_tokens": 3}\'')
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1 routes (default: no key)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps per device call (tokens fed back on the device)")
@@ -79,7 +82,7 @@ def main(argv=None) -> int:
             t = time.monotonic()
             llm.engine.warmup()
             logger.info("warmup: compiled all shape buckets in %.1fs", time.monotonic() - t)
-    app = create_app(llm.engine, args.served_model_name)
+    app = create_app(llm.engine, args.served_model_name, api_key=args.api_key)
     state = app.state.jspec
     logger.info("serving %s on http://%s:%d (max_model_len=%d, %d KV pages)", state.model_name,
                 args.host, args.port, llm.engine.max_model_len, llm.engine.num_pages)

@@ -112,6 +112,11 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
 
+    def finish_on_stop_string(self, request_id: str) -> None:
+        """End a request whose text reached one of its stop strings: the engine frees it as
+        an abort would, but it counts (metrics, latency) as finished with reason "stop"."""
+        self._cmds.put(("stop", request_id))
+
     def abort_all(self) -> None:
         self._cmds.put(_ABORT_ALL)
 
@@ -155,7 +160,7 @@ class EngineLoop:
                 elif cmd[0] == "add":
                     self._add(*cmd[1:])
                 else:
-                    self._abort(cmd[1])
+                    self._abort(cmd[1], reason="stop" if cmd[0] == "stop" else "abort")
             if stop:
                 for rid in list(self._reqs):
                     self._abort(rid)
@@ -187,7 +192,7 @@ class EngineLoop:
         self._reqs[rid] = _ReqState(stream, arrival, n_prompt)
         self._call(_resolve, fut, None)
 
-    def _abort(self, rid: str, error: str | None = None) -> None:
+    def _abort(self, rid: str, error: str | None = None, reason: str = "abort") -> None:
         try:
             self.engine.abort_request(rid)
         except Exception:
@@ -196,9 +201,13 @@ class EngineLoop:
         if st is None:
             return
         if self.metrics is not None:
-            self.metrics.success("abort")
+            self.metrics.success(reason)
+            if reason == "stop":  # a completed request: its latency and sizes count
+                self.metrics.e2e.observe(time.monotonic() - st.arrival)
+                self.metrics.req_prompt_tokens.observe(st.num_prompt_tokens)
+                self.metrics.req_gen_tokens.observe(len(st.token_ids))
         out = Output(token_ids=list(st.token_ids), num_prompt_tokens=st.num_prompt_tokens, finished=True,
-                     finish_reason="abort", error=error)
+                     finish_reason=reason, error=error)
         self._call(_deliver, [(st.stream, out, True)])
 
     def _dispatch(self, outs) -> None:
