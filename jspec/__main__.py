@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 
 import jspec
@@ -20,9 +21,11 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--temperature", type=float, default=1.0, help="0 for greedy (a random model then repeats itself)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="auto: the checkpoint's dtype")
     ap.add_argument("prompts", nargs="*", default=["Hello, my name is", "The capital of France is", "def fib(n):"])
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jspec.engine").setLevel(logging.INFO)  # the backend and devices the engine runs on
     spec = json.loads(args.speculative_config) if args.speculative_config else None
     t0 = time.perf_counter()
     llm = jspec.LLM(args.model, dtype=args.dtype, max_model_len=512, speculative_config=spec)

@@ -76,6 +76,7 @@ class ModelConfig:
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int = 8192
+    dtype: str = "float32"  # the checkpoint's (config.json dtype / torch_dtype): what dtype="auto" loads
 
     @property
     def q_size(self) -> int:
@@ -179,7 +180,19 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
         qk_norm=model_type == "qwen3",
         eos_token_ids=eos_ids,
         max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
+        dtype=_checkpoint_dtype(d),
     )
+
+
+_DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
+                "float": "float32"}
+
+
+def _checkpoint_dtype(d: dict[str, Any]) -> str:
+    """config.json's dtype (transformers 5) or torch_dtype (4.x), as one of jspec's dtype
+    names; float32 when absent or not a float type jspec serves."""
+    name = str(d.get("dtype") or d.get("torch_dtype") or "float32").removeprefix("torch.")
+    return _DTYPE_NAMES.get(name, "float32")
 
 
 def load_model_config(path: str | os.PathLike) -> ModelConfig:

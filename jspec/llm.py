@@ -19,7 +19,7 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        dtype: str = "float32",
+        dtype: str = "auto",
         max_num_seqs: int = 8,
         max_model_len: int | None = None,
         page_size: int = 16,
@@ -91,6 +91,34 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[r] for r in rids]
+
+
+    def get_tokenizer(self):
+        """The engine's Hugging Face tokenizer (None for weights loaded without one)."""
+        return self.engine.tokenizer
+
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or
+        a list of conversations, through the model's chat template (vLLM's LLM.chat)."""
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model has no tokenizer with a chat template: LLM.chat needs one "
+                             "(use LLM.generate with token ids instead)")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not convs or any(not isinstance(c, (list, tuple)) or not c for c in convs):
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
+        ids = []
+        for conv in convs:
+            out = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt, tokenize=True)
+            ids.append(list(out["input_ids"] if hasattr(out, "keys") else out))
+        return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
 
 
 def generate(prompts, model: str | None = None, sampling_params=None, speculative_config=None, **engine_args):

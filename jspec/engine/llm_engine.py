@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 
 import jax
 import numpy as np
 
 from jspec.checkpoint.target import load_target, resolve_dtype
+from jspec.config import load_model_config
 from jspec.engine.block_manager import BlockManager
 from jspec.engine.buckets import Buckets
 from jspec.engine.runner import ModelRunner
@@ -24,6 +26,7 @@ from jspec.kv_cache import KVCache
 from jspec.sampling_params import SamplingParams
 from kernels_pallas.dispatch import ENV_VAR, resolve_impl
 
+logger = logging.getLogger("jspec.engine")
 
 @dataclasses.dataclass
 class RequestOutput:
@@ -57,7 +60,7 @@ class _InFlight:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": the checkpoint's (config.json), else float32 | bfloat16 | float16
     max_num_seqs: int = 8
     max_model_len: int | None = None  # None: min(max_position_embeddings, 4096)
     page_size: int = 16
@@ -115,7 +118,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, sharding=None, *, preloaded=None, preloaded_drafter=None):
         """``preloaded=(ModelConfig, params)`` (and ``preloaded_drafter=(DrafterConfig,
         params)``) skip the checkpoint: benchmarks use random weights made on the device."""
+        if config.dtype == "auto":  # the checkpoint's dtype, as vLLM's default
+            mc_dtype = preloaded[0].dtype if preloaded is not None else load_model_config(config.model).dtype
+            config = dataclasses.replace(config, dtype=mc_dtype)
         self.config = c = config
+        logger.info("jspec engine on %s (%s), dtype %s", jax.default_backend(),
+                    ", ".join(sorted({d.device_kind for d in jax.devices()})) + f" x{jax.device_count()}", c.dtype)
         if preloaded is None:
             self.model_cfg, params = load_target(c.model, c.dtype, sharding=sharding)
             self.tokenizer = _load_tokenizer(c.model)

@@ -1,0 +1,49 @@
+"""jspec.LLM as a vLLM user reaches it: dtype "auto" follows the checkpoint, LLM.chat goes
+through the model's chat template, LLM.get_tokenizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jspec
+
+
+def test_dtype_auto_follows_the_checkpoint(tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    for dtype, want in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
+        folder = str(tmp_path / want)
+        LlamaForCausalLM(cfg).to(dtype).save_pretrained(folder)
+        eng = jspec.LLM(folder, max_model_len=32, num_pages=8).engine
+        assert eng.config.dtype == want
+        leaves = [x.dtype for x in __import__("jax").tree.leaves(eng.runner.params)]
+        assert set(map(str, leaves)) == {want}
+        assert str(eng.runner.kv.k[0].dtype) == want
+    # an explicit dtype still wins
+    assert jspec.LLM(folder, dtype="bfloat16", max_model_len=32, num_pages=8).engine.config.dtype == "bfloat16"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return jspec.LLM(max_model_len=128, max_num_seqs=2)
+
+
+def test_chat_uses_the_chat_template(llm):
+    tok = llm.get_tokenizer()
+    assert tok is llm.engine.tokenizer
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    sp = jspec.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    want = llm.generate([ids], sp)[0].token_ids
+    one = llm.chat(conv, sp)
+    two = llm.chat([conv, conv[1:]], sp)
+    assert len(one) == 1 and one[0].token_ids == want and one[0].prompt_token_ids == ids
+    assert len(two) == 2 and two[0].token_ids == want and two[1].prompt_token_ids != ids
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat([], sp)
+    assert np.all([isinstance(t, int) for t in one[0].token_ids])
