@@ -15,6 +15,8 @@ import tempfile
 
 import numpy as np
 
+from jspec import envs
+
 VERSION = 2
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 CHAT_TEMPLATE = (
@@ -51,7 +53,7 @@ CONFIG = {
 
 
 def cache_dir() -> str:
-    return os.environ.get("JSPEC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jspec"))
+    return envs.JSPEC_CACHE
 
 
 def _random_weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:

@@ -1,46 +1,47 @@
-"""One dispatch point for every Pallas kernel in kernels_pallas.
+"""Kernel implementations by name, and what "auto" means for a direct kernel call.
 
-`resolve_impl(impl)` turns a requested implementation into a concrete one:
+Every public kernel entry takes ``impl``:
 - "reference":     the kernel file's pure-jnp reference;
 - "gpu":           the GPU lowering (compiled Pallas);
 - "tpu":           the TPU lowering (Mosaic TPU);
 - "interpret":     the GPU kernel body run by Pallas' interpreter (`interpret=True`), any backend;
 - "tpu_interpret": the TPU kernel under `pltpu.InterpretParams()` (checks TPU semantics on CPU);
-- "auto":          the env var JSPEC_KERNEL_IMPL if set (any of the names above except
-                   "auto"), else from jax.default_backend(): gpu -> "gpu", tpu -> "tpu",
-                   anything else (cpu) -> "interpret".
-An explicit impl other than "auto" always wins over the env var. The env var is read at
-trace time, so set it before the first call of a jitted function.
+- "auto":          the kernel for jax.default_backend(): gpu -> "gpu", tpu -> "tpu", anything
+                   else (cpu) -> "interpret", so a kernel test on CPU runs the kernel body.
+The engine never passes "auto": its kernel plan (jspec/ops.py, plan_kernels) hands every
+entry a concrete name, and "auto" there means the references on CPU.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
 
-ENV_VAR = "JSPEC_KERNEL_IMPL"
 IMPLS = ("reference", "gpu", "tpu", "interpret", "tpu_interpret")
+GPU_IMPLS = ("gpu", "interpret")  # the Triton-backend kernel bodies, compiled or interpreted
+
+
+def backend_impl(backend: str) -> str:
+    """The kernel implementation for a JAX backend name (see the module docstring)."""
+    if backend in ("gpu", "cuda", "rocm"):
+        return "gpu"
+    if backend == "tpu":
+        return "tpu"
+    return "interpret"
+
+
+def check_impl(impl: str, source: str = "impl") -> str:
+    """``impl`` if it names an implementation (or "auto"), else a ValueError naming ``source``."""
+    if impl != "auto" and impl not in IMPLS:
+        raise ValueError(f"{source}={impl!r} is not one of {IMPLS + ('auto',)}")
+    return impl
 
 
 def resolve_impl(impl: str = "auto") -> str:
     """Concrete implementation name for `impl` (see module docstring)."""
-    if impl == "auto":
-        env = os.environ.get(ENV_VAR, "").strip().lower()
-        if env and env != "auto":
-            if env not in IMPLS:
-                raise ValueError(f"{ENV_VAR}={env!r} is not one of {IMPLS + ('auto',)}")
-            return env
-        backend = jax.default_backend()
-        if backend in ("gpu", "cuda", "rocm"):
-            return "gpu"
-        if backend == "tpu":
-            return "tpu"
-        return "interpret"
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is not one of {IMPLS + ('auto',)}")
-    return impl
+    check_impl(impl)
+    return backend_impl(jax.default_backend()) if impl == "auto" else impl
 
 
 _log = logging.getLogger("jspec.kernels")

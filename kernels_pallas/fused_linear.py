@@ -22,13 +22,13 @@ form; that keeps more weight bytes in flight (default_mma_blocks: 3-12% faster o
 H200). f32 weights (a dot would run in TF32) and shapes no MMA tile divides use the
 elementwise form: w * x accumulated in an f32 [block_f, block_d] tile, reduced once at the
 end. One row only: a first version that gathered up to 16 rows into one was slower than
-XLA for M = 2-16 (qkv 22 vs 18 us), so more rows go to XLA (use_kernel).
+XLA for M = 2-16 (qkv 22 vs 18 us), so more rows go to XLA (jspec.ops.linear_kernel).
 The RMSNorm is factored out of the dot: W (w_norm * x) and sum(x^2) accumulate in the same
 pass and 1 / rms scales the result, instead of a first pass over x in every program.
 
 A decoder layer also hands its post-attention RMSNorm from o_proj's kernel to down_proj's
-(norm_handoff): o_proj writes h * norm_w and per-program sums of h^2 besides h, so the norm
-needs no kernel of its own before XLA's gate_up GEMM.
+(jspec.ops.linear_then_norm): o_proj writes h * norm_w and per-program sums of h^2 besides
+h, so the norm needs no kernel of its own before XLA's gate_up GEMM.
 
 Numerics: f32 accumulation, the output rounded to the activation dtype, then bias and
 residual added in that dtype, as the reference's XLA ops do. The SwiGLU product is rounded
@@ -39,7 +39,7 @@ differ by a few ulps of the activation dtype (tests/test_fused_linear.py).
 Measured on the H200 (2026-11-21, jax 0.11.2, scripts/bench.py --section diag, profiler
 GPU time per layer inside a decode step): qkv + RMSNorm 15.9 us, o + residual 10.8, down +
 SwiGLU + residual 31.6; before, XLA took 14.6 + ~1.3 (norm), 10.6 + ~1.8 (add) and
-29.4 + 2.8 (silu * u) + ~1.8 (add). gate_up stays with XLA (MAX_KERNEL_FEATURES). Tile
+29.4 + 2.8 (silu * u) + ~1.8 (add). gate_up stays with XLA (jspec.ops.MAX_KERNEL_FEATURES). Tile
 sweep: scripts/bench_linear.py --sweep. With the MMA form (seventh session, same method):
 o + residual 11.5 us per layer in the step (11.7 before), down 32.7 (33.3); alone
 (scripts/bench_linear.py) qkv + RMSNorm 15.6 us (Qwen3's path; Llama's qkv runs in
@@ -49,7 +49,7 @@ kernels_pallas/qkv_rope_kv_write.py), o 11.3, down 32.5.
 from __future__ import annotations
 
 import functools
-import os
+import math
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +79,7 @@ def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None,
 
     x: [..., K] ([..., 2K] for silu_mul); w: [F, K]; norm_w: [K]; bias: [F];
     residual: [..., F]; out_dtype: None (w.dtype) or float32 (logits). -> [..., F]
-    The RMSNorm hand-over between two projections (see norm_handoff):
+    The RMSNorm hand-over between two projections (jspec.ops.linear_then_norm):
     - next_norm_w [F]: also return the next RMSNorm's input scaled by its weight, un-normalised,
       and the sum of squares of y: (y, y * next_norm_w, f32[..., n] whose sum over n is
       sum(y^2); n = 1 here, one partial per program in the kernel);
@@ -307,52 +307,28 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-# Wider projections stay with XLA: gate_up (28672 x 4096) streams at 4.0-4.2 TB/s through
-# XLA's autotuned GEMM against 3.9 here (60.3 vs 55.8-58.2 us on the H200), more than the
-# RMSNorm kernel it would save (~1.3 us). The lm_head has nothing to fuse.
-MAX_KERNEL_FEATURES = 16384
-
-
-def _kernel_shape_ok(impl, rows, w_shape, fused) -> bool:
-    return (impl in ("gpu", "interpret") and rows == 1 and fused and w_shape[0] <= MAX_KERNEL_FEATURES
-            and default_blocks(*w_shape) is not None)
-
-
-def use_kernel(impl, x, w, prologue, residual) -> bool:
-    """Whether fused_linear runs the kernel: GPU impls, one row (batch-1 decode), something
-    to fuse (a prologue or a residual: a bare GEMV is as fast through XLA), at most
-    MAX_KERNEL_FEATURES outputs, and power-of-2 tiles that divide the weight."""
-    rows = 1
-    for n in x.shape[:-1]:
-        rows *= n
-    return _kernel_shape_ok(impl, rows, w.shape, prologue != "none" or residual is not None)
-
-
-def norm_handoff(impl, rows, o_shape, down_shape) -> bool:
-    """Whether a decoder layer hands its post-attention RMSNorm over from o_proj to down_proj
-    (both kernels run): o_proj's kernel also writes h * norm_w and per-program sums of h^2,
-    XLA's gate_up GEMM reads h * norm_w as is, and down_proj's kernel scales the gate|up
-    values by 1 / rms before SwiGLU. The norm's two XLA fusions (reduce, multiply) before
-    the gate_up GEMM go away: 2.26 us per layer on the H200 (jax 0.11.2, 2026-11-22,
-    explore_balance.py in git history, commit 4e58a84: gate_up 57.94 us with them, 55.68
-    without), against +0.36 us in o_proj's kernel and +1.0-1.2 in down's (commit 5527950).
-    In the engine's decode step (bench.py, batch 1, ctx 512, three interleaved pairs):
-    4.15-4.17 ms per token with it, 4.18-4.22 without. o_shape / down_shape: the [out, in]
-    weight shapes. JSPEC_NORM_HANDOFF=0 turns it off (read at trace time; for A/B
-    measurements)."""
-    if os.environ.get("JSPEC_NORM_HANDOFF", "1").strip() == "0":
-        return False
-    return _kernel_shape_ok(impl, rows, o_shape, True) and _kernel_shape_ok(impl, rows, down_shape, True)
+def supports(rows: int, w_shape) -> bool:
+    """The kernel's contract: one row of x, and power-of-2 tiles that divide the [F, K]
+    weight (default_blocks). Whether a model's projection is worth the kernel is decided
+    elsewhere (jspec.ops.linear_kernel)."""
+    return rows == 1 and default_blocks(*w_shape) is not None
 
 
 def fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, residual=None, out_dtype=None,
                  impl="reference", sumsq=None, next_norm_w=None):
-    """Public entry: the kernel where use_kernel says so, else ref_fused_linear (XLA).
-    With next_norm_w -> (y, y * next_norm_w, f32[..., n] partial sums of y^2)."""
+    """Public entry: impl "reference" runs ref_fused_linear (XLA), "gpu" / "interpret" the
+    kernel, which takes what ``supports`` says. With next_norm_w -> (y, y * next_norm_w,
+    f32[..., n] partial sums of y^2)."""
     validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq, next_norm_w)
-    if not use_kernel(impl, x, w, prologue, residual):
+    if impl == "reference":
         return ref_fused_linear(x, w, prologue=prologue, norm_w=norm_w, eps=eps, bias=bias, residual=residual,
                                 out_dtype=out_dtype, sumsq=sumsq, next_norm_w=next_norm_w)
+    if impl not in ("gpu", "interpret"):
+        raise ValueError(f"fused_linear: impl must be 'reference', 'gpu' or 'interpret', got {impl!r}")
+    rows = math.prod(x.shape[:-1])
+    if not supports(rows, w.shape):
+        raise ValueError(f"fused_linear: the kernel takes one row and a weight its tiles divide, got {rows} rows "
+                         f"and a {w.shape} weight")
     lead, F = x.shape[:-1], w.shape[0]
     out = fused_linear_gpu(
         x.reshape(1, x.shape[-1]), w, norm_w, bias, None if residual is None else residual.reshape(1, F),

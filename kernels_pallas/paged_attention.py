@@ -113,24 +113,35 @@ def write_kv(
     return k.reshape(P, S, KVH, D), v.reshape(P, S, KVH, D)
 
 
+def unsupported_shape(impl: str, head_dim: int) -> str | None:
+    """Why ``impl``'s kernel cannot take this head_dim (GPU: a power of 2 >= 16; TPU: a
+    multiple of 128), or None; the reference takes any."""
+    from kernels_pallas import paged_attention_gpu as gpu  # local: light imports
+    from kernels_pallas import paged_attention_tpu as tpu
+
+    if impl == "reference":
+        return None
+    return (gpu if impl in ("gpu", "interpret") else tpu).unsupported_shape(head_dim)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "impl"))
 def paged_attention(q, k_pages, v_pages, page_table, kv_lens, positions, causal=None, *, sm_scale, impl="reference"):
     """Public entry. ``impl`` picks the jnp reference or a Pallas kernel.
 
     impl: "reference" (jnp), "gpu" (Triton-backend Pallas kernel), "tpu" (Mosaic TPU),
     "interpret" (the GPU kernel body in Pallas' interpreter, any backend), "tpu_interpret"
-    (the TPU kernel under pltpu.InterpretParams), or "auto" (kernels_pallas.dispatch:
-    JSPEC_KERNEL_IMPL, else by jax.default_backend()). Kernels run in the KV cache dtype;
-    the output is in q.dtype like the reference's.
+    (the TPU kernel under pltpu.InterpretParams), or "auto" (kernels_pallas.dispatch: by
+    jax.default_backend()). A kernel takes the head_dims ``unsupported_shape`` passes.
+    Kernels run in the KV cache dtype; the output is in q.dtype like the reference's.
     """
     from kernels_pallas import paged_attention_gpu as gpu, paged_attention_tpu as tpu  # local: light imports
-    from kernels_pallas.dispatch import resolve_impl, shape_fallback
+    from kernels_pallas.dispatch import resolve_impl
 
     validate(q, k_pages, v_pages, page_table, kv_lens, positions, causal)
     impl = resolve_impl(impl)
-    if impl != "reference":
-        kernel = gpu if impl in ("gpu", "interpret") else tpu
-        impl = shape_fallback("paged_attention", impl, kernel.unsupported_shape(q.shape[-1]))
+    reason = unsupported_shape(impl, q.shape[-1])
+    if reason is not None:
+        raise ValueError(f"paged_attention: {reason} (impl={impl!r})")
     if impl == "reference":
         return ref_paged_attention(q, k_pages, v_pages, page_table, kv_lens, positions, causal, sm_scale=sm_scale)
     args = (q.astype(k_pages.dtype), k_pages, v_pages, page_table, kv_lens, positions, causal)

@@ -69,7 +69,7 @@ def _next_pow2(n: int) -> int:
 
 def unsupported_shape(head_dim: int) -> str | None:
     """Why the Triton kernel cannot take this head_dim (its dot tiles are powers of 2
-    >= 16), or None. The public entry then runs the XLA path instead."""
+    >= 16), or None. The engine then runs the XLA path instead (jspec.ops.attention)."""
     if head_dim & (head_dim - 1) or head_dim < 16:
         return f"head_dim {head_dim} is not a power of 2 >= 16"
     return None

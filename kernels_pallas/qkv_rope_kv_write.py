@@ -18,7 +18,7 @@ MMA form), else 2 x 4 rows x 512 elementwise. On the H200 (jax 0.11.2, 2026-11-2
 GPU time): 16.1 us per layer in the decode step with the MMA tiles against 17.7 elementwise
 (scripts/bench.py --section diag); alone 18.7 against 22.1 us, and 2 x 16-row tiles 27.7-32.3
 (scripts/bench_linear.py --qkv-rope-only --sweep). Qwen3's q / k norms need a whole head
-per program first: that model keeps the two kernels (use_kernel).
+per program first: that model keeps the two kernels (jspec.ops.qkv_rope_write).
 """
 
 from __future__ import annotations
@@ -161,18 +161,24 @@ def validate(x, w, norm_w, bias, cos, slot_mapping, k_pages, v_pages, num_heads)
                          f"{slot_mapping.shape}")
 
 
-def use_kernel(impl, x, w, k_pages) -> bool:
-    """GPU impls, one token (batch-1 decode), a head that splits into the projection's tile."""
-    return (impl in ("gpu", "interpret") and x.shape[0] == 1
-            and kernel_blocks(w.shape[0], w.shape[1], k_pages.shape[3], w.dtype) is not None)
+def supports(rows: int, w_shape, head_dim: int, dtype) -> bool:
+    """The kernel's contract: one token, and a head that splits into the projection's tile
+    (kernel_blocks). Whether a model uses it is decided elsewhere (jspec.ops.qkv_kernel)."""
+    return rows == 1 and kernel_blocks(w_shape[0], w_shape[1], head_dim, dtype) is not None
 
 
 def qkv_rope_kv_write(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v_pages, *, num_heads, eps,
                       impl="reference"):
-    """Public entry: the kernel where use_kernel says so, else the reference."""
+    """Public entry: impl "reference" runs the reference, "gpu" / "interpret" the kernel
+    (on what ``supports`` says)."""
     validate(x, w, norm_w, bias, cos, slot_mapping, k_pages, v_pages, num_heads)
-    if use_kernel(impl, x, w, k_pages):
-        return qkv_rope_kv_write_gpu(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v_pages,
-                                     num_heads=num_heads, eps=float(eps), interpret=impl == "interpret")
-    return ref_qkv_rope_kv_write(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v_pages,
-                                 num_heads=num_heads, eps=eps)
+    if impl == "reference":
+        return ref_qkv_rope_kv_write(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v_pages,
+                                     num_heads=num_heads, eps=eps)
+    if impl not in ("gpu", "interpret"):
+        raise ValueError(f"qkv_rope_kv_write: impl must be 'reference', 'gpu' or 'interpret', got {impl!r}")
+    if not supports(x.shape[0], w.shape, k_pages.shape[3], w.dtype):
+        raise ValueError(f"qkv_rope_kv_write: the kernel takes one token and a head_dim its tiles split, got "
+                         f"{x.shape[0]} tokens, head_dim {k_pages.shape[3]} and a {w.shape} {w.dtype} weight")
+    return qkv_rope_kv_write_gpu(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v_pages,
+                                 num_heads=num_heads, eps=float(eps), interpret=impl == "interpret")

@@ -11,7 +11,7 @@ ref_rejection_sample(...): same signature minus the tuning arguments, pure jnp.
 Helpers live in kernels_pallas/sampling_utils.py (uniform, target_probs,
 sample_from_probs, filter_thresholds), synthetic-rate conversions in
 kernels_pallas/synthetic.py, the impl choice in kernels_pallas/dispatch.py
-(impl="auto" -> env JSPEC_KERNEL_IMPL, else gpu / tpu / interpret by backend).
+(impl="auto" -> gpu / tpu / interpret by backend).
 
 Design
 ------

@@ -26,7 +26,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.dispatch import shape_fallback
 from kernels_pallas.fused_linear import rms_norm
 from kernels_pallas.paged_attention import write_kv
 from kernels_pallas.paged_attention_gpu import _next_pow2
@@ -186,12 +185,16 @@ def validate(qkv, cos, slot_mapping, k_pages, v_pages, q_norm_w, k_norm_w, num_h
 
 def rope_kv_write(qkv, cos, sin, slot_mapping, k_pages, v_pages, q_norm_w=None, k_norm_w=None, *, num_heads,
                   eps=1e-6, impl="reference"):
-    """Public entry: impl "gpu" / "interpret" run the kernel, anything else the reference."""
+    """Public entry: impl "reference" runs the reference, "gpu" / "interpret" the kernel
+    (on a head_dim that ``unsupported_shape`` passes)."""
     validate(qkv, cos, slot_mapping, k_pages, v_pages, q_norm_w, k_norm_w, num_heads)
-    if impl in ("gpu", "interpret"):
-        impl = shape_fallback("rope_kv_write", impl, unsupported_shape(k_pages.shape[-1]))
-    if impl in ("gpu", "interpret"):
-        return rope_kv_write_gpu(qkv, cos, sin, slot_mapping, k_pages, v_pages, q_norm_w, k_norm_w,
-                                 num_heads=num_heads, eps=float(eps), interpret=impl == "interpret")
-    return ref_rope_kv_write(qkv, cos, sin, slot_mapping, k_pages, v_pages, q_norm_w, k_norm_w,
-                             num_heads=num_heads, eps=eps)
+    if impl == "reference":
+        return ref_rope_kv_write(qkv, cos, sin, slot_mapping, k_pages, v_pages, q_norm_w, k_norm_w,
+                                 num_heads=num_heads, eps=eps)
+    if impl not in ("gpu", "interpret"):
+        raise ValueError(f"rope_kv_write: impl must be 'reference', 'gpu' or 'interpret', got {impl!r}")
+    reason = unsupported_shape(k_pages.shape[-1])
+    if reason is not None:
+        raise ValueError(f"rope_kv_write: {reason}")
+    return rope_kv_write_gpu(qkv, cos, sin, slot_mapping, k_pages, v_pages, q_norm_w, k_norm_w,
+                             num_heads=num_heads, eps=float(eps), interpret=impl == "interpret")

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.fused_linear import fused_linear, fused_linear_gpu, ref_fused_linear, use_kernel
+from jspec import ops
+from kernels_pallas.fused_linear import fused_linear, fused_linear_gpu, ref_fused_linear
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write, ref_qkv_rope_kv_write
 from kernels_pallas.rope_kv_write import ref_rope_kv_write, rope_kv_write, rope_tables
 
@@ -48,12 +49,13 @@ def linear_inputs(name, F, K, prologue, residual, M, copies):
 
 
 def linear_case(name, F, K, prologue, residual, M, impl, quick, timing):
-    """fused_linear (kernel where use_kernel routes it, else XLA) vs the unfused reference."""
+    """fused_linear (the kernel where the model's ops would run it, else XLA) vs the unfused
+    reference."""
     x, ws, kw = linear_inputs(name, F, K, prologue, residual, M, 1 if quick else 4)
-    fused = jax.jit(lambda x, w: fused_linear(x, w, impl=impl, **kw))
+    kernel = ops.linear_kernel(ops.KernelPlan(linear=impl), M, (F, K), fused=prologue != "none" or residual)
+    fused = jax.jit(lambda x, w: fused_linear(x, w, impl=impl if kernel else "reference", **kw))
     ref = jax.jit(lambda x, w: ref_fused_linear(x, w, **kw))
-    row = dict(name=name, F=F, K=K, prologue=prologue, residual=residual, M=M,
-               kernel=use_kernel(impl, x, ws[0], prologue, kw["residual"]),
+    row = dict(name=name, F=F, K=K, prologue=prologue, residual=residual, M=M, kernel=kernel,
                rel_err=rel_err(fused(x, ws[0]), ref(x, ws[0])))
     if timing:
         from gpu_trace import device_times
@@ -160,7 +162,7 @@ def main():
            "linear": [], "rope": []}
     shapes = TINY if args.quick or not gpu else LLAMA_8B
     for name, F, K, pro, res in ([] if args.qkv_rope_only else shapes):
-        for M in (1, 8):  # M > 1 (and shapes use_kernel keeps with XLA) run XLA: kernel=0, for contrast
+        for M in (1, 8):  # M > 1 (and shapes ops.linear_kernel keeps with XLA) run XLA: kernel=0, for contrast
             r = linear_case(name, F, K, pro, res, M, impl, args.quick, timing=gpu)
             out["linear"].append(r)
             t = f" fused {r['fused_us']:7.1f} us ({r['fused_TBps']:.2f} TB/s) xla {r['xla_us']:7.1f} us " \

@@ -125,8 +125,8 @@ class Report:
 
 def _on_gpu_kernels(eng):
     """The engine picked the GPU kernels ("auto" on a GPU); --cpu smoke runs skip this."""
-    m = eng.runner.model
-    assert _cpu_smoke or (m.attn_impl, m.linear_impl) == ("gpu", "gpu"), (m.attn_impl, m.linear_impl)
+    plan = eng.runner.plan
+    assert _cpu_smoke or (plan.attn, plan.linear) == ("gpu", "gpu"), plan
 
 
 # ---- speculative greedy == plain greedy --------------------------------------------------

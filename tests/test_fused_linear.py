@@ -17,19 +17,21 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from jspec import ops
 from jspec.config import ModelConfig, RopeConfig
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import apply_rope, rope_inv_freq
 from jspec.models.transformer import Transformer
+from jspec.ops import KernelPlan, plan_kernels
 from kernels_pallas.fused_linear import (default_blocks, default_mma_blocks, fused_linear, fused_linear_gpu,
-                                        norm_handoff, ref_fused_linear, rms_norm, stream_rows, use_kernel)
+                                        ref_fused_linear, rms_norm, stream_rows)
 from kernels_pallas.paged_attention import write_kv
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
 from kernels_pallas.qkv_rope_kv_write import kernel_blocks as qkv_kernel_blocks
-from kernels_pallas.qkv_rope_kv_write import use_kernel as qkv_use_kernel
 from kernels_pallas.rope_kv_write import rope_kv_write, rope_tables
 
 BF16 = jnp.bfloat16
+INTERPRET = KernelPlan(linear="interpret")  # the GPU kernel bodies, in Pallas' interpreter
 
 
 def f32(a):
@@ -62,7 +64,7 @@ def linear_inputs(seed, F, K, prologue, dtype, *, bias=False, residual=False):
 ])
 def test_fused_linear_kernel_matches_reference(prologue, bias, residual, dtype):
     x, w, kw = linear_inputs(1, 96, 256, prologue, dtype, bias=bias, residual=residual)
-    assert use_kernel("interpret", x, w, prologue, kw.get("residual"))
+    assert ops.linear_kernel(INTERPRET, 1, w.shape, fused=True)
     got = fused_linear(x, w, impl="interpret", **kw)
     want = ref_fused_linear(x, w, **kw)
     assert got.shape == want.shape == (1, 1, 96) and got.dtype == want.dtype
@@ -105,8 +107,11 @@ def test_norm_handoff_kernels_match_reference_and_the_unfused_mlp(dtype, F):
     w_gu = (0.1 * jax.random.normal(k[3], (2 * I, F))).astype(dtype)
     w_d = (0.1 * jax.random.normal(k[4], (F, I))).astype(dtype)
     nw = (1 + 0.1 * jax.random.normal(k[5], (F,))).astype(dtype)
-    assert norm_handoff("interpret", 1, w_o.shape, w_d.shape) and not norm_handoff("reference", 1, w_o.shape, w_d.shape)
-    assert not norm_handoff("interpret", 2, w_o.shape, w_d.shape)
+    # a model of these shapes hands the norm over with the kernels planned, and at one row only
+    cfg = dataclasses.replace(TINY, hidden_size=F, intermediate_size=I, num_heads=2, head_dim=32)
+    plan = plan_kernels(cfg, linear_impl="interpret", backend="cpu")
+    assert plan.norm_handoff and not plan_kernels(cfg, linear_impl="reference", backend="cpu").norm_handoff
+    assert (cfg.hidden_size, cfg.q_size) == w_o.shape and not ops.linear_kernel(plan, 2, w_o.shape, fused=True)
     h, hn, ss = fused_linear(a, w_o, residual=res, next_norm_w=nw, impl="interpret")
     h_ref, hn_ref, ss_ref = ref_fused_linear(a, w_o, residual=res, next_norm_w=nw)
     np.testing.assert_array_equal(f32(h), f32(fused_linear(a, w_o, residual=res, impl="interpret")))
@@ -162,17 +167,23 @@ def test_fused_linear_routing_and_errors():
     assert default_mma_blocks(6144, 4096, jnp.float16) == (64, 256, 4, 4, True)
     assert default_mma_blocks(4096, 14336, BF16) == (32, 512, 4, 6, True)
     assert default_mma_blocks(64, 128, jnp.float32) is None and default_mma_blocks(8, 128, BF16) is None
-    assert not use_kernel("reference", x, w, "rmsnorm", None)
-    assert not use_kernel("tpu", x, w, "rmsnorm", None)
-    assert not use_kernel("interpret", jnp.zeros((2, 1, 128), BF16), w, "rmsnorm", None)  # > 1 row: XLA
-    assert not use_kernel("interpret", x, w, "none", None)  # nothing to fuse: XLA's GEMV
-    assert not use_kernel("interpret", x, jnp.zeros((20000, 128), BF16), "rmsnorm", None)  # too wide
-    assert not use_kernel("interpret", jnp.zeros((1, 100), BF16), jnp.zeros((64, 100), BF16), "rmsnorm", None)
-    # a shape the kernel does not take still computes, through the reference
-    x2, w2 = jnp.ones((1, 100), BF16), jnp.ones((64, 100), BF16)
-    np.testing.assert_array_equal(f32(fused_linear(x2, w2, prologue="rmsnorm", norm_w=jnp.ones((100,), BF16),
-                                                   impl="interpret")),
-                                  f32(ref_fused_linear(x2, w2, prologue="rmsnorm", norm_w=jnp.ones((100,), BF16))))
+    assert ops.linear_kernel(INTERPRET, 1, w.shape, fused=True)
+    assert ops.linear_kernel(KernelPlan(linear="gpu"), 1, w.shape, fused=True)
+    assert not ops.linear_kernel(KernelPlan(), 1, w.shape, fused=True)
+    assert not ops.linear_kernel(KernelPlan(linear="tpu"), 1, w.shape, fused=True)
+    assert not ops.linear_kernel(INTERPRET, 2, w.shape, fused=True)  # > 1 row: XLA
+    assert not ops.linear_kernel(INTERPRET, 1, w.shape, fused=False)  # nothing to fuse: XLA's GEMV
+    assert not ops.linear_kernel(INTERPRET, 1, (20000, 128), fused=True)  # too wide
+    assert not ops.linear_kernel(INTERPRET, 1, (64, 100), fused=True)  # no tile divides 100
+    # a shape the kernel does not take still computes in the model, through the reference;
+    # the kernel entry itself refuses it
+    x2, w2, nw2 = jnp.ones((1, 100), BF16), jnp.ones((64, 100), BF16), jnp.ones((100,), BF16)
+    np.testing.assert_array_equal(f32(ops.linear(INTERPRET, ops.Normed(x2, nw2, 1e-6), w2)),
+                                  f32(ref_fused_linear(x2, w2, prologue="rmsnorm", norm_w=nw2)))
+    with pytest.raises(ValueError, match="the kernel takes one row and a weight its tiles divide"):
+        fused_linear(x2, w2, prologue="rmsnorm", norm_w=nw2, impl="interpret")
+    with pytest.raises(ValueError, match="impl must be 'reference', 'gpu' or 'interpret'"):
+        fused_linear(x, w, impl="tpu")
     with pytest.raises(ValueError, match="prologue must be one of"):
         fused_linear(x, w, prologue="gelu")
     with pytest.raises(ValueError, match="x has 128 features.*needs 256"):
@@ -255,8 +266,10 @@ TINY = ModelConfig(
 @pytest.mark.parametrize("qk_norm,bias", [(True, False), (False, True)])
 def test_decoder_with_fused_kernels_matches_reference(qk_norm, bias):
     """A batch-1 decode step with linear_impl="interpret" (fused projections, RoPE + KV
-    write kernels) == the reference model: hidden states, logits and the written KV."""
-    cfg = dataclasses.replace(TINY, qk_norm=qk_norm, attention_bias=bias)
+    write kernels) == the reference model: hidden states, logits and the written KV. With
+    biases (attention and MLP) the post-attention norm is not handed over: down_proj's 1 / rms
+    would scale gate_up's bias too."""
+    cfg = dataclasses.replace(TINY, qk_norm=qk_norm, attention_bias=bias, mlp_bias=bias)
     P, S = 8, 16
     keys = jax.random.split(jax.random.PRNGKey(3), 2 * cfg.num_layers)
     shape = (P, S, cfg.num_kv_heads, cfg.head_dim)
@@ -268,13 +281,15 @@ def test_decoder_with_fused_kernels_matches_reference(qk_norm, bias):
     params = jax.tree.map(lambda a: (a + 0.05 * jax.random.normal(jax.random.PRNGKey(a.size), a.shape)).astype(BF16),
                           params)
     outs = {}
-    for impl in ("reference", "interpret"):
-        m = Transformer(cfg, dtype=BF16, linear_impl=impl)
+    plans = {impl: plan_kernels(cfg, attn_impl="reference", linear_impl=impl, backend="cpu")
+             for impl in ("reference", "interpret")}
+    for impl, plan in plans.items():
+        m = Transformer(cfg, dtype=BF16, plan=plan)
         h, _, kv2 = m.apply({"params": params}, tok, meta, kv)
         outs[impl] = (h, m.apply({"params": params}, h[:, -1], method=Transformer.logits), kv2)
     (h0, l0, kv0), (h1, l1, kv1) = outs["reference"], outs["interpret"]
     # the interpret model hands the post-attention norm over (o_proj -> down_proj kernels)
-    assert norm_handoff("interpret", 1, (cfg.hidden_size, cfg.q_size), (cfg.hidden_size, cfg.intermediate_size))
+    assert plans["interpret"].norm_handoff == (not bias)
     assert rel(h1, h0) < 3e-2 and rel(l1, l0) < 3e-2
     for a, b in zip(kv0.k + kv0.v, kv1.k + kv1.v):
         assert rel(b, a) < 3e-2
@@ -322,8 +337,13 @@ def test_qkv_rope_kv_write_kernel_is_the_two_kernels_composed(dtype, bias, drop)
 def test_qkv_rope_kv_write_routing_and_errors():
     x, w = jnp.zeros((1, 256), BF16), jnp.zeros((256, 256), BF16)
     kp = jnp.zeros((4, 8, 2, 32), BF16)
-    assert qkv_use_kernel("gpu", x, w, kp) and qkv_use_kernel("interpret", x, w, kp)
-    assert not qkv_use_kernel("reference", x, w, kp) and not qkv_use_kernel("gpu", jnp.zeros((2, 256)), w, kp)
+    assert ops.qkv_kernel(KernelPlan(linear="gpu"), 1, w.shape, 32, BF16)
+    assert ops.qkv_kernel(INTERPRET, 1, w.shape, 32, BF16)
+    assert not ops.qkv_kernel(KernelPlan(), 1, w.shape, 32, BF16)
+    assert not ops.qkv_kernel(KernelPlan(linear="gpu"), 2, w.shape, 32, BF16)
+    with pytest.raises(ValueError, match="the kernel takes one token"):
+        qkv_rope_kv_write(jnp.zeros((2, 256), BF16), w, jnp.ones(256, BF16), None, jnp.zeros((2, 16)),
+                          jnp.zeros((2, 16)), jnp.zeros(2, jnp.int32), kp, kp, num_heads=4, eps=1e-5, impl="gpu")
     cos = jnp.zeros((1, 16))
     with pytest.raises(ValueError, match=r"qkv weight must be \[\(heads \+ 2 kv_heads\) \* head_dim, in\] = \[192"):
         qkv_rope_kv_write(x, w, jnp.ones(256, BF16), None, cos, cos, jnp.zeros(1, jnp.int32), kp, kp, num_heads=2,

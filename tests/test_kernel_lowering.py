@@ -194,7 +194,7 @@ def attention_tpu_blocks(dtype):
 
 
 def linear(prologue, dtype, *, residual=False, bias=False, handoff=False):
-    """fused_linear(impl="gpu") on one row: the kernel (use_kernel) with its prologue."""
+    """fused_linear(impl="gpu") on one row: the kernel with its prologue."""
     F, K = 64, 128
     k_in = 2 * K if prologue == "silu_mul" else K
     shapes = {"x": sds((1, 1, k_in), dtype), "w": sds((F, K), dtype)}

@@ -11,7 +11,6 @@ import pytest
 
 from kernels_pallas import rejection_sampling as rs
 from kernels_pallas import sampling_utils as su
-from kernels_pallas.dispatch import resolve_impl
 from kernels_pallas.rejection_sampling import ref_rejection_sample, rejection_sample
 
 IMPLS = ["reference", "interpret", "tpu_interpret"]
@@ -269,13 +268,3 @@ def test_validation_errors():
         rejection_sample(**good, method="synthetic")
     with pytest.raises(ValueError, match="impl"):
         rejection_sample(**good, impl="cuda")
-
-
-def test_resolve_impl(monkeypatch):
-    monkeypatch.delenv("JSPEC_KERNEL_IMPL", raising=False)
-    assert resolve_impl("auto") == "interpret"  # CPU
-    monkeypatch.setenv("JSPEC_KERNEL_IMPL", "reference")
-    assert resolve_impl("auto") == "reference" and resolve_impl("tpu_interpret") == "tpu_interpret"
-    monkeypatch.setenv("JSPEC_KERNEL_IMPL", "bogus")
-    with pytest.raises(ValueError, match="JSPEC_KERNEL_IMPL"):
-        resolve_impl("auto")

@@ -34,12 +34,13 @@ from jspec.drafters.eagle3 import draft_probs_to_target, draft_to_target_ids, em
 from jspec.drafters.layers import DFlashLayer
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import Linear, RMSNorm
+from jspec.ops import KernelPlan
 
 
 class DFlashDrafter(nn.Module):
     cfg: DrafterConfig
     dtype: jnp.dtype = jnp.float32
-    attn_impl: str = "reference"
+    plan: KernelPlan = KernelPlan()
 
     def setup(self):
         c = self.cfg
@@ -48,7 +49,7 @@ class DFlashDrafter(nn.Module):
         lc = c.layer_config()
         self.fc = Linear(c.hidden_size, c.fc_in_features, False, self.dtype)
         self.hidden_norm = RMSNorm(c.rms_norm_eps, self.dtype)
-        self.layers = [DFlashLayer(lc, self.dtype, self.attn_impl, name=f"layers_{i}") for i in range(c.num_layers)]
+        self.layers = [DFlashLayer(lc, self.dtype, self.plan, name=f"layers_{i}") for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.uses_target_lm_head:
             self.lm_head = self.param("lm_head", nn.initializers.normal(0.02), (c.draft_vocab_size, c.hidden_size), self.dtype)

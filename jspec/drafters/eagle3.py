@@ -27,6 +27,7 @@ from jspec.drafters.layers import Eagle3FirstLayer
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import Linear, RMSNorm
 from jspec.models.transformer import DecoderLayer
+from jspec.ops import KernelPlan
 
 _normal = nn.initializers.normal(0.02)
 
@@ -57,7 +58,7 @@ class Eagle3Drafter(nn.Module):
 
     cfg: DrafterConfig
     dtype: jnp.dtype = jnp.float32
-    attn_impl: str = "reference"
+    plan: KernelPlan = KernelPlan()
 
     def setup(self):
         c = self.cfg
@@ -69,8 +70,8 @@ class Eagle3Drafter(nn.Module):
         self.fc = Linear(c.hidden_size, c.fc_in_features, False, self.dtype)
         if c.has_own_embeddings:
             self.embed_tokens = self.param("embed_tokens", _normal, (c.target_vocab_size, c.hidden_size), self.dtype)
-        self.layers = [Eagle3FirstLayer(lc, c.norm_before_residual, self.dtype, self.attn_impl, name="layers_0")] + [
-            DecoderLayer(lc, self.dtype, self.attn_impl, name=f"layers_{i}") for i in range(1, c.num_layers)
+        self.layers = [Eagle3FirstLayer(lc, c.norm_before_residual, self.dtype, self.plan, name="layers_0")] + [
+            DecoderLayer(lc, self.dtype, self.plan, name=f"layers_{i}") for i in range(1, c.num_layers)
         ]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         # A bare [Vd, H] array, never tied to the embeddings (reduced vocab rows differ).

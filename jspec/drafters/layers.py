@@ -10,11 +10,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import linen as nn
 
+from jspec import ops
 from jspec.config import ModelConfig
 from jspec.kv_cache import AttentionMetadata
 from jspec.models.layers import GatedMLP, Linear, RMSNorm, apply_rope, rope_inv_freq
 from jspec.models.transformer import Attention
-from kernels_pallas.paged_attention import paged_attention, write_kv
+from jspec.ops import KernelPlan
+from kernels_pallas.paged_attention import write_kv
 
 
 class Eagle3FirstLayer(nn.Module):
@@ -23,7 +25,7 @@ class Eagle3FirstLayer(nn.Module):
     cfg: ModelConfig
     norm_before_residual: bool
     dtype: jnp.dtype
-    attn_impl: str = "reference"
+    plan: KernelPlan = KernelPlan()
 
     @nn.compact
     def __call__(self, embeds, h, meta, k_pages, v_pages):  # embeds, h: [B, Q, H]
@@ -32,12 +34,12 @@ class Eagle3FirstLayer(nn.Module):
         hn = RMSNorm(c.rms_norm_eps, self.dtype, name="hidden_norm")(h)
         residual = hn if self.norm_before_residual else h
         x = jnp.concatenate([e, hn], axis=-1)  # embeddings first
-        a, k_pages, v_pages = Attention(c, self.dtype, self.attn_impl, in_features=2 * c.hidden_size, name="attn")(
+        a, k_pages, v_pages = Attention(c, self.dtype, self.plan, in_features=2 * c.hidden_size, name="attn")(
             x, meta, k_pages, v_pages
         )
         x = residual + a
         hh = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x)
-        x = x + GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, name="mlp")(hh)
+        x = x + GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.plan, name="mlp")(hh)
         return x, k_pages, v_pages
 
 
@@ -50,13 +52,13 @@ class DFlashAttention(nn.Module):
 
     cfg: ModelConfig
     dtype: jnp.dtype
-    attn_impl: str = "reference"
+    plan: KernelPlan = KernelPlan()
 
     def setup(self):
         c = self.cfg
-        self.q_proj = Linear(c.q_size, c.hidden_size, c.attention_bias, self.dtype)
-        self.kv_proj = Linear(2 * c.kv_size, c.hidden_size, c.attention_bias, self.dtype)
-        self.o_proj = Linear(c.hidden_size, c.q_size, c.attention_bias, self.dtype)
+        self.q_proj = Linear(c.q_size, c.hidden_size, c.attention_bias, self.dtype, self.plan)
+        self.kv_proj = Linear(2 * c.kv_size, c.hidden_size, c.attention_bias, self.dtype, self.plan)
+        self.o_proj = Linear(c.hidden_size, c.q_size, c.attention_bias, self.dtype, self.plan)
         self.q_norm = RMSNorm(c.rms_norm_eps, self.dtype)
         self.k_norm = RMSNorm(c.rms_norm_eps, self.dtype)
 
@@ -79,24 +81,21 @@ class DFlashAttention(nn.Module):
         q = apply_rope(q, meta.positions, rope_inv_freq(c.rope, c.head_dim))
         k, v = self._kv(x, meta.positions)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
-        o = paged_attention(
-            q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions, meta.causal,
-            sm_scale=c.head_dim**-0.5, impl=self.attn_impl,
-        )
+        o = ops.attention(self.plan, q, k_pages, v_pages, meta, sm_scale=c.head_dim**-0.5)
         return self.o_proj(o.reshape(B, Q, c.q_size)), k_pages, v_pages
 
 
 class DFlashLayer(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype
-    attn_impl: str = "reference"
+    plan: KernelPlan = KernelPlan()
 
     def setup(self):
         c = self.cfg
         self.input_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
-        self.attn = DFlashAttention(c, self.dtype, self.attn_impl)
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype)
+        self.attn = DFlashAttention(c, self.dtype, self.plan)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.plan)
 
     def context_kv(self, ctx, meta, k_pages, v_pages):  # ctx: [B, C, H] (not input-normed)
         return self.attn.context_kv(ctx, meta, k_pages, v_pages)

@@ -23,8 +23,8 @@ from jspec.engine.runner import ModelRunner
 from jspec.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jspec.engine.sequence import Sequence, SpecMetrics, Status
 from jspec.kv_cache import KVCache
+from jspec.ops import plan_kernels
 from jspec.sampling_params import SamplingParams
-from kernels_pallas.dispatch import ENV_VAR, resolve_impl
 
 logger = logging.getLogger("jspec.engine")
 
@@ -70,13 +70,14 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: max(max_prefill_chunk, max_num_seqs)
     max_prefill_chunk: int = 256
     seed: int = 0
-    # Kernel choice ("auto" | "reference" | "gpu" | "tpu" | "interpret" | "tpu_interpret"):
-    # "auto" means the Pallas kernels on GPU/TPU and the jnp references on CPU (interpret
-    # mode is for checking kernels, far too slow to serve with); JSPEC_KERNEL_IMPL overrides.
+    # Kernel choice ("auto" | "reference" | "gpu" | "tpu" | "interpret" | "tpu_interpret"),
+    # resolved once by jspec.ops.plan_kernels: "auto" means the Pallas kernels on GPU/TPU and
+    # the jnp references on CPU (interpret mode is for checking kernels, far too slow to
+    # serve with); JSPEC_KERNEL_IMPL (jspec/envs.py) overrides "auto".
     attn_impl: str = "auto"
     sample_impl: str = "auto"
-    # The fused small-batch projections and RoPE + KV write (kernels_pallas/fused_linear.py,
-    # rope_kv_write.py): same choices; GPU kernels only (TPU runs the XLA ops).
+    # The batch-1 decode glue (fused projections, RoPE + KV write; jspec/ops.py): same
+    # choices; GPU kernels only (TPU runs the XLA ops).
     linear_impl: str = "auto"
     speculative_config: dict | None = None
     # Multi-step scheduling (vLLM's name): a stable decode batch with nothing waiting runs
@@ -89,12 +90,6 @@ class EngineConfig:
     # has its tokens of call n + 1 discarded. With speculation, the next verification step
     # starts from the bonus token and drafts of the one before, on the device.
     async_scheduling: bool = True
-
-
-def engine_impl(impl: str) -> str:
-    if impl == "auto" and not os.environ.get(ENV_VAR) and jax.default_backend() == "cpu":
-        return "reference"
-    return resolve_impl(impl)
 
 
 def _load_tokenizer(path):
@@ -191,17 +186,16 @@ class LLMEngine:
         dtype = resolve_dtype(c.dtype)
         kv = KVCache.create(mc.num_layers, num_pages, c.page_size, mc.num_kv_heads, mc.head_dim, dtype)
         buckets = Buckets.create(c.max_num_seqs, chunk, pages_per_seq)
-        impls = dict(attn_impl=engine_impl(c.attn_impl), sample_impl=engine_impl(c.sample_impl),
-                     linear_impl=engine_impl(c.linear_impl))
+        plan = plan_kernels(mc, attn_impl=c.attn_impl, linear_impl=c.linear_impl, sample_impl=c.sample_impl)
         if self.spec is None:
-            self.runner = ModelRunner(mc, params, kv, buckets, dtype=dtype, **impls)
+            self.runner = ModelRunner(mc, params, kv, buckets, dtype=dtype, plan=plan)
         else:
             from jspec.drafters import create_kv_cache
             from jspec.engine.spec_runner import SpecModelRunner
 
             dkv = create_kv_cache(self.dcfg, num_pages, c.page_size, dtype)
             self.runner = SpecModelRunner(
-                mc, params, kv, buckets, dtype=dtype, **impls, spec=self.spec, dcfg=self.dcfg,
+                mc, params, kv, buckets, dtype=dtype, plan=plan, spec=self.spec, dcfg=self.dcfg,
                 dparams=dparams, dkv=dkv, max_num_seqs=c.max_num_seqs,
             )
         self._inflight: _InFlight | None = None

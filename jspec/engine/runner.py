@@ -21,6 +21,7 @@ from jspec.engine.packing import pack, unpack
 from jspec.engine.scheduler import SchedulerOutput
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.transformer import Transformer
+from jspec.ops import KernelPlan
 from kernels_pallas.rejection_sampling import host_filtering, rejection_sample
 
 
@@ -60,9 +61,7 @@ class ModelRunner:
         buckets: Buckets,
         *,
         dtype,
-        attn_impl: str = "reference",
-        sample_impl: str = "auto",
-        linear_impl: str = "reference",
+        plan: KernelPlan,  # which kernels run (jspec.ops.plan_kernels)
     ):
         self.cfg = cfg
         self.params = params
@@ -70,8 +69,9 @@ class ModelRunner:
         self.buckets = buckets
         self.page_size = kv.page_size
         self.num_pages = kv.num_pages
-        self.model = Transformer(cfg, dtype=dtype, attn_impl=attn_impl, linear_impl=linear_impl)
-        self.sample_impl = sample_impl
+        self.plan = plan
+        self.model = Transformer(cfg, dtype=dtype, plan=plan)
+        self.sample_impl = plan.sample  # the rejection sampler's impl, read by the jitted steps
         self.num_compilations = 0  # traces of the step function (one per new shape)
         # `filtering` ("off" | "on": does any request use top-k / top-p) is decided on the
         # host per step: a device-side lax.cond would read its predicate on the host (a

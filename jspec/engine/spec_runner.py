@@ -34,6 +34,7 @@ from jspec.engine.packing import pack
 from jspec.engine.runner import ModelRunner, StepInput, StepShape
 from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jspec.models.transformer import Transformer
+from jspec.ops import KernelPlan
 from jspec.speculative_config import SpeculativeConfig
 from kernels_pallas.rejection_sampling import rejection_sample
 
@@ -75,17 +76,16 @@ class SpecStepResult:
 
 
 class SpecModelRunner(ModelRunner):
-    def __init__(self, cfg, params, kv, buckets, *, dtype, attn_impl, sample_impl, spec: SpeculativeConfig,
-                 dcfg: DrafterConfig, dparams, dkv, max_num_seqs: int, linear_impl: str = "reference"):
-        super().__init__(cfg, params, kv, buckets, dtype=dtype, attn_impl=attn_impl, sample_impl=sample_impl,
-                         linear_impl=linear_impl)
+    def __init__(self, cfg, params, kv, buckets, *, dtype, plan: KernelPlan, spec: SpeculativeConfig,
+                 dcfg: DrafterConfig, dparams, dkv, max_num_seqs: int):
+        super().__init__(cfg, params, kv, buckets, dtype=dtype, plan=plan)
         self.spec = spec
         self.K = spec.num_speculative_tokens
         self.dcfg = dcfg
         self.dparams = dparams
         self.dkv = dkv
         cls = DFlashDrafter if dcfg.method == "dflash" else Eagle3Drafter
-        self.drafter = cls(dcfg, dtype=dtype, attn_impl=attn_impl)
+        self.drafter = cls(dcfg, dtype=dtype, plan=plan.for_drafter())
         self.aux_layers = tuple(dcfg.aux_layer_ids)
         self.with_probs = spec.draft_sample_method == "probabilistic"
         V = cfg.vocab_size

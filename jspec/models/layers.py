@@ -13,8 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from jspec import ops
 from jspec.config import RopeConfig
-from kernels_pallas.fused_linear import fused_linear, rms_norm  # noqa: F401  (rms_norm: re-exported)
+from jspec.ops import KernelPlan
+from kernels_pallas.fused_linear import rms_norm
 from kernels_pallas.rope_kv_write import rope_halves, rope_tables
 
 _zeros = nn.initializers.zeros
@@ -23,43 +25,45 @@ _normal = nn.initializers.normal(0.02)
 
 
 class Linear(nn.Module):
-    """y = [residual +] (prologue(x) @ W.T + b) with W: [out, in] (HF layout).
-
-    The optional prologue (RMSNorm of x with ``norm_w``, or SwiGLU of a fused gate|up
-    input) and residual add run inside the weight-streaming kernel when ``impl`` selects
-    it (kernels_pallas/fused_linear.py: small batches on GPU); otherwise as XLA ops.
-    Called without x it returns (weight, bias | None), for a kernel that fuses more.
-    """
+    """y = x @ W.T + b with W: [out, in] (HF layout). An op that fuses more than the
+    projection (ops.qkv_rope_write, ops.mlp) reads ``weight`` and ``bias`` directly."""
 
     features: int
     in_features: int
     use_bias: bool = False
     dtype: jnp.dtype = jnp.float32
-    impl: str = "reference"  # fused_linear impl: "reference" (XLA) | "gpu" | "interpret"
+    plan: KernelPlan = KernelPlan()
 
-    @nn.compact
-    def __call__(self, x=None, *, prologue="none", norm_w=None, eps=1e-6, residual=None, out_dtype=None,
-                 sumsq=None, next_norm_w=None):
-        w = self.param("weight", _normal, (self.features, self.in_features), self.dtype)
-        b = self.param("bias", _zeros, (self.features,), self.dtype) if self.use_bias else None
-        if x is None:
-            return w, b
-        return fused_linear(x, w, prologue=prologue, norm_w=norm_w, eps=eps, bias=b, residual=residual,
-                            out_dtype=out_dtype, impl=self.impl, sumsq=sumsq, next_norm_w=next_norm_w)
+    def setup(self):
+        self.weight = self.param("weight", _normal, (self.features, self.in_features), self.dtype)
+        self.bias = self.param("bias", _zeros, (self.features,), self.dtype) if self.use_bias else None
+
+    def __call__(self, x, *, residual=None):  # x: f[..., in] or ops.Normed -> [..., out]
+        return ops.linear(self.plan, x, self.weight, self.bias, residual=residual)
 
 
 class RMSNorm(nn.Module):
-    """HF Llama RMSNorm: normalise in float32, cast back, then scale. Called without x
-    (``features`` set), it returns its weight, for a kernel that fuses the norm."""
+    """HF Llama RMSNorm: normalise in float32, cast back, then scale. Weight [features]
+    (0: the input's width)."""
 
     eps: float = 1e-6
     dtype: jnp.dtype = jnp.float32
-    features: int = 0  # 0: x.shape[-1]
+    features: int = 0
 
     @nn.compact
-    def __call__(self, x=None):
-        w = self.param("weight", _ones, (self.features or x.shape[-1],), self.dtype)
-        return w if x is None else rms_norm(x, w, self.eps)
+    def __call__(self, x):
+        return rms_norm(x, self.param("weight", _ones, (self.features or x.shape[-1],), self.dtype), self.eps)
+
+
+class NormWeight(nn.Module):
+    """An RMSNorm's weight [features] (same parameter tree as RMSNorm) for a norm that an op
+    applies: one the next projection applies (ops.Normed), Qwen3's per-head q/k norms."""
+
+    features: int
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        self.weight = self.param("weight", _ones, (self.features,), self.dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
@@ -86,24 +90,18 @@ def apply_rope(x, positions, inv_freq):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU with gate and up fused into one [2I, H] matrix (one weight stream). With
-    ``norm_w`` the input RMSNorm, with ``residual`` the residual add, happen in the
-    projections (fused into their kernels when ``impl`` selects them). With ``normed``
-    = (x * norm_w, partial sums of x^2) the norm was handed over by the previous projection
-    (kernels_pallas/fused_linear.norm_handoff): gate_up reads x * norm_w, down scales by 1 / rms."""
+    """SwiGLU with gate and up fused into one [2I, H] matrix (one weight stream):
+    [residual +] down(silu(g) * u). x may be an ops.Normed: the norm before the MLP, applied
+    by the projections (ops.mlp)."""
 
     hidden: int
     intermediate: int
     use_bias: bool = False
     dtype: jnp.dtype = jnp.float32
-    impl: str = "reference"
+    plan: KernelPlan = KernelPlan()
 
     @nn.compact
-    def __call__(self, x, *, norm_w=None, eps=1e-6, residual=None, normed=None):
-        gate_up = Linear(2 * self.intermediate, self.hidden, self.use_bias, self.dtype, self.impl, name="gate_up_proj")
-        down = Linear(self.hidden, self.intermediate, self.use_bias, self.dtype, self.impl, name="down_proj")
-        if normed is not None:
-            x_scaled, sumsq = normed
-            return down(gate_up(x_scaled), prologue="silu_mul", sumsq=sumsq, eps=eps, residual=residual)
-        gu = gate_up(x, prologue="none" if norm_w is None else "rmsnorm", norm_w=norm_w, eps=eps)
-        return down(gu, prologue="silu_mul", residual=residual)
+    def __call__(self, x, *, residual=None):  # x: f[..., H] or ops.Normed -> [..., H]
+        gate_up = Linear(2 * self.intermediate, self.hidden, self.use_bias, self.dtype, name="gate_up_proj")
+        down = Linear(self.hidden, self.intermediate, self.use_bias, self.dtype, name="down_proj")
+        return ops.mlp(self.plan, x, gate_up.weight, gate_up.bias, down.weight, down.bias, residual=residual)

@@ -20,102 +20,80 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import linen as nn
 
+from jspec import ops
 from jspec.config import ModelConfig
 from jspec.kv_cache import AttentionMetadata, KVCache
-from jspec.models.layers import GatedMLP, Linear, RMSNorm, rope_inv_freq
-from kernels_pallas.fused_linear import fused_linear, norm_handoff
-from kernels_pallas.paged_attention import paged_attention
-from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
-from kernels_pallas.qkv_rope_kv_write import use_kernel as qkv_kernel
-from kernels_pallas.rope_kv_write import rope_kv_write, rope_tables
+from jspec.models.layers import GatedMLP, Linear, NormWeight, RMSNorm, rope_inv_freq
+from jspec.ops import KernelPlan
+from kernels_pallas.rope_kv_write import rope_tables
 
 
 class Attention(nn.Module):
-    """Self-attention over the paged cache; q/k/v read ``in_features`` (0: hidden_size;
-    EAGLE3's first drafter layer reads 2H). With ``norm_w`` the input RMSNorm happens in
-    the qkv projection, with ``residual`` the residual add in o_proj (fused into their
-    kernels when ``linear_impl`` selects them). With ``next_norm_w`` the o_proj output comes
-    as (h, h * next_norm_w, partial sums of h^2): the RMSNorm hand-over (norm_handoff)."""
+    """Self-attention over the paged cache: qkv projection, (qk-norm,) RoPE and the KV
+    write, paged attention, o_proj. q/k/v read ``in_features`` (0: hidden_size; EAGLE3's
+    first drafter layer reads 2H)."""
 
     cfg: ModelConfig
     dtype: jnp.dtype
-    attn_impl: str = "reference"
+    plan: KernelPlan = KernelPlan()
     in_features: int = 0
-    linear_impl: str = "reference"  # fused_linear / rope_kv_write impl
 
     @nn.compact
-    def __call__(self, x, meta: AttentionMetadata, k_pages, v_pages, *, norm_w=None, residual=None, rope=None,
-                 next_norm_w=None):
-        c = self.cfg
+    def __call__(self, x, meta: AttentionMetadata, k_pages, v_pages, *, rope=None, residual=None, out_norm=None):
+        """x: f[B, Q, in] or ops.Normed (the input norm, applied by the qkv projection);
+        rope: (cos, sin) f32[B, Q, D/2] (None: from meta.positions); residual: f[B, Q, H],
+        added to the output; out_norm: [H], the RMSNorm after the block: the output comes
+        as ops.Normed(residual + o_proj(.), out_norm). -> (output, k_pages, v_pages)"""
+        c, plan = self.cfg, self.plan
         B, Q, _ = x.shape
-        d_in = self.in_features or c.hidden_size
-        qkv_proj = Linear(c.q_size + 2 * c.kv_size, d_in, c.attention_bias, self.dtype, self.linear_impl,
-                          name="qkv_proj")
-        cos, sin = rope if rope is not None else rope_tables(meta.positions, rope_inv_freq(c.rope, c.head_dim))
-        w, b = qkv_proj()
-        if norm_w is not None and not c.qk_norm and qkv_kernel(self.linear_impl, x.reshape(B * Q, -1), w, k_pages):
-            # Batch-1 decode on GPU: norm, projection, RoPE and KV write in one kernel.
-            q, k_pages, v_pages = qkv_rope_kv_write(
-                x.reshape(1, -1), w, norm_w, b, cos.reshape(1, -1), sin.reshape(1, -1), meta.slot_mapping.reshape(1),
-                k_pages, v_pages, num_heads=c.num_heads, eps=c.rms_norm_eps, impl=self.linear_impl)
-        else:
-            qkv = qkv_proj(x, prologue="none" if norm_w is None else "rmsnorm", norm_w=norm_w, eps=c.rms_norm_eps)
-            qn = kn = None
-            if c.qk_norm:
-                qn = RMSNorm(c.rms_norm_eps, self.dtype, c.head_dim, name="q_norm")()
-                kn = RMSNorm(c.rms_norm_eps, self.dtype, c.head_dim, name="k_norm")()
-            q, k_pages, v_pages = rope_kv_write(
-                qkv.reshape(B * Q, -1), cos.reshape(B * Q, -1), sin.reshape(B * Q, -1),
-                meta.slot_mapping.reshape(B * Q), k_pages, v_pages, qn, kn, num_heads=c.num_heads,
-                eps=c.rms_norm_eps, impl=self.linear_impl,
-            )
-        o = paged_attention(
-            q.reshape(B, Q, c.num_heads, c.head_dim), k_pages, v_pages, meta.page_table, meta.kv_lens,
-            meta.positions, meta.causal, sm_scale=c.head_dim**-0.5, impl=self.attn_impl,
-        )
-        o = Linear(c.hidden_size, c.q_size, c.attention_bias, self.dtype, self.linear_impl, name="o_proj")(
-            o.reshape(B, Q, c.q_size), residual=residual, next_norm_w=next_norm_w)
-        return o, k_pages, v_pages
+        qkv_proj = Linear(c.q_size + 2 * c.kv_size, self.in_features or c.hidden_size, c.attention_bias, self.dtype,
+                          plan, name="qkv_proj")
+        o_proj = Linear(c.hidden_size, c.q_size, c.attention_bias, self.dtype, plan, name="o_proj")
+        qn = kn = None
+        if c.qk_norm:
+            qn = NormWeight(c.head_dim, self.dtype, name="q_norm").weight
+            kn = NormWeight(c.head_dim, self.dtype, name="k_norm").weight
+        rope = rope if rope is not None else rope_tables(meta.positions, rope_inv_freq(c.rope, c.head_dim))
+        q, k_pages, v_pages = ops.qkv_rope_write(plan, x, qkv_proj.weight, qkv_proj.bias, rope, meta.slot_mapping,
+                                                 k_pages, v_pages, qn, kn, num_heads=c.num_heads, eps=c.rms_norm_eps)
+        o = ops.attention(plan, q, k_pages, v_pages, meta, sm_scale=c.head_dim**-0.5).reshape(B, Q, c.q_size)
+        if out_norm is None:
+            return o_proj(o, residual=residual), k_pages, v_pages
+        out = ops.linear_then_norm(plan, o, o_proj.weight, o_proj.bias, residual=residual, norm_w=out_norm,
+                                   eps=c.rms_norm_eps)
+        return out, k_pages, v_pages
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm decoder layer. Both norms and both residual adds are passed into the
-    projections, which fuse them on GPU at small batch (four weight-streaming kernels,
-    one RoPE + KV-write kernel and the attention per layer; without qk-norm the first
-    projection also does RoPE and the KV write)."""
+    """Pre-norm decoder layer: h = x + attn(norm1(x)); out = h + mlp(norm2(h)). Each norm
+    goes unapplied (ops.Normed) into the projection after it, and each residual add into the
+    projection before it, so the ops may fuse them into their kernels."""
 
     cfg: ModelConfig
     dtype: jnp.dtype
-    attn_impl: str = "reference"
-    linear_impl: str = "reference"
+    plan: KernelPlan = KernelPlan()
 
     @nn.compact
     def __call__(self, x, meta, k_pages, v_pages, rope=None):
         c = self.cfg
-        ln1 = RMSNorm(c.rms_norm_eps, self.dtype, c.hidden_size, name="input_layernorm")()
-        ln2 = RMSNorm(c.rms_norm_eps, self.dtype, c.hidden_size, name="post_attention_layernorm")()
-        handoff = norm_handoff(self.linear_impl, x.shape[0] * x.shape[1], (c.hidden_size, c.q_size),
-                               (c.hidden_size, c.intermediate_size))
-        x, k_pages, v_pages = Attention(c, self.dtype, self.attn_impl, linear_impl=self.linear_impl, name="attn")(
-            x, meta, k_pages, v_pages, norm_w=ln1, residual=x, rope=rope, next_norm_w=ln2 if handoff else None)
-        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.linear_impl, name="mlp")
-        if handoff:  # o_proj's kernel wrote (h, h * ln2, partial sums of h^2); down applies 1 / rms
-            x, x_scaled, sumsq = x
-            return mlp(x, eps=c.rms_norm_eps, residual=x, normed=(x_scaled, sumsq)), k_pages, v_pages
-        return mlp(x, norm_w=ln2, eps=c.rms_norm_eps, residual=x), k_pages, v_pages
+        norm1 = NormWeight(c.hidden_size, self.dtype, name="input_layernorm").weight
+        norm2 = NormWeight(c.hidden_size, self.dtype, name="post_attention_layernorm").weight
+        attn = Attention(c, self.dtype, self.plan, name="attn")
+        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.plan, name="mlp")
+        h_normed, k_pages, v_pages = attn(ops.Normed(x, norm1, c.rms_norm_eps), meta, k_pages, v_pages, rope=rope,
+                                          residual=x, out_norm=norm2)  # norm2(h), h = x + attn(norm1(x))
+        return mlp(h_normed, residual=h_normed.x), k_pages, v_pages
 
 
 class Transformer(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
-    attn_impl: str = "reference"
-    linear_impl: str = "reference"  # "reference" (XLA) | "gpu" | "interpret": fused_linear, rope_kv_write
+    plan: KernelPlan = KernelPlan()
 
     def setup(self):
         c = self.cfg
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
-        self.layers = [DecoderLayer(c, self.dtype, self.attn_impl, self.linear_impl, name=f"layers_{i}")
-                       for i in range(c.num_layers)]
+        self.layers = [DecoderLayer(c, self.dtype, self.plan, name=f"layers_{i}") for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
             # a bare [V, H] array so logits can accumulate in float32 (see logits()).
@@ -150,4 +128,4 @@ class Transformer(nn.Module):
 
     def logits(self, h):  # f[..., H] (already normed) -> f32[..., V]
         w = self.embed_tokens.embedding if self.cfg.tie_word_embeddings else self.lm_head
-        return fused_linear(h, w, out_dtype=jnp.float32, impl=self.linear_impl)
+        return ops.linear(self.plan, h, w, out_dtype=jnp.float32)

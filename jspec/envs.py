@@ -1,0 +1,42 @@
+"""Every environment variable jspec reads, declared here and read nowhere else.
+
+Read through this module's attributes (``envs.JSPEC_KERNEL_IMPL``), each evaluated at
+the time of the read. Only JSPEC_KERNEL_IMPL can change compiled code, and only through
+the kernel plan an engine makes once when it starts (``jspec.ops.plan_kernels``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    JSPEC_KERNEL_IMPL: str | None
+    JSPEC_CACHE: str
+
+
+def _kernel_impl() -> str | None:
+    value = os.environ.get("JSPEC_KERNEL_IMPL", "").strip().lower()
+    return value if value and value != "auto" else None
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # The kernel implementation wherever an EngineConfig asks for "auto" (attn_impl,
+    # linear_impl, sample_impl): "reference" | "gpu" | "tpu" | "interpret" | "tpu_interpret"
+    # (kernels_pallas.dispatch.IMPLS; jspec.ops.plan_kernels rejects other names). Unset or
+    # "auto": chosen by backend. An impl named in the EngineConfig wins over it.
+    "JSPEC_KERNEL_IMPL": _kernel_impl,
+    # Folder of the generated default model (jspec/default_model.py); ~/.cache/jspec if unset.
+    "JSPEC_CACHE": lambda: os.environ.get("JSPEC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jspec")),
+}
+
+
+def __getattr__(name: str):
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return list(environment_variables)

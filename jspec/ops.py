@@ -1,0 +1,207 @@
+"""The ops facade: the one place that decides which kernels a model runs.
+
+Model code (jspec/models, jspec/drafters) states the maths and calls these functions with a
+``KernelPlan``; each function picks the kernel or the XLA ops for the call's static shapes.
+The plan is made once per engine by ``plan_kernels`` from the backend, the model config and
+the requested impls (EngineConfig.attn_impl / linear_impl / sample_impl), and is a static
+attribute of the modules, so every decision is fixed at trace time.
+
+Where kernels run (with the GPU plan):
+- paged attention: the Pallas kernel for the plan's backend at every shape (``attention``);
+- batch-1 decode glue: at one row (one decode token) the RMSNorms, SwiGLU, bias and
+  residual adds ride along with the projections' weight stream (kernels_pallas/
+  fused_linear.py), RoPE and the KV write run in one kernel (rope_kv_write.py), and for
+  models without qk-norm the input norm, qkv, RoPE and the KV write are one kernel
+  (qkv_rope_kv_write.py). More rows (verification, prefill, batches) run the XLA ops,
+  where a GEMM, not launch count, dominates;
+- rejection sampling: ``KernelPlan.sample``, passed to kernels_pallas.rejection_sample.
+A shape a kernel cannot tile runs the XLA path with one log line (dispatch.shape_fallback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+from flax import struct
+
+from jspec import envs
+from jspec.config import ModelConfig
+from jspec.kv_cache import AttentionMetadata
+from kernels_pallas import fused_linear as _fl
+from kernels_pallas import paged_attention as _pa
+from kernels_pallas import qkv_rope_kv_write as _qkv
+from kernels_pallas import rope_kv_write as _rope
+from kernels_pallas.dispatch import GPU_IMPLS, backend_impl, check_impl, shape_fallback
+from kernels_pallas.fused_linear import rms_norm
+
+# Wider projections stay with XLA: gate_up (28672 x 4096) streams at 4.0-4.2 TB/s through
+# XLA's autotuned GEMM against 3.9 in fused_linear's kernel (60.3 vs 55.8-58.2 us on the
+# H200), more than the RMSNorm kernel it would save (~1.3 us). The lm_head has nothing to fuse.
+MAX_KERNEL_FEATURES = 16384
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """Which implementation each op family runs: "reference" (jnp / XLA), "gpu", "tpu",
+    "interpret" or "tpu_interpret" (kernels_pallas.dispatch). The default runs XLA
+    everywhere (CPU serving, module tests)."""
+
+    attn: str = "reference"  # paged attention
+    linear: str = "reference"  # batch-1 glue kernels; GPU kernels only ("tpu": XLA)
+    sample: str = "reference"  # rejection sampling
+    # One-row o_proj hands the post-attention RMSNorm to down_proj (linear_then_norm):
+    # set by plan_kernels where both projections of the model take the kernel.
+    norm_handoff: bool = False
+
+    def for_drafter(self) -> KernelPlan:
+        """The plan drafters run with: the same attention, projections on XLA. The glue
+        kernels were tuned and measured on target layers only, and every drafter figure in
+        docs/benchmarks.md was taken with the drafter's projections on XLA."""
+        return dataclasses.replace(self, linear="reference", norm_handoff=False)
+
+
+def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str = "auto",
+                 sample_impl: str = "auto", backend: str | None = None) -> KernelPlan:
+    """The engine's plan (made once). "auto": JSPEC_KERNEL_IMPL if set (jspec/envs.py),
+    else by backend: the jnp references on CPU (Pallas' interpreter runs the kernels there
+    for tests, far too slowly to serve with), the GPU / TPU kernels on those backends."""
+    backend = backend or jax.default_backend()
+    attn, linear, sample = (_resolve(i, name, backend) for i, name in
+                            ((attn_impl, "attn_impl"), (linear_impl, "linear_impl"), (sample_impl, "sample_impl")))
+    handoff = (linear in GPU_IMPLS and not cfg.mlp_bias  # a gate_up bias would be scaled by 1 / rms too
+               and _linear_kernel_takes((cfg.hidden_size, cfg.q_size))
+               and _linear_kernel_takes((cfg.hidden_size, cfg.intermediate_size)))
+    return KernelPlan(attn=attn, linear=linear, sample=sample, norm_handoff=handoff)
+
+
+def _resolve(impl: str, name: str, backend: str) -> str:
+    if check_impl(impl, name) != "auto":
+        return impl
+    override = envs.JSPEC_KERNEL_IMPL
+    if override is not None:
+        return check_impl(override, "JSPEC_KERNEL_IMPL")
+    return "reference" if backend == "cpu" else backend_impl(backend)
+
+
+# ---- RMSNorm travelling into the next projection ---------------------------------------
+@struct.dataclass
+class Normed:
+    """rms_norm(x, weight, eps), not applied yet: the projection it feeds applies it (inside
+    its kernel where one runs). ``value()`` applies it. Handed over by the previous
+    projection's kernel (linear_then_norm), it also carries x * weight and f32[..., n]
+    partial sums of x^2, from which ``mlp`` forms the norm without an op of its own."""
+
+    x: jax.Array  # [..., D] the un-normed input (the residual stream)
+    weight: jax.Array  # [D]
+    eps: float = struct.field(pytree_node=False)
+    scaled: jax.Array | None = None  # [..., D] x * weight, un-normalised (handed over)
+    sumsq: jax.Array | None = None  # f32[..., n]: sum over n = sum(x^2) (handed over)
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+    def value(self):
+        return rms_norm(self.x, self.weight, self.eps)
+
+
+# ---- decisions (static shapes) ---------------------------------------------------------
+def _linear_kernel_takes(w_shape) -> bool:
+    return w_shape[0] <= MAX_KERNEL_FEATURES and _fl.supports(1, w_shape)
+
+
+def linear_kernel(plan: KernelPlan, rows: int, w_shape, *, fused: bool) -> bool:
+    """Whether a projection runs fused_linear's kernel: the plan's GPU kernels, one row
+    (batch-1 decode: more rows are faster through XLA, see fused_linear.py), something to
+    fuse (``fused``: a norm, SwiGLU or residual; a bare GEMV is as fast through XLA), at
+    most MAX_KERNEL_FEATURES outputs, a weight the kernel's tiles divide."""
+    return plan.linear in GPU_IMPLS and fused and rows == 1 and _linear_kernel_takes(w_shape)
+
+
+def qkv_kernel(plan: KernelPlan, rows: int, w_shape, head_dim: int, dtype) -> bool:
+    """Whether norm + qkv + RoPE + KV write run as one kernel (for an input norm and no
+    qk-norm): the plan's GPU kernels, one token, a head the projection's tile splits."""
+    return plan.linear in GPU_IMPLS and _qkv.supports(rows, w_shape, head_dim, dtype)
+
+
+def _rows(x) -> int:
+    return math.prod(x.shape[:-1])
+
+
+def _project(plan, x, w, b, *, prologue="none", norm_w=None, eps=1e-6, residual=None, out_dtype=None, sumsq=None):
+    fused = prologue != "none" or residual is not None
+    impl = plan.linear if linear_kernel(plan, _rows(x), w.shape, fused=fused) else "reference"
+    return _fl.fused_linear(x, w, prologue=prologue, norm_w=norm_w, eps=eps, bias=b, residual=residual,
+                            out_dtype=out_dtype, sumsq=sumsq, impl=impl)
+
+
+# ---- the ops ---------------------------------------------------------------------------
+def linear(plan: KernelPlan, x, w, b=None, *, residual=None, out_dtype=None):
+    """[residual +] x @ w.T [+ b]. x: f[..., K] or Normed; w: [F, K] (HF layout); b: [F];
+    residual: [..., F]; out_dtype: None (w.dtype) or float32 (logits). -> [..., F]"""
+    if isinstance(x, Normed):
+        return _project(plan, x.x, w, b, prologue="rmsnorm", norm_w=x.weight, eps=x.eps, residual=residual,
+                        out_dtype=out_dtype)
+    return _project(plan, x, w, b, residual=residual, out_dtype=out_dtype)
+
+
+def linear_then_norm(plan: KernelPlan, x, w, b=None, *, residual, norm_w, eps) -> Normed:
+    """h = residual + x @ w.T [+ b], returned as Normed(h, norm_w, eps): the next RMSNorm,
+    for ``mlp``. With the plan's norm_handoff, at one row, the kernel also writes h * norm_w
+    and per-program sums of h^2: XLA's gate_up GEMM reads h * norm_w as is and down_proj's
+    kernel scales gate|up by 1 / rms, so the norm's two XLA fusions before gate_up go away:
+    2.26 us per layer on the H200 (jax 0.11.2, 2026-11-22, explore_balance.py in git
+    history, commit 4e58a84: gate_up 57.94 us with them, 55.68 without), against +0.36 us in
+    o_proj's kernel and +1.0-1.2 in down's (commit 5527950). In the engine's decode step
+    (bench.py, batch 1, ctx 512, three interleaved pairs): 4.15-4.17 ms per token with it,
+    4.18-4.22 without."""
+    if plan.norm_handoff and linear_kernel(plan, _rows(x), w.shape, fused=True):
+        h, scaled, sumsq = _fl.fused_linear(x, w, bias=b, residual=residual, next_norm_w=norm_w, impl=plan.linear)
+        return Normed(h, norm_w, eps, scaled, sumsq)
+    return Normed(linear(plan, x, w, b, residual=residual), norm_w, eps)
+
+
+def mlp(plan: KernelPlan, x, w_gate_up, b_gate_up, w_down, b_down, *, residual=None):
+    """SwiGLU: [residual +] down(silu(g) * u) with g|u = gate_up(x). x: f[..., H] or
+    Normed; w_gate_up: [2I, H]; w_down: [H, I]; biases [2I] / [H] | None."""
+    if isinstance(x, Normed) and x.sumsq is not None:  # handed over: see linear_then_norm
+        gu = linear(plan, x.scaled, w_gate_up, b_gate_up)
+        return _project(plan, gu, w_down, b_down, prologue="silu_mul", sumsq=x.sumsq, eps=x.eps, residual=residual)
+    gu = linear(plan, x, w_gate_up, b_gate_up)
+    return _project(plan, gu, w_down, b_down, prologue="silu_mul", residual=residual)
+
+
+def qkv_rope_write(plan: KernelPlan, x, w, b, rope, slot_mapping, k_pages, v_pages, q_norm_w=None, k_norm_w=None,
+                   *, num_heads: int, eps: float):
+    """Attention's inputs: q, k, v = split(x @ w.T [+ b]) -> per-head RMSNorm (Qwen3's q_norm
+    / k_norm, eps) -> rotate-half RoPE; k and v written into the paged cache at their slots.
+    x: f[B, Q, K] or Normed; w: [(H + 2 KVH) D, K]; b: [(H + 2 KVH) D] | None; rope: (cos,
+    sin) f32[B, Q, D/2]; slot_mapping: i32[B, Q] (P * S: not written); k_pages, v_pages:
+    [P, S, KVH, D]; q_norm_w, k_norm_w: [D] | None. -> (q [B, Q, H, D], k_pages, v_pages)"""
+    B, Q, _ = x.shape
+    M, D = B * Q, k_pages.shape[-1]
+    (cos, sin), rows = rope, lambda a: a.reshape(M, -1)
+    if isinstance(x, Normed) and q_norm_w is None and qkv_kernel(plan, M, w.shape, D, w.dtype):
+        q, k_pages, v_pages = _qkv.qkv_rope_kv_write(rows(x.x), w, x.weight, b, rows(cos), rows(sin),
+                                                     slot_mapping.reshape(M), k_pages, v_pages, num_heads=num_heads,
+                                                     eps=x.eps, impl=plan.linear)
+    else:
+        qkv = linear(plan, x, w, b)
+        impl = plan.linear if plan.linear in GPU_IMPLS else "reference"
+        if impl != "reference":
+            impl = shape_fallback("rope_kv_write", impl, _rope.unsupported_shape(D))
+        q, k_pages, v_pages = _rope.rope_kv_write(rows(qkv), rows(cos), rows(sin), slot_mapping.reshape(M), k_pages,
+                                                  v_pages, q_norm_w, k_norm_w, num_heads=num_heads, eps=eps, impl=impl)
+    return q.reshape(B, Q, num_heads, D), k_pages, v_pages
+
+
+def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata, *, sm_scale: float):
+    """Paged attention of q [B, Q, H, D] over the cache [P, S, KVH, D] -> [B, Q, H, D]
+    (kernels_pallas/paged_attention.py for the semantics)."""
+    impl = plan.attn
+    if impl != "reference":
+        impl = shape_fallback("paged_attention", impl, _pa.unsupported_shape(impl, q.shape[-1]))
+    return _pa.paged_attention(q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions, meta.causal,
+                               sm_scale=sm_scale, impl=impl)
