@@ -117,8 +117,9 @@ class LLMEngine:
             mc_dtype = preloaded[0].dtype if preloaded is not None else load_model_config(config.model).dtype
             config = dataclasses.replace(config, dtype=mc_dtype)
         self.config = c = config
-        logger.info("jspec engine on %s (%s), dtype %s", jax.default_backend(),
-                    ", ".join(sorted({d.device_kind for d in jax.devices()})) + f" x{jax.device_count()}", c.dtype)
+        devices = jax.devices()
+        kinds = ", ".join(sorted({str(getattr(d, "device_kind", d)) for d in devices}))
+        logger.info("jspec engine on %s (%s x%d), dtype %s", jax.default_backend(), kinds, len(devices), c.dtype)
         if preloaded is None:
             self.model_cfg, params = load_target(c.model, c.dtype, sharding=sharding)
             self.tokenizer = _load_tokenizer(c.model)
