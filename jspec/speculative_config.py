@@ -99,7 +99,7 @@ class SpeculativeConfig:
             raise ValueError(f"synthetic_acceptance_length must be >= 1, got {length}")
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "SpeculativeConfig":
+    def from_dict(cls, d: dict[str, Any] | None) -> SpeculativeConfig:
         """Builds from vLLM's `speculative_config` dict; unknown keys raise ValueError."""
         d = dict(d or {})
         names = {f.name for f in dataclasses.fields(cls)}
@@ -115,7 +115,7 @@ class SpeculativeConfig:
     def enabled(self) -> bool:
         return self.method is not None
 
-    def resolved(self, num_speculative_tokens: int) -> "SpeculativeConfig":
+    def resolved(self, num_speculative_tokens: int) -> SpeculativeConfig:
         """A copy with K filled in (if it was None) and the synthetic part validated."""
         if self.num_speculative_tokens is not None and self.num_speculative_tokens != num_speculative_tokens:
             raise ValueError(

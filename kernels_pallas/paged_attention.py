@@ -134,7 +134,8 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lens, positions, causal=
     jax.default_backend()). A kernel takes the head_dims ``unsupported_shape`` passes.
     Kernels run in the KV cache dtype; the output is in q.dtype like the reference's.
     """
-    from kernels_pallas import paged_attention_gpu as gpu, paged_attention_tpu as tpu  # local: light imports
+    from kernels_pallas import paged_attention_gpu as gpu  # local: light imports
+    from kernels_pallas import paged_attention_tpu as tpu
     from kernels_pallas.dispatch import resolve_impl
 
     validate(q, k_pages, v_pages, page_table, kv_lens, positions, causal)

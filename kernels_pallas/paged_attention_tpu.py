@@ -32,7 +32,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-
 NEG_INF = -1e30  # finite: exp(NEG_INF - NEG_INF) stays defined for rows with no key yet
 NONCAUSAL_POS = 2**30  # row position of DFlash rows: sees every key below kv_len
 

@@ -19,17 +19,15 @@ Results go to $OUT/bench_<section>.json when OUT is set.
 
 from __future__ import annotations
 
-import os
-
 # XLA flags are left at their defaults: on jax 0.11.2 / H200 (2026-11-21, this script's
 # diag section) the default GEMV path streamed weights at 3.10 TB/s, and
 # --xla_gpu_enable_triton_gemm=false at 0.76 TB/s -- the reverse of an earlier note. Without
 # command buffers (--xla_gpu_enable_command_buffer=), XLA's PDL (on by default in 0.11.2)
 # makes batch-1 decode as fast as the default CUDA graphs, not faster (2026-11-22).
-
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import time
 import zlib

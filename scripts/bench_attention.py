@@ -31,10 +31,9 @@ import sys
 import time
 import traceback
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels_pallas.paged_attention import ref_paged_attention
 from kernels_pallas.paged_attention_gpu import NUM_SMS_H200, _next_pow2, paged_attention_gpu
@@ -378,7 +377,7 @@ def main():
     RESULTS["timings"] = rows
 
     # Summary table last (the device reply carries the tail of the output).
-    log("\n=== summary (H200, %s, jax %s) === bandwidth best %.3f TB/s" % (RESULTS["device"], jax.__version__, bw))
+    log(f"\n=== summary (H200, {RESULTS['device']}, jax {jax.__version__}) === bandwidth best {bw:.3f} TB/s")
     log("correct on GPU:", RESULTS["correct"])
     dec = [r for r in rows if r.get("case") == "decode_b32" and r["us"] == r["us"]]
     for r in sorted(dec, key=lambda r: r["us"])[:6]:

@@ -66,9 +66,8 @@ FALLBACK_PROMPT_LEN, FALLBACK_TOKENS = 12, 12
 
 def build(folder: str):
     """Tiny checkpoints and the transformers references (CPU; needs torch + speculators)."""
-    import torch
-
     import spec_e2e_helpers as h
+    import torch
     from conftest import build_hf_model
 
     os.makedirs(folder, exist_ok=True)
@@ -131,8 +130,9 @@ def _on_gpu_kernels(eng):
 
 # ---- speculative greedy == plain greedy --------------------------------------------------
 def lossless(name: str, k: int, dtype: str) -> str:
-    import jspec
     import spec_e2e_helpers as h
+
+    import jspec
 
     prompts = h.varied_prompts(8, 1, 50, seed=0)
     # Prompts sharing a 40-token prefix with the longest one: prefix-cache hits.
@@ -173,8 +173,8 @@ def divergence(prompt, got, want, dtype) -> str:
     gap at the dtype's rounding level is a near-tie, not a verification bug). Returns
     (text, the float32 gap, the float32 top logit)."""
     import jax.numpy as jnp
-
     import spec_e2e_helpers as h
+
     from jspec.kv_cache import AttentionMetadata, KVCache
     from jspec.models.transformer import Transformer
 
@@ -244,8 +244,9 @@ def rejection(method: str, with_probs: bool) -> str:
 
 # ---- warmup and the server --------------------------------------------------------------
 def warmup(name: str, k: int) -> str:
-    import jspec
     import spec_e2e_helpers as h
+
+    import jspec
 
     prompts = h.varied_prompts(4, 1, 40, seed=3)
     sp = jspec.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -274,9 +275,9 @@ def _server_env() -> dict:
 
 def serve(name: str, k: int) -> str:
     import httpx
+    import spec_e2e_helpers as h
 
     import jspec
-    import spec_e2e_helpers as h
 
     folder, _ = h.target()
     port = 8765
@@ -326,10 +327,10 @@ def perf(steps: int) -> list[dict]:
     Llama-3.1-8B, EAGLE3 K=3 at synthetic acceptance length 3.5, DFlash block 16 at 6.5
     (on the same Llama shape, to keep the call short), each beside the physical ideal
     tau * T(1) / (T(1) + drafter weight bytes / bandwidth), bandwidth probed here."""
+    import bench
     import jax
     import jax.numpy as jnp
 
-    import bench
     from jspec.checkpoint.target import target_param_spec
     from kernels_pallas.synthetic import conditional_rates, synthetic_rates_from_length
 
@@ -429,12 +430,12 @@ def main():
     rep = Report(args.only)
     for name, k, what in DRAFTERS:
         for dtype in ("float32", "bfloat16"):
-            rep.check(f"spec greedy == plain greedy: {what}, K={k}, {dtype}", lambda: lossless(name, k, dtype))
+            rep.check(f"spec greedy == plain greedy: {what}, K={k}, {dtype}", lambda name=name, k=k, dtype=dtype: lossless(name, k, dtype))
     rep.check("head_dim 24 runs on the XLA path == transformers", lambda: fallback(refs))
     for method, probs, what in (("standard", False, "greedy + sampled rows, no draft probs"),
                                 ("standard", True, "probabilistic, with draft probs"),
                                 ("synthetic", False, "synthetic acceptance")):
-        rep.check(f"rejection kernel == reference: {what}", lambda: rejection(method, probs))
+        rep.check(f"rejection kernel == reference: {what}", lambda method=method, probs=probs: rejection(method, probs))
     rep.check("LLMEngine.warmup() with a drafter (EAGLE3)", lambda: warmup("eagle3", 3))
     rep.check("LLMEngine.warmup() with a drafter (DFlash)", lambda: warmup("dflash4", 3))
     rep.check("python -m jspec.serve with a drafter answers a completion", lambda: serve("eagle3", 3))

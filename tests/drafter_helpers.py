@@ -48,12 +48,12 @@ def target_aux(cfg, params, ids, aux_layers) -> np.ndarray:
 
 def speculators_config(kind: str, family: str, num_layers: int, k: int, *, vocab=V, hidden=H, **kw):
     """A speculators config (eagle3 | peagle | dflash) with a tiny decoder layer config."""
-    from transformers import LlamaConfig, Qwen3Config
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dflash import DFlashSpeculatorConfig
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.models.peagle import PEagleSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig, Qwen3Config
 
     lkw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=80, num_hidden_layers=num_layers,
                num_attention_heads=HEADS, num_key_value_heads=KVH, head_dim=HD, rms_norm_eps=1e-6)

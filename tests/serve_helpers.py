@@ -66,7 +66,7 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
-            raise AssertionError(f"server did not exit within {timeout}s of {sig!r}\n{self.log()[-4000:]}")
+            raise AssertionError(f"server did not exit within {timeout}s of {sig!r}\n{self.log()[-4000:]}") from None
 
 
 def start_server(extra_args: list[str] = (), model: str | None = None, timeout: float = 180.0,

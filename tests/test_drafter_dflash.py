@@ -8,8 +8,19 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from drafter_helpers import (
+    NPAGES,
+    PAGE,
+    PAGES,
+    V,
+    make_target,
+    randomize,
+    ref_dflash,
+    rel,
+    speculators_config,
+    target_aux,
+)
 
-from drafter_helpers import NPAGES, PAGE, PAGES, V, make_target, randomize, ref_dflash, rel, speculators_config, target_aux
 from jspec.drafters import DFlashDrafter, create_kv_cache, load_drafter
 from jspec.drafters.convert import speculators_dflash_to_zlab
 from jspec.drafters.propose import dflash_propose, span_metadata

@@ -5,8 +5,19 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from drafter_helpers import (
+    NPAGES,
+    PAGE,
+    PAGES,
+    V,
+    make_target,
+    randomize,
+    ref_eagle3,
+    rel,
+    speculators_config,
+    target_aux,
+)
 
-from drafter_helpers import NPAGES, PAGE, PAGES, V, make_target, randomize, ref_eagle3, rel, speculators_config, target_aux
 from jspec.drafters import Eagle3Drafter, create_kv_cache, load_drafter
 from jspec.drafters.convert import speculators_eagle3_to_original
 from jspec.drafters.eagle3 import draft_probs_to_target

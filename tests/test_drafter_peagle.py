@@ -7,8 +7,19 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from drafter_helpers import (
+    NPAGES,
+    PAGE,
+    PAGES,
+    V,
+    make_target,
+    randomize,
+    ref_eagle3,
+    rel,
+    speculators_config,
+    target_aux,
+)
 
-from drafter_helpers import NPAGES, PAGE, PAGES, V, make_target, randomize, ref_eagle3, rel, speculators_config, target_aux
 from jspec.checkpoint.safetensors_io import CheckpointError
 from jspec.config import ConfigError
 from jspec.drafters import PEagleDrafter, create_kv_cache, load_drafter

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from jspec import ops
 from jspec.config import ModelConfig, RopeConfig
@@ -23,11 +22,18 @@ from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import apply_rope, rope_inv_freq
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan, plan_kernels
-from kernels_pallas.fused_linear import (default_blocks, default_mma_blocks, fused_linear, fused_linear_gpu,
-                                        ref_fused_linear, rms_norm, stream_rows)
+from kernels_pallas.fused_linear import (
+    default_blocks,
+    default_mma_blocks,
+    fused_linear,
+    fused_linear_gpu,
+    ref_fused_linear,
+    rms_norm,
+    stream_rows,
+)
 from kernels_pallas.paged_attention import write_kv
-from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
 from kernels_pallas.qkv_rope_kv_write import kernel_blocks as qkv_kernel_blocks
+from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
 from kernels_pallas.rope_kv_write import rope_kv_write, rope_tables
 
 BF16 = jnp.bfloat16

@@ -23,13 +23,11 @@ Kernels (grep -n pallas_call kernels_pallas/*.py):
 from __future__ import annotations
 
 import contextlib
-
 import re
-
-import pytest
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from kernels_pallas.fused_linear import fused_linear
 from kernels_pallas.paged_attention import paged_attention

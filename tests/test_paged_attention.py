@@ -14,11 +14,9 @@ compared on every row, padding included, so they must be finite there too.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jax
-import jax.numpy as jnp
 
 from kernels_pallas.paged_attention import paged_attention, ref_paged_attention
 from kernels_pallas.paged_attention_gpu import NEG_INF, combine_splits, paged_attention_gpu

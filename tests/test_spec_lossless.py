@@ -14,9 +14,9 @@ test cannot pass with every draft rejected.
 from __future__ import annotations
 
 import pytest
+import spec_e2e_helpers as h
 
 import jspec
-import spec_e2e_helpers as h
 
 MAX_TOKENS = 16
 PROMPTS = h.varied_prompts(8, 1, 50, seed=0)

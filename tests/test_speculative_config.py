@@ -28,7 +28,7 @@ def test_resolved_fills_k_and_validates():
     c = SpeculativeConfig(method="eagle3", rejection_sample_method="synthetic",
                           synthetic_acceptance_length=3.5)
     with pytest.raises(ValueError, match="resolved"):
-        c.synthetic_conditional_rates
+        _ = c.synthetic_conditional_rates
     r = c.resolved(4)
     assert r.num_speculative_tokens == 4
     assert r.synthetic_unconditional_rates == pytest.approx((1, 1, 0.5, 0))

@@ -11,7 +11,6 @@ import os
 from collections.abc import Iterable
 
 
-
 class CheckpointError(ValueError):
     """A checkpoint that does not match what the config promises; the message names it."""
 

@@ -17,8 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jspec.sampling_params import SamplingParams
 from jspec.serve.engine_loop import EngineLoop, RequestStream
 from jspec.serve.metrics import Metrics
-from jspec.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                  check_unsupported, parse_request)
+from jspec.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_unsupported, parse_request
 from jspec.serve.text import Detokenizer
 
 logger = logging.getLogger("jspec.serve")

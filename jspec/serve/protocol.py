@@ -16,7 +16,7 @@ Validation policy (documented for clients):
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Union
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -53,54 +53,54 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: Optional[bool] = False
-    continuous_usage_stats: Optional[bool] = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class _SamplingFields(_Strict):
-    model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None  # vLLM extension; 0 or -1 = disabled
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None  # vLLM extension
-    ignore_eos: Optional[bool] = False  # vLLM extension
-    stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
-    n: Optional[int] = 1
-    user: Optional[str] = None
-    presence_penalty: Optional[float] = 0.0
-    frequency_penalty: Optional[float] = 0.0
-    logit_bias: Optional[dict[str, float]] = None
-    return_token_ids: Optional[bool] = False  # vLLM extension: token ids in the response
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM extension; 0 or -1 = disabled
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    ignore_eos: bool | None = False  # vLLM extension
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    user: str | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    return_token_ids: bool | None = False  # vLLM extension: token ids in the response
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    logprobs: Optional[int] = None
-    echo: Optional[bool] = False
-    suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 class ChatMessage(_Strict):
     role: str
-    content: Union[str, list[dict[str, Any]], None] = None
-    name: Optional[str] = None
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = None
-    logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
-    response_format: Optional[dict[str, Any]] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM extension
-    add_generation_prompt: Optional[bool] = True  # vLLM extension
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension
+    add_generation_prompt: bool | None = True  # vLLM extension
 
 
 def parse_request(raw: bytes, cls: type[_Strict]) -> tuple[_Strict, list[str]]:
