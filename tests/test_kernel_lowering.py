@@ -16,7 +16,7 @@ Kernels (grep -n pallas_call kernels_pallas/*.py):
   fused_linear.py          batch-1 projection (+ norm / SwiGLU)     GPU
   rope_kv_write.py         RoPE + paged KV write                    GPU
   qkv_rope_kv_write.py     RMSNorm + qkv + RoPE + KV write          GPU
-  rejection_sampling.py    stats + residual kernels: GPU ones for impl "gpu",
+  rejection_blocks.py      stats + residual kernels: GPU ones for impl "gpu",
                            TPU ones for impl "tpu" (_kernel_rows)
 """
 
@@ -340,7 +340,7 @@ def test_every_pallas_call_is_covered():
         "paged_attention_gpu.py": 2,
         "paged_attention_tpu.py": 1,
         "qkv_rope_kv_write.py": 1,
-        "rejection_sampling.py": 2,  # _gpu_call (stats, resid kernels) and _tpu_call (stats, resid)
+        "rejection_blocks.py": 2,  # _gpu_call (stats, resid kernels) and _tpu_call (stats, resid)
         "rope_kv_write.py": 1,
     }, "pallas_call sites changed: add lowering cases for the new kernels and update this list"
 
