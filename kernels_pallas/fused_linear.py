@@ -40,7 +40,7 @@ Measured on the H200 (2026-11-21, jax 0.11.2, scripts/bench.py --section diag, p
 GPU time per layer inside a decode step): qkv + RMSNorm 15.9 us, o + residual 10.8, down +
 SwiGLU + residual 31.6; before, XLA took 14.6 + ~1.3 (norm), 10.6 + ~1.8 (add) and
 29.4 + 2.8 (silu * u) + ~1.8 (add). gate_up stays with XLA (jspec.ops.MAX_KERNEL_FEATURES). Tile
-sweep: scripts/bench_linear.py --sweep. With the MMA form (seventh session, same method):
+sweep: scripts/bench_linear.py --sweep. With the MMA form (2026-11-21, same method):
 o + residual 11.5 us per layer in the step (11.7 before), down 32.7 (33.3); alone
 (scripts/bench_linear.py) qkv + RMSNorm 15.6 us (Qwen3's path; Llama's qkv runs in
 kernels_pallas/qkv_rope_kv_write.py), o 11.3, down 32.5.

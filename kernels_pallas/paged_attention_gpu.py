@@ -40,7 +40,7 @@ Design (flash-decoding, GQA-packed):
 Measured on the H200 (2026-11-21, jax 0.11.2, scripts/bench_attention.py): decode at batch
 32, context 4096, 32/8 heads, D 128, bf16, page 16: 152-180 us, 3.0-3.5 TB/s of KV read,
 76-90% of the best bandwidth measured in the same run (jnp reference: 557-562 us). At
-batch 1 (16.8 MB of KV) a call is latency-bound; by profiler GPU time (fourth session):
+batch 1 (16.8 MB of KV) a call is latency-bound; by profiler GPU time (2026-11-21):
 decode 9.6 us (kernel 7.8 + combine 1.8), verify-8 11.9 us (kernel 9.5 + combine 2.4),
 ratio 1.24; the 2.3 us difference is the 32-row tile's compute (~1.0 us: a 16-row tile with
 the same keys was 1.0 us faster), the 8x larger split partials written (~0.5 us) and
@@ -57,9 +57,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas.tuning import device_tuning
+
 NEG_INF = -1e30  # finite "minus infinity": exp(NEG_INF - NEG_INF) stays defined
 NONCAUSAL_POS = 2**30  # row position of DFlash rows: sees every key below kv_len
-NUM_SMS_H200 = 132
 MAX_COMBINE_SPLITS = 64  # the combine kernel holds [splits (pow2), D] per program in registers
 
 
@@ -231,7 +232,7 @@ def combine_splits(o_s, lse, n, dtype, *, kernel: bool, num_warps: int = 2, inte
     )(lse.reshape(splits * rows), o_s.reshape(splits * rows, D))
 
 
-def default_kv_splits(batch, kv_heads, row_blocks, num_kv_blocks, num_sms=NUM_SMS_H200):
+def default_kv_splits(batch, kv_heads, row_blocks, num_kv_blocks, num_sms: int):
     """Programs along the kv axis: ~2 per SM, or ~4 per SM when the batch alone gives fewer
     programs than SMs; never more than there are kv blocks, nor than MAX_COMBINE_SPLITS.
 
@@ -283,8 +284,9 @@ def paged_attention_gpu(
         block_kv = 64
     row_blocks = -(-R // block_rows)
     num_kv_blocks = -(-(W * S) // block_kv)
+    num_sms = device_tuning().num_sms  # programs per wave (kernels_pallas/tuning.py)
     if kv_splits is None:
-        kv_splits = default_kv_splits(B, KVH, row_blocks, num_kv_blocks)
+        kv_splits = default_kv_splits(B, KVH, row_blocks, num_kv_blocks, num_sms)
     kv_splits = min(kv_splits, num_kv_blocks)
     blocks_per_split = -(-num_kv_blocks // kv_splits)
     # Short programs (a small grid split finely: one or two kv blocks each) are latency
@@ -297,8 +299,8 @@ def paged_attention_gpu(
     # programs, 2 warps stay best). Tiles of more than 32 rows keep 4 warps (a 64 x 128 f32
     # accumulator would spill on 2).
     if num_warps is None:
-        small_grid = B * KVH * row_blocks < NUM_SMS_H200
-        one_wave = B * KVH * row_blocks * kv_splits < NUM_SMS_H200
+        small_grid = B * KVH * row_blocks < num_sms
+        one_wave = B * KVH * row_blocks * kv_splits < num_sms
         num_warps = 2 if small_grid and not one_wave and block_rows <= 32 else 4
     if num_stages is None:
         num_stages = 1 if blocks_per_split <= 2 else 2

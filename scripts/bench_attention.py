@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.paged_attention import ref_paged_attention
-from kernels_pallas.paged_attention_gpu import NUM_SMS_H200, _next_pow2, paged_attention_gpu
+from kernels_pallas.paged_attention_gpu import _next_pow2, paged_attention_gpu
+from kernels_pallas.tuning import DEVICES
 
 NSETS = 16  # inner scan length: distinct (q, table) sets per timed call
 REPS = 25
@@ -181,8 +182,8 @@ def time_attention(attn, inputs):
     return median_time(run, *inputs) / NSETS
 
 
-def previous_rule(B, Q, ctx, kvh=8, group=4, num_sms=NUM_SMS_H200):
-    """The tuning the kernel chose before 2026-11-21 (fourth session), spelled out: ~2
+def previous_rule(B, Q, ctx, kvh=8, group=4, num_sms=DEVICES["NVIDIA H200"].num_sms):
+    """The tuning the kernel chose before 2026-11-21, spelled out: ~2
     programs per SM, 4 warps, 2 stages, 16-row / 128-key programs for verification at small
     batch, and the split combine as jnp (XLA fusions)."""
     R = Q * group

@@ -351,3 +351,23 @@ def test_reference_impl_lowers_without_kernels(gpu_target):
     shapes = attention_shapes(BF16)
     assert custom_calls(lower(fn, shapes, "cuda")) == []
     assert custom_calls(lower(fn, shapes, "tpu")) == []
+
+
+def test_device_tuning_table():
+    """Kernel grids read the chip's SM count from kernels_pallas/tuning.py: listed devices
+    by kind, an unlisted GPU by the count jax reports, anything else the H200's (the
+    device the rules were tuned on; CPU interpret runs see exactly the H200's choices)."""
+    from types import SimpleNamespace as NS
+
+    from kernels_pallas.paged_attention_gpu import default_kv_splits
+    from kernels_pallas.tuning import DEFAULT, device_tuning
+
+    assert device_tuning(NS(device_kind="NVIDIA H200", platform="gpu")).num_sms == 132
+    assert device_tuning(NS(device_kind="NVIDIA H100 PCIe", platform="gpu")).num_sms == 114
+    assert device_tuning(NS(device_kind="Some Future GPU", platform="gpu", core_count=96)).num_sms == 96
+    assert device_tuning(NS(device_kind="Some Future GPU", platform="gpu")) == DEFAULT
+    assert device_tuning(NS(device_kind="cpu", platform="cpu", core_count=2)) == DEFAULT
+    assert device_tuning() == DEFAULT  # this machine's CPU
+    # The H200's choices, pinned: batch 1 and 32 decode at context 512 / 4096 (64-key blocks).
+    assert [default_kv_splits(b, 8, 1, n, 132) for b, n in ((1, 8), (1, 64), (32, 64))] == [8, 64, 2]
+    assert default_kv_splits(1, 8, 1, 64, 114) == 57
