@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     JSPEC_KERNEL_IMPL: str | None
+    JSPEC_ALLOW_LONG_MAX_MODEL_LEN: bool
     JSPEC_CACHE: str
 
 
@@ -27,6 +28,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (kernels_pallas.dispatch.IMPLS; jspec.ops.plan_kernels rejects other names). Unset or
     # "auto": chosen by backend. An impl named in the EngineConfig wins over it.
     "JSPEC_KERNEL_IMPL": _kernel_impl,
+    # "1" / "true": accept a max_model_len beyond the model's max_position_embeddings (its
+    # positions past that were never trained). vLLM's name, VLLM_ALLOW_LONG_MAX_MODEL_LEN,
+    # is honoured too.
+    "JSPEC_ALLOW_LONG_MAX_MODEL_LEN": lambda: any(
+        os.environ.get(k, "").strip().lower() in ("1", "true")
+        for k in ("JSPEC_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")),
     # Folder of the generated default model (jspec/default_model.py); ~/.cache/jspec if unset.
     "JSPEC_CACHE": lambda: os.environ.get("JSPEC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jspec")),
 }

@@ -47,3 +47,19 @@ def test_chat_uses_the_chat_template(llm):
     with pytest.raises(ValueError, match="messages"):
         llm.chat([], sp)
     assert np.all([isinstance(t, int) for t in one[0].token_ids])
+
+
+def test_max_model_len_beyond_the_models_positions(tmp_path, monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = str(tmp_path / "m")
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1,
+                                 max_position_embeddings=64)).save_pretrained(folder)
+    for var in ("JSPEC_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match="max_model_len=96 is greater than the model's max_position_embeddings=64"):
+        jspec.LLM(folder, max_model_len=96, num_pages=16)
+    assert jspec.LLM(folder, max_model_len=64, num_pages=16).engine.max_model_len == 64
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's override, honoured
+    assert jspec.LLM(folder, max_model_len=96, num_pages=16).engine.max_model_len == 96

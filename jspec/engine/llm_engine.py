@@ -15,6 +15,7 @@ import os
 import jax
 import numpy as np
 
+from jspec import envs
 from jspec.checkpoint.target import load_target, resolve_dtype
 from jspec.config import load_model_config
 from jspec.engine.block_manager import BlockManager
@@ -131,6 +132,12 @@ class LLMEngine:
         self.eos_token_ids = set(mc.eos_token_ids) | set(gen_eos)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        if c.max_model_len and c.max_model_len > mc.max_position_embeddings and not envs.JSPEC_ALLOW_LONG_MAX_MODEL_LEN:
+            raise ValueError(
+                f"max_model_len={c.max_model_len} is greater than the model's max_position_embeddings="
+                f"{mc.max_position_embeddings} (config.json): positions past it were never trained. Set "
+                f"JSPEC_ALLOW_LONG_MAX_MODEL_LEN=1 (or vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) to allow it"
+            )
         self.max_model_len = c.max_model_len or min(mc.max_position_embeddings, 4096)
         if c.page_size < 1 or c.max_num_seqs < 1:
             raise ValueError(f"page_size and max_num_seqs must be >= 1 (got {c.page_size}, {c.max_num_seqs})")
