@@ -8,7 +8,6 @@ returns (``_inflight``); the next ``step()`` reads it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 
@@ -16,6 +15,7 @@ import jax
 import numpy as np
 
 from jspec import envs
+from jspec.checkpoint.model_files import generation_eos, load_tokenizer
 from jspec.checkpoint.target import load_target, resolve_dtype
 from jspec.config import load_model_config
 from jspec.engine.block_manager import BlockManager
@@ -93,23 +93,6 @@ class EngineConfig:
     async_scheduling: bool = True
 
 
-def _load_tokenizer(path):
-    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def _generation_eos(path) -> tuple[int, ...]:
-    fn = os.path.join(path, "generation_config.json")
-    if not os.path.exists(fn):
-        return ()
-    with open(fn) as f:
-        eos = json.load(f).get("eos_token_id")
-    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, sharding=None, *, preloaded=None, preloaded_drafter=None):
         """``preloaded=(ModelConfig, params)`` (and ``preloaded_drafter=(DrafterConfig,
@@ -123,8 +106,8 @@ class LLMEngine:
         logger.info("jspec engine on %s (%s x%d), dtype %s", jax.default_backend(), kinds, len(devices), c.dtype)
         if preloaded is None:
             self.model_cfg, params = load_target(c.model, c.dtype, sharding=sharding)
-            self.tokenizer = _load_tokenizer(c.model)
-            gen_eos = _generation_eos(c.model)
+            self.tokenizer = load_tokenizer(c.model)
+            gen_eos = generation_eos(c.model)
         else:
             (self.model_cfg, params), self.tokenizer, gen_eos = preloaded, None, ()
         mc = self.model_cfg
