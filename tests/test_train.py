@@ -24,6 +24,7 @@ from jspec.checkpoint.target import load_target
 from jspec.train import corpus as corpus_mod
 from jspec.train import dflash, eagle3, tokenizer
 from jspec.train import target as tgt
+from jspec.train.pipeline import STAGES
 
 SEQ, MASK = 64, 5
 CLI = ["--preset", "tiny", "--max-files", "30", "--seq-len", str(SEQ), "--batch-size", "8", "--steps", "100",
@@ -191,9 +192,10 @@ def loaded(family):
 
 
 def test_drafter_configs_round_trip(loaded):
-    tc, _, _, d = loaded
+    d = loaded[3]
     e, p, f = d["eagle3"][0], d["peagle"][0], d["dflash"][0]
-    assert (e.method, e.num_speculative_tokens, e.norm_before_residual, e.has_own_embeddings) == ("eagle3", 3, True, False)
+    assert (e.method, e.num_speculative_tokens, e.norm_before_residual) == ("eagle3", 3, True)
+    assert not e.has_own_embeddings
     assert (p.method, p.num_speculative_tokens, p.mask_token_id, p.has_own_embeddings) == ("peagle", 5, MASK, True)
     assert (f.method, f.block_size, f.mask_token_id, f.uses_target_lm_head) == ("dflash", 8, MASK, True)
     assert e.aux_layer_ids == p.aux_layer_ids == f.aux_layer_ids == (1, 2, 3)
@@ -211,7 +213,8 @@ def test_eagle3_training_time_test_equals_stepwise_speculators(loaded):
     x = rows[0]
     H = tc.hidden_size
     for i in (0, 9, 30):
-        ids, fc_rows, direct, is_direct = list(x[1 : i + 2]), list(aux[: i + 1]), [np.zeros(H)] * (i + 1), [False] * (i + 1)
+        ids, fc_rows = list(x[1 : i + 2]), list(aux[: i + 1])
+        direct, is_direct = [np.zeros(H)] * (i + 1), [False] * (i + 1)
         for k in range(3):
             lg, pre = ref_eagle3(model, np.array(ids), (np.array(fc_rows), np.array(direct), np.array(is_direct)),
                                  np.arange(len(ids)))
@@ -240,7 +243,8 @@ def test_peagle_cod_forward_equals_parallel_speculators(loaded):
         ids = np.concatenate([x[1 : a + 2], np.full(dd, MASK, x.dtype)])
         fc_rows = np.concatenate([aux[: a + 1], np.zeros((dd, aux.shape[1]))])
         slots = np.arange(a + 1 + dd) > a
-        want, _ = ref_eagle3(model, ids, (fc_rows, None, np.zeros(len(ids), bool)), np.arange(len(ids)), mask_slots=slots)
+        want, _ = ref_eagle3(model, ids, (fc_rows, None, np.zeros(len(ids), bool)), np.arange(len(ids)),
+                             mask_slots=slots)
         assert rel(np.asarray(lg[0, e]), want[-1]) < 1e-4, (dd, a)
 
 
@@ -253,7 +257,8 @@ def test_dflash_blocks_equal_speculators(loaded):
     _, aux = tgt.forward(tp, tc, jnp.asarray(rows), dc.aux_layer_ids)
     aux = np.asarray(aux[0]).reshape(SEQ, -1)
     for j, a in enumerate(anchors[0]):
-        want = ref_dflash(model, aux[:a], np.arange(a), np.array([rows[0, a]] + [MASK] * (bs - 1)), np.arange(a, a + bs))
+        block = np.array([rows[0, a]] + [MASK] * (bs - 1))
+        want = ref_dflash(model, aux[:a], np.arange(a), block, np.arange(a, a + bs))
         assert rel(np.asarray(lg[0, j * bs : (j + 1) * bs]), want) < 1e-4, a
 
 
@@ -282,5 +287,14 @@ def test_cli_stages_and_sizes():
     assert rc.target.hidden_size == 96 and rc.target.vocab_size == 8192
     assert rc.drafter_size("peagle").num_speculative_tokens == 4
     assert rc.drafter_size("dflash").block_size == 16 and rc.drafter_size("dflash").num_speculative_tokens == 15
+    assert parse_args(["--stage", "all,accept", "--out", "x"])[1] == [*STAGES, "accept"]
     with pytest.raises(SystemExit):
         parse_args(["--stage", "nope", "--out", "x"])
+
+
+def test_acceptance_prompts_are_long_enough_held_out_document_starts():
+    from jspec.train.acceptance import held_out_prompts
+
+    stream = np.array([0, 7, 8, 1, 0, 9, 9, 9, 9, 1, 0, 5, 5, 5, 5, 5, 1], np.int32)
+    assert held_out_prompts(stream, 0, n=5, prompt_tokens=2, max_tokens=3) == [[0, 9], [0, 5]]
+    assert held_out_prompts(stream, 0, n=1, prompt_tokens=2, max_tokens=3) == [[0, 9]]

@@ -2,6 +2,7 @@
 
   python -m jspec.train --stage all --out runs/family          # tokenizer, target, 3 drafters
   python -m jspec.train --stage eagle3 --out runs/family --drafter-steps 2000
+  python -m jspec.train --stage accept --out runs/family              # greedy acceptance, held out
   python -m jspec.train --stage all --out /tmp/t --preset tiny --max-files 40 --steps 50 \\
       --drafter-steps 20 --seq-len 64 --batch-size 8                 # a CPU smoke run
 
@@ -19,8 +20,8 @@ from jspec.train import drafters, pipeline, target
 
 def parse_args(argv=None) -> tuple[pipeline.RunConfig, list[str]]:
     ap = argparse.ArgumentParser(prog="python -m jspec.train", description=__doc__.splitlines()[0])
-    ap.add_argument("--stage", default="all", help=f"one of {', '.join(pipeline.STAGES)}, 'drafters' or 'all'; "
-                    "comma-separated for several")
+    ap.add_argument("--stage", default="all", help=f"one of {', '.join(pipeline.STAGES)}, 'drafters', 'all' (the "
+                    "five) or 'accept' (greedy acceptance on held-out files); comma-separated for several")
     ap.add_argument("--out", required=True, help="output folder (one sub-folder per stage)")
     ap.add_argument("--preset", default="small", choices=sorted(target.PRESETS), help="target size preset")
     for f in dataclasses.fields(target.TargetSize):
@@ -30,7 +31,7 @@ def parse_args(argv=None) -> tuple[pipeline.RunConfig, list[str]]:
     d = pipeline.RunConfig(out="")
     for name in ("seq_len", "batch_size", "steps", "drafter_steps", "lr", "drafter_lr", "warmup_steps", "seed",
                  "log_every", "eval_batches", "ttt_steps", "ttt_decay", "peagle_ratio", "peagle_ratio_min",
-                 "dflash_anchors", "dflash_gamma"):
+                 "dflash_anchors", "dflash_gamma", "accept_prompts", "accept_prompt_tokens", "accept_max_tokens"):
         v = getattr(d, name)
         ap.add_argument("--" + name.replace("_", "-"), type=type(v), default=v)
     ap.add_argument("--dtype", default=d.dtype, choices=sorted(pipeline.DTYPES), help="compute dtype")
@@ -56,13 +57,14 @@ def parse_args(argv=None) -> tuple[pipeline.RunConfig, list[str]]:
         out=a.out, target=size, drafter_sizes=sizes, max_files=a.max_files, dtype=a.dtype, save_dtype=a.save_dtype,
         **{n: getattr(a, n) for n in ("seq_len", "batch_size", "steps", "drafter_steps", "lr", "drafter_lr",
                                       "warmup_steps", "seed", "log_every", "eval_batches", "ttt_steps", "ttt_decay",
-                                      "peagle_ratio", "peagle_ratio_min", "dflash_anchors", "dflash_gamma")},
+                                      "peagle_ratio", "peagle_ratio_min", "dflash_anchors", "dflash_gamma",
+                                      "accept_prompts", "accept_prompt_tokens", "accept_max_tokens")},
     )
     stages: list[str] = []
     for s in a.stage.split(","):
         stages += {"all": list(pipeline.STAGES), "drafters": ["eagle3", "peagle", "dflash"]}.get(s, [s])
     for s in stages:
-        if s not in pipeline.STAGES:
+        if s not in (*pipeline.STAGES, "accept"):
             ap.error(f"unknown stage {s!r}")
     return rc, stages
 

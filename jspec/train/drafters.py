@@ -29,6 +29,7 @@ from jspec.train import target as tgt
 from jspec.train.loop import check_tree, init_params, save_safetensors, tensors_from_specs
 
 SPECULATORS_VERSION = "0.9.0"  # the format these configs follow (speculators' save_pretrained)
+ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator", "dflash": "DFlashSpeculator"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +85,7 @@ def speculators_config(size: DrafterSize, target_hf: dict, *, mask_token_id: int
         raise ValueError("drafters are built for targets with default RoPE")
     k = (size.block_size - 1) if m == "dflash" else size.num_speculative_tokens
     d = {
-        "architectures": [{"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator", "dflash": "DFlashSpeculator"}[m]],
+        "architectures": [ARCHITECTURES[m]],
         "speculators_model_type": m,
         "speculators_version": SPECULATORS_VERSION,
         "speculators_config": {

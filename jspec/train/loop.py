@@ -75,7 +75,9 @@ def save_safetensors(tensors: dict, folder: str):
     from safetensors.flax import save_file
 
     os.makedirs(folder, exist_ok=True)
-    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    fn = os.path.join(folder, "model.safetensors")
+    save_file(tensors, fn, metadata={"format": "pt"})
+    os.chmod(fn, 0o644)  # the writer creates it private; shipped weights must be readable by all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +148,11 @@ def fit(loss_fn: LossFn, params, frozen, batches: Iterator, oc: OptConfig, *, se
 
 def evaluate(loss_fn: LossFn, params, frozen, batches, *, seed: int = 0) -> dict:
     """Mean of the loss and metrics over ``batches`` (a finite iterable)."""
-    fn = jax.jit(lambda p, f, b, k: (lambda lm: {"loss": lm[0], **lm[1]})(loss_fn(p, f, b, k)))
+    @jax.jit
+    def fn(p, f, b, k):
+        loss, metrics = loss_fn(p, f, b, k)
+        return {"loss": loss, **metrics}
+
     sums: dict = {}
     n = 0
     for i, b in enumerate(batches):

@@ -6,6 +6,7 @@
                   files, corpus.json, train_log.json: a HF Llama folder
   OUT/{eagle3,peagle,dflash}/  config.json (speculators format), model.safetensors,
                   train_log.json
+  OUT/acceptance.json  the "accept" stage: greedy acceptance on held-out files (acceptance.py)
 
 Every stage is deterministic given the RunConfig (seed included) and the Python version
 (the corpus); train_log.json records the settings, the losses and held-out metrics.
@@ -28,7 +29,7 @@ from jspec.config import model_config_from_hf
 from jspec.train import corpus as corpus_mod
 from jspec.train import dflash, drafters, eagle3, loop, target, tokenizer
 
-STAGES = ("tokenizer", "target", "eagle3", "peagle", "dflash")
+STAGES = ("tokenizer", "target", "eagle3", "peagle", "dflash")  # "all"; "accept" is asked for by name
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -56,6 +57,9 @@ class RunConfig:
     peagle_ratio_min: float = 0.2
     dflash_anchors: int = 64
     dflash_gamma: float = 4.0
+    accept_prompts: int = 32  # "accept": held-out prompts, their length and the tokens generated
+    accept_prompt_tokens: int = 128
+    accept_max_tokens: int = 128
 
     def folder(self, stage: str) -> str:
         return os.path.join(self.out, stage)
@@ -87,7 +91,7 @@ def stage_tokenizer(rc: RunConfig, log=print):
     for split, tx in (("train", texts), ("held_out", c.texts("held_out"))):
         stream = corpus_mod.token_stream(tokenizer.encode_docs(tok, tx), ids[tokenizer.BOS], ids[tokenizer.END_OF_TEXT])
         np.save(os.path.join(folder, f"tokens_{split}.npy"), stream)
-        counts[split] = int(len(stream))
+        counts[split] = len(stream)
     corpus_mod.save_manifest(c, folder, vocab_size=tok.get_vocab_size(), tokens=counts)
     log(f"[tokenizer] {len(c.files)} files ({len(c.held_out_files)} held out), vocab {tok.get_vocab_size()}, "
         f"{counts['train']:,} train / {counts['held_out']:,} held-out tokens, {time.perf_counter() - t0:.1f}s")
@@ -178,5 +182,10 @@ def run(rc: RunConfig, stages, log=print):
             stage_target(rc, log)
         elif s in ("eagle3", "peagle", "dflash"):
             stage_drafter(rc, s, log)
+        elif s == "accept":
+            from jspec.train import acceptance
+
+            acceptance.measure(rc.out, num_prompts=rc.accept_prompts, prompt_tokens=rc.accept_prompt_tokens,
+                               max_tokens=rc.accept_max_tokens, dtype=rc.save_dtype, log=log)
         else:
-            raise ValueError(f"unknown stage {s!r} (choose from {STAGES} or 'all')")
+            raise ValueError(f"unknown stage {s!r} (choose from {STAGES}, 'accept' or 'all')")
