@@ -46,6 +46,9 @@ def ref(_server_proc):
     """jspec.LLM with the server's engine arguments: the ground truth for greedy outputs."""
     import jax
 
+    # The persistent compilation cache, for this module only: later tests compile without
+    # it (jax 0.10.2 crashed writing one of test_train.py's executables to it).
+    saved = {k.lower(): getattr(jax.config, k.lower()) for k in jax_cache_env()}
     for k, v in jax_cache_env().items():
         jax.config.update(k.lower(), v if k.endswith("DIR") else float(v) if "TIME" in k else int(v))
     import jspec
@@ -67,7 +70,9 @@ def ref(_server_proc):
         return [cache[k] for k in keys]
 
     greedy.llm = llm
-    return greedy
+    yield greedy
+    for k, v in saved.items():
+        jax.config.update(k, v)
 
 
 def _ids(x):
