@@ -73,6 +73,9 @@ def ref(_server_proc):
     yield greedy
     for k, v in saved.items():
         jax.config.update(k, v)
+    from jax._src import compilation_cache  # the cache decides once per process whether it is used
+
+    getattr(compilation_cache, "reset_cache", lambda: None)()
 
 
 def _ids(x):
