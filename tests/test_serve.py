@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
 import load_test  # noqa: E402
-from serve_helpers import ENGINE_KWARGS, jax_cache_env, metric, metric_samples, start_server  # noqa: E402
+from serve_helpers import ENGINE_KWARGS, metric, metric_samples, start_server  # noqa: E402
 
 PROMPTS = ["Hello there", "The quick brown fox", "Request 7: alpha bravo"]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
@@ -44,13 +44,6 @@ def server(_server_proc, ref):
 @pytest.fixture(scope="module")
 def ref(_server_proc):
     """jspec.LLM with the server's engine arguments: the ground truth for greedy outputs."""
-    import jax
-
-    # The persistent compilation cache, for this module only: later tests compile without
-    # it (jax 0.10.2 crashed writing one of test_train.py's executables to it).
-    saved = {k.lower(): getattr(jax.config, k.lower()) for k in jax_cache_env()}
-    for k, v in jax_cache_env().items():
-        jax.config.update(k.lower(), v if k.endswith("DIR") else float(v) if "TIME" in k else int(v))
     import jspec
 
     llm = jspec.LLM(**ENGINE_KWARGS)
@@ -71,11 +64,6 @@ def ref(_server_proc):
 
     greedy.llm = llm
     yield greedy
-    for k, v in saved.items():
-        jax.config.update(k, v)
-    from jax._src import compilation_cache  # the cache decides once per process whether it is used
-
-    getattr(compilation_cache, "reset_cache", lambda: None)()
 
 
 def _ids(x):
