@@ -1,9 +1,9 @@
-"""The embedded default: a tiny random Llama 3-style model built on first use.
+"""A tiny random Llama 3-style model built on first use: the fast model of the CPU tests.
 
-No download is possible on the project's machines, so ``jspec.LLM()`` with no model builds
-a HF-format folder (config.json, model.safetensors, a byte-level tokenizer with a Llama 3
-style chat template) under the cache dir, then loads it through the ordinary checkpoint
-path. Weights are random (fixed seed): the text is noise, the machinery is real.
+(``jspec.LLM()`` with no model serves the trained family, jspec.family.) No download is
+possible on the project's machines, so this builds a HF-format folder (config.json,
+model.safetensors, a byte-level tokenizer with a Llama 3 style chat template) under the
+cache dir, loaded through the ordinary checkpoint path. Weights are random (fixed seed): the text is noise, the machinery is real.
 """
 
 from __future__ import annotations

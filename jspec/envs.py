@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     JSPEC_KERNEL_IMPL: str | None
     JSPEC_ALLOW_LONG_MAX_MODEL_LEN: bool
     JSPEC_CACHE: str
+    VLLM_API_KEY: str | None
 
 
 def _kernel_impl() -> str | None:
@@ -36,6 +37,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
         for k in ("JSPEC_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")),
     # Folder of the generated default model (jspec/default_model.py); ~/.cache/jspec if unset.
     "JSPEC_CACHE": lambda: os.environ.get("JSPEC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jspec")),
+    # The server's API key when --api-key is not given (vLLM's variable).
+    "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY") or None,
 }
 
 

@@ -11,8 +11,10 @@ from jspec.sampling_params import SamplingParams
 class LLM:
     """An engine over one target model (and optionally a drafter).
 
-    ``model=None`` serves the embedded default: a tiny random Llama built on first use
-    (jspec.default_model), loaded through the same checkpoint path as any HF folder.
+    ``model=None`` serves the embedded default: the target of jspec's own model family
+    (jspec.family, a ~10M Llama trained on the Python stdlib), loaded through the same
+    checkpoint path as any HF folder; ``speculative_config={"method": M}`` then takes the
+    family's drafter for M.
     """
 
     def __init__(
@@ -31,9 +33,9 @@ class LLM:
         **engine_args,
     ):
         if model is None:
-            from jspec.default_model import default_model_path
+            from jspec import family
 
-            model = default_model_path()
+            model = family.TARGET
         if speculative_config is not None:
             engine_args["speculative_config"] = speculative_config
         self.engine = LLMEngine(

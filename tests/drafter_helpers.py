@@ -7,6 +7,8 @@ at inference time (its ``forward`` methods are training loops with anchor sampli
 
 from __future__ import annotations
 
+import os
+
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -148,3 +150,22 @@ def ref_dflash(model, ctx_h, ctx_pos, block_ids, block_pos):
     for layer in model.layers:
         x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_ids=pos, position_embeddings=pe)
     return model.lm_head(model.norm(x))[0].numpy()
+
+
+def speculators_from_folder(folder, target_folder):
+    """speculators' PyTorch module from a trained folder (eager attention; the verifier
+    path, left null in the shipped config, pointed at the target, whose lm_head DFlash uses)."""
+    from safetensors.torch import load_file
+    from speculators import SpeculatorModel, SpeculatorModelConfig
+
+    cfg = SpeculatorModelConfig.from_pretrained(folder)
+    cfg.speculators_config.verifier.name_or_path = target_folder
+    cfg.transformer_layer_config._attn_implementation = "eager"
+    model = SpeculatorModel.from_pretrained(folder, config=cfg).float().eval()
+    if "embed_tokens.weight" not in load_file(os.path.join(folder, "model.safetensors")):
+        # A checkpoint without embeddings drafts with the target's (as vLLM and jspec do);
+        # speculators only fills them from the verifier when they are NaN.
+        with torch.no_grad():
+            emb = load_file(os.path.join(target_folder, "model.safetensors"))["model.embed_tokens.weight"]
+            model.embed_tokens.weight.copy_(emb)
+    return model

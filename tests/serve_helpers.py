@@ -13,11 +13,16 @@ import time
 
 import httpx
 
+from jspec.default_model import default_model_path
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Small engine: few shape buckets to compile on CPU, yet room for real batching.
-ENGINE_ARGS = ["--max-num-seqs", "16", "--max-model-len", "128", "--page-size", "16"]
-ENGINE_KWARGS = dict(max_num_seqs=16, max_model_len=128, page_size=16)  # the same, for jspec.LLM
+# The tiny random model (jspec.default_model), not jspec.LLM's default (the trained family):
+# the server tests are about the serving machinery, and the tiny model compiles and runs fastest.
+TINY_MODEL = default_model_path()
+ENGINE_ARGS = ["--model", TINY_MODEL, "--max-num-seqs", "16", "--max-model-len", "128", "--page-size", "16"]
+ENGINE_KWARGS = dict(model=TINY_MODEL, max_num_seqs=16, max_model_len=128, page_size=16)  # the same, for jspec.LLM
 
 
 def jax_cache_env() -> dict:

@@ -72,3 +72,30 @@ def test_stop_string_finish_counts_as_stop(client, llm):
     assert d("vllm:request_success_total", finished_reason="stop") == 1
     assert d("vllm:request_success_total", finished_reason="abort") == 0
     assert d("vllm:e2e_request_latency_seconds_count") == 1
+
+
+def test_usage_reports_the_requests_speculative_counters():
+    """With a drafter, a response's usage carries that request's drafts and acceptance,
+    equal to what jspec.LLM reports for the same greedy request (the embedded family)."""
+    from starlette.testclient import TestClient
+
+    from jspec.serve.app import create_app
+
+    kw = dict(speculative_config={"method": "eagle3"}, dtype="float32", max_model_len=128, max_num_seqs=2)
+    sp = jspec.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = jspec.LLM(**kw).generate(["def add(a, b):\n"], sp)[0].metrics
+    with TestClient(create_app(jspec.LLM(**kw).engine)) as c:
+        r = c.post("/v1/completions", json={"prompt": "def add(a, b):\n", "max_tokens": 24, "temperature": 0,
+                                            "ignore_eos": True})
+    got = r.json()["usage"]["speculative_decoding"]
+    assert got["num_drafts"] > 0 and got == want
+    assert got["mean_acceptance_length"] == 1 + got["num_accepted_tokens"] / got["num_drafts"]
+
+
+def test_api_key_from_vllm_env(monkeypatch):
+    from jspec import envs
+
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    assert envs.VLLM_API_KEY == "k"
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert envs.VLLM_API_KEY is None

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from drafter_helpers import ref_dflash, ref_eagle3, rel
+from drafter_helpers import ref_dflash, ref_eagle3, rel, speculators_from_folder
 
 from jspec.checkpoint.target import load_target
 from jspec.train import corpus as corpus_mod
@@ -158,25 +158,6 @@ def test_drafter_loss_decreases(family, method):
     assert last < 0.7 * first, (first, last)
 
 
-def _speculators(folder, target_folder):
-    """speculators' PyTorch module from a trained folder (eager attention; the verifier
-    path, left null in the shipped config, pointed at the target, whose lm_head DFlash uses)."""
-    from safetensors.torch import load_file
-    from speculators import SpeculatorModel, SpeculatorModelConfig
-
-    cfg = SpeculatorModelConfig.from_pretrained(folder)
-    cfg.speculators_config.verifier.name_or_path = target_folder
-    cfg.transformer_layer_config._attn_implementation = "eager"
-    model = SpeculatorModel.from_pretrained(folder, config=cfg).float().eval()
-    if "embed_tokens.weight" not in load_file(os.path.join(folder, "model.safetensors")):
-        # A checkpoint without embeddings drafts with the target's (as vLLM and jspec do);
-        # speculators only fills them from the verifier when they are NaN.
-        with torch.no_grad():
-            emb = load_file(os.path.join(target_folder, "model.safetensors"))["model.embed_tokens.weight"]
-            model.embed_tokens.weight.copy_(emb)
-    return model
-
-
 @pytest.fixture(scope="module")
 def loaded(family):
     from jspec.drafters import load_drafter
@@ -187,7 +168,7 @@ def loaded(family):
     out = {}
     for m in ("eagle3", "peagle", "dflash"):
         dc, dp = load_drafter(os.path.join(family, m), tc)
-        out[m] = (dc, dp, _speculators(os.path.join(family, m), tfolder))
+        out[m] = (dc, dp, speculators_from_folder(os.path.join(family, m), tfolder))
     return tc, tp, rows, out
 
 

@@ -126,7 +126,7 @@ class LLMEngine:
             raise ValueError(f"page_size and max_num_seqs must be >= 1 (got {c.page_size}, {c.max_num_seqs})")
         if c.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {c.num_scheduler_steps}")
-        self.spec = self._spec_config(c.speculative_config)
+        self.spec = self._spec_config(c.speculative_config, c.model)
         if self.spec is not None:
             from jspec.drafters import load_drafter
 
@@ -200,7 +200,7 @@ class LLMEngine:
         self.num_chained_calls = 0  # decode calls dispatched before the previous one was read
 
     @staticmethod
-    def _spec_config(d):
+    def _spec_config(d, model: str):
         if d is None:
             return None
         from jspec.speculative_config import SpeculativeConfig
@@ -208,8 +208,10 @@ class LLMEngine:
         spec = d if isinstance(d, SpeculativeConfig) else SpeculativeConfig.from_dict(d)
         if not spec.enabled:
             return None
-        if not spec.model:
-            raise ValueError("speculative_config.model (the drafter checkpoint path) is required")
+        if not spec.model:  # a method alone: the embedded family's drafter (a clear error for other targets)
+            from jspec import family
+
+            spec = dataclasses.replace(spec, model=family.drafter_for(model, spec.method))
         return spec
 
     def _pages_from_memory(self, pages_per_seq: int) -> int:

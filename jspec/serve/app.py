@@ -287,11 +287,16 @@ class _Ctx:
         self.detok = Detokenizer(state.engine.tokenizer, stop)
         self.created = int(time.time())
         self.token_ids: list[int] = []
+        self.spec_metrics: dict | None = None  # the request's speculative counters, when speculating
 
     def usage(self):
         n = len(self.token_ids)
-        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n,
-                "total_tokens": len(self.prompt_ids) + n}
+        u = {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n, "total_tokens": len(self.prompt_ids) + n}
+        if self.spec_metrics is not None:
+            # jspec's extension (OpenAI clients keep unknown usage fields): this request's
+            # drafts, accepted tokens, acceptance per draft position and mean acceptance length.
+            u["speculative_decoding"] = self.spec_metrics
+        return u
 
     def finish_reason(self, out):
         return "stop" if self.detok.stopped else out.finish_reason
@@ -322,6 +327,8 @@ async def _next(ctx: _Ctx, stream: RequestStream):
     n_before = len(ctx.token_ids)
     if out.token_ids or not out.finished:
         ctx.token_ids = out.token_ids
+    if ctx.state.engine.spec is not None and out.metrics:
+        ctx.spec_metrics = dict(out.metrics)
     delta = ctx.detok.update(ctx.token_ids, out.finished)
     if ctx.detok.stopped and not out.finished:
         ctx.state.loop.finish_on_stop_string(ctx.rid)

@@ -8,6 +8,8 @@ import json
 import logging
 import sys
 
+from jspec import envs
+
 logger = logging.getLogger("jspec.serve")
 
 
@@ -15,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jspec.serve",
                                 description="OpenAI-compatible HTTP server over a jspec engine.")
     p.add_argument("--model", default=None,
-                   help="HF checkpoint folder (default: the embedded tiny default model)")
+                   help="HF checkpoint folder (default: the embedded model family's target, jspec.family)")
     p.add_argument("--served-model-name", default=None,
                    help="model name clients must use (default: the folder's basename)")
     p.add_argument("--host", default="127.0.0.1")
@@ -31,9 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help='JSON: method eagle3 | peagle | dflash, the drafter folder, e.g. '
-                        '\'{"method": "eagle3", "model": "path/to/drafter", "num_speculative_tokens": 3}\'')
+                        '\'{"method": "eagle3", "model": "path/to/drafter", "num_speculative_tokens": 3}\'; a method alone '
+                        'takes the embedded family\'s drafter when the target is the family\'s')
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on /v1 routes (default: no key)")
+                   help="require 'Authorization: Bearer <key>' on /v1 routes (default: $VLLM_API_KEY, else no key)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps per device call (tokens fed back on the device)")
@@ -83,7 +86,7 @@ def main(argv=None) -> int:
             t = time.monotonic()
             llm.engine.warmup()
             logger.info("warmup: compiled all shape buckets in %.1fs", time.monotonic() - t)
-    app = create_app(llm.engine, args.served_model_name, api_key=args.api_key)
+    app = create_app(llm.engine, args.served_model_name, api_key=args.api_key or envs.VLLM_API_KEY)
     state = app.state.jspec
     logger.info("serving %s on http://%s:%d (max_model_len=%d, %d KV pages)", state.model_name,
                 args.host, args.port, llm.engine.max_model_len, llm.engine.num_pages)

@@ -33,6 +33,7 @@ class Output:
     finished: bool
     finish_reason: str | None
     error: str | None = None
+    metrics: dict | None = None  # the request's speculative counters (RequestOutput.metrics)
 
 
 class RequestStream:
@@ -230,7 +231,8 @@ class EngineLoop:
                 st.last_time = now
                 st.num_tokens = len(ids)
             n_prompt = len(o.prompt_token_ids) if o.prompt_token_ids is not None else st.num_prompt_tokens
-            out = Output(ids, n_prompt, bool(o.finished), o.finish_reason if o.finished else None)
+            out = Output(ids, n_prompt, bool(o.finished), o.finish_reason if o.finished else None,
+                         metrics=dict(o.metrics) if o.metrics else None)
             if o.finished:
                 del self._reqs[o.request_id]
                 if m is not None:

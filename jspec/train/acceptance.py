@@ -28,17 +28,32 @@ def held_out_prompts(stream: np.ndarray, bos_id: int, n: int, prompt_tokens: int
 
 def measure(out: str, methods=("eagle3", "peagle", "dflash"), *, num_prompts: int = 32, prompt_tokens: int = 128,
             max_tokens: int = 128, dtype: str = "float32", max_num_seqs: int = 8, log=print) -> dict:
-    import jspec
-
+    """The accept stage: held-out prompts of a training run's folder; writes OUT/acceptance.json."""
     tdir = os.path.join(out, "target")
     stream = np.load(os.path.join(out, "tokenizer", "tokens_held_out.npy"))
     bos = tokenizer.special_ids(tokenizer.load_tokenizer(tdir))[tokenizer.BOS]
     prompts = held_out_prompts(stream, bos, num_prompts, prompt_tokens, max_tokens)
     if not prompts:
         raise ValueError(f"no held-out document has {prompt_tokens + max_tokens} tokens")
+    drafters = {m: os.path.join(out, m) for m in methods if os.path.isdir(os.path.join(out, m))}
+    result = measure_prompts(tdir, drafters, prompts, max_tokens=max_tokens, dtype=dtype,
+                             max_num_seqs=max_num_seqs, log=log)
+    result["prompt_tokens"] = prompt_tokens
+    with open(os.path.join(out, "acceptance.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def measure_prompts(target_dir: str, drafters: dict[str, str], prompts: list[list[int]], *, max_tokens: int,
+                    dtype: str = "float32", max_num_seqs: int = 8, log=print) -> dict:
+    """Greedy plain and speculative runs of `prompts` (token ids) on the target, one per
+    drafter folder ({method: folder}); counters from the engine, tok/s after compilation."""
+    import jspec
+
     sp = jspec.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    kw = {"dtype": dtype, "max_num_seqs": max_num_seqs, "max_model_len": prompt_tokens + max_tokens + 32}
-    result = {"prompts": len(prompts), "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "dtype": dtype}
+    kw = {"dtype": dtype, "max_num_seqs": max_num_seqs,
+          "max_model_len": max(len(p) for p in prompts) + max_tokens + 32}
+    result = {"prompts": len(prompts), "max_tokens": max_tokens, "dtype": dtype}
 
     def run(llm):
         llm.generate(prompts[:1], sp)  # compile outside the timing
@@ -46,12 +61,10 @@ def measure(out: str, methods=("eagle3", "peagle", "dflash"), *, num_prompts: in
         outs = [o.token_ids for o in llm.generate(prompts, sp)]
         return outs, len(prompts) * max_tokens / (time.perf_counter() - t0)
 
-    plain, tps = run(jspec.LLM(tdir, **kw))
+    plain, tps = run(jspec.LLM(target_dir, **kw))
     result["plain_tokens_per_s"] = tps
-    for m in methods:
-        if not os.path.isdir(os.path.join(out, m)):
-            continue
-        llm = jspec.LLM(tdir, speculative_config={"method": m, "model": os.path.join(out, m)}, **kw)
+    for m, folder in drafters.items():
+        llm = jspec.LLM(target_dir, speculative_config={"method": m, "model": folder}, **kw)
         before = llm.engine.stats()
         outs, tps = run(llm)
         st = llm.engine.stats()
@@ -70,6 +83,4 @@ def measure(out: str, methods=("eagle3", "peagle", "dflash"), *, num_prompts: in
         log(f"[accept] {m} K={r['num_speculative_tokens']}: acceptance length {r['mean_acceptance_length']:.3f}, "
             f"per position {[round(x, 3) for x in r['acceptance_per_position']]}, "
             f"{tps:.0f} tok/s (plain {result['plain_tokens_per_s']:.0f}), same as plain {r['matches_plain']:.0%}")
-    with open(os.path.join(out, "acceptance.json"), "w") as f:
-        json.dump(result, f, indent=1)
     return result

@@ -41,7 +41,7 @@ class RunConfig:
     max_files: int | None = None  # None: the whole stdlib
     seq_len: int = 512
     batch_size: int = 32
-    steps: int = 4000  # target
+    steps: int = 800  # target: ~5.5 epochs of the 2.4M-token corpus; 4000 memorised it (held-out loss 6.66 vs 3.31)
     drafter_steps: int = 4000
     lr: float = 2e-3
     drafter_lr: float = 1e-3
