@@ -256,3 +256,47 @@ def greedy_reference(prompts, max_tokens: int) -> list[list[int]]:
 # The speculative engines the lossless and prefix-cache tests share (name, K).
 LOSSLESS_CASES = [("eagle3", 1), ("eagle3_orig", 3), ("eagle3", 7), ("peagle", 3), ("peagle", 7),
                   ("dflash4", 3), ("dflash8_zlab", 7)]
+
+
+def sample_trials(eng, prompt, n_trials: int, n_tokens: int) -> np.ndarray:
+    """i32[n_trials, n_tokens]: the first output tokens of n_trials requests on `prompt`,
+    sampled at temperature 1.
+
+    Rounds of max_num_seqs requests: add them, step until each has n_tokens outputs, abort.
+    """
+    import jspec
+
+    sp = jspec.SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    rows, r = [], 0
+    while len(rows) < n_trials:
+        n = min(eng.config.max_num_seqs, n_trials - len(rows))
+        rids = [f"dist-{r}-{i}" for i in range(n)]
+        r += 1
+        for rid in rids:
+            eng.add_request(rid, prompt, sp)
+        got = {rid: [] for rid in rids}
+        while any(len(v) < n_tokens for v in got.values()):
+            for out in eng.step():
+                got[out.request_id] = out.token_ids
+        for rid in rids:
+            eng.abort_request(rid)
+            rows.append(got[rid][:n_tokens])
+    assert not eng.has_unfinished_requests()
+    return np.asarray(rows)
+
+
+def chi2_pvalue(counts: np.ndarray, expected: np.ndarray) -> tuple[float, int]:
+    """Pearson's chi-squared p-value of `counts` against `expected` (bins under 5 merged), df."""
+    from scipy import stats
+
+    order = np.argsort(expected)
+    small = expected[order] < 5
+    # Merge the smallest bins into one until it (and every other bin) reaches 5.
+    k = int(small.sum())
+    while k < len(order) and expected[order[:k]].sum() < 5:
+        k += 1
+    obs = np.concatenate([[counts[order[:k]].sum()], counts[order[k:]]]) if k else counts
+    exp = np.concatenate([[expected[order[:k]].sum()], expected[order[k:]]]) if k else expected
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = len(obs) - 1
+    return float(stats.chi2.sf(stat, df)), df

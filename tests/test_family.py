@@ -124,3 +124,31 @@ def test_a_method_alone_takes_the_family_drafter_and_is_an_error_elsewhere(tmp_p
         family.drafter_for(str(tmp_path), "eagle3")
     llm = jspec.LLM(speculative_config={"method": "eagle3"}, dtype="float32", max_model_len=64, max_num_seqs=1)
     assert llm.engine.dcfg.method == "eagle3" and llm.engine.model_name == os.path.basename(family.TARGET)
+
+
+@pytest.mark.parametrize("method", family.METHODS)
+def test_sampled_tokens_follow_the_target_at_temperature_1(method):
+    """Per position, the counts of the first two verified tokens over 1024 requests against
+    the expectation from transformers' LlamaForCausalLM on the family's target (the chi-squared
+    test of tests/test_spec_distribution.py); the same counts reject the T = 0.7 distribution."""
+    import torch
+    from spec_e2e_helpers import chi2_pvalue, sample_trials
+    from transformers import LlamaForCausalLM
+
+    tok = tokenizer.load_tokenizer(family.TARGET)
+    prompt = tok.encode("import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n").ids
+    eng = jspec.LLM(speculative_config={"method": method}, dtype="float32", max_num_seqs=64, max_model_len=64,
+                    max_num_batched_tokens=1024).engine
+    toks = sample_trials(eng, prompt, 1024, 3)
+    hf = LlamaForCausalLM.from_pretrained(family.TARGET, torch_dtype=torch.float32).eval()
+    assert eng.stats()["num_accepted_tokens"] > 0
+    for j in (1, 2):
+        ctx, inverse = np.unique(toks[:, :j], axis=0, return_inverse=True)
+        ids = torch.as_tensor(np.concatenate([np.tile(prompt, (len(ctx), 1)), ctx], 1))
+        with torch.no_grad():
+            logits = hf(ids).logits[:, -1].double()
+        counts = np.bincount(toks[:, j], minlength=logits.shape[-1]).astype(np.float64)
+        p, df = chi2_pvalue(counts, torch.softmax(logits, -1).numpy()[inverse.reshape(-1)].sum(0))
+        p_wrong, _ = chi2_pvalue(counts, torch.softmax(logits / 0.7, -1).numpy()[inverse.reshape(-1)].sum(0))
+        assert p > 1e-3, (method, j, p, df)
+        assert p_wrong < 1e-6, (method, j, p_wrong)

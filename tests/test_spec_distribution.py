@@ -23,9 +23,6 @@ import numpy as np
 import pytest
 import spec_e2e_helpers as h
 import torch
-from scipy import stats
-
-import jspec
 
 PROMPT = [9, 33, 17, 50, 12, 41]
 TRIALS = 10 * h.V
@@ -46,30 +43,6 @@ CASES = [
 ]
 
 
-def sample_trials(eng, n_trials: int, n_tokens: int) -> np.ndarray:
-    """i32[n_trials, n_tokens]: the first output tokens of n_trials requests on PROMPT.
-
-    Rounds of max_num_seqs requests: add them, step until each has n_tokens outputs, abort.
-    """
-    sp = jspec.SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
-    rows, r = [], 0
-    while len(rows) < n_trials:
-        n = min(eng.config.max_num_seqs, n_trials - len(rows))
-        rids = [f"dist-{r}-{i}" for i in range(n)]
-        r += 1
-        for rid in rids:
-            eng.add_request(rid, PROMPT, sp)
-        got = {rid: [] for rid in rids}
-        while any(len(v) < n_tokens for v in got.values()):
-            for out in eng.step():
-                got[out.request_id] = out.token_ids
-        for rid in rids:
-            eng.abort_request(rid)
-            rows.append(got[rid][:n_tokens])
-    assert not eng.has_unfinished_requests()
-    return np.asarray(rows)
-
-
 @torch.no_grad()
 def target_probs(contexts: np.ndarray, temperature: float = 1.0) -> np.ndarray:
     """f64[N, V]: the HF target's next-token distribution after PROMPT + each context row."""
@@ -79,34 +52,20 @@ def target_probs(contexts: np.ndarray, temperature: float = 1.0) -> np.ndarray:
     return torch.softmax(logits / temperature, -1).numpy()
 
 
-def chi2_pvalue(counts: np.ndarray, expected: np.ndarray) -> tuple[float, int]:
-    order = np.argsort(expected)
-    small = expected[order] < 5
-    # Merge the smallest bins into one until it (and every other bin) reaches 5.
-    k = int(small.sum())
-    while k < len(order) and expected[order[:k]].sum() < 5:
-        k += 1
-    obs = np.concatenate([[counts[order[:k]].sum()], counts[order[k:]]]) if k else counts
-    exp = np.concatenate([[expected[order[:k]].sum()], expected[order[k:]]]) if k else expected
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    df = len(obs) - 1
-    return float(stats.chi2.sf(stat, df)), df
-
-
 @pytest.mark.parametrize("name,k,method,kw", CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
 def test_first_verified_tokens_follow_target(name, k, method, kw):
     extra = {"draft_sample_method": method} if method != "greedy" else None
     eng = h.llm(name, k, spec_extra=extra, **kw).engine
     before = eng.stats()
-    toks = sample_trials(eng, TRIALS, max(POSITIONS) + 1)
+    toks = h.sample_trials(eng, PROMPT, TRIALS, max(POSITIONS) + 1)
     d = h.stats_delta(before, eng.stats())
     report = []
     for j in POSITIONS:
         ctx, inverse = np.unique(toks[:, :j], axis=0, return_inverse=True)
         probs = target_probs(ctx)[inverse.reshape(-1)]  # [TRIALS, V]
         counts = np.bincount(toks[:, j], minlength=h.V).astype(np.float64)
-        p, df = chi2_pvalue(counts, probs.sum(0))
-        p_wrong, _ = chi2_pvalue(counts, target_probs(ctx, temperature=0.7)[inverse.reshape(-1)].sum(0))
+        p, df = h.chi2_pvalue(counts, probs.sum(0))
+        p_wrong, _ = h.chi2_pvalue(counts, target_probs(ctx, temperature=0.7)[inverse.reshape(-1)].sum(0))
         report.append(f"token_ids[{j}]: p={p:.3g} (df {df}), vs T=0.7: p={p_wrong:.2g}")
         assert p > 1e-3, report[-1]
         assert p_wrong < 1e-6, report[-1]
