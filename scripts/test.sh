@@ -7,4 +7,10 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q -e ".[test,serve]"
 python3 -m pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
 python3 -m ruff check jspec kernels_pallas scripts tests  # rules: pyproject.toml [tool.ruff]
-exec python3 -m pytest -q "$@"
+if [ "$#" -gt 0 ]; then exec python3 -m pytest -q "$@"; fi
+# tests/test_train.py in a process of its own: after the rest of the suite in one process,
+# XLA's CPU compiler (jax 0.10.2) segfaulted compiling its speculative step in 4 clean-clone
+# runs of 4 (the persistent compilation cache on or off); alone, or after test_serve.py
+# only, it passes.
+python3 -m pytest -q --ignore=tests/test_train.py
+exec python3 -m pytest -q tests/test_train.py
