@@ -21,6 +21,7 @@ import time
 
 import jspec
 from jspec import family
+from jspec.engine.sequence import spec_stats_delta
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -75,17 +76,14 @@ def main(argv=None):
     del plain_llm
     llm = jspec.LLM(args.model, speculative_config=spec, **kw)
     outs, t_spec, before = _timed(llm, args.prompts, sp)
-    st = llm.engine.stats()  # the counters of the timed call only
-    drafts = st["num_drafts"] - before["num_drafts"]
-    accepted = st["num_accepted_tokens"] - before["num_accepted_tokens"]
-    pb = list(before["accepted_per_position"]) + [0] * len(st["accepted_per_position"])
-    per_pos = [a - b for a, b in zip(st["accepted_per_position"], pb)]
+    d = spec_stats_delta(before, llm.engine.stats())  # the counters of the timed call only
+    drafts = max(d["num_drafts"], 1)
     for o in outs:
         print(f"\n--- {o.prompt!r}\n{o.text}")
     print(f"\nspeculative decoding, {llm.engine.spec.method} K={llm.engine.spec.num_speculative_tokens}: "
           f"{n_tokens(outs) / t_spec:.1f} tok/s")
-    print(f"mean acceptance length: {1 + accepted / max(drafts, 1):.2f} tokens per target step")
-    print("acceptance per draft position:", " ".join(f"{a / max(drafts, 1):.2f}" for a in per_pos))
+    print(f"mean acceptance length: {1 + d['num_accepted_tokens'] / drafts:.2f} tokens per target step")
+    print("acceptance per draft position:", " ".join(f"{a / drafts:.2f}" for a in d["accepted_per_position"]))
     print(f"speedup over plain decoding: {(n_tokens(outs) / t_spec) / (n_tokens(plain) / t_plain):.2f}x")
     if args.temperature == 0:
         same = sum(a.token_ids == b.token_ids for a, b in zip(outs, plain))

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 from drafter_helpers import fill_random, set_vocab_map, speculators_config
 
+from jspec.engine.sequence import spec_stats_delta as stats_delta  # noqa: F401 (the tests' h.stats_delta)
+
 V, H, HEADS, KVH, HD, L = 64, 64, 4, 2, 16, 4
 AUX = [1, 2, 4]  # canonical target layer ids read by the EAGLE3 / PEagle drafters
 DFLASH_AUX = [1, 3]
@@ -227,16 +229,6 @@ def varied_prompts(n: int, lo: int = 1, hi: int = 60, seed: int = 0) -> list[lis
     lens = np.linspace(lo, hi, n).round().astype(int)
     rng.shuffle(lens)
     return [[int(t) for t in rng.integers(8, V, size=int(n_))] for n_ in lens]
-
-
-def stats_delta(before: dict, after: dict) -> dict:
-    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-    d = {k: after[k] - before[k] for k in keys}
-    pa, pb = after["accepted_per_position"], before["accepted_per_position"]
-    pb = list(pb) + [0] * (len(pa) - len(pb))
-    d["accepted_per_position"] = [a - b for a, b in zip(pa, pb)]
-    d["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 0.0
-    return d
 
 
 def greedy_reference(prompts, max_tokens: int) -> list[list[int]]:

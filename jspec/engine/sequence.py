@@ -46,6 +46,16 @@ class SpecMetrics:
         }
 
 
+def spec_stats_delta(before: dict, after: dict) -> dict:
+    """The speculative counters accrued between two ``LLMEngine.stats()`` readings
+    (SpecMetrics.as_dict's keys; mean_acceptance_length 0.0 when no draft was made)."""
+    d = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    pb = list(before["accepted_per_position"]) + [0] * len(after["accepted_per_position"])
+    d["accepted_per_position"] = [a - b for a, b in zip(after["accepted_per_position"], pb)]
+    d["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 0.0
+    return d
+
+
 @dataclasses.dataclass
 class Sequence:
     request_id: str

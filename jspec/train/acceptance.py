@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from jspec.engine.sequence import spec_stats_delta
 from jspec.train import tokenizer
 
 
@@ -67,15 +68,12 @@ def measure_prompts(target_dir: str, drafters: dict[str, str], prompts: list[lis
         llm = jspec.LLM(target_dir, speculative_config={"method": m, "model": folder}, **kw)
         before = llm.engine.stats()
         outs, tps = run(llm)
-        st = llm.engine.stats()
-        drafts = st["num_drafts"] - before["num_drafts"]
-        accepted = st["num_accepted_tokens"] - before["num_accepted_tokens"]
-        pa, pb = st["accepted_per_position"], list(before["accepted_per_position"])
-        pb += [0] * (len(pa) - len(pb))
+        d = spec_stats_delta(before, llm.engine.stats())
+        drafts = max(d["num_drafts"], 1)
         result[m] = {
             "num_speculative_tokens": llm.engine.spec.num_speculative_tokens,
-            "mean_acceptance_length": 1 + accepted / max(drafts, 1),
-            "acceptance_per_position": [(a - b) / max(drafts, 1) for a, b in zip(pa, pb)],
+            "mean_acceptance_length": 1 + d["num_accepted_tokens"] / drafts,
+            "acceptance_per_position": [a / drafts for a in d["accepted_per_position"]],
             "tokens_per_s": tps,
             "matches_plain": sum(o == p for o, p in zip(outs, plain)) / len(plain),
         }
