@@ -14,6 +14,8 @@ import numpy as np
 import torch
 
 from jspec.checkpoint.target import load_target
+from jspec.drafters import DFlashDrafter, Eagle3Drafter, PEagleDrafter, create_kv_cache
+from jspec.drafters.propose import span_metadata
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.transformer import Transformer
 
@@ -46,6 +48,43 @@ def target_aux(cfg, params, ids, aux_layers) -> np.ndarray:
     meta = AttentionMetadata.for_single_sequence(PAGES, PAGE, 0, len(ids), NPAGES)
     _, aux, _ = Transformer(cfg).apply({"params": params}, jnp.asarray(ids[None]), meta, kv, aux_layers=tuple(aux_layers))
     return np.asarray(aux[0]).reshape(len(ids), -1)
+
+
+def eagle3_first_pass(cfg, params, tparams, tokens, aux):
+    """jspec's EAGLE3 drafter over the pairs (tokens[t], target aux state t), t = 0..T-1:
+    (logits f32[T, Vd], the pre-norm hidden states [T, H])."""
+    kv = create_kv_cache(cfg, NPAGES, PAGE, jnp.float32)
+    meta = AttentionMetadata.for_single_sequence(PAGES, PAGE, 0, len(tokens), NPAGES)
+    m = Eagle3Drafter(cfg)
+    h, kv = m.apply({"params": params}, jnp.asarray(tokens[None]), jnp.asarray(aux[None]), meta, kv,
+                    tparams["embed_tokens"]["embedding"], hidden_is_fc_input=True)
+    return np.asarray(m.apply({"params": params}, h, method=Eagle3Drafter.logits)[0]), np.asarray(h[0])
+
+
+def peagle_mask_slot_logits(cfg, params, tokens, rows, is_mask):
+    """jspec's PEagle drafter in one forward over `tokens` (pairs, then mask slots) with their
+    fc input rows [n, 3H] and mask-slot flags [n]: logits f32[n, Vd]."""
+    kv = create_kv_cache(cfg, NPAGES, PAGE, jnp.float32)
+    meta = AttentionMetadata.for_single_sequence(PAGES, PAGE, 0, len(tokens), NPAGES)
+    m = PEagleDrafter(cfg)
+    h, _ = m.apply({"params": params}, jnp.asarray(tokens[None]), jnp.asarray(rows[None]), meta, kv, None,
+                   hidden_is_fc_input=True, mask_slots=jnp.asarray(is_mask[None]))
+    return np.asarray(m.apply({"params": params}, h, method=PEagleDrafter.logits)[0])
+
+
+def dflash_block_logits(cfg, params, tparams, aux, bonus):
+    """jspec's DFlash drafter: the context's aux states [T, n * H] written, then the block
+    [bonus, mask x (block_size - 1)] at positions T.. -> logits f32[block_size, Vd]."""
+    T, bs = len(aux), cfg.block_size
+    kv = create_kv_cache(cfg, NPAGES, PAGE, jnp.float32)
+    m = DFlashDrafter(cfg)
+    v = {"params": params}
+    ctx_meta = AttentionMetadata.for_single_sequence(PAGES, PAGE, 0, T, NPAGES)
+    kv = m.apply(v, jnp.asarray(aux[None]), ctx_meta, kv, method=DFlashDrafter.write_context)
+    block = span_metadata(ctx_meta.page_table, jnp.asarray([T]), bs, jnp.asarray([True]), PAGE, NPAGES, causal=False)
+    tokens = jnp.asarray([[bonus] + [cfg.mask_token_id] * (bs - 1)])
+    h, _ = m.apply(v, tokens, block, kv, tparams["embed_tokens"]["embedding"])
+    return np.asarray(m.apply(v, h, tparams["lm_head"], method=DFlashDrafter.logits)[0])
 
 
 def speculators_config(kind: str, family: str, num_layers: int, k: int, *, vocab=V, hidden=H, **kw):

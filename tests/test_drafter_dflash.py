@@ -13,6 +13,7 @@ from drafter_helpers import (
     PAGE,
     PAGES,
     V,
+    dflash_block_logits,
     make_target,
     randomize,
     ref_dflash,
@@ -23,7 +24,7 @@ from drafter_helpers import (
 
 from jspec.drafters import DFlashDrafter, create_kv_cache, load_drafter
 from jspec.drafters.convert import speculators_dflash_to_zlab
-from jspec.drafters.propose import dflash_propose, span_metadata
+from jspec.drafters.propose import dflash_propose
 from jspec.kv_cache import AttentionMetadata
 
 AUX = [1, 3]  # canonical (speculators); z-lab writes [0, 2]
@@ -49,18 +50,6 @@ def drafter(request, target, tmp_path_factory):
     return model, folder
 
 
-def jspec_block_logits(cfg, params, tparams, aux, bonus):
-    kv = create_kv_cache(cfg, NPAGES, PAGE, jnp.float32)
-    m = DFlashDrafter(cfg)
-    v = {"params": params}
-    ctx_meta = AttentionMetadata.for_single_sequence(PAGES, PAGE, 0, T, NPAGES)
-    kv = m.apply(v, jnp.asarray(aux[None]), ctx_meta, kv, method=DFlashDrafter.write_context)
-    block = span_metadata(ctx_meta.page_table, jnp.asarray([T]), BS, jnp.asarray([True]), PAGE, NPAGES, causal=False)
-    tokens = jnp.asarray([[bonus] + [MASK] * (BS - 1)])
-    h, _ = m.apply(v, tokens, block, kv, tparams["embed_tokens"]["embedding"])
-    return np.asarray(m.apply(v, h, tparams["lm_head"], method=DFlashDrafter.logits)[0])
-
-
 def reference(model, aux, bonus):
     return ref_dflash(model, aux, np.arange(T), [bonus] + [MASK] * (BS - 1), np.arange(T, T + BS))
 
@@ -71,7 +60,7 @@ def test_logits_match_speculators(target, drafter):
     cfg, params = load_drafter(folder, tcfg)
     assert cfg.aux_layer_ids == tuple(AUX) and cfg.block_size == BS and cfg.num_speculative_tokens == BS - 1
     aux = target_aux(tcfg, tparams, ids[:T], cfg.aux_layer_ids)
-    got = jspec_block_logits(cfg, params, tparams, aux, int(ids[T]))
+    got = dflash_block_logits(cfg, params, tparams, aux, int(ids[T]))
     want = reference(model, aux, int(ids[T]))
     assert rel(got, want) < 1e-4
 
@@ -87,10 +76,10 @@ def test_zlab_layout_same_logits_and_offset_matters(target, drafter, tmp_path):
     assert cfg.source_format == "zlab-dflash" and cfg.aux_layer_ids == tuple(AUX)
     aux = target_aux(tcfg, tparams, ids[:T], cfg.aux_layer_ids)
     want = reference(model, aux, int(ids[T]))
-    assert rel(jspec_block_logits(cfg, params, tparams, aux, int(ids[T])), want) < 1e-4
+    assert rel(dflash_block_logits(cfg, params, tparams, aux, int(ids[T])), want) < 1e-4
     # Reading z-lab ids as canonical (no +1) feeds the wrong target layers.
     wrong_aux = target_aux(tcfg, tparams, ids[:T], [0, 2])
-    assert rel(jspec_block_logits(cfg, params, tparams, wrong_aux, int(ids[T])), want) > 1e-2
+    assert rel(dflash_block_logits(cfg, params, tparams, wrong_aux, int(ids[T])), want) > 1e-2
 
 
 def test_propose_drafts(target, drafter):

@@ -10,6 +10,7 @@ from drafter_helpers import (
     PAGE,
     PAGES,
     V,
+    eagle3_first_pass,
     make_target,
     randomize,
     ref_eagle3,
@@ -55,15 +56,6 @@ def drafter(request, target, tmp_path_factory):
     return request.param, model, folder
 
 
-def run_first_pass(cfg, params, tparams, tokens, aux):
-    kv = create_kv_cache(cfg, NPAGES, PAGE, jnp.float32)
-    meta = AttentionMetadata.for_single_sequence(PAGES, PAGE, 0, len(tokens), NPAGES)
-    m = Eagle3Drafter(cfg)
-    h, kv = m.apply({"params": params}, jnp.asarray(tokens[None]), jnp.asarray(aux[None]), meta, kv,
-                    tparams["embed_tokens"]["embedding"], hidden_is_fc_input=True)
-    return np.asarray(m.apply({"params": params}, h, method=Eagle3Drafter.logits)[0]), np.asarray(h[0])
-
-
 def test_config_translation(target, drafter):
     name, model, folder = drafter
     cfg, _ = load_drafter(folder, target[1])
@@ -78,7 +70,7 @@ def test_logits_match_speculators(target, drafter):
     name, model, folder = drafter
     cfg, params = load_drafter(folder, tcfg)
     tokens = ids[1 : T + 1]  # token t+1 paired with target hidden t
-    got, pre = run_first_pass(cfg, params, tparams, tokens, aux)
+    got, pre = eagle3_first_pass(cfg, params, tparams, tokens, aux)
     want, want_pre = ref_eagle3(model, tokens, (aux, None, np.zeros(T, bool)), np.arange(T))
     assert got.shape == (T, CASES[name][0])
     assert rel(got, want) < 1e-4
@@ -94,7 +86,7 @@ def test_original_layout_same_logits(target, drafter, tmp_path):
     cfg, params = load_drafter(orig, tcfg)
     assert cfg.source_format == "eagle3-original" and not cfg.has_own_embeddings
     assert "embed_tokens" not in params
-    got, _ = run_first_pass(cfg, params, tparams, ids[1 : T + 1], aux)
+    got, _ = eagle3_first_pass(cfg, params, tparams, ids[1 : T + 1], aux)
     want, _ = ref_eagle3(model, ids[1 : T + 1], (aux, None, np.zeros(T, bool)), np.arange(T))
     assert rel(got, want) < 1e-4
 

@@ -13,6 +13,7 @@ from drafter_helpers import (
     PAGES,
     V,
     make_target,
+    peagle_mask_slot_logits,
     randomize,
     ref_eagle3,
     rel,
@@ -66,14 +67,8 @@ def test_mask_slot_forward_matches_speculators(setup):
     tcfg, tparams, ids, aux, model, folder = setup
     cfg, params = load_drafter(folder, tcfg)
     tokens, is_mask, want = reference(model, ids, aux)
-    n = T + K - 1
-    kv = create_kv_cache(cfg, NPAGES, PAGE, jnp.float32)
-    meta = AttentionMetadata.for_single_sequence(PAGES, PAGE, 0, n, NPAGES)
     rows = np.concatenate([aux, np.zeros((K - 1, aux.shape[1]), np.float32)])
-    m = PEagleDrafter(cfg)
-    h, _ = m.apply({"params": params}, jnp.asarray(tokens[None]), jnp.asarray(rows[None]), meta, kv, None,
-                   hidden_is_fc_input=True, mask_slots=jnp.asarray(is_mask[None]))
-    got = np.asarray(m.apply({"params": params}, h, method=PEagleDrafter.logits)[0])
+    got = peagle_mask_slot_logits(cfg, params, tokens, rows, is_mask)
     assert rel(got, want) < 1e-4
     assert rel(got[T:], want[T:]) < 1e-4  # the mask slots themselves
 

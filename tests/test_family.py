@@ -8,17 +8,23 @@ from __future__ import annotations
 import json
 import os
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from drafter_helpers import NPAGES, PAGE, PAGES, ref_dflash, ref_eagle3, rel, speculators_from_folder, target_aux
+from drafter_helpers import (
+    dflash_block_logits,
+    eagle3_first_pass,
+    peagle_mask_slot_logits,
+    ref_dflash,
+    ref_eagle3,
+    rel,
+    speculators_from_folder,
+    target_aux,
+)
 
 import jspec
 from jspec import family
 from jspec.checkpoint.target import load_target
-from jspec.drafters import DFlashDrafter, Eagle3Drafter, PEagleDrafter, create_kv_cache, load_drafter
-from jspec.drafters.propose import span_metadata
-from jspec.kv_cache import AttentionMetadata
+from jspec.drafters import load_drafter
 from jspec.train import acceptance, corpus, tokenizer
 
 # The bars for greedy mean acceptance length on held-out files (the family measured
@@ -67,12 +73,7 @@ def test_shipped_eagle3_logits_equal_speculators(target):
     cfg, params = load_drafter(folder, tcfg)
     aux = target_aux(tcfg, tparams, ids[:T], cfg.aux_layer_ids)
     tokens = ids[1 : T + 1]  # token t+1 paired with target hidden t
-    kv = create_kv_cache(cfg, NPAGES, PAGE, jnp.float32)
-    meta = AttentionMetadata.for_single_sequence(PAGES, PAGE, 0, T, NPAGES)
-    m = Eagle3Drafter(cfg)
-    h, _ = m.apply({"params": params}, jnp.asarray(tokens[None]), jnp.asarray(aux[None]), meta, kv,
-                   tparams["embed_tokens"]["embedding"], hidden_is_fc_input=True)
-    got = np.asarray(m.apply({"params": params}, h, method=Eagle3Drafter.logits)[0])
+    got, _ = eagle3_first_pass(cfg, params, tparams, tokens, aux)
     want, _ = ref_eagle3(speculators_from_folder(folder, family.TARGET), tokens, (aux, None, np.zeros(T, bool)),
                          np.arange(T))
     assert rel(got, want) < 1e-4
@@ -87,12 +88,7 @@ def test_shipped_peagle_logits_equal_speculators(target):
     tokens = np.concatenate([ids[1 : T + 1], np.full(K - 1, cfg.mask_token_id)])
     rows = np.concatenate([aux, np.zeros((K - 1, aux.shape[1]), np.float32)])
     is_mask = np.arange(T + K - 1) >= T
-    kv = create_kv_cache(cfg, NPAGES, PAGE, jnp.float32)
-    meta = AttentionMetadata.for_single_sequence(PAGES, PAGE, 0, T + K - 1, NPAGES)
-    m = PEagleDrafter(cfg)
-    h, _ = m.apply({"params": params}, jnp.asarray(tokens[None]), jnp.asarray(rows[None]), meta, kv, None,
-                   hidden_is_fc_input=True, mask_slots=jnp.asarray(is_mask[None]))
-    got = np.asarray(m.apply({"params": params}, h, method=PEagleDrafter.logits)[0])
+    got = peagle_mask_slot_logits(cfg, params, tokens, rows, is_mask)
     want, _ = ref_eagle3(speculators_from_folder(folder, family.TARGET), tokens, (rows, None, None),
                          np.arange(T + K - 1), mask_slots=is_mask)
     assert rel(got, want) < 1e-4
@@ -105,13 +101,7 @@ def test_shipped_dflash_logits_equal_speculators(target):
     bs = cfg.block_size
     aux = target_aux(tcfg, tparams, ids[:T], cfg.aux_layer_ids)
     block_ids = [int(ids[T])] + [cfg.mask_token_id] * (bs - 1)
-    kv = create_kv_cache(cfg, NPAGES, PAGE, jnp.float32)
-    m, v = DFlashDrafter(cfg), {"params": params}
-    ctx = AttentionMetadata.for_single_sequence(PAGES, PAGE, 0, T, NPAGES)
-    kv = m.apply(v, jnp.asarray(aux[None]), ctx, kv, method=DFlashDrafter.write_context)
-    block = span_metadata(ctx.page_table, jnp.asarray([T]), bs, jnp.asarray([True]), PAGE, NPAGES, causal=False)
-    h, _ = m.apply(v, jnp.asarray([block_ids]), block, kv, tparams["embed_tokens"]["embedding"])
-    got = np.asarray(m.apply(v, h, tparams["lm_head"], method=DFlashDrafter.logits)[0])
+    got = dflash_block_logits(cfg, params, tparams, aux, int(ids[T]))
     want = ref_dflash(speculators_from_folder(folder, family.TARGET), aux, np.arange(T), block_ids,
                       np.arange(T, T + bs))
     assert rel(got, want) < 1e-4
