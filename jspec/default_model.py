@@ -3,7 +3,8 @@
 (``jspec.LLM()`` with no model serves the trained family, jspec.family.) No download is
 possible on the project's machines, so this builds a HF-format folder (config.json,
 model.safetensors, a byte-level tokenizer with a Llama 3 style chat template) under the
-cache dir, loaded through the ordinary checkpoint path. Weights are random (fixed seed): the text is noise, the machinery is real.
+cache dir, loaded through the ordinary checkpoint path. Weights are random (fixed seed):
+the text is noise, the machinery is real.
 """
 
 from __future__ import annotations

@@ -328,7 +328,7 @@ async def _next(ctx: _Ctx, stream: RequestStream):
     if out.token_ids or not out.finished:
         ctx.token_ids = out.token_ids
     if ctx.state.engine.spec is not None and out.metrics:
-        ctx.spec_metrics = dict(out.metrics)
+        ctx.spec_metrics = out.metrics  # the engine loop's copy, made on the engine thread
     delta = ctx.detok.update(ctx.token_ids, out.finished)
     if ctx.detok.stopped and not out.finished:
         ctx.state.loop.finish_on_stop_string(ctx.rid)
