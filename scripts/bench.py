@@ -26,6 +26,7 @@ from __future__ import annotations
 # makes batch-1 decode as fast as the default CUDA graphs, not faster (2026-11-22).
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -137,6 +138,7 @@ def measure_bandwidth(quick: bool) -> dict:
 
 
 LINEAR_IMPL = "auto"  # --linear-impl: fused small-batch projections ("auto": on GPU) or "reference" (XLA)
+PROFILE_DRAFT = False  # --kernels: also the drafter's proposal alone, by kernel
 ATTN_IMPL = "auto"  # --attn-impl: the paged attention kernel ("auto": on GPU / TPU) or "reference" (XLA)
 
 
@@ -356,10 +358,41 @@ def diag_section(args, bw):
     return out
 
 
+def verify_section(args, bw):
+    """T(K+1) / T(1) of the target forward (every layer, lm_head and sampling) at batch 1,
+    context 512, for K + 1 in {4, 8, 16}: by GPU time (the profiler's kernel records, what
+    the step costs the device) and by wall clock (one synchronised call, host included)."""
+    gpu = jax.default_backend() == "gpu"
+    rows = []
+    for name, cfg in (("llama-8b", LLAMA_8B), ("qwen3-8b", QWEN3_8B)):
+        cfg = TINY if args.quick else cfg
+        params = random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
+        rng = np.random.default_rng(0)
+        eng = make_engine(cfg, params, max_num_seqs=8, ctx=512, dtype="bfloat16")
+        t = {q: (target_forward_time(eng, 1, 512, rng, q, gpu_time=gpu), target_forward_time(eng, 1, 512, rng, q))
+             for q in (1, 4, 8, 16)}
+        for q in (4, 8, 16):
+            row = dict(model=name, q=q, gpu_ms=t[q][0] * 1e3, gpu_t1_ms=t[1][0] * 1e3, ratio_gpu=t[q][0] / t[1][0],
+                       wall_ms=t[q][1] * 1e3, wall_t1_ms=t[1][1] * 1e3, ratio_wall=t[q][1] / t[1][1])
+            rows.append(row)
+            print(f"verify {name} Q={q:2d}: GPU {row['gpu_ms']:.3f} / {row['gpu_t1_ms']:.3f} ms = {row['ratio_gpu']:.3f}; "
+                  f"wall {row['wall_ms']:.3f} / {row['wall_t1_ms']:.3f} ms = {row['ratio_wall']:.3f}", flush=True)
+        del eng, params
+    return dict(rows=rows)
+
+
 def drafter_setup(kind, cfg, quick):
     """(DrafterConfig, random params) for a Llama-8B EAGLE3 head, a Qwen3 DFlash or PEagle."""
-    from jspec.drafters.config import DrafterConfig
     from jspec.drafters.loader import drafter_param_spec
+
+    dc = drafter_config(kind, cfg, quick)
+    return dc, random_tree(drafter_param_spec(dc), jnp.bfloat16, 1)
+
+
+def drafter_config(kind, cfg, quick):
+    """The DrafterConfig of a Llama-8B EAGLE3 head (32K draft vocabulary), a Qwen3-8B DFlash
+    (5 layers, block 16) or PEagle (4 layers), tiny layers with --quick."""
+    from jspec.drafters.config import DrafterConfig
 
     L = cfg.num_layers
     common = dict(
@@ -386,7 +419,7 @@ def drafter_setup(kind, cfg, quick):
                            draft_vocab_size=cfg.vocab_size, aux_layer_ids=(1, L // 4, L // 2, 3 * L // 4, L - 1),
                            norm_before_residual=False, has_own_embeddings=False, has_d2t=False,
                            mask_token_id=cfg.vocab_size - 1, block_size=16, **common)
-    return dc, random_tree(drafter_param_spec(dc), jnp.bfloat16, 1)
+    return dc
 
 
 def drafter_stream_bytes(cfg, dc, dparams) -> int:
@@ -427,7 +460,10 @@ def spec_section(args, bw, kind):
         for K, lengths in plan:
             if ks is not None and K not in ks:
                 continue
-            tK = target_forward_time(base, B, ctx, rng, K + 1)
+            # T(K+1) / T(1) of the target forward by GPU time on a GPU (wall clock elsewhere).
+            gpu = jax.default_backend() == "gpu"
+            tK = target_forward_time(base, B, ctx, rng, K + 1, gpu_time=gpu)
+            t1_fwd = target_forward_time(base, B, ctx, rng, 1, gpu_time=gpu)
             spec = {"method": kind, "model": f"random-{kind}", "num_speculative_tokens": K,
                     "rejection_sample_method": "synthetic", "synthetic_acceptance_length": lengths[0]}
             eng = make_engine(cfg, params, max_num_seqs=32 if not args.quick else 4, ctx=ctx, dtype="bfloat16",
@@ -449,13 +485,120 @@ def spec_section(args, bw, kind):
                 rows.append(dict(method=kind, batch=B, K=K, synthetic_length=length, tau=tau, tok_s=tps,
                                  base_tok_s=base_tps, speedup=tps / base_tps, ideal=ideal,
                                  measured_over_ideal=(tps / base_tps) / ideal, t_target1_ms=t1 * 1e3,
-                                 t_targetK1_ms=tK * 1e3, t_draft_ms=t_draft * 1e3, draft_bound_ms=t_dbound * 1e3,
+                                 t_targetK1_ms=tK * 1e3, t_target1_fwd_ms=t1_fwd * 1e3, t_draft_ms=t_draft * 1e3, draft_bound_ms=t_dbound * 1e3,
                                  drafter_bytes=dbytes, spec_step_ms=step * 1e3))
                 print(f"{kind} B={B:2d} K={K:2d} L={length}: tau {tau:.2f} {tps:8.1f} tok/s (base {base_tps:7.1f}) "
                       f"speedup {tps/base_tps:4.2f}x physical ideal {ideal:4.2f}x -> {(tps/base_tps)/ideal:5.1%}; "
-                      f"T1 {t1*1e3:.2f} TK+1 {tK*1e3:.2f} ({tK/t1:.2f}x) Tdraft {t_draft*1e3:.2f} ms "
+                      f"T1 {t1*1e3:.2f}; forward T(K+1) / T(1) {tK*1e3:.2f} / {t1_fwd*1e3:.2f} ms ({tK/t1_fwd:.3f}x) Tdraft {t_draft*1e3:.2f} ms "
                       f"(bytes/bw {t_dbound*1e3:.2f} ms, {t_draft/t_dbound:.2f}x)", flush=True)
             del eng
+    return dict(rows=rows)
+
+
+def llm_run(llm, B, ctx, new, rng):
+    """Seconds of llm.generate for B fresh random prompts of ctx tokens and ``new`` greedy
+    tokens each (prefill included), and of the same with 1 new token (prefill alone);
+    returns (total_s, prefill_s). Untimed runs of the same shapes come first, until one
+    compiles nothing new: with speculation, rows finish at different steps, so the batch
+    and page-table buckets a run passes through vary from run to run. A timed run that
+    still compiled is timed again."""
+    import jspec
+
+    V, r = llm.engine.model_cfg.vocab_size, llm.engine.runner
+    prompts = lambda: [[int(t) for t in rng.integers(0, V, ctx)] for _ in range(B)]  # noqa: E731
+    times = []
+    for n in (new, 1):
+        sp = jspec.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        for _ in range(4):
+            c0 = r.num_compilations
+            llm.generate(prompts(), sp)
+            if r.num_compilations == c0:
+                break
+        for _ in range(3):
+            p, c0 = prompts(), r.num_compilations
+            t = time.perf_counter()
+            outs = llm.generate(p, sp)
+            dt = time.perf_counter() - t
+            assert all(len(o.token_ids) == n for o in outs)
+            if r.num_compilations == c0:
+                break
+            print(f"  (B={B}: {r.num_compilations - c0} shape(s) compiled inside the timed run: timed again)")
+        times.append(dt)
+    return times[0], times[1]
+
+
+def llm_section(args, bw):
+    """Through jspec.LLM, the path users take: folders holding only config.json (the 8B shapes,
+    scripts/bench_llm_folders.py), random weights by load_format="dummy", prompts of --llm-ctx
+    random tokens, --llm-new greedy tokens, timed by LLM.generate with the prefill included and
+    without (minus a 1-token run). Speculation with synthetic acceptance; the speedup over the
+    plain engine of the same run against the physical ideal tau * T(1) / (T(1) + drafter bytes
+    / bandwidth), T(1) the plain engine's decode time per step at that batch."""
+    import tempfile
+
+    from bench_llm_folders import write_folders
+
+    import jspec
+    from jspec.drafters.loader import drafter_param_spec
+    from kernels_pallas.synthetic import conditional_rates, synthetic_rates_from_length
+
+    ctx, new = (64, 32) if args.quick else (args.llm_ctx, args.llm_new)
+    batches = [int(b) for b in args.spec_batches.split(",")] if not args.quick else [1, 2]
+    plan = {"eagle3": [(3, [2.5, 3.5]), (7, [3.5, 5.0])], "peagle": [(7, [3.5])], "dflash": [(15, [4.24, 6.5])]}
+    ks = {int(k) for k in args.ks.split(",")} if args.ks else None
+    rows, root = [], tempfile.mkdtemp(prefix="jspec_bench_llm_")
+    rng = np.random.default_rng(0)
+    # A fixed page pool (what the largest batch needs, the drafter's lookahead included): sized
+    # from free memory, the plain engine would leave none for the speculative one after it.
+    num_pages = max(batches) * (-(-(ctx + new + 64 + 2 * 17) // 16) + 2) + 8
+    common = dict(dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches), enable_prefix_caching=False,
+                  max_model_len=ctx + new + 64, num_pages=num_pages, linear_impl=LINEAR_IMPL, attn_impl=ATTN_IMPL)
+    plain_cache = {}
+    for kind in args.methods.split(","):
+        cfg = TINY if args.quick else (LLAMA_8B if kind == "eagle3" else QWEN3_8B)
+        dc = drafter_config(kind, cfg, args.quick)
+        tdir, ddir = write_folders(root, cfg, dc, 3)
+        if cfg.family not in plain_cache:  # plain decode of this target, per batch
+            llm = jspec.LLM(tdir, **common)
+            plain_cache[cfg.family] = {}
+            for B in batches:
+                tot, pf = llm_run(llm, B, ctx, new, rng)
+                plain_cache[cfg.family][B] = (tot, pf)
+                print(f"llm plain {cfg.family} B={B:2d}: {B * new / tot:8.1f} tok/s with prefill ({tot:.3f} s, "
+                      f"prefill {pf:.3f} s), decode {(tot - pf) / (new - 1) * 1e3:.2f} ms/step", flush=True)
+            del llm
+            gc.collect()  # the engine's jitted methods hold it in reference cycles: free its buffers now
+        for K, lengths in plan[kind]:
+            if ks is not None and K not in ks:
+                continue
+            spec = {"method": kind, "model": ddir, "num_speculative_tokens": K,
+                    "rejection_sample_method": "synthetic", "synthetic_acceptance_length": lengths[0]}
+            llm = jspec.LLM(tdir, speculative_config=spec, **{**common, "max_model_len": ctx + new + 64 + 2 * (K + 1)})
+            eng = llm.engine
+            dbytes = drafter_stream_bytes(cfg, eng.dcfg, eng.runner.dparams)
+            assert {s.path for s in drafter_param_spec(eng.dcfg)}  # the dummy tree follows the spec
+            for length in lengths:
+                eng.runner.synthetic_rates = jnp.asarray(
+                    conditional_rates(synthetic_rates_from_length(length, K)), jnp.float32)
+                for B in batches:
+                    eng.spec_metrics.__init__()
+                    tot, pf = llm_run(llm, B, ctx, new, rng)
+                    tau = eng.spec_metrics.mean_acceptance_length
+                    ptot, ppf = plain_cache[cfg.family][B]
+                    t1 = (ptot - ppf) / (new - 1)
+                    ideal = physical_ideal(tau, t1, dbytes, bw["best_TBps"] * 1e12)
+                    dec = (ptot - ppf) / (tot - pf)
+                    row = dict(method=kind, batch=B, K=K, synthetic_length=length, tau=tau, ctx=ctx, new=new,
+                               tok_s=B * new / tot, plain_tok_s=B * new / ptot, speedup_e2e=ptot / tot,
+                               speedup_decode=dec, ideal=ideal, of_ideal=dec / ideal, t1_ms=t1 * 1e3,
+                               draft_bound_ms=dbytes / (bw["best_TBps"] * 1e12) * 1e3, drafter_bytes=dbytes)
+                    rows.append(row)
+                    print(f"llm {kind} B={B:2d} K={K:2d} L={length}: tau {tau:.2f} {row['tok_s']:8.1f} tok/s with "
+                          f"prefill (plain {row['plain_tok_s']:7.1f}, {row['speedup_e2e']:.2f}x); decode speedup "
+                          f"{dec:.2f}x, physical ideal {ideal:.2f}x -> {dec / ideal:5.1%} (T1 {t1 * 1e3:.2f} ms, "
+                          f"drafter bytes/bw {row['draft_bound_ms']:.2f} ms)", flush=True)
+            del llm, eng
+            gc.collect()
     return dict(rows=rows)
 
 
@@ -479,7 +622,10 @@ def spec_step_kernels(eng, B, ctx, rng, K, top=30):
 
 
 def draft_time(eng, B, ctx, rng, K):
-    """Median time of the drafter's proposal alone (first pass over K+1 pairs + the rest)."""
+    """Time of the drafter's proposal alone (first pass over K+1 pairs + the rest): the GPU
+    busy time by the profiler on a GPU (what it adds to a step), else the wall-clock median.
+    Every array is an argument of the jitted call: one closed over would be a constant that
+    the call copies (the target's lm_head: 1.2 GB, a 0.47 ms memcpy seen on the H100)."""
     from jspec.drafters.propose import dflash_propose, eagle3_propose, peagle_propose
 
     r = eng.runner
@@ -495,16 +641,28 @@ def draft_time(eng, B, ctx, rng, K):
     active = jnp.ones((Bp,), bool)
     temp = jnp.zeros((Bp,), jnp.float32)
     embed = r.params["embed_tokens"]["embedding"]
+    head = r.params.get("lm_head", embed)
     if r.dcfg.method == "dflash":
-        head = r.params["lm_head"]
-        fn = jax.jit(lambda dp, dkv: dflash_propose(r.drafter, dp, dkv, inp.tokens[:, 0], aux, inp.meta, last, embed,
-                                                     head, inp.seeds, temp, active)[::2])
+        fn = jax.jit(lambda dp, dkv, inp, aux, embed, head: dflash_propose(
+            r.drafter, dp, dkv, inp.tokens[:, 0], aux, inp.meta, last, embed, head, inp.seeds, temp, active)[0])
     else:
         prop = peagle_propose if r.dcfg.method == "peagle" else eagle3_propose
-        emb = None if r.dcfg.has_own_embeddings else embed
-        fn = jax.jit(lambda dp, dkv: prop(r.drafter, dp, dkv, inp.tokens, aux, inp.meta, last, emb, inp.seeds, temp,
-                                           active, num_tokens=K)[::2])
-    t = timeit(lambda: fn(r.dparams, r.dkv)[0], reps=15)
+        own = r.dcfg.has_own_embeddings
+        fn = jax.jit(lambda dp, dkv, inp, aux, embed, head: prop(
+            r.drafter, dp, dkv, inp.tokens, aux, inp.meta, last, None if own else embed, inp.seeds, temp, active,
+            num_tokens=K)[0])
+    args = (r.dparams, r.dkv, inp, aux, embed, head)
+    t = timeit(lambda: fn(*args), reps=15)
+    if jax.default_backend() == "gpu":
+        from gpu_trace import device_times
+
+        prof = device_times(lambda: fn(*args), [()], reps=10)
+        print(f"{r.dcfg.method} B={B} K={K} propose alone: GPU busy {prof['busy_us']:.1f} us, "
+              f"union {prof['union_us']:.1f} us, wall {t * 1e6:.1f} us", flush=True)
+        if PROFILE_DRAFT:
+            for name, us in list(prof["kernels_us"].items())[:30]:
+                print(f"  {us:8.1f} us  {name[:110]}", flush=True)
+        t = prof["busy_us"] / 1e6
     for s in seqs:
         s.draft_token_ids = []
     clear(eng)
@@ -513,7 +671,7 @@ def draft_time(eng, B, ctx, rng, K):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--section", choices=["plain", "diag", "eagle3", "parallel", "all"], default="plain")
+    ap.add_argument("--section", choices=["plain", "diag", "verify", "llm", "eagle3", "parallel", "all"], default="plain")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--batches", default="1,8,32,64", help="plain section: batch sizes")
@@ -525,12 +683,16 @@ def main():
     ap.add_argument("--attn-impl", default="auto", help="EngineConfig.attn_impl (auto | reference | gpu | tpu)")
     ap.add_argument("--spec-batches", default="1,32", help="eagle3/parallel sections: batch sizes")
     ap.add_argument("--ks", default="", help="eagle3/parallel sections: only these K (default: the plan's)")
-    ap.add_argument("--methods", default="dflash,peagle", help="parallel section: which drafters")
+    ap.add_argument("--methods", default="dflash,peagle", help="parallel / llm sections: which drafters")
+    ap.add_argument("--llm-ctx", type=int, default=512, help="llm section: prompt tokens")
+    ap.add_argument("--llm-new", type=int, default=256, help="llm section: generated tokens")
     ap.add_argument("--kernels", action="store_true", help="eagle3/parallel sections: profile one speculative "
                     "step per (batch, K) and print its GPU time by kernel")
     args = ap.parse_args()
     global LINEAR_IMPL, ATTN_IMPL
     LINEAR_IMPL, ATTN_IMPL = args.linear_impl, args.attn_impl
+    global PROFILE_DRAFT
+    PROFILE_DRAFT = args.kernels
     info = dict(date=time.strftime("%Y-%m-%d"), jax=jax.__version__, device=str(jax.devices()[0].device_kind),
                 backend=jax.default_backend(), xla_flags=os.environ.get("XLA_FLAGS", ""), linear_impl=LINEAR_IMPL,
                 attn_impl=ATTN_IMPL)
@@ -540,6 +702,10 @@ def main():
     results = dict(info=info, bandwidth=bw)
     if args.section == "diag":
         results["diag"] = diag_section(args, bw)
+    if args.section == "llm":
+        results["llm"] = llm_section(args, bw)
+    if args.section == "verify":
+        results["verify"] = verify_section(args, bw)
     if args.section in ("plain", "all"):
         results["plain"] = plain_section(args, bw)
         # The probe again at the end, warm: the rooflines use the best of both.

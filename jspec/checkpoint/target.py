@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.checkpoint.dummy import check_load_format, dummy_params
 from jspec.checkpoint.safetensors_io import CheckpointError, SafetensorsReader
 from jspec.config import ModelConfig, load_model_config
 
@@ -142,11 +143,12 @@ def restore_orbax(folder, specs, dtype, sharding=None):
             raise CheckpointError(f"orbax checkpoint {path!r} does not match config.json: {e}") from None
 
 
-def load_target(path, dtype="float32", sharding=None, progress=None):
+def load_target(path, dtype="float32", sharding=None, progress=None, load_format="auto"):
     """Load (ModelConfig, params) from a HF folder, or from its orbax copy when present.
 
     A folder holding ``orbax_params/`` (written by scripts/convert_to_orbax.py) restores
-    from orbax; otherwise the safetensors are streamed.
+    from orbax; otherwise the safetensors are streamed. ``load_format="dummy"`` reads
+    config.json alone and draws random weights (jspec/checkpoint/dummy.py).
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -154,7 +156,9 @@ def load_target(path, dtype="float32", sharding=None, progress=None):
     cfg = load_model_config(path)
     dt = resolve_dtype(dtype)
     specs = target_param_spec(cfg)
-    if os.path.isdir(os.path.join(path, ORBAX_DIR)):
+    if check_load_format(load_format) == "dummy":
+        params = dummy_params(specs, dt, seed=0, sharding=sharding)
+    elif os.path.isdir(os.path.join(path, ORBAX_DIR)):
         params = restore_orbax(path, specs, dt, sharding)
     else:
         params = load_params_from_safetensors(path, cfg, specs, dt, sharding, progress)

@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.checkpoint.dummy import check_load_format, dummy_params
 from jspec.checkpoint.safetensors_io import CheckpointError, SafetensorsReader
 from jspec.checkpoint.target import resolve_dtype, set_path
 from jspec.config import ConfigError, ModelConfig
-from jspec.drafters.config import FMT_EAGLE3_ORIGINAL, DrafterConfig, drafter_config_from_hf
+from jspec.drafters.config import FMT_EAGLE3_ORIGINAL, DrafterConfig, detect_format, drafter_config_from_hf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,9 +186,19 @@ def read_drafter_config(path) -> dict:
             raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
 
 
-def load_drafter(path, target_cfg: ModelConfig, dtype="float32", sharding=None):
+# The tensors a config.json alone cannot tell about, as load_format="dummy" assumes them:
+# the optional tensors a layout requires (d2t, mask_hidden) exist, and EAGLE3 / PEagle heads
+# in the speculators format carry their own embeddings (speculators writes them); original
+# EAGLE3 heads and DFlash share the target's.
+def _dummy_tensor_names(method: str, fmt: str) -> frozenset[str]:
+    own = {"embed_tokens.weight"} if method != "dflash" and fmt != FMT_EAGLE3_ORIGINAL else set()
+    return frozenset({"d2t", "mask_hidden"} | own)
+
+
+def load_drafter(path, target_cfg: ModelConfig, dtype="float32", sharding=None, load_format="auto"):
     """(DrafterConfig, params) for the drafter at ``path`` serving a target of ``target_cfg``.
 
+    ``load_format="dummy"``: config.json alone, random weights (jspec/checkpoint/dummy.py).
     Raises ConfigError (unsupported config), ValueError (drafter/target mismatch) or
     CheckpointError (missing tensor, wrong shape), each naming what is wrong.
     """
@@ -195,11 +206,14 @@ def load_drafter(path, target_cfg: ModelConfig, dtype="float32", sharding=None):
     if not os.path.isdir(path):
         raise FileNotFoundError(f"drafter path {path!r} is not a directory")
     d = read_drafter_config(path)
+    dt = resolve_dtype(dtype)
+    if check_load_format(load_format) == "dummy":
+        cfg = drafter_config_from_hf(d, target_cfg, _dummy_tensor_names(*detect_format(d)))
+        return cfg, dummy_params(drafter_param_spec(cfg), dt, seed=1, sharding=sharding)
     src = open_tensor_source(path)
     cfg = drafter_config_from_hf(d, target_cfg, frozenset(src.names()))
     specs = drafter_param_spec(cfg)
     check_specs(src, specs, path)
-    dt = resolve_dtype(dtype)
     params: dict = {}
     for spec in specs:
         if spec.integer:

@@ -70,8 +70,14 @@ def span_metadata(page_table, start, q_len: int, active, page_size: int, num_pag
     )
 
 
-def _pick(logits, temperature, seeds, positions):
-    """logits f32[B, Vd]; temperature f32[B]; seeds i32[B]; positions i32[B] -> (ids i32[B], probs f32[B, Vd])."""
+def _pick(logits, temperature, seeds, positions, sample: bool):
+    """logits f32[B, Vd]; temperature f32[B]; seeds i32[B]; positions i32[B] -> (ids i32[B], probs f32[B, Vd]).
+
+    ``sample`` (static): False when every row drafts greedily (draft_sample_method "greedy":
+    the engine passes temperature 0), so no softmax or draw over the vocabulary is traced for
+    each draft position; the ids are the same argmax. probs is then None."""
+    if not sample:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     greedy = temperature <= 0
     t = jnp.where(greedy, 1.0, temperature)
     probs = jax.nn.softmax(logits / t[:, None], axis=-1)
@@ -110,7 +116,7 @@ def eagle3_propose(
     drafts, probs = [], []
     for j in range(num_tokens):
         logits = drafter.apply(variables, h[:, 0], method=Eagle3Drafter.logits)  # [B, Vd]
-        ids, p = _pick(logits, temperature, seeds, pos + 2 + j)  # key: the draft's sequence position
+        ids, p = _pick(logits, temperature, seeds, pos + 2 + j, with_probs)  # key: the draft's sequence position
         tok = drafter.apply(variables, ids, method=Eagle3Drafter.to_target_ids)
         drafts.append(tok)
         if with_probs:
@@ -165,7 +171,7 @@ def _finish(drafter, variables, logits, first_pos, temperature, seeds, with_prob
     """Pick K drafts from logits f32[B, K, Vd]; draft k is the token at sequence position first_pos + k."""
     ids, probs = [], []
     for k in range(logits.shape[1]):
-        i, p = _pick(logits[:, k], temperature, seeds, first_pos + k)
+        i, p = _pick(logits[:, k], temperature, seeds, first_pos + k, with_probs)
         ids.append(i)
         probs.append(p)
     ids = drafter.apply(variables, jnp.stack(ids, 1), method=cls.to_target_ids)

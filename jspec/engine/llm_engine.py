@@ -62,6 +62,9 @@ class _InFlight:
 class EngineConfig:
     model: str
     dtype: str = "auto"  # "auto": the checkpoint's (config.json), else float32 | bfloat16 | float16
+    # "auto": the folder's weights; "dummy" (vLLM's name): config.json alone, random weights
+    # for target and drafter (benchmarks of shapes with no checkpoint at hand).
+    load_format: str = "auto"
     max_num_seqs: int = 8
     max_model_len: int | None = None  # None: min(max_position_embeddings, 4096)
     page_size: int = 16
@@ -105,7 +108,7 @@ class LLMEngine:
         kinds = ", ".join(sorted({str(getattr(d, "device_kind", d)) for d in devices}))
         logger.info("jspec engine on %s (%s x%d), dtype %s", jax.default_backend(), kinds, len(devices), c.dtype)
         if preloaded is None:
-            self.model_cfg, params = load_target(c.model, c.dtype, sharding=sharding)
+            self.model_cfg, params = load_target(c.model, c.dtype, sharding=sharding, load_format=c.load_format)
             self.tokenizer = load_tokenizer(c.model)
             gen_eos = generation_eos(c.model)
         else:
@@ -133,7 +136,8 @@ class LLMEngine:
             if preloaded_drafter is not None:
                 self.dcfg, dparams = preloaded_drafter
             else:
-                self.dcfg, dparams = load_drafter(self.spec.model, mc, c.dtype, sharding=sharding)
+                self.dcfg, dparams = load_drafter(self.spec.model, mc, c.dtype, sharding=sharding,
+                                                  load_format=c.load_format)
             if self.dcfg.method != self.spec.method:
                 raise ValueError(
                     f"speculative_config.method={self.spec.method!r} but the checkpoint at "

@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     # engine arguments: the jspec.LLM keyword arguments
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: the checkpoint's dtype (config.json)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: config.json alone, random weights for the target and the drafter (benchmarks)")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--page-size", type=int, default=16)
@@ -58,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_kwargs(args) -> dict:
-    kw = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+    kw = dict(dtype=args.dtype, load_format=args.load_format, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               page_size=args.page_size, num_pages=args.num_pages,
               gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,

@@ -1,0 +1,50 @@
+"""Random weights from config.json alone: vLLM's ``load_format="dummy"``.
+
+For benchmarks and smoke tests of shapes no checkpoint is at hand for (an 8B target and its
+drafter on a GPU, no download): the folder needs only its config.json, and every tensor the
+parameter spec names is drawn on the device, so the engine runs the same code as with real
+weights. The values are what makes random weights usable for timing: matrices ~ N(0, 0.02)
+(activations stay finite through the layers), norm weights ~ 1, integer maps (a reduced
+draft vocabulary's d2t) zero, i.e. draft id i is target id i.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+LOAD_FORMATS = ("auto", "dummy")  # "auto": the folder's orbax copy, else its safetensors / .bin
+
+
+def check_load_format(load_format: str) -> str:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} is not supported (choose from {list(LOAD_FORMATS)})")
+    return load_format
+
+
+def dummy_params(specs, dtype, seed: int = 0, sharding=None) -> dict:
+    """A parameter tree for ``specs`` (ParamSpec / DrafterParamSpec: path, shape, integer)."""
+    from jspec.checkpoint.target import set_path
+
+    key = jax.random.PRNGKey(seed)
+    tree: dict = {}
+    for i, s in enumerate(specs):
+        if getattr(s, "integer", False):
+            arr = jnp.zeros(s.shape, jnp.int32)
+        else:
+            k = jax.random.fold_in(key, i)
+            is_norm = len(s.shape) == 1 and "norm" in "/".join(s.path)
+            scale, base = (0.1, 1.0) if is_norm else (0.02, 0.0)
+            arr = _normal(k, shape=tuple(s.shape), dtype=jnp.dtype(dtype), scale=scale, base=base)
+        if sharding is not None:
+            arr = jax.device_put(arr, sharding)
+        set_path(tree, s.path, arr)
+    return jax.block_until_ready(tree)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "scale", "base"))
+def _normal(key, *, shape, dtype, scale, base):
+    # One jitted draw per tensor: the float32 intermediate lives only inside it.
+    return (base + scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)

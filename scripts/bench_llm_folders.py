@@ -1,0 +1,89 @@
+"""config.json folders for scripts/bench.py's ``llm`` section: the 8B target shapes and
+their drafters as HF / speculators configs, loaded by jspec.LLM with load_format="dummy"
+(random weights, no checkpoint). Each folder is read back through jspec's own config
+translation and checked against the shape it was written from."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from jspec.config import ModelConfig, load_model_config
+from jspec.drafters.config import DrafterConfig
+
+
+def target_config_json(c: ModelConfig) -> dict:
+    d = {
+        "architectures": ["LlamaForCausalLM" if c.family == "llama" else "Qwen3ForCausalLM"],
+        "model_type": c.family, "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope.theta,
+        "tie_word_embeddings": c.tie_word_embeddings, "attention_bias": c.attention_bias, "mlp_bias": c.mlp_bias,
+        "max_position_embeddings": c.max_position_embeddings, "torch_dtype": "bfloat16",
+    }
+    if c.rope.rope_type == "llama3":
+        d["rope_scaling"] = _llama3_rope(c.rope)
+    return d
+
+
+def drafter_config_json(dc: DrafterConfig, K: int) -> dict:
+    """A speculators-format config.json for ``dc`` (its decoder layers as a HF layer config)."""
+    layer = {
+        "model_type": dc.family, "vocab_size": dc.target_vocab_size, "hidden_size": dc.hidden_size,
+        "intermediate_size": dc.intermediate_size, "num_hidden_layers": dc.num_layers,
+        "num_attention_heads": dc.num_heads, "num_key_value_heads": dc.num_kv_heads, "head_dim": dc.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": dc.rms_norm_eps, "rope_theta": dc.rope.theta,
+        "max_position_embeddings": dc.max_position_embeddings, "tie_word_embeddings": False,
+        "attention_bias": dc.attention_bias, "mlp_bias": dc.mlp_bias,
+    }
+    if dc.rope.rope_type == "llama3":
+        layer["rope_scaling"] = _llama3_rope(dc.rope)
+    d = {
+        "architectures": [{"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator",
+                           "dflash": "DFlashSpeculator"}[dc.method]],
+        "speculators_model_type": dc.method,
+        "speculators_config": {"algorithm": dc.method, "default_proposal_method": "greedy",
+                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": K}],
+                               "verifier": {"name_or_path": None, "architectures": ["LlamaForCausalLM"]}},
+        "transformer_layer_config": layer,
+        "draft_vocab_size": dc.draft_vocab_size,
+        "target_hidden_size": dc.target_hidden_size,
+        "norm_before_fc": dc.norm_before_fc,
+        "torch_dtype": "bfloat16",
+    }
+    if dc.method == "dflash":
+        d.update(block_size=dc.block_size, aux_hidden_state_layer_ids=list(dc.aux_layer_ids),
+                 mask_token_id=dc.mask_token_id)
+    else:
+        d.update(norm_before_residual=dc.norm_before_residual, eagle_aux_hidden_state_layer_ids=list(dc.aux_layer_ids))
+        if dc.method == "peagle":
+            d["mask_token_id"] = dc.mask_token_id
+    return d
+
+
+def _llama3_rope(r) -> dict:
+    return {"rope_type": "llama3", "factor": r.factor, "low_freq_factor": r.low_freq_factor,
+            "high_freq_factor": r.high_freq_factor,
+            "original_max_position_embeddings": r.original_max_position_embeddings}
+
+
+def write_folders(root: str, cfg: ModelConfig, dc: DrafterConfig, K: int) -> tuple[str, str]:
+    """(target folder, drafter folder) under ``root``, each holding only its config.json."""
+    from jspec.drafters.config import detect_format, drafter_config_from_hf
+    from jspec.drafters.loader import _dummy_tensor_names, read_drafter_config
+
+    tdir, ddir = os.path.join(root, f"target-{cfg.family}"), os.path.join(root, f"drafter-{dc.method}")
+    for folder, d in ((tdir, target_config_json(cfg)), (ddir, drafter_config_json(dc, K))):
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(d, f, indent=1)
+    back = load_model_config(tdir)
+    assert back == cfg.__class__(**{**cfg.__dict__, "dtype": back.dtype, "eos_token_ids": back.eos_token_ids}), \
+        (back, cfg)
+    d = read_drafter_config(ddir)
+    dback = drafter_config_from_hf(d, back, _dummy_tensor_names(*detect_format(d)))
+    want = {k: v for k, v in dc.__dict__.items() if k not in ("num_speculative_tokens", "has_own_embeddings")}
+    got = {k: v for k, v in dback.__dict__.items() if k in want}
+    assert got == want, {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+    return tdir, ddir
