@@ -626,7 +626,7 @@ def draft_time(eng, B, ctx, rng, K):
     busy time by the profiler on a GPU (what it adds to a step), else the wall-clock median.
     Every array is an argument of the jitted call: one closed over would be a constant that
     the call copies (the target's lm_head: 1.2 GB, a 0.47 ms memcpy seen on the H100)."""
-    from jspec.drafters.propose import dflash_propose, eagle3_propose, peagle_propose
+    from jspec.drafters.propose import ProposeInputs
 
     r = eng.runner
     seqs = inject(eng, B, ctx, rng, max_tokens=8)
@@ -642,16 +642,9 @@ def draft_time(eng, B, ctx, rng, K):
     temp = jnp.zeros((Bp,), jnp.float32)
     embed = r.params["embed_tokens"]["embedding"]
     head = r.params.get("lm_head", embed)
-    if r.dcfg.method == "dflash":
-        fn = jax.jit(lambda dp, dkv, inp, aux, embed, head: dflash_propose(
-            r.drafter, dp, dkv, inp.tokens[:, 0], aux, inp.meta, last, embed, head, inp.seeds, temp, active)[0])
-    else:
-        prop = peagle_propose if r.dcfg.method == "peagle" else eagle3_propose
-        own = r.dcfg.has_own_embeddings
-        fn = jax.jit(lambda dp, dkv, inp, aux, embed, head: prop(
-            r.drafter, dp, dkv, inp.tokens, aux, inp.meta, last, None if own else embed, inp.seeds, temp, active,
-            num_tokens=K)[0])
-    args = (r.dparams, r.dkv, inp, aux, embed, head)
+    fn = jax.jit(lambda dp, dkv, pin: r.drafter.propose(dp, dkv, pin, num_tokens=K, with_probs=False)[0])
+    pin = ProposeInputs(inp.tokens, aux, inp.meta, last, embed, head, inp.seeds, temp, active)
+    args = (r.dparams, r.dkv, pin)
     t = timeit(lambda: fn(*args), reps=15)
     if jax.default_backend() == "gpu":
         from gpu_trace import device_times

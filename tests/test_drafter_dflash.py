@@ -24,7 +24,7 @@ from drafter_helpers import (
 
 from jspec.drafters import DFlashDrafter, create_kv_cache, load_drafter
 from jspec.drafters.convert import speculators_dflash_to_zlab
-from jspec.drafters.propose import dflash_propose
+from jspec.drafters.propose import ProposeInputs, dflash_propose
 from jspec.kv_cache import AttentionMetadata
 
 AUX = [1, 3]  # canonical (speculators); z-lab writes [0, 2]
@@ -91,10 +91,13 @@ def test_propose_drafts(target, drafter):
     d2t = model.d2t.numpy() if model.d2t is not None else np.zeros(V, np.int64)
     kv = create_kv_cache(cfg, NPAGES, PAGE, jnp.float32)
     meta = AttentionMetadata.for_single_sequence(PAGES, PAGE, 0, T, NPAGES)
+    pairs = np.asarray(ids[1 : T + 1])[None]  # pair tokens; the bonus one, ids[T], at last_idx = T - 1
     drafts, probs, _ = dflash_propose(
-        DFlashDrafter(cfg), params, kv, jnp.asarray([int(ids[T])]), jnp.asarray(aux[None]), meta,
-        jnp.asarray([T - 1]), tparams["embed_tokens"]["embedding"], tparams["lm_head"],
-        jnp.asarray([0]), jnp.asarray([0.0]), jnp.asarray([True]), with_probs=True,
+        DFlashDrafter(cfg), params, kv,
+        ProposeInputs(jnp.asarray(pairs), jnp.asarray(aux[None]), meta, jnp.asarray([T - 1]),
+                      tparams["embed_tokens"]["embedding"], tparams["lm_head"], jnp.asarray([0]), jnp.asarray([0.0]),
+                      jnp.asarray([True])),
+        with_probs=True,
     )
     assert np.asarray(drafts)[0].tolist() == (want + d2t[want]).tolist()
     assert np.asarray(probs).shape == (1, BS - 1, V)

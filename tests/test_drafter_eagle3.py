@@ -22,7 +22,7 @@ from drafter_helpers import (
 from jspec.drafters import Eagle3Drafter, create_kv_cache, load_drafter
 from jspec.drafters.convert import speculators_eagle3_to_original
 from jspec.drafters.eagle3 import draft_probs_to_target
-from jspec.drafters.propose import eagle3_propose
+from jspec.drafters.propose import ProposeInputs, eagle3_propose
 from jspec.kv_cache import AttentionMetadata
 
 AUX = [1, 3, 6]  # canonical; 6 = the last layer's output of the 6-layer target
@@ -101,10 +101,12 @@ def test_propose_loop_matches_stepwise_reference(target, drafter):
     kv = create_kv_cache(cfg, NPAGES, PAGE, jnp.float32)
     meta = AttentionMetadata.for_single_sequence(PAGES, PAGE, 0, T, NPAGES)
     one = lambda x, dt: jnp.asarray([x], dt)  # noqa: E731
+    emb = tparams["embed_tokens"]["embedding"]
     drafts, probs, kv = eagle3_propose(
-        Eagle3Drafter(cfg), params, kv, jnp.asarray(tokens[None]), jnp.asarray(aux[None]), meta,
-        one(T - 1, jnp.int32), tparams["embed_tokens"]["embedding"], one(0, jnp.int32), one(0.0, jnp.float32),
-        one(True, bool), num_tokens=K, with_probs=True,
+        Eagle3Drafter(cfg), params, kv,
+        ProposeInputs(jnp.asarray(tokens[None]), jnp.asarray(aux[None]), meta, one(T - 1, jnp.int32), emb, emb,
+                      one(0, jnp.int32), one(0.0, jnp.float32), one(True, bool)),
+        num_tokens=K, with_probs=True,
     )
     d2t = model.d2t.numpy() if model.d2t is not None else np.zeros(CASES[name][0], np.int64)
     seq_ids, fc_rows, direct, is_direct = list(tokens), list(aux), [np.zeros(64)] * T, [False] * T
@@ -130,10 +132,12 @@ def test_sampled_drafts_are_in_the_draft_vocab(target, drafter):
     cfg, params = load_drafter(folder, tcfg)
     kv = create_kv_cache(cfg, NPAGES, PAGE, jnp.float32)
     meta = AttentionMetadata.for_single_sequence(PAGES, PAGE, 0, T, NPAGES)
+    emb = tparams["embed_tokens"]["embedding"]
     drafts, probs, _ = eagle3_propose(
-        Eagle3Drafter(cfg), params, kv, jnp.asarray(ids[None, 1 : T + 1]), jnp.asarray(aux[None]), meta,
-        jnp.asarray([T - 1]), tparams["embed_tokens"]["embedding"], jnp.asarray([7]), jnp.asarray([1.0]),
-        jnp.asarray([True]), num_tokens=3, with_probs=True,
+        Eagle3Drafter(cfg), params, kv,
+        ProposeInputs(jnp.asarray(ids[None, 1 : T + 1]), jnp.asarray(aux[None]), meta, jnp.asarray([T - 1]), emb, emb,
+                      jnp.asarray([7]), jnp.asarray([1.0]), jnp.asarray([True])),
+        num_tokens=3, with_probs=True,
     )
     p = np.asarray(probs)[0]
     d = np.asarray(drafts)[0]
@@ -172,8 +176,10 @@ def test_batched_jitted_propose_matches_single_rows(target, drafter):
         kv = create_kv_cache(cfg, NPAGES, PAGE, jnp.float32)
         meta = AttentionMetadata.for_single_sequence(PAGES, PAGE, 0, n, NPAGES)
         toks = np.concatenate([ids[1:n], [ids[n]]])
-        d, _, _ = eagle3_propose(drafter_mod, params, kv, jnp.asarray(toks[None]), jnp.asarray(aux[None, :n]), meta,
-                                 jnp.asarray([n - 1]), emb, jnp.asarray([0]), jnp.asarray([0.0]), jnp.asarray([True]),
+        d, _, _ = eagle3_propose(drafter_mod, params, kv,
+                                 ProposeInputs(jnp.asarray(toks[None]), jnp.asarray(aux[None, :n]), meta,
+                                               jnp.asarray([n - 1]), emb, emb, jnp.asarray([0]), jnp.asarray([0.0]),
+                                               jnp.asarray([True])),
                                  num_tokens=K)
         return np.asarray(d)[0].tolist()
 
@@ -188,7 +194,7 @@ def test_batched_jitted_propose_matches_single_rows(target, drafter):
         toks[b, :n] = np.concatenate([ids[1:n], [ids[n]]])
     fn = jax.jit(functools.partial(eagle3_propose, drafter_mod, num_tokens=K))
     kv = create_kv_cache(cfg, NPAGES, PAGE, jnp.float32)
-    d, _, _ = fn(params, kv, jnp.asarray(toks), jnp.asarray(np.stack([aux, aux])), meta,
-                 jnp.asarray([lens[0] - 1, lens[1] - 1]), emb, jnp.asarray([0, 0]), jnp.asarray([0.0, 0.0]),
-                 jnp.asarray([True, True]))
+    d, _, _ = fn(params, kv, ProposeInputs(jnp.asarray(toks), jnp.asarray(np.stack([aux, aux])), meta,
+                                           jnp.asarray([lens[0] - 1, lens[1] - 1]), emb, emb, jnp.asarray([0, 0]),
+                                           jnp.asarray([0.0, 0.0]), jnp.asarray([True, True])))
     assert np.asarray(d).tolist() == [single(lens[0]), single(lens[1])]

@@ -24,7 +24,7 @@ from drafter_helpers import (
 from jspec.checkpoint.safetensors_io import CheckpointError
 from jspec.config import ConfigError
 from jspec.drafters import PEagleDrafter, create_kv_cache, load_drafter
-from jspec.drafters.propose import peagle_propose
+from jspec.drafters.propose import ProposeInputs, peagle_propose
 from jspec.kv_cache import AttentionMetadata
 
 AUX = [1, 2, 4]
@@ -84,9 +84,10 @@ def test_propose_one_forward(setup):
     meta = AttentionMetadata.for_single_sequence(PAGES, PAGE, 0, Q, NPAGES)
     meta = meta.replace(slot_mapping=meta.slot_mapping.at[0, T:].set(NPAGES * PAGE), kv_lens=jnp.asarray([T]))
     kv = create_kv_cache(cfg, NPAGES, PAGE, jnp.float32)
-    drafts, probs, _ = peagle_propose(
-        PEagleDrafter(cfg), params, kv, jnp.asarray(pad_tokens[None]), jnp.asarray(pad_aux[None]), meta,
-        jnp.asarray([T - 1]), None, jnp.asarray([0]), jnp.asarray([0.0]), jnp.asarray([True]),
+    drafts, probs, _ = peagle_propose(  # own embeddings: no target tables
+        PEagleDrafter(cfg), params, kv,
+        ProposeInputs(jnp.asarray(pad_tokens[None]), jnp.asarray(pad_aux[None]), meta, jnp.asarray([T - 1]), None,
+                      None, jnp.asarray([0]), jnp.asarray([0.0]), jnp.asarray([True])),
         num_tokens=K, with_probs=True,
     )
     assert np.asarray(drafts)[0].tolist() == want[T - 1 :].argmax(-1).tolist()

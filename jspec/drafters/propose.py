@@ -37,11 +37,27 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jspec.drafters.dflash import DFlashDrafter
 from jspec.drafters.eagle3 import Eagle3Drafter
 from jspec.kv_cache import AttentionMetadata, KVCache
 from kernels_pallas.sampling_utils import SALT_DRAFT, sample_from_probs
+
+
+@struct.dataclass
+class ProposeInputs:
+    """What every drafter's proposal reads, as one pytree (see the module docstring)."""
+
+    tokens: jax.Array  # i32[B, Q]      pair tokens (DFlash reads the bonus pair's only)
+    aux: jax.Array  # f[B, Q, n*Ht]     target aux states at the pairs' positions
+    meta: AttentionMetadata  # those Q positions in the drafter's cache
+    last_idx: jax.Array  # i32[B]       index along Q of the bonus pair
+    embed: jax.Array  # f[Vt, H]        the target's embeddings
+    lm_head: jax.Array  # f[Vt, H]      the target's lm_head (DFlash without its own head)
+    seeds: jax.Array  # i32[B]
+    temperature: jax.Array  # f32[B]    0: greedy drafts
+    active: jax.Array  # bool[B]        rows that draft (padding rows write nothing)
 
 
 def slots_for(page_table, positions, valid, page_size: int, num_pages: int):
@@ -96,18 +112,16 @@ def eagle3_propose(
     drafter: Eagle3Drafter,  # static (hashable module)
     params,
     kv: KVCache,
-    tokens,  # i32[B, Q]
-    aux,  # f[B, Q, n*Ht]
-    meta: AttentionMetadata,
-    last_idx,  # i32[B]
-    embed_table,  # f[Vt, H] | None (drafters with their own embeddings)
-    seeds,  # i32[B]
-    temperature,  # f32[B]
-    active,  # bool[B]
+    inp: ProposeInputs,
     *,
     num_tokens: int,  # K, static
     with_probs: bool = False,
 ):  # -> (drafts i32[B, K], probs f32[B, K, Vt] | None, KVCache)
+    """The first pass over the accepted pairs, then K - 1 single-token steps feeding back the
+    pre-norm hidden state."""
+    tokens, aux, meta, last_idx, seeds, temperature, active = (
+        inp.tokens, inp.aux, inp.meta, inp.last_idx, inp.seeds, inp.temperature, inp.active)
+    embed_table = None if drafter.cfg.has_own_embeddings else inp.embed
     variables = {"params": params}
     h, kv = drafter.apply(variables, tokens, aux, meta, kv, embed_table, hidden_is_fc_input=True)
     h = _gather_rows(h, last_idx)[:, None]  # [B, 1, H] pre-norm output at the bonus pair
@@ -131,18 +145,15 @@ def peagle_propose(
     drafter: Eagle3Drafter,  # cfg.method == "peagle"
     params,
     kv: KVCache,
-    tokens,  # i32[B, Q]
-    aux,  # f[B, Q, n*Ht]
-    meta: AttentionMetadata,
-    last_idx,  # i32[B]
-    embed_table,  # f[Vt, H] | None
-    seeds,  # i32[B]
-    temperature,  # f32[B]
-    active,  # bool[B]
+    inp: ProposeInputs,
     *,
     num_tokens: int,  # K, static
     with_probs: bool = False,
 ):  # -> (drafts i32[B, K], probs f32[B, K, Vt] | None, KVCache)
+    """One forward over the pairs and K - 1 mask slots appended after them (COD positions)."""
+    tokens, aux, meta, last_idx, seeds, temperature, active = (
+        inp.tokens, inp.aux, inp.meta, inp.last_idx, inp.seeds, inp.temperature, inp.active)
+    embed_table = None if drafter.cfg.has_own_embeddings else inp.embed
     c = drafter.cfg
     B, Q = tokens.shape
     M = num_tokens - 1
@@ -183,16 +194,9 @@ def dflash_propose(
     drafter: DFlashDrafter,
     params,
     kv: KVCache,
-    bonus,  # i32[B]: the bonus token, at position last_pos + 1
-    aux,  # f[B, Q, n*Ht]: aux states at the newly verified positions
-    meta: AttentionMetadata,  # those Q positions (pairs as for EAGLE3; only positions/slots are used)
-    last_idx,  # i32[B]: index along Q of the last accepted position
-    embed_table,  # f[Vt, H]: the target's embeddings
-    target_lm_head,  # f[Vt, H]: the target's lm_head (embeddings when tied); unused with a reduced vocab
-    seeds,  # i32[B]
-    temperature,  # f32[B]
-    active,  # bool[B]
+    inp: ProposeInputs,
     *,
+    num_tokens: int | None = None,  # unused: a block always drafts block_size - 1 (the engine keeps K)
     with_probs: bool = False,
 ):  # -> (drafts i32[B, block_size - 1], probs f32[B, block_size - 1, Vt] | None, KVCache)
     """Context write of the verified positions, then one non-causal block forward.
@@ -200,6 +204,10 @@ def dflash_propose(
     The context rows past last_idx (rejected drafts) are written too: they sit at positions
     >= the block start and the block write that follows overwrites them before any read.
     """
+    aux, meta, last_idx, seeds, temperature, active = (
+        inp.aux, inp.meta, inp.last_idx, inp.seeds, inp.temperature, inp.active)
+    embed_table, target_lm_head = inp.embed, inp.lm_head
+    bonus = _gather_rows(inp.tokens, last_idx)  # i32[B]: the bonus token, at position last_pos + 1
     c = drafter.cfg
     bs = c.block_size
     variables = {"params": params}

@@ -132,6 +132,7 @@ class LLMEngine:
         self.spec = self._spec_config(c.speculative_config, c.model)
         if self.spec is not None:
             from jspec.drafters import load_drafter
+            from jspec.drafters.registry import make_drafter
 
             if preloaded_drafter is not None:
                 self.dcfg, dparams = preloaded_drafter
@@ -144,16 +145,13 @@ class LLMEngine:
                     f"{self.spec.model!r} is a {self.dcfg.method!r} drafter"
                 )
             K = self.spec.num_speculative_tokens or self.dcfg.num_speculative_tokens
-            if self.dcfg.method == "dflash" and K > self.dcfg.block_size - 1:
-                raise ValueError(
-                    f"speculative_config.num_speculative_tokens={K} exceeds the DFlash block's "
-                    f"{self.dcfg.block_size - 1} drafts (block_size={self.dcfg.block_size})"
-                )
+            drafter = make_drafter(self.dcfg)
+            drafter.check_num_tokens(K)
             self.spec = self.spec.resolved(K)
             self.K = K
-            # DFlash writes a whole block (bonus + drafts) past the last token.
-            self.lookahead = self.dcfg.block_size if self.dcfg.method == "dflash" else K
+            self.lookahead = drafter.lookahead(K)
         else:
+            drafter = None
             self.K = 0
             self.lookahead = 0
         pages_per_seq = -(-(self.max_model_len + self.lookahead) // c.page_size)
@@ -165,7 +163,7 @@ class LLMEngine:
             )
         chunk = min(c.max_prefill_chunk, self.max_model_len)
         # EAGLE-style drafters: their KV at p depends on token p + 1 (see BlockManager).
-        eagle_style = self.spec is not None and self.dcfg.method in ("eagle3", "peagle")
+        eagle_style = drafter is not None and drafter.reads_next_token
         sched_cfg = SchedulerConfig(
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens or max(chunk, c.max_num_seqs),

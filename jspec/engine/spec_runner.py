@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec.drafters import DFlashDrafter, Eagle3Drafter
 from jspec.drafters.config import DrafterConfig
-from jspec.drafters.propose import dflash_propose, eagle3_propose, peagle_propose, slots_for
+from jspec.drafters.propose import ProposeInputs, slots_for
+from jspec.drafters.registry import make_drafter
 from jspec.engine.packing import pack
 from jspec.engine.runner import ModelRunner, StepInput, StepShape
 from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -84,8 +84,7 @@ class SpecModelRunner(ModelRunner):
         self.dcfg = dcfg
         self.dparams = dparams
         self.dkv = dkv
-        cls = DFlashDrafter if dcfg.method == "dflash" else Eagle3Drafter
-        self.drafter = cls(dcfg, dtype=dtype, plan=plan.for_drafter())
+        self.drafter = make_drafter(dcfg, dtype=dtype, plan=plan.for_drafter())
         self.aux_layers = tuple(dcfg.aux_layer_ids)
         self.with_probs = spec.draft_sample_method == "probabilistic"
         V = cfg.vocab_size
@@ -132,20 +131,11 @@ class SpecModelRunner(ModelRunner):
         aux = aux.reshape(B, Q, -1)
         draft_temp = b.temperature if self.with_probs else jnp.zeros_like(b.temperature)
         embed = params["embed_tokens"]["embedding"]
-        if self.dcfg.method == "dflash":
-            lm_head = embed if self.cfg.tie_word_embeddings else params["lm_head"]
-            bonus = pairs[jnp.arange(B), last_idx]
-            drafts, probs, dkv = dflash_propose(
-                self.drafter, dparams, dkv, bonus, aux, b.meta, last_idx, embed, lm_head, b.seeds, draft_temp,
-                inp.sample, with_probs=self.with_probs,
-            )
-        else:
-            fn = peagle_propose if self.dcfg.method == "peagle" else eagle3_propose
-            drafts, probs, dkv = fn(
-                self.drafter, dparams, dkv, pairs, aux, b.meta, last_idx,
-                None if self.dcfg.has_own_embeddings else embed, b.seeds, draft_temp, inp.sample,
-                num_tokens=self.K, with_probs=self.with_probs,
-            )
+        lm_head = embed if self.cfg.tie_word_embeddings else params["lm_head"]
+        drafts, probs, dkv = self.drafter.propose(
+            dparams, dkv, ProposeInputs(pairs, aux, b.meta, last_idx, embed, lm_head, b.seeds, draft_temp, inp.sample),
+            num_tokens=self.K, with_probs=self.with_probs,
+        )
         if self.with_probs:
             rows = jnp.where(inp.sample, inp.prob_rows, probs_buf.shape[0])  # padding rows: dropped
             probs_buf = probs_buf.at[rows].set(probs[:, : self.K], mode="drop")  # DFlash may draft > K

@@ -1,0 +1,74 @@
+"""Drafter methods behind one protocol, keyed by method name: what the engine and the runner
+need to know of a drafter without branching on its name.
+
+A ``Drafter`` holds the Flax module (static under jit) and answers:
+  propose(params, kv, inputs: ProposeInputs, *, num_tokens, with_probs)
+      -> (drafts i32[B, >= K], probs f32[B, >= K, Vt] | None, KVCache)   (jspec/drafters/propose.py)
+  lookahead(K)        slots it writes past the step's last verified token (the scheduler
+                      reserves them before the step runs)
+  reads_next_token    its KV at position p is built from the token at p + 1 (EAGLE-style): prefix
+                      hashes must cover the token after a page, and the last hit page is recomputed
+                      so its target hidden states exist
+  check_num_tokens(K) a ValueError naming the limit when K cannot be drafted
+
+Adding a method: a module, a propose function over ProposeInputs, and one registry entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import flax.linen as nn
+
+from jspec.drafters.config import DrafterConfig
+from jspec.drafters.dflash import DFlashDrafter
+from jspec.drafters.eagle3 import Eagle3Drafter
+from jspec.drafters.propose import ProposeInputs, dflash_propose, eagle3_propose, peagle_propose
+from jspec.kv_cache import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    module: nn.Module  # the drafter's Flax module (hashable: a static part of the jitted step)
+    propose_fn: Callable  # (module, params, kv, ProposeInputs, *, num_tokens, with_probs) -> ...
+    reads_next_token: bool
+    block_lookahead: bool  # writes a whole block (bonus + drafts) past the last token, not K - 1 + 1
+    label: str  # the method's name in messages ("DFlash")
+
+    @property
+    def cfg(self) -> DrafterConfig:
+        return self.module.cfg
+
+    def propose(self, params, kv: KVCache, inputs: ProposeInputs, *, num_tokens: int, with_probs: bool):
+        return self.propose_fn(self.module, params, kv, inputs, num_tokens=num_tokens, with_probs=with_probs)
+
+    def lookahead(self, K: int) -> int:
+        # EAGLE3 / PEagle write K - 1 positions past the bonus pair (K counting the bonus
+        # pair's own slot); DFlash writes its block_size positions from the bonus on.
+        return self.cfg.block_size if self.block_lookahead else K
+
+    def check_num_tokens(self, K: int):
+        c = self.cfg
+        if self.block_lookahead and K > c.block_size - 1:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens={K} exceeds the {self.label} block's "
+                f"{c.block_size - 1} drafts (block_size={c.block_size})"
+            )
+
+
+# method -> (module class, propose function, reads the next token, block lookahead, label)
+REGISTRY: dict[str, tuple[type[nn.Module], Callable, bool, bool, str]] = {
+    "eagle3": (Eagle3Drafter, eagle3_propose, True, False, "EAGLE3"),
+    "peagle": (Eagle3Drafter, peagle_propose, True, False, "PEagle"),  # PEagle lives in Eagle3Drafter (mask_hidden)
+    "dflash": (DFlashDrafter, dflash_propose, False, True, "DFlash"),
+}
+
+
+def make_drafter(cfg: DrafterConfig, *, dtype=None, plan=None) -> Drafter:
+    """The Drafter for ``cfg.method``; an unknown method is a ValueError naming the known ones."""
+    if cfg.method not in REGISTRY:
+        raise ValueError(f"drafter method {cfg.method!r} is not supported (known: {sorted(REGISTRY)})")
+    cls, fn, reads_next, block, label = REGISTRY[cfg.method]
+    kw = {k: v for k, v in (("dtype", dtype), ("plan", plan)) if v is not None}
+    return Drafter(cls(cfg, **kw), fn, reads_next, block, label)

@@ -1,0 +1,53 @@
+"""The Drafter registry: what the engine asks of a drafter method without branching on its name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from jspec import family
+from jspec.config import load_model_config
+from jspec.drafters.config import detect_format, drafter_config_from_hf
+from jspec.drafters.loader import _dummy_tensor_names
+from jspec.drafters.registry import REGISTRY, make_drafter
+
+
+def _family_cfg(method: str):
+    target = load_model_config(family.TARGET)
+    with open(os.path.join(family.ROOT, method, "config.json")) as f:
+        d = json.load(f)
+    return drafter_config_from_hf(d, target, _dummy_tensor_names(*detect_format(d)))
+
+
+def test_every_method_of_the_speculative_config_has_a_drafter():
+    from jspec.speculative_config import METHODS
+
+    assert set(REGISTRY) == set(METHODS)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle", "dflash"])
+def test_lookahead_and_page_hashing_follow_the_method(method):
+    cfg = _family_cfg(method)
+    d = make_drafter(cfg)
+    assert d.cfg is cfg and d.module.cfg is cfg
+    # EAGLE-style heads write K - 1 slots past the bonus pair (plus its own); DFlash a block.
+    assert d.lookahead(3) == (cfg.block_size if method == "dflash" else 3)
+    assert d.reads_next_token == (method != "dflash")
+
+
+def test_num_tokens_beyond_a_dflash_block_is_an_error_naming_it():
+    cfg = _family_cfg("dflash")
+    d = make_drafter(cfg)
+    d.check_num_tokens(cfg.block_size - 1)
+    with pytest.raises(ValueError, match=f"num_speculative_tokens={cfg.block_size} exceeds the DFlash block"):
+        d.check_num_tokens(cfg.block_size)
+    make_drafter(_family_cfg("eagle3")).check_num_tokens(64)  # a chain drafts any K
+
+
+def test_unknown_method_is_an_error_naming_the_known_ones():
+    cfg = dataclasses.replace(_family_cfg("eagle3"), method="medusa")
+    with pytest.raises(ValueError, match=r"'medusa' is not supported \(known: \['dflash', 'eagle3', 'peagle'\]\)"):
+        make_drafter(cfg)
