@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import spec_e2e_helpers as h
 
 import jspec
+from tests.helpers import spec_e2e as h
 
 CASES = [("eagle3_orig", 3), ("peagle", 3), ("dflash4", 3), ("dflash8_zlab", 7)]
 MAX_TOKENS = 6

@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from drafter_helpers import ref_dflash, ref_eagle3, rel, speculators_from_folder
 
 from jspec.checkpoint.target import load_target
 from jspec.train import corpus as corpus_mod
 from jspec.train import dflash, eagle3, tokenizer
 from jspec.train import target as tgt
 from jspec.train.pipeline import STAGES
+from tests.helpers.drafters import ref_dflash, ref_eagle3, rel, speculators_from_folder
 
 SEQ, MASK = 64, 5
 CLI = ["--preset", "tiny", "--max-files", "30", "--seq-len", str(SEQ), "--batch-size", "8", "--steps", "100",

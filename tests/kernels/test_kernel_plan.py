@@ -12,7 +12,6 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from test_kernel_lowering import custom_calls, gpu_target, lower  # noqa: F401  (gpu_target: a fixture)
 
 from jspec import envs, ops
 from jspec.config import ModelConfig, RopeConfig
@@ -20,8 +19,9 @@ from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan, plan_kernels
 from kernels_pallas.dispatch import backend_impl, resolve_impl
+from tests.kernels.test_lowering import custom_calls, gpu_target, lower  # noqa: F401  (gpu_target: a fixture)
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LLAMA = ModelConfig(
     family="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
     num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope=RopeConfig(500000.0), tie_word_embeddings=False,

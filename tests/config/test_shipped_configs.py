@@ -10,7 +10,7 @@ import pytest
 
 from jspec.speculative_config import SpeculativeConfig
 
-CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.json")))
+CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "*.json")))
 
 
 def test_there_are_configs_for_each_method():

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import spec_e2e_helpers as h
 import torch
+
+from tests.helpers import spec_e2e as h
 
 PROMPT = [9, 33, 17, 50, 12, 41]
 TRIALS = 10 * h.V

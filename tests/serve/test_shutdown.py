@@ -5,16 +5,13 @@ new work, and exits 0."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import sys
 import threading
 import time
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_helpers import start_server  # noqa: E402
+from tests.helpers.serve import start_server
 
 
 def test_sigterm_drains_in_flight_streams_and_exits_0():

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import spec_e2e_helpers as h
 
 import jspec
+from tests.helpers import spec_e2e as h
 
 # 64 requests decoded together for ~48 steps: the batch shape never changes (2 compilations).
 KW = dict(max_num_seqs=64, max_model_len=192, page_size=64, max_num_batched_tokens=512, num_pages=None)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import torch
-from conftest import hf_checkpoint
 
 from jspec.checkpoint.target import load_target
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.transformer import Transformer
+from tests.helpers.targets import hf_checkpoint
 
 PROMPT_LEN, DECODE_STEPS, PAGE = 40, 8, 8
 

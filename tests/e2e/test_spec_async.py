@@ -10,10 +10,10 @@ their probabilities (the draft-probability buffer carried on the device between 
 from __future__ import annotations
 
 import pytest
-import spec_e2e_helpers as h
-from test_async_scheduling import drive
 
 import jspec
+from tests.engine.test_async_scheduling import drive
+from tests.helpers import spec_e2e as h
 
 CASES = [("eagle3", 3, {"draft_sample_method": "probabilistic"}), ("peagle", 3, {}), ("dflash4", 3, {})]
 KW = dict(max_num_seqs=2, max_model_len=56, num_pages=12)

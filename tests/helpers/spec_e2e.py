@@ -1,4 +1,4 @@
-"""Builders for the end-to-end speculative tests (tests/test_spec_*.py).
+"""Builders for the end-to-end speculative tests (tests/e2e/test_spec_*.py).
 
 One tiny untied Llama target (vocab 64) and drafters of every method and layout, written
 once per session with transformers / speculators ``save_pretrained``:
@@ -36,9 +36,9 @@ import os
 
 import numpy as np
 import torch
-from drafter_helpers import fill_random, set_vocab_map, speculators_config
 
 from jspec.engine.sequence import spec_stats_delta as stats_delta  # noqa: F401 (the tests' h.stats_delta)
+from tests.helpers.drafters import fill_random, set_vocab_map, speculators_config
 
 V, H, HEADS, KVH, HD, L = 64, 64, 4, 2, 16, 4
 AUX = [1, 2, 4]  # canonical target layer ids read by the EAGLE3 / PEagle drafters

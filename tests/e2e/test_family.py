@@ -10,7 +10,13 @@ import os
 
 import numpy as np
 import pytest
-from drafter_helpers import (
+
+import jspec
+from jspec import family
+from jspec.checkpoint.target import load_target
+from jspec.drafters import load_drafter
+from jspec.train import acceptance, corpus, tokenizer
+from tests.helpers.drafters import (
     dflash_block_logits,
     eagle3_first_pass,
     peagle_mask_slot_logits,
@@ -20,12 +26,6 @@ from drafter_helpers import (
     speculators_from_folder,
     target_aux,
 )
-
-import jspec
-from jspec import family
-from jspec.checkpoint.target import load_target
-from jspec.drafters import load_drafter
-from jspec.train import acceptance, corpus, tokenizer
 
 # The issue's bars for greedy mean acceptance length on held-out files (the family measured
 # 2.89 / 2.60 / 2.88 on these prompts, float32, Python 3.11's copies of the held-out files).
@@ -120,10 +120,11 @@ def test_a_method_alone_takes_the_family_drafter_and_is_an_error_elsewhere(tmp_p
 def test_sampled_tokens_follow_the_target_at_temperature_1(method):
     """Per position, the counts of the first two verified tokens over 1024 requests against
     the expectation from transformers' LlamaForCausalLM on the family's target (the chi-squared
-    test of tests/test_spec_distribution.py); the same counts reject the T = 0.7 distribution."""
+    test of tests/e2e/test_spec_distribution.py); the same counts reject the T = 0.7 distribution."""
     import torch
-    from spec_e2e_helpers import chi2_pvalue, sample_trials
     from transformers import LlamaForCausalLM
+
+    from tests.helpers.spec_e2e import chi2_pvalue, sample_trials
 
     tok = tokenizer.load_tokenizer(family.TARGET)
     prompt = tok.encode("import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n").ids

@@ -5,9 +5,9 @@ on every accelerator before it serves)."""
 from __future__ import annotations
 
 import pytest
-import spec_e2e_helpers as h
 
 import jspec
+from tests.helpers import spec_e2e as h
 
 CASES = [("eagle3", 3, {"draft_sample_method": "probabilistic"}), ("peagle", 3, {}), ("dflash8_zlab", 7, {})]
 

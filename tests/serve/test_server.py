@@ -15,11 +15,11 @@ import httpx
 import openai
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))  # load_test
 
 import load_test  # noqa: E402
-from serve_helpers import ENGINE_KWARGS, metric, metric_samples, start_server  # noqa: E402
+
+from tests.helpers.serve import ENGINE_KWARGS, metric, metric_samples, start_server  # noqa: E402
 
 PROMPTS = ["Hello there", "The quick brown fox", "Request 7: alpha bravo"]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]

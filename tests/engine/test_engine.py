@@ -7,9 +7,9 @@ import asyncio
 import numpy as np
 import pytest
 import torch
-from conftest import random_prompt
 
 import jspec
+from tests.helpers.targets import random_prompt
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

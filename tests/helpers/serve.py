@@ -15,7 +15,7 @@ import httpx
 
 from jspec.default_model import default_model_path
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Small engine: few shape buckets to compile on CPU, yet room for real batching.
 # The tiny random model (jspec.default_model), not jspec.LLM's default (the trained family):

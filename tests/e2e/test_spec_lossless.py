@@ -6,7 +6,7 @@ prompts (lengths 1..50) decoded greedily with speculation equals, token for toke
 decoding without speculation (and without prefix caching), under
   - a page pool too small for the running sequences (preemptions must happen), and
   - max_model_len = 56, so long prompts hit the window (the engine drafts fewer tokens there).
-The drafters agree with the target through a planted feature (spec_e2e_helpers docstring),
+The drafters agree with the target through a planted feature (tests/helpers/spec_e2e.py docstring),
 so acceptance lengths vary over 1..K+1; mean acceptance length > 1.3 is asserted so the
 test cannot pass with every draft rejected.
 """
@@ -14,9 +14,9 @@ test cannot pass with every draft rejected.
 from __future__ import annotations
 
 import pytest
-import spec_e2e_helpers as h
 
 import jspec
+from tests.helpers import spec_e2e as h
 
 MAX_TOKENS = 16
 PROMPTS = h.varied_prompts(8, 1, 50, seed=0)

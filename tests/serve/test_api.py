@@ -5,9 +5,9 @@ finish counted as a finished request ("stop") in /metrics, its latency included.
 from __future__ import annotations
 
 import pytest
-from serve_helpers import ENGINE_KWARGS, metric
 
 import jspec
+from tests.helpers.serve import ENGINE_KWARGS, metric
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import random_prompt
-from test_engine import hf_greedy
 
 import jspec
+from tests.engine.test_engine import hf_greedy
+from tests.helpers.targets import random_prompt
 
 KW = dict(max_num_seqs=2, max_model_len=128, page_size=16, num_pages=20, enable_prefix_caching=True)
 

@@ -7,7 +7,13 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from drafter_helpers import (
+
+from jspec.checkpoint.safetensors_io import CheckpointError
+from jspec.config import ConfigError
+from jspec.drafters import PEagleDrafter, create_kv_cache, load_drafter
+from jspec.drafters.propose import peagle_propose
+from jspec.kv_cache import AttentionMetadata
+from tests.helpers.drafters import (
     NPAGES,
     PAGE,
     PAGES,
@@ -20,12 +26,6 @@ from drafter_helpers import (
     speculators_config,
     target_aux,
 )
-
-from jspec.checkpoint.safetensors_io import CheckpointError
-from jspec.config import ConfigError
-from jspec.drafters import PEagleDrafter, create_kv_cache, load_drafter
-from jspec.drafters.propose import peagle_propose
-from jspec.kv_cache import AttentionMetadata
 
 AUX = [1, 2, 4]
 T, K, MASK = 10, 4, 3

@@ -8,7 +8,12 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from drafter_helpers import (
+
+from jspec.drafters import DFlashDrafter, create_kv_cache, load_drafter
+from jspec.drafters.convert import speculators_dflash_to_zlab
+from jspec.drafters.propose import dflash_propose
+from jspec.kv_cache import AttentionMetadata
+from tests.helpers.drafters import (
     NPAGES,
     PAGE,
     PAGES,
@@ -21,11 +26,6 @@ from drafter_helpers import (
     speculators_config,
     target_aux,
 )
-
-from jspec.drafters import DFlashDrafter, create_kv_cache, load_drafter
-from jspec.drafters.convert import speculators_dflash_to_zlab
-from jspec.drafters.propose import dflash_propose
-from jspec.kv_cache import AttentionMetadata
 
 AUX = [1, 3]  # canonical (speculators); z-lab writes [0, 2]
 T, BS, MASK = 10, 4, 3

@@ -5,7 +5,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from drafter_helpers import (
+
+from jspec.drafters import Eagle3Drafter, create_kv_cache, load_drafter
+from jspec.drafters.convert import speculators_eagle3_to_original
+from jspec.drafters.eagle3 import draft_probs_to_target
+from jspec.drafters.propose import eagle3_propose
+from jspec.kv_cache import AttentionMetadata
+from tests.helpers.drafters import (
     NPAGES,
     PAGE,
     PAGES,
@@ -18,12 +24,6 @@ from drafter_helpers import (
     speculators_config,
     target_aux,
 )
-
-from jspec.drafters import Eagle3Drafter, create_kv_cache, load_drafter
-from jspec.drafters.convert import speculators_eagle3_to_original
-from jspec.drafters.eagle3 import draft_probs_to_target
-from jspec.drafters.propose import eagle3_propose
-from jspec.kv_cache import AttentionMetadata
 
 AUX = [1, 3, 6]  # canonical; 6 = the last layer's output of the 6-layer target
 T = 12
