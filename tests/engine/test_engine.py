@@ -6,19 +6,11 @@ import asyncio
 
 import numpy as np
 import pytest
-import torch
 
 import jspec
-from tests.helpers.targets import random_prompt
+from tests.helpers.targets import hf_greedy, random_prompt
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-def hf_greedy(hf, prompt, n):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module")

@@ -63,3 +63,13 @@ def hf_checkpoint(root, kind: str):
 
 def random_prompt(rng: np.random.Generator, n: int, vocab: int = VOCAB) -> list[int]:
     return [int(t) for t in rng.integers(3, vocab, size=n)]
+
+
+def hf_greedy(hf, prompt, n):
+    """transformers' greedy continuation: ``n`` tokens of ``prompt``, EOS ignored."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -19,7 +19,7 @@ from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan, plan_kernels
 from kernels_pallas.dispatch import backend_impl, resolve_impl
-from tests.kernels.test_lowering import custom_calls, gpu_target, lower  # noqa: F401  (gpu_target: a fixture)
+from tests.helpers.lowering import custom_calls, lower
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LLAMA = ModelConfig(
@@ -106,7 +106,7 @@ def _forward_calls(cfg, plan, B, Q, dtype=jnp.bfloat16):
     (LLAMA, 2, 1, ["rope_kv_write", r"paged_attention_gpu_\w+"]),
     (QWEN3, 1, 4, ["rope_kv_write", r"paged_attention_gpu_\w+"]),
 ])
-def test_model_reaches_the_planned_gpu_kernels(cfg, B, Q, expected, gpu_target):  # noqa: F811
+def test_model_reaches_the_planned_gpu_kernels(cfg, B, Q, expected, gpu_target):
     names = _forward_calls(cfg, plan_kernels(cfg, backend="gpu"), B, Q)
     assert len(names) == len(expected) and all(re.fullmatch(e, n) for e, n in zip(expected, names)), names
     assert _forward_calls(cfg, KernelPlan(), B, Q) == []  # the reference plan: XLA only

@@ -8,7 +8,9 @@ or TPU compile, no execution: Mosaic's own passes (layouts, VMEM limits) run onl
 TPU compiles the custom call, so "lowers" is less than "compiles". Shapes are tiny. Most
 cases go through the public entry with the impl name that kernels_pallas.dispatch resolves
 to ("gpu" / "tpu"), so they also pin which kernels each impl reaches; every case checks the
-exact list of custom calls (target and kernel name) in the lowered module.
+exact list of custom calls (target and kernel name) in the lowered module. The chip
+descriptions that let a CPU machine lower for GPU and TPU are the fixtures of
+tests/kernels/conftest.py (gpu_target, tpu_chip).
 
 Kernels (grep -n pallas_call kernels_pallas/*.py):
   paged_attention_gpu.py   main kernel + split-combine kernel       GPU
@@ -22,7 +24,6 @@ Kernels (grep -n pallas_call kernels_pallas/*.py):
 
 from __future__ import annotations
 
-import contextlib
 import re
 
 import jax
@@ -36,113 +37,13 @@ from kernels_pallas.paged_attention_tpu import paged_attention_tpu
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
 from kernels_pallas.rejection_sampling import rejection_sample
 from kernels_pallas.rope_kv_write import rope_kv_write
+from tests.helpers.lowering import MOSAIC, TRITON, custom_calls, lower
 
-TRITON = "__gpu$xla.gpu.triton"
-MOSAIC = "tpu_custom_call"
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 
 
 def sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
-
-
-# ---- chip descriptions for lowering without the hardware -------------------------------
-
-
-@pytest.fixture(params=["v5e", "v6e"])
-def tpu_chip(request):
-    """Make Mosaic TPU lowering work on a CPU-only machine, as the given TPU chip.
-
-    Why private jax modules: Mosaic's lowering rules ask jax for the chip's description
-    (jax._src.pallas.mosaic.tpu_info.get_tpu_info(), e.g. its generation and sublane /
-    lane counts), looked up by the default device's kind, and a CPU device has none. The
-    module keeps `registry` (device kind -> factory of a TpuInfo) for kinds it does not
-    know; registering the CPU device kind there, with the chip's own description from
-    get_tpu_info_for_chip, is the smallest change that lets the lowering run. get_tpu_info
-    caches its answer, so the cache is cleared on the way in and out. (jax 0.11 moved the
-    module to jax._src.tpu_info and left a forwarding shim with the same names.)"""
-    try:
-        from jax._src.pallas.mosaic import tpu_info
-    except ImportError as e:  # pragma: no cover - other jax versions
-        pytest.skip(f"jax {jax.__version__}: cannot import jax._src.pallas.mosaic.tpu_info ({e})")
-    for name in ("registry", "get_tpu_info", "get_tpu_info_for_chip", "ChipVersion"):
-        if not hasattr(tpu_info, name):
-            pytest.skip(f"jax {jax.__version__}: jax._src.pallas.mosaic.tpu_info has no attribute {name!r}")
-    if not hasattr(tpu_info.get_tpu_info, "cache_clear"):
-        pytest.skip(f"jax {jax.__version__}: tpu_info.get_tpu_info has no attribute 'cache_clear'")
-    chip = {"v5e": tpu_info.ChipVersion.TPU_V5E, "v6e": tpu_info.ChipVersion.TPU_V6E}[request.param]
-    kind = jax.devices()[0].device_kind
-    if tpu_info.chip_version_from_device_kind(kind) is not None:  # a real TPU: its own description
-        yield request.param
-        return
-    info = tpu_info.get_tpu_info_for_chip(chip, 1)
-    with _registered(tpu_info.registry, tpu_info.get_tpu_info, kind, info):
-        assert tpu_info.get_tpu_info() is info  # the lowering will see this chip
-        yield request.param
-
-
-@contextlib.contextmanager
-def _registered(registry, getter, kind, info):
-    """``registry[kind]`` answers ``info`` inside the block; ``getter``'s cache is cleared
-    on the way in and out, and the registry left as it was."""
-    saved = registry.get(kind)
-    registry[kind] = lambda: info
-    getter.cache_clear()
-    try:
-        yield
-    finally:
-        if saved is None:
-            registry.pop(kind, None)
-        else:
-            registry[kind] = saved
-        getter.cache_clear()
-
-
-@pytest.fixture
-def gpu_target():
-    """Make the Pallas Triton lowering work on a CPU-only machine.
-
-    jax 0.10 lowers for compute capability 9.0 when it finds no GPU. jax 0.11 asks
-    jax._src.pallas.triton.gpu_info.get_gpu_info() for the default device's description
-    instead, and has none for a CPU device: the same registry trick as tpu_chip registers
-    an H100 (sm_90, the capability of the H100/H200 this project runs on) for the CPU
-    device kind. Private module, hence isolated here; absent on jax 0.10 (nothing to do)."""
-    try:
-        from jax._src.pallas.triton import gpu_info
-    except ImportError:  # jax 0.10: no description needed
-        yield
-        return
-    for name in ("registry", "get_gpu_info", "get_gpu_info_from_version", "GpuVersion"):
-        if not hasattr(gpu_info, name):
-            pytest.skip(f"jax {jax.__version__}: jax._src.pallas.triton.gpu_info has no attribute {name!r}")
-    kind = jax.devices()[0].device_kind
-    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-    with _registered(gpu_info.registry, gpu_info.get_gpu_info, kind, info):
-        yield
-
-
-# ---- reading the lowered module ---------------------------------------------------------
-
-_CALL = re.compile(r"stablehlo\.custom_call @([\w$.]+)\(")
-
-
-def custom_calls(text: str) -> list[tuple[str, str | None]]:
-    """(call target, kernel name) of every custom call, in program order. The Triton call
-    carries its name in the backend config (name = "..."), Mosaic's in kernel_name."""
-    out = []
-    for line in text.splitlines():
-        m = _CALL.search(line)
-        if not m:
-            continue
-        target = m.group(1)
-        key = "kernel_name" if target == MOSAIC else "name"
-        n = re.search(rf'\b{key} = "([^"]*)"', line)
-        out.append((target, n.group(1) if n else None))
-    return out
-
-
-def lower(fn, args, platform: str) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
 def assert_calls(text, expected):
