@@ -34,7 +34,7 @@ Numerics: f32 accumulation, the output rounded to the activation dtype, then bia
 residual added in that dtype, as the reference's XLA ops do. The SwiGLU product is rounded
 op by op like jax.nn.silu(g) * u in bf16. The factored RMSNorm rounds w_norm * x to the
 weight dtype where the reference rounds x / rms and then w_norm * (x / rms): results
-differ by a few ulps of the activation dtype (tests/test_fused_linear.py).
+differ by a few ulps of the activation dtype (tests/kernels/test_fused_linear.py).
 
 Measured on the H200 (2026-11-21, jax 0.11.2, scripts/bench.py --section diag, profiler
 GPU time per layer inside a decode step): qkv + RMSNorm 15.9 us, o + residual 10.8, down +

@@ -11,7 +11,7 @@ Run it whenever jspec/ or kernels_pallas/ change, and commit its docs/gpu_check.
 the change (overwritten each run). Each line passes or fails on its own:
   - speculative greedy == plain greedy on the GPU kernels, every drafter method and layout,
     float32 and bfloat16, prefix caching on and a page pool small enough to preempt (the
-    tiny target of tests/spec_e2e_helpers.py, whose drafters agree with it through a
+    tiny target of tests/helpers/spec_e2e.py, whose drafters agree with it through a
     planted feature, so acceptance is well above 1). float32: every token equal. bfloat16:
     every token equal, or outputs part only at a near-tie (the float32 logits of the two
     tokens within NEAR_TIE_ULPS bfloat16 steps of the top logit), each one reported;
@@ -47,11 +47,11 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for p in (ROOT, HERE, os.path.join(ROOT, "tests")):
+for p in (ROOT, HERE):  # ROOT: jspec and the tests package (tests.helpers)
     if p not in sys.path:
         sys.path.insert(0, p)
 
-# (drafter name in tests/spec_e2e_helpers.py, K, what it covers)
+# (drafter name in tests/helpers/spec_e2e.py, K, what it covers)
 DRAFTERS = [
     ("eagle3", 3, "EAGLE3 speculators, reduced vocabulary (d2t)"),
     ("eagle3_full", 3, "EAGLE3 speculators, full vocabulary"),
@@ -67,9 +67,10 @@ FALLBACK_PROMPT_LEN, FALLBACK_TOKENS = 12, 12
 
 def build(folder: str):
     """Tiny checkpoints and the transformers references (CPU; needs torch + speculators)."""
-    import spec_e2e_helpers as h
     import torch
-    from conftest import build_hf_model
+
+    from tests.helpers import spec_e2e as h
+    from tests.helpers.targets import build_hf_model
 
     os.makedirs(folder, exist_ok=True)
     h._CACHE["root"] = os.path.abspath(folder)
@@ -88,8 +89,8 @@ def build(folder: str):
 
 
 def use_checkpoints(folder: str):
-    """Point tests/spec_e2e_helpers at the prebuilt folders (no torch model is rebuilt)."""
-    import spec_e2e_helpers as h
+    """Point tests/helpers/spec_e2e.py at the prebuilt folders (no torch model is rebuilt)."""
+    from tests.helpers import spec_e2e as h
 
     folder = os.path.abspath(folder)
     h._CACHE["root"] = folder
@@ -132,9 +133,8 @@ def _on_gpu_kernels(eng):
 
 # ---- speculative greedy == plain greedy --------------------------------------------------
 def lossless(name: str, k: int, dtype: str) -> str:
-    import spec_e2e_helpers as h
-
     import jspec
+    from tests.helpers import spec_e2e as h
 
     prompts = h.varied_prompts(8, 1, 50, seed=0)
     # Prompts sharing a 40-token prefix with the longest one: prefix-cache hits.
@@ -175,10 +175,10 @@ def divergence(prompt, got, want, dtype) -> str:
     gap at the dtype's rounding level is a near-tie, not a verification bug). Returns
     (text, the float32 gap, the float32 top logit)."""
     import jax.numpy as jnp
-    import spec_e2e_helpers as h
 
     from jspec.kv_cache import AttentionMetadata, KVCache
     from jspec.models.transformer import Transformer
+    from tests.helpers import spec_e2e as h
 
     j = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
     ids = prompt + want[:j]
@@ -248,9 +248,8 @@ def rejection(method: str, with_probs: bool) -> str:
 
 # ---- warmup and the server --------------------------------------------------------------
 def warmup(name: str, k: int) -> str:
-    import spec_e2e_helpers as h
-
     import jspec
+    from tests.helpers import spec_e2e as h
 
     prompts = h.varied_prompts(4, 1, 40, seed=3)
     sp = jspec.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -279,9 +278,9 @@ def _server_env() -> dict:
 
 def serve(name: str, k: int) -> str:
     import httpx
-    import spec_e2e_helpers as h
 
     import jspec
+    from tests.helpers import spec_e2e as h
 
     folder, _ = h.target()
     port = 8765

@@ -8,9 +8,9 @@ python3 -m pip install -q -e ".[test,serve]"
 python3 -m pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
 python3 -m ruff check jspec kernels_pallas scripts tests  # rules: pyproject.toml [tool.ruff]
 if [ "$#" -gt 0 ]; then exec python3 -m pytest -q "$@"; fi
-# tests/test_train.py in a process of its own: after the rest of the suite in one process,
-# XLA's CPU compiler (jax 0.10.2) segfaulted compiling its speculative step in 4 clean-clone
-# runs of 4 (the persistent compilation cache on or off); alone, or after test_serve.py
+# tests/train/ in a process of its own: after the rest of the suite in one process, XLA's
+# CPU compiler (jax 0.10.2) segfaulted compiling its speculative step in 4 clean-clone runs
+# of 4 (the persistent compilation cache on or off); alone, or after tests/serve/test_server.py
 # only, it passes.
-python3 -m pytest -q --ignore=tests/test_train.py
-exec python3 -m pytest -q tests/test_train.py
+python3 -m pytest -q --ignore=tests/train
+exec python3 -m pytest -q tests/train

@@ -1,70 +1,20 @@
-"""Shared fixtures: tiny HF checkpoints written by transformers' save_pretrained.
-
-Weights are re-drawn with a larger scale than HF's init so logits have clear margins and
-greedy continuations vary (HF's 0.02 init gives near-uniform, repetitive outputs).
-"""
+"""Shared fixtures, for every folder under tests/: the tiny HF checkpoints of
+tests/helpers/targets.py, built once per session."""
 
 from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 
+from tests.helpers.targets import hf_checkpoint
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-VOCAB = 384
-LLAMA3_ROPE = {
-    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
-
-
-def hf_config(kind: str):
-    from transformers import LlamaConfig, Qwen3Config
-
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                  bos_token_id=1, eos_token_id=2)
-    if kind == "llama_tied":  # llama3 rope scaling + tied embeddings
-        return LlamaConfig(**common, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0, tie_word_embeddings=True)
-    if kind == "llama_untied":  # untied, GQA, attention/MLP bias
-        return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=True, mlp_bias=True)
-    if kind == "qwen3":  # q/k norms, head_dim != hidden / heads
-        return Qwen3Config(**{**common, "num_hidden_layers": 3}, head_dim=24, tie_word_embeddings=False)
-    raise KeyError(kind)
-
-
-def build_hf_model(kind: str, seed: int = 0, scale: float = 0.15):
-    import torch
-    from drafter_helpers import fill_random
-    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = hf_config(kind)
-    cls = Qwen3ForCausalLM if kind == "qwen3" else LlamaForCausalLM
-    model = cls(cfg).eval()
-    with torch.no_grad():
-        fill_random(model, scale=scale)
-    return model
 
 
 @pytest.fixture(scope="session")
 def ckpt_root(tmp_path_factory):
     return tmp_path_factory.mktemp("ckpts")
-
-
-_BUILT: dict = {}
-
-
-def hf_checkpoint(root, kind: str):
-    """(folder, torch model) for a tiny checkpoint, built once per session."""
-    if kind not in _BUILT:
-        model = build_hf_model(kind)
-        folder = os.path.join(str(root), kind)
-        model.save_pretrained(folder)
-        _BUILT[kind] = (folder, model)
-    return _BUILT[kind]
 
 
 @pytest.fixture(scope="session", params=["llama_tied", "llama_untied", "qwen3"])
@@ -75,7 +25,3 @@ def target(request, ckpt_root):
 @pytest.fixture(scope="session")
 def llama_ckpt(ckpt_root):
     return hf_checkpoint(ckpt_root, "llama_tied")
-
-
-def random_prompt(rng: np.random.Generator, n: int, vocab: int = VOCAB) -> list[int]:
-    return [int(t) for t in rng.integers(3, vocab, size=n)]

@@ -2,7 +2,7 @@
 tree (from jspec's drafter_param_spec), the target's training signals, the save.
 
 The config dict is what ``speculators``' ``save_pretrained`` writes (the keys of
-tests/drafter_helpers.py ``speculators_config``), with the verifier's path left null:
+tests/helpers/drafters.py ``speculators_config``), with the verifier's path left null:
 the drafter ships next to its target and is paired with it by whoever loads both. It is
 translated by jspec.drafters.config (the one translation), so shapes, aux ids and flags
 are what jspec's loader will read back. The drafter's decoder keeps the target's width,

@@ -1,0 +1,77 @@
+"""LLMEngine.warmup() with a drafter compiles every speculative shape up front, leaves the
+caches untouched, and no request compiles anything afterwards (the server calls warmup
+on every accelerator before it serves)."""
+
+from __future__ import annotations
+
+import pytest
+
+import jspec
+from tests.helpers import spec_e2e as h
+
+CASES = [("eagle3", 3, {"draft_sample_method": "probabilistic"}), ("peagle", 3, {}), ("dflash8_zlab", 7, {})]
+
+
+@pytest.mark.parametrize("name,k,extra", CASES, ids=[c[0] for c in CASES])
+def test_warmup_compiles_every_shape_once(name, k, extra):
+    prompts = h.varied_prompts(5, 1, 40, seed=7)
+    want = h.greedy_reference(prompts, 12)
+    # seed=1: a fresh engine (the helpers cache engines by their arguments).
+    llm = h.llm(name, k, spec_extra=extra, seed=1)
+    eng = llm.engine
+    shapes = eng.warmup_shapes()
+    b = eng.runner.buckets
+    # verification, its chained form (async scheduling) and the prefill buckets
+    assert len(shapes) == len(b.batch) * len(b.pages) * (2 + len(b.prefill_q))
+    assert sum(s.decode for s in shapes) == 2 * len(b.batch) * len(b.pages) and all(
+        s.q == k + 1 for s in shapes if s.decode)
+    eng.warmup()
+    assert eng.runner.num_compilations == len(shapes)
+    outs = llm.generate(prompts, jspec.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want
+    assert eng.spec_metrics.mean_acceptance_length > 1.3  # drafts were verified, not all rejected
+    assert eng.runner.num_compilations == len(shapes)
+
+
+def test_kv_pages_from_memory_count_the_drafter_cache(monkeypatch):
+    """On an accelerator the page pool is sized from free memory; with a drafter each page
+    also holds the drafter's K/V (the server ran out of memory at warmup without this)."""
+    import jax
+    import numpy as np
+
+    class Dev:
+        def memory_stats(self):
+            return {"bytes_limit": 64 << 20, "bytes_in_use": 0}
+
+    folder, _ = h.target()
+    monkeypatch.setattr(jax, "devices", lambda *a: [Dev()])
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    kw = dict(max_num_seqs=2, max_model_len=56, page_size=16, gpu_memory_utilization=0.5,
+              attn_impl="reference", sample_impl="reference", linear_impl="reference")
+    plain = jspec.LLM(folder, **kw).engine
+    spec = jspec.LLM(folder, speculative_config=h.spec_config("dflash4", 3), **kw).engine
+    c = plain.model_cfg
+    page = 2 * c.num_layers * 16 * c.num_kv_heads * c.head_dim * 4  # float32
+    d = spec.dcfg
+    dpage = 2 * d.num_layers * 16 * d.num_kv_heads * d.head_dim * 4
+    budget = 0.5 * (64 << 20)
+    assert plain.num_pages == int(budget // page)
+    assert spec.num_pages == int(budget // (page + dpage)) < plain.num_pages
+    kv_bytes = sum(np.prod(a.shape) * a.dtype.itemsize for a in spec.runner.kv.k + spec.runner.kv.v
+                   + spec.runner.dkv.k + spec.runner.dkv.v)
+    assert kv_bytes <= budget
+
+
+@pytest.mark.parametrize("name,k", [("eagle3", 3), ("peagle", 3), ("dflash4", 3)])
+def test_spec_step_updates_the_caches_in_place(name, k):
+    """The compiled step writes both caches where they lie: no temporary as large as one
+    layer's K or V buffer. (A one-row drafter write was rewritten by XLA into a select over
+    the whole buffer, two cache copies per layer: the server with an EAGLE3 drafter ran out
+    of memory on the H200 with the page pool sized to fill the device.)"""
+    llm = h.llm(name, k, num_pages=1024, attn_impl="reference", linear_impl="reference", sample_impl="reference")
+    r = llm.engine.runner
+    layer_buffer = r.dkv.k[0].nbytes  # 1024 pages x 16 x 2 heads x 16 x 4 bytes = 2 MiB
+    for sh in r.warmup_shapes(1, True):
+        if sh.decode or sh.batch == 1:
+            temp = r.lower_spec(sh).compile().memory_analysis().temp_size_in_bytes
+            assert temp < layer_buffer // 4, (sh, temp, layer_buffer)

@@ -1,0 +1,10 @@
+"""Helpers shared by several test folders (and scripts/gpu_check.py).
+
+- targets: the tiny HF targets behind conftest.py's fixtures, random prompts, greedy
+  references from transformers;
+- drafters: tiny targets, speculators drafters and their PyTorch references (parity tests);
+- spec_e2e: the planted-feature target and drafters of the end-to-end speculative tests;
+- serve: a real ``python -m jspec.serve`` subprocess, /metrics parsing;
+- engine: an engine driven by hand, requests added and aborted at chosen steps;
+- lowering: the custom calls (Pallas kernels) of a function lowered for GPU or TPU.
+"""

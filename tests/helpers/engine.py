@@ -1,0 +1,29 @@
+"""Driving an engine by hand, step by step: requests added and aborted at chosen steps
+(async scheduling, with and without speculation)."""
+
+from __future__ import annotations
+
+
+def drive(llm, script, max_steps=400):
+    """Run the engine by hand: ``script[i]`` (a list of actions) runs before step i.
+    Actions: ("add", rid, prompt, params), or ("abort", rid, k): abort rid before the first
+    step at which it has emitted k tokens or more. Returns {rid: (tokens, finish_reason)}."""
+    eng, done, aborts = llm.engine, {}, {}
+    for i in range(max_steps):
+        for act in script.get(i, ()):
+            if act[0] == "add":
+                eng.add_request(*act[1:])
+            else:
+                aborts[act[1]] = act[2]
+        for rid, k in list(aborts.items()):
+            seq = eng._seqs.get(rid)
+            if seq is not None and len(seq.output_token_ids) >= k:
+                done[rid] = (list(seq.output_token_ids), "abort")
+                eng.abort_request(rid)
+                del aborts[rid]
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = (o.token_ids, o.finish_reason)
+        if i > max(script) and not aborts and not eng.has_unfinished_requests():
+            break
+    return done

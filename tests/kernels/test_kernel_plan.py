@@ -1,0 +1,132 @@
+"""The kernel plan (jspec/ops.py) and the one environment module (jspec/envs.py): how
+"auto" resolves, the JSPEC_KERNEL_IMPL override, the drafter's plan, which kernels a model
+reaches through the plan on GPU (lowered on this CPU machine), and that no other module
+reads the environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jspec import envs, ops
+from jspec.config import ModelConfig, RopeConfig
+from jspec.kv_cache import AttentionMetadata, KVCache
+from jspec.models.transformer import Transformer
+from jspec.ops import KernelPlan, plan_kernels
+from kernels_pallas.dispatch import backend_impl, resolve_impl
+from tests.helpers.lowering import custom_calls, lower
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+LLAMA = ModelConfig(
+    family="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope=RopeConfig(500000.0), tie_word_embeddings=False,
+    attention_bias=False, mlp_bias=False, qk_norm=False, max_position_embeddings=4096,
+)
+QWEN3 = dataclasses.replace(LLAMA, family="qwen3", qk_norm=True, rms_norm_eps=1e-6)
+
+
+def test_auto_resolves_by_backend(monkeypatch):
+    monkeypatch.delenv("JSPEC_KERNEL_IMPL", raising=False)
+    cpu = plan_kernels(LLAMA, backend="cpu")
+    assert cpu == KernelPlan()  # the references: interpret mode is for tests, too slow to serve
+    gpu = plan_kernels(LLAMA, backend="gpu")
+    assert (gpu.attn, gpu.linear, gpu.sample, gpu.norm_handoff) == ("gpu", "gpu", "gpu", True)
+    tpu = plan_kernels(LLAMA, backend="tpu")
+    assert (tpu.attn, tpu.linear, tpu.sample, tpu.norm_handoff) == ("tpu", "tpu", "tpu", False)
+    # an impl named in the config wins; the hand-over needs the GPU projection kernels
+    mixed = plan_kernels(LLAMA, attn_impl="interpret", linear_impl="reference", backend="gpu")
+    assert (mixed.attn, mixed.linear, mixed.sample, mixed.norm_handoff) == ("interpret", "reference", "gpu", False)
+    assert not plan_kernels(dataclasses.replace(LLAMA, mlp_bias=True), backend="gpu").norm_handoff
+    with pytest.raises(ValueError, match="linear_impl='cuda'"):
+        plan_kernels(LLAMA, linear_impl="cuda")
+    # a direct kernel call's "auto" is the kernel for the backend (its body in the
+    # interpreter on CPU), whatever the environment says
+    monkeypatch.setenv("JSPEC_KERNEL_IMPL", "reference")
+    assert resolve_impl("auto") == "interpret" and resolve_impl("tpu_interpret") == "tpu_interpret"
+    assert [backend_impl(b) for b in ("cuda", "rocm", "tpu", "cpu")] == ["gpu", "gpu", "tpu", "interpret"]
+
+
+def test_kernel_impl_override_through_envs(monkeypatch):
+    monkeypatch.delenv("JSPEC_KERNEL_IMPL", raising=False)
+    assert envs.JSPEC_KERNEL_IMPL is None
+    monkeypatch.setenv("JSPEC_KERNEL_IMPL", "auto")
+    assert envs.JSPEC_KERNEL_IMPL is None and plan_kernels(LLAMA, backend="cpu") == KernelPlan()
+    monkeypatch.setenv("JSPEC_KERNEL_IMPL", " Interpret ")
+    assert envs.JSPEC_KERNEL_IMPL == "interpret"
+    plan = plan_kernels(LLAMA, sample_impl="reference", backend="cpu")
+    assert (plan.attn, plan.linear, plan.sample) == ("interpret", "interpret", "reference")
+    monkeypatch.setenv("JSPEC_KERNEL_IMPL", "bogus")
+    with pytest.raises(ValueError, match="JSPEC_KERNEL_IMPL='bogus'"):
+        plan_kernels(LLAMA, backend="cpu")
+    monkeypatch.setenv("JSPEC_CACHE", "/somewhere")
+    assert envs.JSPEC_CACHE == "/somewhere"
+    with pytest.raises(AttributeError):
+        envs.JSPEC_NORM_HANDOFF  # noqa: B018  (removed: the hand-over follows the plan)
+
+
+def test_drafter_plan_keeps_attention_and_runs_projections_on_xla():
+    plan = plan_kernels(LLAMA, backend="gpu")
+    d = plan.for_drafter()
+    assert (d.attn, d.linear, d.sample, d.norm_handoff) == ("gpu", "reference", "gpu", False)
+    hash(d)  # a static module attribute: hashable
+
+
+def _forward_calls(cfg, plan, B, Q, dtype=jnp.bfloat16):
+    """Kernel names in the lowered forward + logits of ``cfg`` under ``plan``, for cuda."""
+    P, S, W = 8, 16, 2
+    kv = KVCache.create(cfg.num_layers, P, S, cfg.num_kv_heads, cfg.head_dim, dtype)
+    meta = AttentionMetadata(jnp.zeros((B, W), jnp.int32), jnp.full((B,), Q, jnp.int32),
+                             jnp.tile(jnp.arange(Q, dtype=jnp.int32), (B, 1)), jnp.zeros((B, Q), jnp.int32),
+                             jnp.ones((B,), bool))
+    tok = jnp.zeros((B, Q), jnp.int32)
+    params = jax.eval_shape(lambda: Transformer(cfg, dtype).init(jax.random.PRNGKey(0), tok, meta, kv))["params"]
+    m = Transformer(cfg, dtype, plan)
+
+    def step(params, tok, meta, kv):
+        h, _, kv = m.apply({"params": params}, tok, meta, kv)
+        return m.apply({"params": params}, h[:, -1], method=Transformer.logits), kv
+
+    return [name for _, name in custom_calls(lower(step, (params, tok, meta, kv), "cuda"))]
+
+
+@pytest.mark.parametrize("cfg,B,Q,expected", [
+    # batch-1 decode, no qk-norm: norm + qkv + RoPE + KV write in one kernel, attention,
+    # o_proj + residual handing the norm over, down_proj + SwiGLU + residual (gate_up: XLA)
+    (LLAMA, 1, 1, [r"qkv_rope_kv_write_p\d+_d\d+_mma", r"paged_attention_gpu_\w+",
+                   r"fused_linear_none_f\d+_d\d+_mma_norm_out", r"fused_linear_silu_mul_f\d+_d\d+_mma"]),
+    # qk-norm: the qkv projection's kernel, then the RoPE + KV-write kernel
+    (QWEN3, 1, 1, [r"fused_linear_rmsnorm_f\d+_d\d+_mma", "rope_kv_write", r"paged_attention_gpu_\w+",
+                   r"fused_linear_none_f\d+_d\d+_mma_norm_out", r"fused_linear_silu_mul_f\d+_d\d+_mma"]),
+    # more rows (batches, verification, prefill): XLA projections around the two kernels
+    (LLAMA, 2, 1, ["rope_kv_write", r"paged_attention_gpu_\w+"]),
+    (QWEN3, 1, 4, ["rope_kv_write", r"paged_attention_gpu_\w+"]),
+])
+def test_model_reaches_the_planned_gpu_kernels(cfg, B, Q, expected, gpu_target):
+    names = _forward_calls(cfg, plan_kernels(cfg, backend="gpu"), B, Q)
+    assert len(names) == len(expected) and all(re.fullmatch(e, n) for e, n in zip(expected, names)), names
+    assert _forward_calls(cfg, KernelPlan(), B, Q) == []  # the reference plan: XLA only
+
+
+def test_environment_is_read_in_envs_only():
+    """jspec/envs.py is the one module that reads os.environ (scripts and tests may set
+    variables for subprocesses)."""
+    readers = [str(p.relative_to(ROOT)) for d in ("jspec", "kernels_pallas") for p in sorted((ROOT / d).rglob("*.py"))
+               if re.search(r"os\.environ|os\.getenv|\bgetenv\(", p.read_text())]
+    assert readers == ["jspec/envs.py"]
+
+
+def test_kernel_choice_lives_in_ops():
+    """Model and engine code passes the plan on; only jspec/ops.py (and kernels_pallas'
+    dispatch) turns names and shapes into a kernel choice."""
+    def offenders(dirs, pattern):
+        return [str(p.relative_to(ROOT)) for d in dirs for p in sorted((ROOT / "jspec" / d).rglob("*.py"))
+                if re.search(pattern, p.read_text())]
+
+    assert offenders(("models", "drafters"), r"impl|kernels_pallas\.dispatch|default_backend") == []
+    assert offenders(("engine",), r"kernels_pallas\.dispatch|resolve_impl|engine_impl") == []
+    assert ops.linear_kernel(KernelPlan(linear="gpu"), 1, (128, 128), fused=True)

@@ -1,0 +1,274 @@
+"""Every Pallas kernel in kernels_pallas/ lowers, on this CPU machine, for the platform it
+is dispatched to: the Triton-backend GPU kernels for "cuda" (Pallas -> Triton IR, carried
+by a `__gpu$xla.gpu.triton` custom call), the Mosaic TPU kernels for "tpu" (a
+`tpu_custom_call`), the latter for two chip descriptions (v5e, v6e).
+
+Only the lowering runs (jax.jit(f).trace(*shapes).lower(lowering_platforms=...)): no PTX
+or TPU compile, no execution: Mosaic's own passes (layouts, VMEM limits) run only when a
+TPU compiles the custom call, so "lowers" is less than "compiles". Shapes are tiny. Most
+cases go through the public entry with the impl name that kernels_pallas.dispatch resolves
+to ("gpu" / "tpu"), so they also pin which kernels each impl reaches; every case checks the
+exact list of custom calls (target and kernel name) in the lowered module. The chip
+descriptions that let a CPU machine lower for GPU and TPU are the fixtures of
+tests/kernels/conftest.py (gpu_target, tpu_chip).
+
+Kernels (grep -n pallas_call kernels_pallas/*.py):
+  paged_attention_gpu.py   main kernel + split-combine kernel       GPU
+  paged_attention_tpu.py   paged attention                          TPU
+  fused_linear.py          batch-1 projection (+ norm / SwiGLU)     GPU
+  rope_kv_write.py         RoPE + paged KV write                    GPU
+  qkv_rope_kv_write.py     RMSNorm + qkv + RoPE + KV write          GPU
+  rejection_blocks.py      stats + residual kernels: GPU ones for impl "gpu",
+                           TPU ones for impl "tpu" (_kernel_rows)
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernels_pallas.fused_linear import fused_linear
+from kernels_pallas.paged_attention import paged_attention
+from kernels_pallas.paged_attention_gpu import paged_attention_gpu
+from kernels_pallas.paged_attention_tpu import paged_attention_tpu
+from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
+from kernels_pallas.rejection_sampling import rejection_sample
+from kernels_pallas.rope_kv_write import rope_kv_write
+from tests.helpers.lowering import MOSAIC, TRITON, custom_calls, lower
+
+BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+
+
+def sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def assert_calls(text, expected):
+    """expected: [(target, kernel-name regex)] in program order, nothing else."""
+    calls = custom_calls(text)
+    assert len(calls) == len(expected), f"custom calls {calls}, expected {expected}"
+    for (target, name), (want_target, want_name) in zip(calls, expected):
+        assert target == want_target, f"custom calls {calls}, expected {expected}"
+        assert name is not None and re.fullmatch(want_name, name), f"custom calls {calls}, expected {expected}"
+
+
+# ---- the cases -------------------------------------------------------------------------
+# Each builder returns (fn, arg shapes, expected calls). fn closes over the static args.
+
+
+def attention_shapes(dtype, *, B=2, Q=3, H=4, KVH=2, D=128, P=6, S=16, W=3, causal=True):
+    shapes = [sds((B, Q, H, D), dtype), sds((P, S, KVH, D), dtype), sds((P, S, KVH, D), dtype),
+              sds((B, W), I32), sds((B,), I32), sds((B, Q), I32)]
+    if causal:
+        shapes.append(sds((B,), jnp.bool_))
+    return shapes
+
+
+def attention_entry(impl, dtype, causal):
+    """The public entry, kv splits at their default (1 for this short context)."""
+    def fn(*a):
+        return paged_attention(*a, sm_scale=0.125, impl=impl)
+    name = r"paged_attention_gpu_r\d+_k\d+_s1" if impl == "gpu" else r"paged_attention_tpu_p\d+_r\d+"
+    return fn, attention_shapes(dtype, causal=causal), [(TRITON if impl == "gpu" else MOSAIC, name)]
+
+
+def attention_gpu_splits(dtype, split_combine):
+    """kv splits > 1: the main kernel, then the combine kernel (or the jnp combine)."""
+    def fn(*a):
+        return paged_attention_gpu(*a, sm_scale=0.125, block_kv=16, kv_splits=2, split_combine=split_combine)
+    calls = [(TRITON, r"paged_attention_gpu_r\d+_k16_s2")]
+    if split_combine == "kernel":
+        calls.append((TRITON, r"paged_attention_combine_s2"))
+    return fn, attention_shapes(dtype, D=64, S=8, W=4), calls
+
+
+def attention_tpu_blocks(dtype):
+    """Several kv steps (pages_per_block < table width) and row blocks (Q * G > block_rows)."""
+    def fn(*a):
+        return paged_attention_tpu(*a, sm_scale=0.125, pages_per_block=2, block_rows=16)
+    return fn, attention_shapes(dtype, Q=8, H=8, KVH=2, W=5), [(MOSAIC, r"paged_attention_tpu_p2_r16")]
+
+
+def linear(prologue, dtype, *, residual=False, bias=False, handoff=False):
+    """fused_linear(impl="gpu") on one row: the kernel with its prologue."""
+    F, K = 64, 128
+    k_in = 2 * K if prologue == "silu_mul" else K
+    shapes = {"x": sds((1, 1, k_in), dtype), "w": sds((F, K), dtype)}
+    if prologue == "rmsnorm":
+        shapes["norm_w"] = sds((K,), dtype)
+    if bias:
+        shapes["bias"] = sds((F,), dtype)
+    if residual:
+        shapes["residual"] = sds((1, 1, F), dtype)
+    if handoff:  # the RMSNorm hand-over: o_proj writes h * w_next and sums of h^2 ...
+        shapes["next_norm_w"] = sds((F,), dtype)
+    names = list(shapes)
+
+    def fn(*a):
+        kw = dict(zip(names, a))
+        return fused_linear(kw.pop("x"), kw.pop("w"), prologue=prologue, eps=1e-5, impl="gpu", **kw)
+    mma = "_mma" if dtype == BF16 else ""  # bf16 weights go through the tensor-core form
+    suffix = "_norm_out" if handoff else ""
+    return fn, list(shapes.values()), [(TRITON, rf"fused_linear_{prologue}_f\d+_d\d+{mma}{suffix}")]
+
+
+def linear_sumsq(dtype):
+    """... and down_proj's kernel scales gate|up by 1 / rms from those sums (silu_mul + sumsq)."""
+    F, K = 64, 128
+
+    def fn(x, w, sumsq, res):
+        return fused_linear(x, w, prologue="silu_mul", sumsq=sumsq, residual=res, impl="gpu")
+    shapes = [sds((1, 1, 2 * K), dtype), sds((F, K), dtype), sds((1, 1, 3), F32), sds((1, 1, F), dtype)]
+    return fn, shapes, [(TRITON, r"fused_linear_silu_mul_f\d+_d\d+_mma")]
+
+
+def rope_write(dtype, qk_norm):
+    M, H, KVH, D, P, S = 2, 4, 2, 64, 4, 8
+
+    def fn(qkv, cos, sin, slots, kp, vp, *norms):
+        return rope_kv_write(qkv, cos, sin, slots, kp, vp, *norms, num_heads=H, impl="gpu")
+    shapes = [sds((M, (H + 2 * KVH) * D), dtype), sds((M, D // 2), F32), sds((M, D // 2), F32), sds((M,), I32),
+              sds((P, S, KVH, D), dtype), sds((P, S, KVH, D), dtype)]
+    if qk_norm:
+        shapes += [sds((D,), dtype), sds((D,), dtype)]
+    return fn, shapes, [(TRITON, r"rope_kv_write")]
+
+
+def qkv_rope_write(dtype, bias):
+    H, KVH, D, K, P, S = 4, 2, 64, 128, 4, 8
+    F = (H + 2 * KVH) * D
+
+    def fn(x, w, norm_w, cos, sin, slots, kp, vp, *b):
+        return qkv_rope_kv_write(x, w, norm_w, b[0] if b else None, cos, sin, slots, kp, vp, num_heads=H, eps=1e-5,
+                                 impl="gpu")
+    shapes = [sds((1, K), dtype), sds((F, K), dtype), sds((K,), dtype), sds((1, D // 2), F32), sds((1, D // 2), F32),
+              sds((1,), I32), sds((P, S, KVH, D), dtype), sds((P, S, KVH, D), dtype)]
+    if bias:
+        shapes.append(sds((F,), dtype))
+    mma = "_mma" if dtype == BF16 else ""  # bf16 weights go through the tensor-core form
+    return fn, shapes, [(TRITON, rf"qkv_rope_kv_write_p\d+_d\d+{mma}")]
+
+
+def rejection(impl, *, V, draft_probs, dtype=F32, bpp=1):
+    """rejection_sample(impl=...): the stats kernel, plus the residual kernel when draft
+    probabilities are given."""
+    B, K = 2, 3
+
+    def fn(logits, drafts, nd, temp, top_k, top_p, seeds, pos, *q):
+        return rejection_sample(logits, drafts, nd, q[0] if q else None, temp, top_k, top_p, seeds, pos,
+                                impl=impl, blocks_per_program=bpp, filtering="on")
+    shapes = [sds((B, K + 1, V), dtype), sds((B, K), I32), sds((B,), I32), sds((B,), F32), sds((B,), I32),
+              sds((B,), F32), sds((B,), I32), sds((B,), I32)]
+    if draft_probs:
+        shapes.append(sds((B, K, V), F32))
+    target = TRITON if impl == "gpu" else MOSAIC
+    calls = [(target, f"rejection_stats_{impl}")]
+    if draft_probs:
+        calls.append((target, f"rejection_resid_{impl}"))
+    return fn, shapes, calls
+
+
+GPU_CASES = {
+    "paged_attention-bf16": lambda: attention_entry("gpu", BF16, causal=False),
+    "paged_attention-f32-causal": lambda: attention_entry("gpu", F32, causal=True),
+    "paged_attention-splits-combine_kernel": lambda: attention_gpu_splits(BF16, "kernel"),
+    "paged_attention-splits-combine_jnp": lambda: attention_gpu_splits(F32, "jnp"),
+    "fused_linear-rmsnorm-bf16": lambda: linear("rmsnorm", BF16, bias=True),
+    "fused_linear-rmsnorm-f32": lambda: linear("rmsnorm", F32),
+    "fused_linear-none-residual-handoff-bf16": lambda: linear("none", BF16, residual=True, handoff=True),
+    "fused_linear-silu_mul-residual-f32": lambda: linear("silu_mul", F32, residual=True),
+    "fused_linear-silu_mul-sumsq-bf16": lambda: linear_sumsq(BF16),
+    "rope_kv_write-bf16": lambda: rope_write(BF16, qk_norm=False),
+    "rope_kv_write-qk_norm-f32": lambda: rope_write(F32, qk_norm=True),
+    "qkv_rope_kv_write-bf16": lambda: qkv_rope_write(BF16, bias=False),
+    "qkv_rope_kv_write-bias-f32": lambda: qkv_rope_write(F32, bias=True),
+    "rejection-stats": lambda: rejection("gpu", V=300, draft_probs=False),
+    "rejection-stats-resid-bf16": lambda: rejection("gpu", V=300, draft_probs=True, dtype=BF16),
+    "rejection-stats-resid-bpp2": lambda: rejection("gpu", V=4100, draft_probs=True, bpp=2),
+}
+
+TPU_CASES = {
+    "paged_attention-bf16": lambda: attention_entry("tpu", BF16, causal=False),
+    "paged_attention-f32-causal": lambda: attention_entry("tpu", F32, causal=True),
+    "paged_attention-kv_steps-row_blocks-bf16": lambda: attention_tpu_blocks(BF16),
+    "rejection-stats": lambda: rejection("tpu", V=300, draft_probs=False),
+    "rejection-stats-resid": lambda: rejection("tpu", V=300, draft_probs=True),
+    "rejection-stats-resid-narrow_vocab-bf16": lambda: rejection("tpu", V=100, draft_probs=True, dtype=BF16),
+}
+
+# Kernels that do not lower for their platform: case name -> the exact error (strict xfail).
+KNOWN_FAILURES: dict[tuple[str, str], str] = {}
+
+
+def _params(cases, platform):
+    out = []
+    for name in cases:
+        reason = KNOWN_FAILURES.get((platform, name))
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+        out.append(pytest.param(name, id=name, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("case", _params(GPU_CASES, "cuda"))
+def test_gpu_kernel_lowers_for_cuda(case, gpu_target):
+    fn, shapes, expected = GPU_CASES[case]()
+    assert_calls(lower(fn, shapes, "cuda"), expected)
+
+
+@pytest.mark.parametrize("case", _params(TPU_CASES, "tpu"))
+def test_tpu_kernel_lowers_for_tpu(case, tpu_chip):
+    fn, shapes, expected = TPU_CASES[case]()
+    assert_calls(lower(fn, shapes, "tpu"), expected)
+
+
+def test_every_pallas_call_is_covered():
+    """A new pallas_call in kernels_pallas/ must get a lowering case here: this counts the
+    pallas_call sites per file, which the cases above were written against."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "kernels_pallas"
+    sites = {}
+    for path in sorted(root.glob("*.py")):
+        src = path.read_text()
+        n_calls = len(re.findall(r"\bpl\.pallas_call\(", src))
+        if n_calls:
+            sites[path.name] = n_calls
+    assert sites == {
+        "fused_linear.py": 1,
+        "paged_attention_gpu.py": 2,
+        "paged_attention_tpu.py": 1,
+        "qkv_rope_kv_write.py": 1,
+        "rejection_blocks.py": 2,  # _gpu_call (stats, resid kernels) and _tpu_call (stats, resid)
+        "rope_kv_write.py": 1,
+    }, "pallas_call sites changed: add lowering cases for the new kernels and update this list"
+
+
+def test_reference_impl_lowers_without_kernels(gpu_target):
+    """Dispatch: impl "reference" lowers to plain XLA for either platform (no custom call)."""
+    fn = lambda *a: paged_attention(*a, sm_scale=0.125, impl="reference")  # noqa: E731
+    shapes = attention_shapes(BF16)
+    assert custom_calls(lower(fn, shapes, "cuda")) == []
+    assert custom_calls(lower(fn, shapes, "tpu")) == []
+
+
+def test_device_tuning_table():
+    """Kernel grids read the chip's SM count from kernels_pallas/tuning.py: listed devices
+    by kind, an unlisted GPU by the count jax reports, anything else the H200's (the
+    device the rules were tuned on; CPU interpret runs see exactly the H200's choices)."""
+    from types import SimpleNamespace as NS
+
+    from kernels_pallas.paged_attention_gpu import default_kv_splits
+    from kernels_pallas.tuning import DEFAULT, device_tuning
+
+    assert device_tuning(NS(device_kind="NVIDIA H200", platform="gpu")).num_sms == 132
+    assert device_tuning(NS(device_kind="NVIDIA H100 PCIe", platform="gpu")).num_sms == 114
+    assert device_tuning(NS(device_kind="Some Future GPU", platform="gpu", core_count=96)).num_sms == 96
+    assert device_tuning(NS(device_kind="Some Future GPU", platform="gpu")) == DEFAULT
+    assert device_tuning(NS(device_kind="cpu", platform="cpu", core_count=2)) == DEFAULT
+    assert device_tuning() == DEFAULT  # this machine's CPU
+    # The H200's choices, pinned: batch 1 and 32 decode at context 512 / 4096 (64-key blocks).
+    assert [default_kv_splits(b, 8, 1, n, 132) for b, n in ((1, 8), (1, 64), (32, 64))] == [8, 64, 2]
+    assert default_kv_splits(1, 8, 1, 64, 114) == 57

@@ -1,0 +1,88 @@
+"""Issue 2: jspec's Flax target == transformers' PyTorch model (float32, CPU)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from jspec.checkpoint.target import load_target
+from jspec.kv_cache import AttentionMetadata, KVCache
+from jspec.models.transformer import Transformer
+from tests.helpers.targets import hf_checkpoint
+
+PROMPT_LEN, DECODE_STEPS, PAGE = 40, 8, 8
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def test_prefill_decode_and_hidden_states_match_transformers(target):
+    kind, folder, hf = target
+    cfg, params = load_target(folder, "float32")
+    L = cfg.num_layers
+    model = Transformer(cfg)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(3, cfg.vocab_size, size=PROMPT_LEN + DECODE_STEPS)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids[None]), output_hidden_states=True)
+    ref_logits = ref.logits[0].numpy()
+    # A scrambled page order: the paged path must not depend on pages being contiguous.
+    num_pages = 16
+    pages = list(np.random.default_rng(2).permutation(num_pages))
+    kv = KVCache.create(L, num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+    aux_ids = tuple(range(L))  # canonical c < L: HF's hidden_states[c]
+    meta = AttentionMetadata.for_single_sequence(pages, PAGE, 0, PROMPT_LEN, num_pages)
+    h, aux, kv = model.apply({"params": params}, jnp.asarray(ids[None, :PROMPT_LEN]), meta, kv, aux_layers=aux_ids)
+    logits = model.apply({"params": params}, h, method=Transformer.logits)[0]
+    assert rel(logits, ref_logits[:PROMPT_LEN]) < 1e-4
+    for j, c in enumerate(aux_ids):
+        assert rel(aux[0, :, j], ref.hidden_states[c][0, :PROMPT_LEN].numpy()) < 1e-4, f"canonical {c}"
+    for step in range(DECODE_STEPS):
+        pos = PROMPT_LEN + step
+        meta = AttentionMetadata.for_single_sequence(pages, PAGE, pos, 1, num_pages)
+        h, aux, kv = model.apply({"params": params}, jnp.asarray(ids[None, pos : pos + 1]), meta, kv, aux_layers=(0, L - 1))
+        logits = model.apply({"params": params}, h, method=Transformer.logits)[0, 0]
+        assert rel(logits, ref_logits[pos]) < 1e-4, f"decode step {step}"
+        assert rel(aux[0, 0, 1], ref.hidden_states[L - 1][0, pos].numpy()) < 1e-4
+
+
+def test_greedy_generate_matches_transformers(target):
+    import jspec
+
+    kind, folder, hf = target
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(3, 384, size=n)] for n in (5, 33)]
+    llm = jspec.LLM(folder, max_num_seqs=2, max_model_len=128, page_size=8)
+    outs = llm.generate(prompts, jspec.SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        assert out.token_ids == ref[0, len(p):].tolist(), kind
+
+
+def test_unsupported_head_dim_falls_back_to_xla(ckpt_root, caplog):
+    """Qwen3's tiny head_dim 24 fits neither the GPU kernels' power-of-2 tiles nor the TPU
+    kernel's 128 lanes: with the kernels asked for (GPU kernel bodies in Pallas'
+    interpreter, as on a GPU) the engine runs the XLA path with one log line, and greedy
+    output still equals transformers'."""
+    import logging
+
+    import jspec
+
+    folder, hf = hf_checkpoint(ckpt_root, "qwen3")
+    prompt = [int(t) for t in np.random.default_rng(4).integers(3, 384, size=12)]
+    with caplog.at_level(logging.WARNING, logger="jspec.kernels"):
+        llm = jspec.LLM(folder, max_num_seqs=1, max_model_len=64, page_size=8, attn_impl="interpret",
+                        linear_impl="interpret")
+        out = llm.generate([prompt], jspec.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    assert out.token_ids == ref[0, len(prompt):].tolist()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("paged_attention: head_dim 24 is not a power of 2" in m for m in msgs), msgs
+    assert any("rope_kv_write: head_dim 24 is not twice a power of 2" in m for m in msgs), msgs

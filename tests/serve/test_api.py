@@ -1,0 +1,101 @@
+"""The request surface vLLM users bring, on the app in-process (starlette's TestClient):
+--api-key, /v1/models/{id}, OpenAI's max_tokens default for completions, and a stop-string
+finish counted as a finished request ("stop") in /metrics, its latency included."""
+
+from __future__ import annotations
+
+import pytest
+
+import jspec
+from tests.helpers.serve import ENGINE_KWARGS, metric
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return jspec.LLM(**ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def client(llm):
+    from starlette.testclient import TestClient
+
+    from jspec.serve.app import create_app
+
+    with TestClient(create_app(llm.engine, "tiny", api_key="s3cret")) as c:
+        yield c
+
+
+AUTH = {"Authorization": "Bearer s3cret"}
+
+
+def test_api_key(client):
+    assert client.get("/health").status_code == 200  # open, as vLLM's
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "s3cret"}):
+        r = client.get("/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+        r = client.post("/v1/completions", headers=headers, json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 401
+    assert client.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == "tiny"
+
+
+def test_model_by_id(client):
+    r = client.get("/v1/models/tiny", headers=AUTH)
+    assert r.status_code == 200 and r.json()["id"] == "tiny" and r.json()["max_model_len"] == 128
+    r = client.get("/v1/models/gpt-17", headers=AUTH)
+    assert r.status_code == 404 and "gpt-17" in r.json()["error"]["message"]
+
+
+def test_completion_max_tokens_defaults_to_16(client):
+    r = client.post("/v1/completions", headers=AUTH, json={"prompt": "Hello", "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+    # a chat completion still runs to the end of the context
+    r = client.post("/v1/chat/completions", headers=AUTH, json={
+        "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "ignore_eos": True})
+    body = r.json()
+    assert body["usage"]["total_tokens"] == 128, body["usage"]
+
+
+def test_stop_string_finish_counts_as_stop(client, llm):
+    out = llm.generate(["The quick brown fox"], jspec.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    text = out[0].text
+    stop = next(text[i:i + 2] for i in range(2, len(text) - 2) if text[i:i + 2].strip() and text[i:i + 2] not in text[:i])
+    m0 = client.get("/metrics").text
+    r = client.post("/v1/completions", headers=AUTH, json={
+        "prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": [stop]})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"] == text[: text.find(stop)]
+    m1 = client.get("/metrics").text
+
+    def d(name, **labels):
+        return metric(m1, name, **labels) - metric(m0, name, **labels)
+
+    assert d("vllm:request_success_total", finished_reason="stop") == 1
+    assert d("vllm:request_success_total", finished_reason="abort") == 0
+    assert d("vllm:e2e_request_latency_seconds_count") == 1
+
+
+def test_usage_reports_the_requests_speculative_counters():
+    """With a drafter, a response's usage carries that request's drafts and acceptance,
+    equal to what jspec.LLM reports for the same greedy request (the embedded family)."""
+    from starlette.testclient import TestClient
+
+    from jspec.serve.app import create_app
+
+    kw = dict(speculative_config={"method": "eagle3"}, dtype="float32", max_model_len=128, max_num_seqs=2)
+    sp = jspec.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = jspec.LLM(**kw).generate(["def add(a, b):\n"], sp)[0].metrics
+    with TestClient(create_app(jspec.LLM(**kw).engine)) as c:
+        r = c.post("/v1/completions", json={"prompt": "def add(a, b):\n", "max_tokens": 24, "temperature": 0,
+                                            "ignore_eos": True})
+    got = r.json()["usage"]["speculative_decoding"]
+    assert got["num_drafts"] > 0 and got == want
+    assert got["mean_acceptance_length"] == 1 + got["num_accepted_tokens"] / got["num_drafts"]
+
+
+def test_api_key_from_vllm_env(monkeypatch):
+    from jspec import envs
+
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    assert envs.VLLM_API_KEY == "k"
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert envs.VLLM_API_KEY is None
