@@ -12,6 +12,8 @@ distribution, while the same seeds without min_p produce tokens below it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import sampling_helpers as sh
@@ -103,3 +105,19 @@ def test_min_p_keeps_only_tokens_near_the_top(name, k):
     without = llm.generate(prompts, [jspec.SamplingParams(seed=s, **kw) for s in seeds])
     assert _min_p_violations(with_min_p, prompts, 0.3, 1.5) == 0
     assert _min_p_violations(without, prompts, 0.3, 1.5) > 0  # the check can fail
+
+
+@pytest.mark.parametrize("name,k", [(None, None), ("eagle3", 3), ("dflash4", 3)], ids=["plain", "eagle3", "dflash4"])
+def test_chained_steps_see_the_tokens_of_the_step_before(name, k):
+    """With async scheduling a step is dispatched before the previous one is read: the
+    history the host sends lacks that step's tokens, which the device appends
+    (runner._multi_step_impl, spec_runner.continue_from). Two requests alone chain."""
+    llm = sh.engine(name, k)
+    eng = llm.engine
+    reqs = [(PROMPTS[0], "penalties"), (PROMPTS[1], "bad_words")]
+    sps = [dataclasses.replace(params(c), max_tokens=24) for _, c in reqs]
+    before = eng.num_chained_calls
+    outs = llm.generate([p for p, _ in reqs], sps)
+    assert eng.num_chained_calls - before >= 3
+    for (p, _), sp, o in zip(reqs, sps, outs):
+        assert o.token_ids == sh.reference_greedy(p, sp)
