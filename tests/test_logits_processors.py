@@ -121,3 +121,15 @@ def test_chained_steps_see_the_tokens_of_the_step_before(name, k):
     assert eng.num_chained_calls - before >= 3
     for (p, _), sp, o in zip(reqs, sps, outs):
         assert o.token_ids == sh.reference_greedy(p, sp)
+
+
+def test_multi_step_decode_updates_the_history_between_its_steps():
+    """num_scheduler_steps = 4: four decode steps per call, each sampled token appended to
+    the history on the device before the next step's processors."""
+    llm = sh.engine(None, None, num_scheduler_steps=4)
+    reqs = [(PROMPTS[0], "penalties"), (PROMPTS[2], "mixed")]
+    sps = [dataclasses.replace(params(c), max_tokens=24) for _, c in reqs]
+    outs = llm.generate([p for p, _ in reqs], sps)
+    assert llm.engine.runner._multi._cache_size() > 0  # the multi-step path ran
+    for (p, _), sp, o in zip(reqs, sps, outs):
+        assert o.token_ids == sh.reference_greedy(p, sp)
