@@ -133,3 +133,21 @@ def test_multi_step_decode_updates_the_history_between_its_steps():
     assert llm.engine.runner._multi._cache_size() > 0  # the multi-step path ran
     for (p, _), sp, o in zip(reqs, sps, outs):
         assert o.token_ids == sh.reference_greedy(p, sp)
+
+
+def test_processors_compile_once_per_shape():
+    """Requests with other processors and values reuse the compiled steps: everything a
+    row asks for is traced data (token lists padded to buckets: here the smallest, 64
+    entries and 4 bad words of up to 4 tokens)."""
+    llm = sh.engine(None, None)
+    eng = llm.engine
+    first = [params(c) for c in ("penalties", "bad_words")]
+    llm.generate(PROMPTS[:2], first)
+    n = eng.runner.num_compilations
+    # Same lengths as before (a batch of one would be another shape, with or without processors).
+    other = [jspec.SamplingParams(temperature=0.5, seed=1, min_p=0.1, max_tokens=MAX, logit_bias={3: 1.0, 4: -1.0},
+                                  allowed_token_ids=list(range(5, 60)), logprobs=2, ignore_eos=True),
+             jspec.SamplingParams(temperature=0, repetition_penalty=2.0, bad_words=["w9 w10 w11 w12"], max_tokens=MAX,
+                                  min_tokens=2, ignore_eos=True)]
+    llm.generate(PROMPTS[1:3], other)
+    assert eng.runner.num_compilations == n

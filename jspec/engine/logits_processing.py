@@ -179,7 +179,9 @@ def build_proc_input(rows: list, B: int, T: int, Q: int, eos_ids, prefill: bool)
     seqs = [r.seq for r in rows]
     ents = [_entries(s, eos_ids) for s in seqs]
     multi = [[w for w in s.bad_words_ids if len(w) > 1] for s in seqs]
-    E = _pow2(max((len(e) for e in ents), default=0), 16)
+    # Smallest buckets large enough for common requests (a few stop ids, biases, a short
+    # whitelist or bad-word list): a longer list compiles its power-of-two bucket once.
+    E = _pow2(max((len(e) for e in ents), default=0), 64)
     NW = _pow2(max((len(m) for m in multi), default=0), 4)
     LW = _pow2(max((len(w) for m in multi for w in m), default=0), 4)
     hist = np.full((B, T), -1, np.int32)
