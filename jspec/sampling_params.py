@@ -18,6 +18,14 @@ import dataclasses
 import math
 
 
+class SamplingParamsError(ValueError):
+    """A bad SamplingParams value; ``param`` names the field (the server's 400 carries it)."""
+
+    def __init__(self, param: str, msg: str):
+        super().__init__(f"SamplingParams: {param} {msg}")
+        self.param = param
+
+
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -53,7 +61,7 @@ class SamplingParams:
 
     def __post_init__(self):
         def bad(field, msg):
-            raise ValueError(f"SamplingParams: {field} {msg}")
+            raise SamplingParamsError(field, msg)
 
         def put(field, value):
             object.__setattr__(self, field, value)
@@ -163,7 +171,7 @@ class SamplingParams:
         vocabulary, logprobs within the engine's ``max_logprobs`` (-1: the vocabulary), a
         tokenizer for ``stop`` and ``bad_words``. Returns bad_words tokenized."""
         def bad(field, msg):
-            raise ValueError(f"SamplingParams: {field} {msg}")
+            raise SamplingParamsError(field, msg)
 
         for field, ids in (("stop_token_ids", self.stop_token_ids), ("allowed_token_ids", self.allowed_token_ids),
                            ("logit_bias", tuple(self.logit_bias or ()))):
@@ -202,7 +210,7 @@ def tokenize_bad_words(tokenizer, words) -> list[list[int]]:
             ids = [int(t) for t in tokenizer.encode((" " if space else "") + word.lstrip(), add_special_tokens=False)]
             if not ids:
                 if not space:
-                    raise ValueError(f"SamplingParams: bad_words entry {word!r} tokenizes to no token")
+                    raise SamplingParamsError("bad_words", f"entry {word!r} tokenizes to no token")
                 continue
             if not space or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
                 out.append(ids)

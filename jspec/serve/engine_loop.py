@@ -34,6 +34,8 @@ class Output:
     finish_reason: str | None
     error: str | None = None
     metrics: dict | None = None  # the request's speculative counters (RequestOutput.metrics)
+    outputs: list | None = None  # RequestOutput.outputs: per sample (n), made for this step alone
+    prompt_logprobs: list | None = None
 
 
 class RequestStream:
@@ -232,7 +234,8 @@ class EngineLoop:
                 st.num_tokens = len(ids)
             n_prompt = len(o.prompt_token_ids) if o.prompt_token_ids is not None else st.num_prompt_tokens
             out = Output(ids, n_prompt, bool(o.finished), o.finish_reason if o.finished else None,
-                         metrics=dict(o.metrics) if o.metrics else None)
+                         metrics=dict(o.metrics) if o.metrics else None, outputs=list(o.outputs),
+                         prompt_logprobs=o.prompt_logprobs)
             if o.finished:
                 del self._reqs[o.request_id]
                 if m is not None:
