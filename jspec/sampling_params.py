@@ -149,6 +149,10 @@ class SamplingParams:
                 bad(field, f"must contain token ids >= 0, got {t!r}")
         return tuple(int(t) for t in ids)
 
+    def __hash__(self):  # logit_bias is a dict (as vLLM's): hashed as its sorted items
+        return hash(tuple((f.name, tuple(sorted(v.items())) if isinstance(v := getattr(self, f.name), dict) else v)
+                          for f in dataclasses.fields(self)))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
