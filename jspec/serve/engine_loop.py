@@ -242,7 +242,7 @@ class EngineLoop:
                     m.success(o.finish_reason)
                     m.e2e.observe(now - st.arrival)
                     m.req_prompt_tokens.observe(n_prompt)
-                    m.req_gen_tokens.observe(len(ids))
+                    m.req_gen_tokens.observe(sum(len(c.token_ids) for c in o.outputs) if o.outputs else len(ids))
             items.append((st.stream, out, False))
         if items:
             self._call(_deliver, items)
