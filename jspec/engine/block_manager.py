@@ -77,8 +77,8 @@ class BlockManager:
         one token is always left to compute, so the step that follows has logits to sample.
         """
         assert not seq.pages
-        if not self.enable_prefix_caching:
-            return 0
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need every prompt position computed (as vLLM)
         tokens = seq.token_ids
         full = (len(tokens) - 1) // self.page_size
         hashes = self._prompt_hashes(tokens, full)

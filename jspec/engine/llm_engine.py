@@ -20,32 +20,17 @@ from jspec.checkpoint.target import load_target, resolve_dtype
 from jspec.config import load_model_config
 from jspec.engine.block_manager import BlockManager
 from jspec.engine.buckets import Buckets
-from jspec.engine.runner import ModelRunner
+from jspec.engine.logprobs import LOGPROBS_MODES, record_logprobs, record_prompt_logprobs
+from jspec.engine.outputs import CompletionOutput, RequestOutput, SampleGroups, make_output  # noqa: F401 (re-exported)
+from jspec.engine.runner import ModelRunner, tokens_of
 from jspec.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jspec.engine.sequence import Sequence, SpecMetrics, Status
+from jspec.engine.stopping import append_tokens
 from jspec.kv_cache import KVCache
 from jspec.ops import plan_kernels
 from jspec.sampling_params import SamplingParams
 
 logger = logging.getLogger("jspec.engine")
-
-@dataclasses.dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # generated so far
-    text: str | None  # None without a tokenizer (filled when finished)
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    metrics: dict
-
-    @property
-    def new_token_ids(self) -> list[int]:  # set by LLMEngine.step for streaming
-        return self._new
-
-    _new: list = dataclasses.field(default_factory=list, repr=False)
-
 
 @dataclasses.dataclass
 class _InFlight:
@@ -94,6 +79,11 @@ class EngineConfig:
     # has its tokens of call n + 1 discarded. With speculation, the next verification step
     # starts from the bonus token and drafts of the one before, on the device.
     async_scheduling: bool = True
+    # Most log-probabilities a request may ask per token (SamplingParams.logprobs /
+    # prompt_logprobs; -1: the whole vocabulary), and which (vLLM's names): "raw_logprobs",
+    # the model's, or "processed_logprobs", those the sampler draws from.
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
 
 
 class LLMEngine:
@@ -129,6 +119,9 @@ class LLMEngine:
             raise ValueError(f"page_size and max_num_seqs must be >= 1 (got {c.page_size}, {c.max_num_seqs})")
         if c.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {c.num_scheduler_steps}")
+        if c.logprobs_mode not in LOGPROBS_MODES or not isinstance(c.max_logprobs, int) or c.max_logprobs < -1:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES} (got {c.logprobs_mode!r}) and "
+                             f"max_logprobs an integer >= -1 (got {c.max_logprobs!r})")
         self.spec = self._spec_config(c.speculative_config, c.model)
         if self.spec is not None:
             from jspec.drafters import load_drafter
@@ -191,6 +184,8 @@ class LLMEngine:
                 mc, params, kv, buckets, dtype=dtype, plan=plan, spec=self.spec, dcfg=self.dcfg,
                 dparams=dparams, dkv=dkv, max_num_seqs=c.max_num_seqs,
             )
+        self.runner.configure_sampling(self.eos_token_ids, c.max_logprobs, c.logprobs_mode)
+        self._groups = SampleGroups()  # requests with n > 1
         self._inflight: _InFlight | None = None
         self._prob_rows: dict[str, int] = {}
         self._rng = np.random.default_rng(c.seed)
@@ -267,14 +262,28 @@ class LLMEngine:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate"
             )
+        params.verify(V, self.tokenizer, self.config.max_logprobs)
         return [int(t) for t in ids]
 
     def add_request(self, request_id: str, prompt, params: SamplingParams, *, prompt_token_ids=None):
-        if request_id in self._seqs:
+        """Queue a request. With ``params.n`` > 1 its samples run as n sequences (seeds
+        seed + i, as vLLM) and ``step`` returns one RequestOutput with n ``outputs``."""
+        if request_id in self._seqs or request_id in self._groups.children:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = prompt_token_ids if prompt_token_ids is not None else self.validate(prompt, params)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be jspec.SamplingParams, got {type(params).__name__}")
+        bad_words = params.verify(self.model_cfg.vocab_size, self.tokenizer, self.config.max_logprobs)
+        if params.n > 1:
+            for i, cid in enumerate(self._groups.add(request_id, params.n)):
+                seed = None if params.seed is None else (params.seed + i) % 2**63
+                self._add(cid, prompt, dataclasses.replace(params, n=1, seed=seed), ids, bad_words)
+            return
+        self._add(request_id, prompt, params, ids, bad_words)
+
+    def _add(self, request_id, prompt, params, ids, bad_words):
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
-        seq = Sequence(request_id, ids, params, seed, self._arrivals)
+        seq = Sequence(request_id, ids, params, seed, self._arrivals, bad_words_ids=bad_words)
         seq.prompt_text = prompt if isinstance(prompt, str) else None
         self.num_prompt_tokens += len(ids)
         self._arrivals += 1
@@ -282,6 +291,8 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str):
+        for cid in self._groups.pop(request_id):
+            self.abort_request(cid)
         seq = self._seqs.pop(request_id, None)
         if seq is not None and seq.status is not Status.FINISHED:
             self.scheduler.finish(seq, "abort")
@@ -302,21 +313,6 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # ---- the step ---------------------------------------------------------------------
-    def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
-        """Append emitted tokens up to the first stop; sets finish_reason when done."""
-        p = seq.params
-        new = []
-        for t in tokens:
-            seq.output_token_ids.append(t)
-            new.append(t)
-            if (not p.ignore_eos and t in self.eos_token_ids) or (p.stop_token_ids and t in p.stop_token_ids):
-                seq.finish_reason = "stop"
-            elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-                seq.finish_reason = "length"
-            if seq.finish_reason:
-                break
-        return new
-
     def _can_grow(self, sched: SchedulerOutput, n: int) -> bool:
         """Every row may emit n more tokens (max_tokens, max_model_len) and has pages for n
         more positions (reserved here; a row that cannot grow that far keeps what it got)."""
@@ -371,11 +367,13 @@ class LLMEngine:
         if f.spec:
             res = self.runner.read_spec(f.tokens, len(f.sched.seqs))
             live = [r.seq.status is Status.RUNNING for r in f.sched.seqs]
-            return [o for r, (toks, n), ok in zip(f.sched.seqs, self._apply_spec(f.sched, res, live), live)
-                    if ok and (o := self._advance(r.seq, toks, n)) is not None]
-        toks = np.asarray(f.tokens)[: len(f.sched.seqs)].tolist()
-        return [o for r, t in zip(f.sched.seqs, toks)
-                if r.seq.status is Status.RUNNING and (o := self._advance(r.seq, t, f.steps)) is not None]
+            return [o for r, (toks, n, lp), ok in zip(f.sched.seqs, self._apply_spec(f.sched, res, live), live)
+                    if ok and (o := self._advance(r.seq, toks, n, lp)) is not None]
+        n = len(f.sched.seqs)
+        toks = np.asarray(tokens_of(f.tokens))[:n].tolist()
+        lps = np.asarray(f.tokens[1])[:n] if isinstance(f.tokens, tuple) else [None] * n
+        return [o for r, t, lp in zip(f.sched.seqs, toks, lps)
+                if r.seq.status is Status.RUNNING and (o := self._advance(r.seq, t, f.steps, lp)) is not None]
 
     def _assign_prob_rows(self, sched):
         """Rows of the runner's draft-probability buffer for the scheduled requests."""
@@ -387,14 +385,16 @@ class LLMEngine:
             if r.seq.request_id not in self._prob_rows:
                 self._prob_rows[r.seq.request_id] = free.pop(0)
 
-    def _apply_spec(self, sched, res, live=None) -> list[tuple[list[int], int]]:
+    def _apply_spec(self, sched, res, live=None) -> list[tuple[list[int], int, np.ndarray | None]]:
         """Per row of a speculative step: record acceptance, set the next drafts, and return
-        (emitted tokens, positions newly computed). Rows not ``live`` are left alone."""
+        (emitted tokens, positions newly computed, their logprob blocks or None). Rows not
+        ``live`` are left alone."""
         out = []
         for i, r in enumerate(sched.seqs):
             seq = r.seq
+            lp = None if res.logprobs is None else res.logprobs[i]
             if live is not None and not live[i]:
-                out.append(([], 0))
+                out.append(([], 0, None))
                 continue
             if sched.kind == "decode":
                 n_emit = int(res.num_emitted[i])
@@ -402,9 +402,9 @@ class LLMEngine:
                 if n_draft:
                     seq.metrics.record(n_draft, n_emit - 1, self.K)
                     self.spec_metrics.record(n_draft, n_emit - 1, self.K)
-                out.append((res.tokens[i, :n_emit].tolist(), n_emit))
+                out.append((res.tokens[i, :n_emit].tolist(), n_emit, lp))
             else:
-                out.append(([int(res.tokens[i, 0])] if r.sample else [], r.num_new))
+                out.append(([int(res.tokens[i, 0])] if r.sample else [], r.num_new, lp))
             seq.draft_token_ids = res.drafts[i, : self._draft_room(seq.num_tokens + len(out[-1][0]))].tolist() \
                 if r.sample else []
         return out
@@ -417,12 +417,17 @@ class LLMEngine:
         room = min(self.max_model_len - num_tokens - 1, self.dcfg.max_position_embeddings - num_tokens)
         return max(0, min(self.K, room))
 
-    def _run(self, sched) -> list[tuple[list[int], int]]:
-        """Execute a plain step; per scheduled row, (emitted tokens, positions newly computed)."""
+    def _run(self, sched) -> list[tuple[list[int], int, np.ndarray | None]]:
+        """Execute a plain step; per scheduled row, (emitted tokens, positions newly computed,
+        their logprob blocks or None)."""
         if self.spec is None:
-            return [(t, r.num_new) for r, t in zip(sched.seqs, self.runner.execute(sched))]
+            toks, lps, plp = self.runner.execute(sched)
+            record_prompt_logprobs(sched.seqs, plp, self.runner.n_top_logprobs, self.tokenizer)
+            return [(t, r.num_new, None if lps is None else lps[i]) for i, (r, t) in enumerate(zip(sched.seqs, toks))]
         self._assign_prob_rows(sched)
-        return self._apply_spec(sched, self.runner.execute_spec(sched, self._prob_rows))
+        res = self.runner.execute_spec(sched, self._prob_rows)
+        record_prompt_logprobs(sched.seqs, res.prompt_logprobs, self.runner.n_top_logprobs, self.tokenizer)
+        return self._apply_spec(sched, res)
 
     def step(self) -> list[RequestOutput]:
         f, self._inflight = self._inflight, None
@@ -435,42 +440,33 @@ class LLMEngine:
                     self._assign_prob_rows(sched)
                     f = _InFlight(sched, 0, self.runner.dispatch_spec(sched, self._prob_rows), True)
                 elif (n := self._decode_steps(sched)) == 0:
-                    return [o for r, (toks, computed) in zip(sched.seqs, self._run(sched))
-                            if (o := self._advance(r.seq, toks, computed)) is not None]
+                    return self._groups.merge([o for r, (toks, computed, lp) in zip(sched.seqs, self._run(sched))
+                                               if (o := self._advance(r.seq, toks, computed, lp)) is not None])
                 else:
                     f = _InFlight(sched, n, self.runner.dispatch_decode(sched, n))
             # The next call goes to the device before this one is read: the host work below
             # (and the caller's, until the next step()) overlaps the device's.
             self._inflight = self._chain(f)
-            return self._collect(f)
+            return self._groups.merge(self._collect(f))
         except BaseException:
             self._inflight = None  # a failed step leaves nothing chained behind it
             raise
 
-    def _advance(self, seq: Sequence, toks: list[int], computed: int) -> RequestOutput | None:
-        """Apply a row's step: positions computed, tokens emitted, finish or commit pages."""
+    def _advance(self, seq: Sequence, toks: list[int], computed: int, lps=None) -> RequestOutput | None:
+        """Apply a row's step: positions computed, tokens emitted (with their logprob blocks
+        i32[len(toks), F] when the step had processors), finish or commit pages."""
         seq.num_computed += computed
-        new = self._append(seq, toks)
+        new = append_tokens(seq, toks, self.eos_token_ids, self.max_model_len, self.tokenizer)
         self.num_generation_tokens += len(new)
+        if seq.params.logprobs is not None and lps is not None:
+            record_logprobs(seq, new, lps, self.runner.n_top_logprobs, self.tokenizer)
         # Pages filled by this step join the prefix cache even when the sequence ends here
         # (a chat's next turn starts with this one's prompt and output).
         self.blocks.commit(seq, seq.num_computed)
         if seq.finish_reason:
             self.scheduler.finish(seq, seq.finish_reason)
             self._seqs.pop(seq.request_id, None)
-        return self._output(seq, new) if new or seq.finish_reason else None
-
-    def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
-        finished = seq.finish_reason is not None
-        text = None
-        if finished and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        out = RequestOutput(
-            seq.request_id, seq.prompt_text, seq.prompt_token_ids,
-            list(seq.output_token_ids), text, finished, seq.finish_reason, seq.metrics.as_dict(),
-        )
-        out._new = new
-        return out
+        return make_output(seq, new, self.tokenizer) if new or seq.finish_reason else None
 
     def stats(self) -> dict:
         return {

@@ -17,6 +17,14 @@ from flax import struct
 
 from jspec.config import ModelConfig
 from jspec.engine.buckets import Buckets, pick
+from jspec.engine.logits_processing import (
+    ProcInput,
+    apply_processors,
+    build_proc_input,
+    extend_history,
+    wants_processing,
+)
+from jspec.engine.logprobs import logprob_info, sampler_logits
 from jspec.engine.packing import pack, unpack
 from jspec.engine.scheduler import SchedulerOutput
 from jspec.kv_cache import AttentionMetadata, KVCache
@@ -35,6 +43,9 @@ class StepInput:
     top_p: jax.Array  # f32[B]
     seeds: jax.Array  # i32[B]      request seed folded to 32 bits
     sample_pos: jax.Array  # i32[B]  position of the token being sampled (RNG key)
+    # Logits processors and logprobs (jspec/engine/logits_processing.py); None when no row of
+    # the step uses them: the step then compiles exactly as without them.
+    proc: ProcInput | None = None
 
 
 class StepShape(NamedTuple):
@@ -52,7 +63,22 @@ def fold_seed(seed: int) -> int:
     return s - (1 << 32) if s >= (1 << 31) else s
 
 
+def tokens_of(out):
+    """The sampled tokens of a step's output (with processors: (tokens, logprob blocks))."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 class ModelRunner:
+    # Set by the engine (configure_sampling): what the processors and logprobs need.
+    eos_token_ids: tuple = ()  # banned by min_tokens
+    n_top_logprobs: int = 20  # top logprobs computed per token (EngineConfig.max_logprobs)
+    logprobs_mode: str = "raw_logprobs"
+
+    def configure_sampling(self, eos_token_ids, max_logprobs: int, logprobs_mode: str):
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
+        self.n_top_logprobs = self.cfg.vocab_size if max_logprobs == -1 else min(max_logprobs, self.cfg.vocab_size)
+        self.logprobs_mode = logprobs_mode
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -95,6 +121,18 @@ class ModelRunner:
         return unpack(ints, floats, self._layouts[layout_id])
 
     # ---- device side ------------------------------------------------------------------
+    def _process(self, logits, inp: StepInput, proc, drafts):
+        """(logits for the sampler, raw logits): the processors applied when ``proc`` is given."""
+        if proc is None:
+            return logits, logits
+        return apply_processors(logits, proc, drafts, inp.temperature), logits
+
+    def _token_logprobs(self, raw, processed, tokens, inp: StepInput):
+        """i32[B, Q, F] logprob blocks (jspec/engine/logprobs.py) of the emitted tokens i32[B, Q]."""
+        src = raw if self.logprobs_mode == "raw_logprobs" else sampler_logits(
+            processed, inp.temperature, inp.top_k, inp.top_p)
+        return logprob_info(src, tokens, self.n_top_logprobs)
+
     def _step_impl(self, params, kv, ints, floats, *, layout, filtering):
         self.num_compilations += 1  # runs at trace time only
         inp: StepInput = self._unpack(ints, floats, layout)
@@ -102,8 +140,9 @@ class ModelRunner:
         B = h.shape[0]
         last = h[jnp.arange(B), jnp.maximum(inp.q_lens - 1, 0)]  # [B, H]
         logits = self.model.apply({"params": params}, last, method=Transformer.logits)  # f32[B, V]
+        logits, raw = self._process(logits[:, None, :], inp, inp.proc, jnp.zeros((B, 0), jnp.int32))
         tokens, _ = rejection_sample(
-            logits[:, None, :],
+            logits,
             jnp.zeros((B, 0), jnp.int32),
             jnp.zeros((B,), jnp.int32),
             None,
@@ -115,7 +154,18 @@ class ModelRunner:
             impl=self.sample_impl,
             filtering=filtering,
         )
-        return kv, tokens[:, 0]
+        if inp.proc is None:
+            return kv, tokens[:, 0]
+        return kv, (tokens[:, 0], self._token_logprobs(raw, logits, tokens, inp)[:, 0],
+                    self._prompt_logprobs(params, h, inp.proc))
+
+    def _prompt_logprobs(self, params, h, proc):
+        """i32[B, P, F] logprob blocks of each query position's next prompt token (P = 0
+        unless a row of this prefill step asks for prompt logprobs): raw, as vLLM's."""
+        if proc.prompt_next.shape[1] == 0:
+            return proc.prompt_next[..., None]
+        logits = self.model.apply({"params": params}, h, method=Transformer.logits)  # f32[B, Q, V]
+        return logprob_info(logits, proc.prompt_next, self.n_top_logprobs)
 
     def _multi_step_impl(self, params, kv, ints, floats, prev, *, layout, steps: int, filtering):
         """``steps`` decode steps in one call, each sampled token fed back on the device.
@@ -134,21 +184,34 @@ class ModelRunner:
         table = inp.meta.page_table
         active = inp.q_lens > 0
         none = (jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32), None)
+        proc = inp.proc
+        hist = None
+        if proc is not None:  # a chained call's history lacks the previous call's tokens
+            chained = active & (inp.tokens[:, 0] < 0)
+            hist = extend_history(proc.hist, proc.n_hist, prev, jnp.where(chained, prev.shape[1], 0))
 
         def body(carry, t):
-            kv, tok = carry
+            kv, tok, hist = carry
             pos = inp.meta.positions[:, 0] + t  # i32[B]
             page = jnp.take_along_axis(table, (pos // ps)[:, None], axis=1)[:, 0]
             slot = jnp.where(active, page * ps + pos % ps, drop)
             meta = AttentionMetadata(table, jnp.where(active, pos + 1, 0), pos[:, None], slot[:, None], inp.meta.causal)
             h, _, kv = self.model.apply({"params": params}, tok[:, None], meta, kv)
             logits = self.model.apply({"params": params}, h[:, 0], method=Transformer.logits)
-            out, _ = rejection_sample(logits[:, None], *none, inp.temperature, inp.top_k, inp.top_p, inp.seeds,
+            p = None if proc is None else proc.replace(hist=hist[0], n_hist=hist[1])
+            logits, raw = self._process(logits[:, None], inp, p, none[0])
+            out, _ = rejection_sample(logits, *none, inp.temperature, inp.top_k, inp.top_p, inp.seeds,
                                       inp.sample_pos + t, impl=self.sample_impl, filtering=filtering)
-            return (kv, out[:, 0]), out[:, 0]
+            if proc is None:
+                return (kv, out[:, 0], hist), out[:, 0]
+            lp = self._token_logprobs(raw, logits, out, inp)[:, 0]
+            hist = extend_history(*hist, out, active.astype(jnp.int32))
+            return (kv, out[:, 0], hist), (out[:, 0], lp)
 
-        (kv, _), toks = jax.lax.scan(body, (kv, first), jnp.arange(steps, dtype=jnp.int32))
-        return kv, toks.T  # i32[B, steps]
+        (kv, _, _), ys = jax.lax.scan(body, (kv, first, hist), jnp.arange(steps, dtype=jnp.int32))
+        if proc is None:
+            return kv, ys.T  # i32[B, steps]
+        return kv, (ys[0].T, ys[1].transpose(1, 0, 2))  # i32[B, steps], i32[B, steps, F]
 
     # ---- host side --------------------------------------------------------------------
     def build_input(self, sched: SchedulerOutput, q_override: int | None = None,
@@ -202,7 +265,10 @@ class ModelRunner:
             page_table=table, kv_lens=kv_lens, positions=positions, slot_mapping=slots,
             causal=np.ones((B,), bool),
         )
-        return StepInput(tokens, meta, q_lens, temp, top_k, top_p, seeds, sample_pos), n
+        proc = None
+        if any(wants_processing(r.seq) for r in rows):
+            proc = build_proc_input(rows, B, W * ps, Q, self.eos_token_ids, prefill=not decode and not advance)
+        return StepInput(tokens, meta, q_lens, temp, top_k, top_p, seeds, sample_pos, proc), n
 
     def _filtering(self, inp) -> str:
         """"on" when some request of the step uses top-k / top-p, else "off"."""
@@ -229,14 +295,19 @@ class ModelRunner:
         """Start ``steps`` fed-back decode steps; i32[B, steps] on the device (rows past the
         scheduled ones are padding). With ``prev`` (the output of a call not yet read) the
         call continues that one: positions start ``steps`` further, tokens from ``prev``."""
+        prev = None if prev is None else tokens_of(prev)
         inp, _ = self.build_input(sched, advance=0 if prev is None else prev.shape[1])
         return self.run(inp, steps, prev)
 
-    def execute(self, sched: SchedulerOutput) -> list[list[int]]:
-        """Run one step; returns, per scheduled sequence, the tokens it emitted ([] if none)."""
+    def execute(self, sched: SchedulerOutput):
+        """Run one step; returns, per scheduled sequence, the tokens it emitted ([] if none),
+        and with processors the logprob blocks i32[n, 1, F] of those tokens and i32[n, P, F]
+        of the prompt tokens after each position (else None, None)."""
         inp, n = self.build_input(sched)
-        sampled = np.asarray(self.run(inp))
-        return [[int(sampled[i])] if sched.seqs[i].sample else [] for i in range(n)]
+        out = self.run(inp)
+        sampled = np.asarray(tokens_of(out))
+        lp, plp = (np.asarray(out[1])[:n, None], np.asarray(out[2])[:n]) if isinstance(out, tuple) else (None, None)
+        return [[int(sampled[i])] if sched.seqs[i].sample else [] for i in range(n)], lp, plp
 
     def warmup_shapes(self, num_scheduler_steps: int = 1, async_scheduling: bool = False) -> list[StepShape]:
         """Every shape the step may compile for: the bounded, known set (steps 0: the plain

@@ -74,6 +74,13 @@ class Sequence:
     num_emitted_reported: int = 0  # tokens already handed out by LLMEngine.step
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)  # proposals for the next step
     metrics: SpecMetrics = dataclasses.field(default_factory=SpecMetrics)
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    detok: object | None = None  # stopping.IncrementalText, for stop strings
+    stop_text: str | None = None  # the text cut at a stop string
+    bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)  # bad_words, tokenized
+    logprobs: list = dataclasses.field(default_factory=list)  # per output token {id: Logprob}, if asked
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: dict = dataclasses.field(default_factory=dict)  # prompt position -> {id: Logprob}
 
     @property
     def token_ids(self) -> list[int]:

@@ -30,6 +30,8 @@ from flax import struct
 from jspec.drafters.config import DrafterConfig
 from jspec.drafters.propose import ProposeInputs, slots_for
 from jspec.drafters.registry import make_drafter
+from jspec.engine.logits_processing import extend_history
+from jspec.engine.logprobs import info_width
 from jspec.engine.packing import pack
 from jspec.engine.runner import ModelRunner, StepInput, StepShape
 from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -57,7 +59,7 @@ def continue_from(inp: SpecInput, prev, K: int, page_size: int, num_pages: int) 
     active = b.q_lens > 0
     n_prev = jnp.where(active, prev[:, K + 1], 0)  # i32[B]
     bonus = jnp.take_along_axis(prev[:, : K + 1], jnp.maximum(n_prev - 1, 0)[:, None], axis=1)  # [B, 1]
-    tokens = jnp.where(active[:, None], jnp.concatenate([bonus, prev[:, K + 2 :]], axis=1), 0)
+    tokens = jnp.where(active[:, None], jnp.concatenate([bonus, prev[:, K + 2 : 2 * K + 2]], axis=1), 0)
     positions = b.meta.positions + n_prev[:, None]
     valid = jnp.arange(tokens.shape[1])[None, :] < b.q_lens[:, None]
     meta = b.meta.replace(
@@ -65,7 +67,11 @@ def continue_from(inp: SpecInput, prev, K: int, page_size: int, num_pages: int) 
         slot_mapping=slots_for(b.meta.page_table, positions, valid, page_size, num_pages),
         kv_lens=jnp.where(active, b.meta.kv_lens + n_prev, 0),
     )
-    return inp.replace(base=b.replace(tokens=tokens, meta=meta, sample_pos=b.sample_pos + n_prev))
+    proc = b.proc
+    if proc is not None:  # the history as the host knew it lacks what prev emitted
+        hist, n_hist = extend_history(proc.hist, proc.n_hist, prev[:, : K + 1], n_prev)
+        proc = proc.replace(hist=hist, n_hist=n_hist)
+    return inp.replace(base=b.replace(tokens=tokens, meta=meta, sample_pos=b.sample_pos + n_prev, proc=proc))
 
 
 @dataclasses.dataclass
@@ -73,6 +79,8 @@ class SpecStepResult:
     tokens: np.ndarray  # i32[n, K+1]  emitted tokens, -1 padded
     num_emitted: np.ndarray  # i32[n]
     drafts: np.ndarray  # i32[n, K]    next proposals
+    logprobs: np.ndarray | None = None  # i32[n, K+1, F] blocks of the emitted tokens (with processors)
+    prompt_logprobs: np.ndarray | None = None  # i32[n, P, F] of each position's next prompt token
 
 
 class SpecModelRunner(ModelRunner):
@@ -111,8 +119,10 @@ class SpecModelRunner(ModelRunner):
         common = (b.temperature, b.top_k, b.top_p, b.seeds, b.sample_pos)
         if decode:
             q = probs_buf[inp.prob_rows] if self.with_probs else None
+            # Position j sees the drafts before it (logits_processing: penalties, bad words...).
+            logits, raw = self._process(lm(h), b, b.proc, b.tokens[:, 1:])
             out, n_emit = rejection_sample(
-                lm(h), b.tokens[:, 1:], inp.num_draft, q, *common,
+                logits, b.tokens[:, 1:], inp.num_draft, q, *common,
                 method=self.spec.rejection_sample_method, synthetic_rates=synthetic_rates,
                 impl=self.sample_impl, filtering=filtering,
             )
@@ -121,8 +131,9 @@ class SpecModelRunner(ModelRunner):
         else:
             last_idx = jnp.maximum(b.q_lens - 1, 0)
             last_h = h[jnp.arange(B), last_idx]
+            logits, raw = self._process(lm(last_h)[:, None], b, b.proc, jnp.zeros((B, 0), jnp.int32))
             out, n_emit = rejection_sample(
-                lm(last_h)[:, None], jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32), None, *common,
+                logits, jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32), None, *common,
                 impl=self.sample_impl, filtering=filtering,
             )
             sampled = out[:, 0]
@@ -140,7 +151,14 @@ class SpecModelRunner(ModelRunner):
             rows = jnp.where(inp.sample, inp.prob_rows, probs_buf.shape[0])  # padding rows: dropped
             probs_buf = probs_buf.at[rows].set(probs[:, : self.K], mode="drop")  # DFlash may draft > K
         # One int32 block [B, (K+1) + 1 + K]: a single device->host read per step.
-        packed = jnp.concatenate([out, n_emit[:, None], drafts[:, : self.K].astype(jnp.int32)], axis=1)
+        # A prefill step emits one token: padded to K + 1 so read_spec finds the drafts.
+        out = jnp.pad(out, ((0, 0), (0, self.K + 1 - out.shape[1])), constant_values=-1)
+        parts = [out, n_emit[:, None], drafts[:, : self.K].astype(jnp.int32)]
+        if b.proc is not None:  # logprob blocks of the emitted tokens ride along: still one read
+            lp = self._token_logprobs(raw, logits, out[:, : logits.shape[1]], b)  # [B, 1 or K+1, F]
+            lp = jnp.pad(lp, ((0, 0), (0, self.K + 1 - lp.shape[1]), (0, 0)))
+            parts += [lp.reshape(B, -1), self._prompt_logprobs(params, h, b.proc).reshape(B, -1)]
+        packed = jnp.concatenate(parts, axis=1)
         return kv, dkv, probs_buf, packed
 
     # ---- host side --------------------------------------------------------------------
@@ -190,7 +208,12 @@ class SpecModelRunner(ModelRunner):
         """Wait for a step's packed output and split its first n rows."""
         packed = np.asarray(packed)[:n]
         K1 = self.K + 1
-        return SpecStepResult(packed[:, :K1], packed[:, K1], packed[:, K1 + 1 :])
+        res = SpecStepResult(packed[:, :K1], packed[:, K1], packed[:, K1 + 1 : 2 * K1])
+        if packed.shape[1] > 2 * K1:  # with processors: logprob blocks, then prompt logprob blocks
+            F = info_width(self.n_top_logprobs)
+            res.logprobs = packed[:, 2 * K1 : 2 * K1 + K1 * F].reshape(n, K1, F)
+            res.prompt_logprobs = packed[:, 2 * K1 + K1 * F :].reshape(n, -1, F)
+        return res
 
     def execute_spec(self, sched: SchedulerOutput, prob_rows: dict) -> SpecStepResult:
         return self.read_spec(self.dispatch_spec(sched, prob_rows), len(sched.seqs))

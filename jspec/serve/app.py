@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -14,11 +12,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jspec.sampling_params import SamplingParams
-from jspec.serve.engine_loop import EngineLoop, RequestStream
+from jspec.sampling_params import SamplingParams, SamplingParamsError
+from jspec.serve.engine_loop import EngineLoop
 from jspec.serve.metrics import Metrics
 from jspec.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_unsupported, parse_request
-from jspec.serve.text import Detokenizer
+from jspec.serve.responses import Ctx, complete_response, stream_response
 
 logger = logging.getLogger("jspec.serve")
 
@@ -239,7 +237,18 @@ def _sampling_params(state: ServerState, req, chat: bool, n_prompt: int) -> Samp
               top_p=1.0 if req.top_p is None else req.top_p,
               top_k=0 if req.top_k is None else req.top_k,
               seed=req.seed, ignore_eos=bool(req.ignore_eos),
-              stop_token_ids=tuple(req.stop_token_ids) if req.stop_token_ids else None)
+              stop_token_ids=tuple(req.stop_token_ids) if req.stop_token_ids else None,
+              stop=req.stop or None, n=1 if req.n is None else req.n, logit_bias=req.logit_bias,
+              **{k: getattr(req, k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                                              "min_p", "min_tokens", "bad_words", "allowed_token_ids",
+                                              "include_stop_str_in_output") if getattr(req, k) is not None})
+    if chat:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        kw["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        kw["logprobs"] = req.logprobs
+        kw["prompt_logprobs"] = req.logprobs if req.echo and req.logprobs is not None else None
     for name, ok, what in (("temperature", kw["temperature"] >= 0, ">= 0"),
                            ("top_p", 0 < kw["top_p"] <= 1, "in (0, 1]"),
                            ("top_k", kw["top_k"] >= -1, "-1, 0 (off) or positive"),
@@ -248,8 +257,8 @@ def _sampling_params(state: ServerState, req, chat: bool, n_prompt: int) -> Samp
             raise APIError(f"'{name}' must be {what}, got {getattr(req, name)}", param=name)
     try:
         return SamplingParams(**kw)
-    except ValueError as e:
-        raise APIError(str(e)) from None
+    except SamplingParamsError as e:
+        raise APIError(str(e), param=_param(e.param, chat)) from None
 
 
 async def _serve(state: ServerState, request: Request, chat: bool):
@@ -266,140 +275,25 @@ async def _serve(state: ServerState, request: Request, chat: bool):
     check_unsupported(req)
     ids = _prompt_ids(state, req, chat)
     params = _sampling_params(state, req, chat, len(ids))
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
         stream = await state.loop.add_request(rid, ids, params, len(ids), arrival)
-    except ValueError as e:
-        raise APIError(str(e), param="messages" if chat else "prompt") from None
-    ctx = _Ctx(state, req, chat, rid, ids, stop)
+    except ValueError as e:  # SamplingParamsError names its field
+        raise APIError(str(e), param=_param(getattr(e, "param", None), chat)) from None
+    prompt_text = None
+    if not chat and getattr(req, "echo", False):
+        p = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) else req.prompt
+        prompt_text = p if isinstance(p, str) else (state.engine.tokenizer.decode(ids) if state.engine.tokenizer else "")
+    ctx = Ctx(state, req, chat, rid, ids, params, prompt_text)
     if req.stream:
-        return _SSEResponse(_stream(ctx, stream), media_type="text/event-stream",
+        return _SSEResponse(stream_response(ctx, stream), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
                             on_close=lambda: None if stream.finished else state.loop.abort(rid))
-    return await _complete(ctx, stream, request)
+    return await complete_response(ctx, stream, request)
 
 
-class _Ctx:
-    def __init__(self, state, req, chat, rid, prompt_ids, stop):
-        self.state, self.req, self.chat, self.rid = state, req, chat, rid
-        self.prompt_ids = prompt_ids
-        self.detok = Detokenizer(state.engine.tokenizer, stop)
-        self.created = int(time.time())
-        self.token_ids: list[int] = []
-        self.spec_metrics: dict | None = None  # the request's speculative counters, when speculating
-
-    def usage(self):
-        n = len(self.token_ids)
-        u = {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n, "total_tokens": len(self.prompt_ids) + n}
-        if self.spec_metrics is not None:
-            # jspec's extension (OpenAI clients keep unknown usage fields): this request's
-            # drafts, accepted tokens, acceptance per draft position and mean acceptance length.
-            u["speculative_decoding"] = self.spec_metrics
-        return u
-
-    def finish_reason(self, out):
-        return "stop" if self.detok.stopped else out.finish_reason
-
-    def chunk(self, choices, usage=None):
-        d = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
-             "created": self.created, "model": self.state.model_name, "choices": choices}
-        if usage is not None:
-            d["usage"] = usage
-        return "data: " + json.dumps(d, ensure_ascii=False) + "\n\n"
-
-    def choice_delta(self, text, finish_reason, role=False, token_ids=None):
-        if self.chat:
-            delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-            c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            c = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        if self.req.return_token_ids and token_ids is not None:
-            c["token_ids"] = token_ids
-        return c
-
-
-async def _next(ctx: _Ctx, stream: RequestStream):
-    """Next output of the request, applying stop strings (abort in the engine when hit)."""
-    out = await stream.get()
-    if out.error:
-        raise APIError(out.error, 500)
-    n_before = len(ctx.token_ids)
-    if out.token_ids or not out.finished:
-        ctx.token_ids = out.token_ids
-    if ctx.state.engine.spec is not None and out.metrics:
-        ctx.spec_metrics = out.metrics  # the engine loop's copy, made on the engine thread
-    delta = ctx.detok.update(ctx.token_ids, out.finished)
-    if ctx.detok.stopped and not out.finished:
-        ctx.state.loop.finish_on_stop_string(ctx.rid)
-        stream.finished = True
-        out.finished = True
-    new_ids = ctx.token_ids[n_before:]
-    return out, delta, new_ids
-
-
-async def _stream(ctx: _Ctx, stream: RequestStream):
-    opts = ctx.req.stream_options
-    include_usage = bool(opts and opts.include_usage)
-    continuous = bool(opts and opts.continuous_usage_stats and include_usage)
-    try:
-        if ctx.chat:
-            yield ctx.chunk([ctx.choice_delta("", None, role=True)])
-        while not stream.finished:
-            try:
-                out, delta, new_ids = await _next(ctx, stream)
-            except APIError as e:
-                yield "data: " + json.dumps(e.body()) + "\n\n"
-                break
-            fr = ctx.finish_reason(out) if stream.finished else None
-            if delta or fr or (ctx.req.return_token_ids and new_ids):
-                yield ctx.chunk([ctx.choice_delta(delta, fr, token_ids=new_ids)],
-                                ctx.usage() if continuous else None)
-        if include_usage:
-            yield ctx.chunk([], ctx.usage())
-        yield "data: [DONE]\n\n"
-    finally:
-        if not stream.finished:  # client went away (or the server is cancelling us)
-            ctx.state.loop.abort(ctx.rid)
-
-
-async def _complete(ctx: _Ctx, stream: RequestStream, request: Request):
-    async def collect():
-        out = None
-        while not stream.finished:
-            out, _, _ = await _next(ctx, stream)
-        return out
-
-    async def disconnected():
-        while True:
-            msg = await request.receive()
-            if msg["type"] == "http.disconnect":
-                return
-
-    task = asyncio.ensure_future(collect())
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            ctx.state.loop.abort(ctx.rid)
-    if task not in done:  # client disconnected; nobody reads the answer
-        return Response(status_code=499)
-    out = task.result()
-    text = ctx.detok.sent
-    fr = ctx.finish_reason(out)
-    if ctx.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": fr}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fr}
-    if ctx.req.return_token_ids:
-        choice["token_ids"] = ctx.token_ids
-    body = {"id": ctx.rid, "object": "chat.completion" if ctx.chat else "text_completion",
-            "created": ctx.created, "model": ctx.state.model_name, "choices": [choice],
-            "usage": ctx.usage()}
-    if ctx.req.return_token_ids:
-        body["prompt_token_ids"] = ctx.prompt_ids
-    return JSONResponse(body)
+def _param(field: str | None, chat: bool) -> str:
+    """The request field behind a SamplingParams field (chat's logprobs count is top_logprobs)."""
+    if field is None:
+        return "messages" if chat else "prompt"
+    return "top_logprobs" if chat and field == "logprobs" else field

@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps per device call (tokens fed back on the device)")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="read each decode call before dispatching the next (default: dispatch first)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="most log-probabilities a request may ask per token (-1: the vocabulary)")
+    p.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
+                   help="logprobs of the model's logits, or of those the sampler draws from")
     # server behaviour
     # uvicorn's default (5 s) closes idle keep-alive connections so soon that a loaded
     # client reusing a pooled connection races the close and sees a connection error.
@@ -64,7 +68,8 @@ def engine_kwargs(args) -> dict:
               page_size=args.page_size, num_pages=args.num_pages,
               gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-              num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling)
+              num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
+              max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode)
     if args.speculative_config is not None:
         kw["speculative_config"] = args.speculative_config
     return kw

@@ -34,6 +34,8 @@ class Output:
     finish_reason: str | None
     error: str | None = None
     metrics: dict | None = None  # the request's speculative counters (RequestOutput.metrics)
+    outputs: list | None = None  # RequestOutput.outputs: per sample (n), made for this step alone
+    prompt_logprobs: list | None = None
 
 
 class RequestStream:
@@ -232,14 +234,15 @@ class EngineLoop:
                 st.num_tokens = len(ids)
             n_prompt = len(o.prompt_token_ids) if o.prompt_token_ids is not None else st.num_prompt_tokens
             out = Output(ids, n_prompt, bool(o.finished), o.finish_reason if o.finished else None,
-                         metrics=dict(o.metrics) if o.metrics else None)
+                         metrics=dict(o.metrics) if o.metrics else None, outputs=list(o.outputs),
+                         prompt_logprobs=o.prompt_logprobs)
             if o.finished:
                 del self._reqs[o.request_id]
                 if m is not None:
                     m.success(o.finish_reason)
                     m.e2e.observe(now - st.arrival)
                     m.req_prompt_tokens.observe(n_prompt)
-                    m.req_gen_tokens.observe(len(ids))
+                    m.req_gen_tokens.observe(sum(len(c.token_ids) for c in o.outputs) if o.outputs else len(ids))
             items.append((st.stream, out, False))
         if items:
             self._call(_deliver, items)

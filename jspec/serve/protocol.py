@@ -8,9 +8,12 @@ Validation policy (documented for clients):
 * Unknown top-level fields are *ignored* (and logged), as vLLM does: the OpenAI API grows new
   optional fields all the time and clients send them; refusing them would break clients for
   no safety gain.
-* Known fields whose non-default values we do not implement (``n > 1``, ``logprobs``,
-  ``echo``, ``suffix``, ``best_of``, penalties, ``logit_bias``, tools, ``response_format``)
-  are rejected with 400 rather than silently ignored: ignoring them would change results.
+* Known fields whose non-default values we do not implement (``suffix``, ``best_of``,
+  tools, ``response_format``) are rejected with 400 rather than silently ignored: ignoring
+  them would change results. The sampling fields (``n``, penalties, ``logit_bias``,
+  ``logprobs`` / ``top_logprobs``, ``echo``, and vLLM's extensions ``repetition_penalty``,
+  ``min_p``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``,
+  ``include_stop_str_in_output``) map to jspec.SamplingParams, whose checks give the 400s.
 """
 
 from __future__ import annotations
@@ -75,6 +78,13 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool | None = False  # vLLM extension: token ids in the response
+    # vLLM extensions (SamplingParams' fields of the same names)
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -143,28 +153,12 @@ def check_unsupported(req: _Strict) -> None:
     def bad(param, what):
         raise APIError(f"'{param}' is not supported by this server ({what})", param=param,
                        code="unsupported_parameter")
-    if req.n not in (None, 1):
-        bad("n", "only n=1")
-    if req.presence_penalty not in (None, 0, 0.0):
-        bad("presence_penalty", "only 0")
-    if req.frequency_penalty not in (None, 0, 0.0):
-        bad("frequency_penalty", "only 0")
-    if req.logit_bias:
-        bad("logit_bias", "not implemented")
     if isinstance(req, CompletionRequest):
-        if req.logprobs is not None:
-            bad("logprobs", "log-probabilities are not returned")
-        if req.echo:
-            bad("echo", "not implemented")
         if req.suffix:
             bad("suffix", "not implemented")
         if req.best_of not in (None, 1):
             bad("best_of", "only 1")
     else:
-        if req.logprobs:
-            bad("logprobs", "log-probabilities are not returned")
-        if req.top_logprobs is not None:
-            bad("top_logprobs", "log-probabilities are not returned")
         if req.tools:
             bad("tools", "tool calling is not implemented")
         if req.response_format and req.response_format.get("type") not in (None, "text"):

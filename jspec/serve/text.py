@@ -13,10 +13,12 @@ class Detokenizer:
     (Full re-decode is O(n) per step; fine for the lengths served here.)
     """
 
-    def __init__(self, tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer, stop: list[str] | None = None, hold: int | None = None):
+        """``hold``: characters held back (default: for ``stop``). The server passes no
+        ``stop`` (the engine stops on them, and cuts the final text) but holds back for them."""
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.hold = max((len(s) for s in self.stop), default=1) - 1 if hold is None else hold
         self.sent = ""
         self.stopped = False
         self.text = ""
@@ -26,10 +28,11 @@ class Detokenizer:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def update(self, token_ids, finished: bool) -> str:
+    def update(self, token_ids, finished: bool, final_text: str | None = None) -> str:
+        """The new text; ``final_text``: the whole text when finished, as the engine cut it."""
         if self.stopped:
             return ""
-        full = self.decode(token_ids)
+        full = final_text if final_text is not None else self.decode(token_ids)
         if self.stop:
             cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
             if cut >= 0:

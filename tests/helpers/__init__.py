@@ -6,5 +6,6 @@
 - spec_e2e: the planted-feature target and drafters of the end-to-end speculative tests;
 - serve: a real ``python -m jspec.serve`` subprocess, /metrics parsing;
 - engine: an engine driven by hand, requests added and aborted at chosen steps;
-- lowering: the custom calls (Pallas kernels) of a function lowered for GPU or TPU.
+- lowering: the custom calls (Pallas kernels) of a function lowered for GPU or TPU;
+- sampling: reference loops that apply the logits processors to transformers' logits.
 """

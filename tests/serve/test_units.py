@@ -66,5 +66,6 @@ def test_wrong_types_are_400_with_the_field_named():
     assert req.temperature == 0.0 and ignored == ["foo"]  # ints are fine for floats; unknown ignored
     req, _ = parse_request(b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]}',
                            ChatCompletionRequest)
-    with pytest.raises(APIError, match="'n'"):
-        check_unsupported(parse_request(b'{"prompt": "x", "n": 3}', CompletionRequest)[0])
+    with pytest.raises(APIError, match="'best_of'"):
+        check_unsupported(parse_request(b'{"prompt": "x", "best_of": 3}', CompletionRequest)[0])
+    check_unsupported(parse_request(b'{"prompt": "x", "n": 3, "logprobs": 2, "echo": true}', CompletionRequest)[0])
