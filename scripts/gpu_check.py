@@ -169,6 +169,32 @@ def lossless(name: str, k: int, dtype: str) -> str:
             f"{len(prompts) - len(bad)} of {len(prompts)} outputs equal" + "".join(f"; {t}" for t in ties))
 
 
+def processors(name: str, k: int) -> str:
+    """Penalties, logit_bias and logprobs (issue 26) on the GPU kernels: speculative greedy ==
+    plain greedy token for token, and the emitted tokens' logprobs equal (float32)."""
+    import jspec
+    from tests.helpers import spec_e2e as h
+
+    prompts = h.varied_prompts(6, 4, 40, seed=3)
+    sp = jspec.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=0.05,
+                              frequency_penalty=0.02, repetition_penalty=1.02, logit_bias={5: 1.5, 9: -2.0},
+                              logprobs=2)
+    want = h.llm(None, dtype="float32").generate(prompts, sp)
+    llm = h.llm(name, k, dtype="float32")
+    _on_gpu_kernels(llm.engine)
+    before = llm.engine.stats()
+    got = llm.generate(prompts, sp)
+    d = h.stats_delta(before, llm.engine.stats())
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g.token_ids != w.token_ids]
+    assert not bad, f"prompts {bad} differ"
+    err = max(abs(gl[t].logprob - wl[t].logprob) for g, w in zip(got, want)
+              for t, gl, wl in zip(g.token_ids, g.outputs[0].logprobs, w.outputs[0].logprobs))
+    assert err < 1e-3, f"logprobs differ by up to {err}"
+    assert d["mean_acceptance_length"] > 1.2, d
+    return (f"mean acceptance length {d['mean_acceptance_length']:.2f}; {len(prompts)} of {len(prompts)} outputs "
+            f"equal; emitted logprobs within {err:.1e}")
+
+
 def divergence(prompt, got, want, dtype) -> str:
     """Where a speculative output leaves the plain one, and the target's logit gap between
     the two tokens there, from one single-sequence forward in ``dtype`` and in float32 (a
@@ -438,6 +464,9 @@ def main():
     for name, k, what in DRAFTERS:
         for dtype in ("float32", "bfloat16"):
             rep.check(f"spec greedy == plain greedy: {what}, K={k}, {dtype}", lambda name=name, k=k, dtype=dtype: lossless(name, k, dtype))
+    for name, k in (("eagle3", 3), ("dflash4", 3)):
+        rep.check(f"penalties, logit_bias, logprobs: spec greedy == plain greedy: {name}, K={k}, float32",
+                  lambda name=name, k=k: processors(name, k))
     rep.check("head_dim 24 runs on the XLA path == transformers", lambda: fallback(refs))
     for method, probs, what in (("standard", False, "greedy + sampled rows, no draft probs"),
                                 ("standard", True, "probabilistic, with draft probs"),
