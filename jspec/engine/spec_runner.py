@@ -133,7 +133,7 @@ class SpecModelRunner(ModelRunner):
         draft_temp = b.temperature if self.with_probs else jnp.zeros_like(b.temperature)
         embed = params["embed_tokens"]["embedding"]
         if self.dcfg.method == "dflash":
-            lm_head = embed if self.cfg.tie_word_embeddings else params["lm_head"]
+            lm_head = self.model.apply({"params": params}, method=Transformer.lm_head_weight)
             bonus = pairs[jnp.arange(B), last_idx]
             drafts, probs, dkv = dflash_propose(
                 self.drafter, dparams, dkv, bonus, aux, b.meta, last_idx, embed, lm_head, b.seeds, draft_temp,
