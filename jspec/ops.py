@@ -54,6 +54,12 @@ class KernelPlan:
     # One-row o_proj hands the post-attention RMSNorm to down_proj (linear_then_norm):
     # set by plan_kernels where both projections of the model take the kernel.
     norm_handoff: bool = False
+    # Projection weights held [in, out] (plan_params transposes HF's [out, in] once, at
+    # load; the modules declare them so through weight_shape). Set by plan_kernels on CPU:
+    # XLA:CPU runs a dot of more than one row through YNNPACK, which transposes an [out, in]
+    # right operand on every call. In a K=7 DFlash verification step of the family that
+    # transpose took 44% of the CPU cycles and the dot itself 15% (perf, 2-vCPU EPYC).
+    in_out_weights: bool = False
 
     def for_drafter(self) -> KernelPlan:
         """The plan drafters run with: the same attention, projections on XLA. The glue
@@ -73,7 +79,8 @@ def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str 
     handoff = (linear in GPU_IMPLS and not cfg.mlp_bias  # a gate_up bias would be scaled by 1 / rms too
                and _linear_kernel_takes((cfg.hidden_size, cfg.q_size))
                and _linear_kernel_takes((cfg.hidden_size, cfg.intermediate_size)))
-    return KernelPlan(attn=attn, linear=linear, sample=sample, norm_handoff=handoff)
+    in_out = backend == "cpu" and linear not in GPU_IMPLS  # the GPU kernels read [out, in] weights
+    return KernelPlan(attn=attn, linear=linear, sample=sample, norm_handoff=handoff, in_out_weights=in_out)
 
 
 def _resolve(impl: str, name: str, backend: str) -> str:
@@ -83,6 +90,26 @@ def _resolve(impl: str, name: str, backend: str) -> str:
     if override is not None:
         return check_impl(override, "JSPEC_KERNEL_IMPL")
     return "reference" if backend == "cpu" else backend_impl(backend)
+
+
+# ---- weight layout ---------------------------------------------------------------------
+def weight_shape(plan: KernelPlan, out_features: int, in_features: int) -> tuple[int, int]:
+    """The shape a projection weight (Linear, an lm_head) is held in under ``plan``."""
+    return (in_features, out_features) if plan.in_out_weights else (out_features, in_features)
+
+
+def plan_params(plan: KernelPlan, params):
+    """A loaded parameter tree (HF [out, in] projection weights) in the plan's layout: with
+    in_out_weights every projection weight transposed. Projection weights are the 2-D leaves
+    named ``weight`` (Linear) and ``lm_head``; embedding tables (``embedding``,
+    ``embed_tokens``) stay [vocab, hidden], as the gathers read them."""
+    if not plan.in_out_weights:
+        return params
+
+    def relayout(path, x):
+        return x.T if x.ndim == 2 and path[-1].key in ("weight", "lm_head") else x
+
+    return jax.tree_util.tree_map_with_path(relayout, params)
 
 
 # ---- RMSNorm travelling into the next projection ---------------------------------------
@@ -130,21 +157,29 @@ def _rows(x) -> int:
     return math.prod(x.shape[:-1])
 
 
-def _project(plan, x, w, b, *, prologue="none", norm_w=None, eps=1e-6, residual=None, out_dtype=None, sumsq=None):
+def _project(plan, x, w, b, *, prologue="none", norm_w=None, eps=1e-6, residual=None, out_dtype=None, sumsq=None,
+             out_in=False):
+    # An [in, out] weight goes to the reference as is: a transpose back to [out, in] (or of
+    # an [out, in] table to [in, out]) made XLA:CPU copy the lm_head into a loop fusion at
+    # one row, 9 ms per decode step of the family.
+    in_out = plan.in_out_weights and not out_in
     fused = prologue != "none" or residual is not None
-    impl = plan.linear if linear_kernel(plan, _rows(x), w.shape, fused=fused) else "reference"
+    kernel = not in_out and linear_kernel(plan, _rows(x), w.shape, fused=fused)
     return _fl.fused_linear(x, w, prologue=prologue, norm_w=norm_w, eps=eps, bias=b, residual=residual,
-                            out_dtype=out_dtype, sumsq=sumsq, impl=impl)
+                            out_dtype=out_dtype, sumsq=sumsq, impl=plan.linear if kernel else "reference",
+                            w_in_out=in_out)
 
 
 # ---- the ops ---------------------------------------------------------------------------
-def linear(plan: KernelPlan, x, w, b=None, *, residual=None, out_dtype=None):
-    """[residual +] x @ w.T [+ b]. x: f[..., K] or Normed; w: [F, K] (HF layout); b: [F];
-    residual: [..., F]; out_dtype: None (w.dtype) or float32 (logits). -> [..., F]"""
+def linear(plan: KernelPlan, x, w, b=None, *, residual=None, out_dtype=None, out_in=False):
+    """[residual +] x @ w.T [+ b]. x: f[..., K] or Normed; w: [F, K] (HF layout; [K, F] with
+    plan.in_out_weights, as every weight the ops take, unless ``out_in``: an embedding table
+    read as a tied lm_head); b: [F]; residual: [..., F]; out_dtype: None (w.dtype) or
+    float32 (logits). -> [..., F]"""
     if isinstance(x, Normed):
         return _project(plan, x.x, w, b, prologue="rmsnorm", norm_w=x.weight, eps=x.eps, residual=residual,
-                        out_dtype=out_dtype)
-    return _project(plan, x, w, b, residual=residual, out_dtype=out_dtype)
+                        out_dtype=out_dtype, out_in=out_in)
+    return _project(plan, x, w, b, residual=residual, out_dtype=out_dtype, out_in=out_in)
 
 
 def linear_then_norm(plan: KernelPlan, x, w, b=None, *, residual, norm_w, eps) -> Normed:

@@ -74,10 +74,11 @@ def silu_mul(gu):
 
 
 def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, residual=None, out_dtype=None,
-                     sumsq=None, next_norm_w=None):
+                     sumsq=None, next_norm_w=None, w_in_out=False):
     """The jnp reference (and the path for large M, TPU and CPU): XLA ops, unfused.
 
-    x: [..., K] ([..., 2K] for silu_mul); w: [F, K]; norm_w: [K]; bias: [F];
+    x: [..., K] ([..., 2K] for silu_mul); w: [F, K] ([K, F] with w_in_out: the CPU layout,
+    jspec.ops.KernelPlan.in_out_weights); norm_w: [K]; bias: [F];
     residual: [..., F]; out_dtype: None (w.dtype) or float32 (logits). -> [..., F]
     The RMSNorm hand-over between two projections (jspec.ops.linear_then_norm):
     - next_norm_w [F]: also return the next RMSNorm's input scaled by its weight, un-normalised,
@@ -91,10 +92,11 @@ def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None,
         x = rms_norm(x, norm_w, eps)
     elif prologue == "silu_mul":
         if sumsq is not None:
-            r = lax.rsqrt(jnp.sum(sumsq, axis=-1, keepdims=True) / w.shape[0] + eps)
+            r = lax.rsqrt(jnp.sum(sumsq, axis=-1, keepdims=True) / w.shape[1 if w_in_out else 0] + eps)
             x = (x.astype(jnp.float32) * r).astype(x.dtype)
         x = silu_mul(x)
-    y = jnp.einsum("...d,fd->...f", x.astype(w.dtype), w, preferred_element_type=out_dtype)
+    y = jnp.einsum("...d,df->...f" if w_in_out else "...d,fd->...f", x.astype(w.dtype), w,
+                   preferred_element_type=out_dtype)
     if bias is not None:
         y = y + bias
     if residual is not None:
@@ -105,12 +107,12 @@ def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None,
     return y, (yf * next_norm_w.astype(jnp.float32)).astype(y.dtype), jnp.sum(yf * yf, axis=-1, keepdims=True)
 
 
-def validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq=None, next_norm_w=None):
+def validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq=None, next_norm_w=None, w_in_out=False):
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
     if w.ndim != 2:
         raise ValueError(f"weight must be [out_features, in_features], got shape {w.shape}")
-    F, K = w.shape
+    F, K = w.shape[::-1] if w_in_out else w.shape
     k_in = 2 * K if prologue == "silu_mul" else K
     if x.shape[-1] != k_in:
         raise ValueError(f"x has {x.shape[-1]} features, the weight [{F}, {K}] with prologue {prologue!r} needs {k_in}")
@@ -315,16 +317,18 @@ def supports(rows: int, w_shape) -> bool:
 
 
 def fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, residual=None, out_dtype=None,
-                 impl="reference", sumsq=None, next_norm_w=None):
+                 impl="reference", sumsq=None, next_norm_w=None, w_in_out=False):
     """Public entry: impl "reference" runs ref_fused_linear (XLA), "gpu" / "interpret" the
     kernel, which takes what ``supports`` says. With next_norm_w -> (y, y * next_norm_w,
-    f32[..., n] partial sums of y^2)."""
-    validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq, next_norm_w)
+    f32[..., n] partial sums of y^2). w_in_out ([K, F] weights): the reference only."""
+    validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq, next_norm_w, w_in_out)
     if impl == "reference":
         return ref_fused_linear(x, w, prologue=prologue, norm_w=norm_w, eps=eps, bias=bias, residual=residual,
-                                out_dtype=out_dtype, sumsq=sumsq, next_norm_w=next_norm_w)
+                                out_dtype=out_dtype, sumsq=sumsq, next_norm_w=next_norm_w, w_in_out=w_in_out)
     if impl not in ("gpu", "interpret"):
         raise ValueError(f"fused_linear: impl must be 'reference', 'gpu' or 'interpret', got {impl!r}")
+    if w_in_out:
+        raise ValueError("fused_linear: the kernel reads [out_features, in_features] weights (w_in_out=False)")
     rows = math.prod(x.shape[:-1])
     if not supports(rows, w.shape):
         raise ValueError(f"fused_linear: the kernel takes one row and a weight its tiles divide, got {rows} rows "

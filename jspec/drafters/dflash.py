@@ -21,7 +21,8 @@ v = v_proj(same), q = q_norm(q_proj(norm(block))), RoPE over the concatenated po
 Parameter tree: fc/weight [H, n*Ht]; hidden_norm/weight [H]; layers_i/{input_layernorm,
 post_attention_layernorm}/weight; layers_i/attn/{q_proj [Hq*D, H], kv_proj [2*Hkv*D, H],
 o_proj, q_norm, k_norm}; layers_i/mlp/{gate_up_proj, down_proj}; norm/weight;
-lm_head [Vd, H] + d2t i32[Vd] (reduced vocab only).
+lm_head [Vd, H] + d2t i32[Vd] (reduced vocab only). Projection weights (``weight``,
+``lm_head``) are [in, out] under the CPU plan (ops.weight_shape).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import linen as nn
 
+from jspec import ops
 from jspec.drafters.config import DrafterConfig
 from jspec.drafters.eagle3 import draft_probs_to_target, draft_to_target_ids, embed
 from jspec.drafters.layers import DFlashLayer
@@ -47,12 +49,13 @@ class DFlashDrafter(nn.Module):
         if c.method != "dflash":
             raise ValueError(f"DFlashDrafter serves dflash drafters, got method={c.method!r}")
         lc = c.layer_config()
-        self.fc = Linear(c.hidden_size, c.fc_in_features, False, self.dtype)
+        self.fc = Linear(c.hidden_size, c.fc_in_features, False, self.dtype, self.plan)
         self.hidden_norm = RMSNorm(c.rms_norm_eps, self.dtype)
         self.layers = [DFlashLayer(lc, self.dtype, self.plan, name=f"layers_{i}") for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.uses_target_lm_head:
-            self.lm_head = self.param("lm_head", nn.initializers.normal(0.02), (c.draft_vocab_size, c.hidden_size), self.dtype)
+            self.lm_head = self.param("lm_head", nn.initializers.normal(0.02),
+                                      ops.weight_shape(self.plan, c.draft_vocab_size, c.hidden_size), self.dtype)
         if c.has_d2t:
             self.d2t = self.param("d2t", nn.initializers.zeros, (c.draft_vocab_size,), jnp.int32)
 
@@ -81,11 +84,13 @@ class DFlashDrafter(nn.Module):
             x, ks[i], vs[i] = layer(x, meta, ks[i], vs[i])
         return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs))
 
-    def logits(self, h, target_lm_head=None):  # h: normed f[..., H]; target_lm_head: f[Vt, H] -> f32[..., V]
+    def logits(self, h, target_lm_head=None):  # h: normed f[..., H] -> f32[..., V]
+        """target_lm_head: the target's output projection in the plan's layout, f[Vt, H]
+        ([H, Vt] under in_out_weights): Transformer.lm_head_weight."""
         w = target_lm_head if self.cfg.uses_target_lm_head else self.lm_head
         if w is None:
             raise ValueError("this DFlash drafter uses the target's lm_head: pass target_lm_head=[Vt, H]")
-        return jnp.einsum("...d,vd->...v", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        return ops.linear(self.plan, h, w, out_dtype=jnp.float32)
 
     def to_target_ids(self, ids):  # i32[...] -> i32[...]
         return draft_to_target_ids(ids, self.d2t if self.cfg.has_d2t else None)

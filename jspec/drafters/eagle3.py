@@ -15,6 +15,7 @@ Parameter tree (HF names are mapped in jspec/drafters/loader.py):
   layers_0/attn/o_proj/weight; layers_0/attn/{q_norm,k_norm}/weight [D] (qwen3 layers);
   layers_0/mlp/{gate_up_proj,down_proj}/weight; layers_i (i >= 1): target-style layers;
   norm/weight [H]; lm_head [Vd, H]; d2t i32[Vd] (reduced vocab); mask_hidden [n*Ht] (PEagle).
+Projection weights (``weight``, ``lm_head``) are [in, out] under the CPU plan (ops.weight_shape).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import linen as nn
 
+from jspec import ops
 from jspec.drafters.config import DrafterConfig
 from jspec.drafters.layers import Eagle3FirstLayer
 from jspec.kv_cache import AttentionMetadata, KVCache
@@ -67,7 +69,7 @@ class Eagle3Drafter(nn.Module):
         lc = c.layer_config()
         if c.norm_before_fc:
             self.input_norm = RMSNorm(c.rms_norm_eps, self.dtype)
-        self.fc = Linear(c.hidden_size, c.fc_in_features, False, self.dtype)
+        self.fc = Linear(c.hidden_size, c.fc_in_features, False, self.dtype, self.plan)
         if c.has_own_embeddings:
             self.embed_tokens = self.param("embed_tokens", _normal, (c.target_vocab_size, c.hidden_size), self.dtype)
         self.layers = [Eagle3FirstLayer(lc, c.norm_before_residual, self.dtype, self.plan, name="layers_0")] + [
@@ -75,7 +77,8 @@ class Eagle3Drafter(nn.Module):
         ]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         # A bare [Vd, H] array, never tied to the embeddings (reduced vocab rows differ).
-        self.lm_head = self.param("lm_head", _normal, (c.draft_vocab_size, c.hidden_size), self.dtype)
+        self.lm_head = self.param("lm_head", _normal, ops.weight_shape(self.plan, c.draft_vocab_size, c.hidden_size),
+                                  self.dtype)
         if c.has_d2t:
             self.d2t = self.param("d2t", nn.initializers.zeros, (c.draft_vocab_size,), jnp.int32)
         if c.method == "peagle":
@@ -111,7 +114,7 @@ class Eagle3Drafter(nn.Module):
 
     def logits(self, pre_norm_out):  # f[..., H] -> f32[..., Vd]
         h = self.norm(pre_norm_out)
-        return jnp.einsum("...d,vd->...v", h.astype(self.lm_head.dtype), self.lm_head, preferred_element_type=jnp.float32)
+        return ops.linear(self.plan, h, self.lm_head, out_dtype=jnp.float32)
 
     def to_target_ids(self, ids):  # i32[...] draft ids -> i32[...] target ids
         return draft_to_target_ids(ids, self.d2t if self.cfg.has_d2t else None)

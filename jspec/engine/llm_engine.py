@@ -27,7 +27,7 @@ from jspec.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jspec.engine.sequence import Sequence, SpecMetrics, Status
 from jspec.engine.stopping import append_tokens
 from jspec.kv_cache import KVCache
-from jspec.ops import plan_kernels
+from jspec.ops import plan_kernels, plan_params
 from jspec.sampling_params import SamplingParams
 
 logger = logging.getLogger("jspec.engine")
@@ -173,6 +173,7 @@ class LLMEngine:
         kv = KVCache.create(mc.num_layers, num_pages, c.page_size, mc.num_kv_heads, mc.head_dim, dtype)
         buckets = Buckets.create(c.max_num_seqs, chunk, pages_per_seq)
         plan = plan_kernels(mc, attn_impl=c.attn_impl, linear_impl=c.linear_impl, sample_impl=c.sample_impl)
+        params = plan_params(plan, params)  # the weight layout the plan's modules declare
         if self.spec is None:
             self.runner = ModelRunner(mc, params, kv, buckets, dtype=dtype, plan=plan)
         else:
@@ -182,7 +183,7 @@ class LLMEngine:
             dkv = create_kv_cache(self.dcfg, num_pages, c.page_size, dtype)
             self.runner = SpecModelRunner(
                 mc, params, kv, buckets, dtype=dtype, plan=plan, spec=self.spec, dcfg=self.dcfg,
-                dparams=dparams, dkv=dkv, max_num_seqs=c.max_num_seqs,
+                dparams=plan_params(plan, dparams), dkv=dkv, max_num_seqs=c.max_num_seqs,
             )
         self.runner.configure_sampling(self.eos_token_ids, c.max_logprobs, c.logprobs_mode)
         self._groups = SampleGroups()  # requests with n > 1

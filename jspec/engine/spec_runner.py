@@ -142,7 +142,7 @@ class SpecModelRunner(ModelRunner):
         aux = aux.reshape(B, Q, -1)
         draft_temp = b.temperature if self.with_probs else jnp.zeros_like(b.temperature)
         embed = params["embed_tokens"]["embedding"]
-        lm_head = embed if self.cfg.tie_word_embeddings else params["lm_head"]
+        lm_head = self.model.apply({"params": params}, method=Transformer.lm_head_weight)  # the plan's layout
         drafts, probs, dkv = self.drafter.propose(
             dparams, dkv, ProposeInputs(pairs, aux, b.meta, last_idx, embed, lm_head, b.seeds, draft_temp, inp.sample),
             num_tokens=self.K, with_probs=self.with_probs,

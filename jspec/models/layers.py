@@ -2,7 +2,8 @@
 
 Weights keep Hugging Face's ``[out_features, in_features]`` layout: loading needs no
 transpose, and at small batch ``x @ W.T`` through cuBLAS streams [out, in] weights fastest
-on the H200 (../shared/reference/jax_gpu_tpu.md).
+on the H200 (../shared/reference/jax_gpu_tpu.md). The CPU plan holds them [in, out]
+(ops.KernelPlan.in_out_weights): every weight is declared through ops.weight_shape.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ _normal = nn.initializers.normal(0.02)
 
 
 class Linear(nn.Module):
-    """y = x @ W.T + b with W: [out, in] (HF layout). An op that fuses more than the
-    projection (ops.qkv_rope_write, ops.mlp) reads ``weight`` and ``bias`` directly."""
+    """y = x @ W.T + b with W: [out, in] (HF layout; [in, out] under the CPU plan). An op
+    that fuses more than the projection (ops.qkv_rope_write, ops.mlp) reads ``weight`` and
+    ``bias`` directly."""
 
     features: int
     in_features: int
@@ -35,7 +37,8 @@ class Linear(nn.Module):
     plan: KernelPlan = KernelPlan()
 
     def setup(self):
-        self.weight = self.param("weight", _normal, (self.features, self.in_features), self.dtype)
+        self.weight = self.param("weight", _normal, ops.weight_shape(self.plan, self.features, self.in_features),
+                                 self.dtype)
         self.bias = self.param("bias", _zeros, (self.features,), self.dtype) if self.use_bias else None
 
     def __call__(self, x, *, residual=None):  # x: f[..., in] or ops.Normed -> [..., out]
@@ -102,6 +105,6 @@ class GatedMLP(nn.Module):
 
     @nn.compact
     def __call__(self, x, *, residual=None):  # x: f[..., H] or ops.Normed -> [..., H]
-        gate_up = Linear(2 * self.intermediate, self.hidden, self.use_bias, self.dtype, name="gate_up_proj")
-        down = Linear(self.hidden, self.intermediate, self.use_bias, self.dtype, name="down_proj")
+        gate_up = Linear(2 * self.intermediate, self.hidden, self.use_bias, self.dtype, self.plan, name="gate_up_proj")
+        down = Linear(self.hidden, self.intermediate, self.use_bias, self.dtype, self.plan, name="down_proj")
         return ops.mlp(self.plan, x, gate_up.weight, gate_up.bias, down.weight, down.bias, residual=residual)

@@ -13,6 +13,7 @@ Parameter tree (HF names -> ours are mapped in jspec/checkpoint/target.py):
   layers_i/attn/qkv_proj/weight [(Hq + 2 Hkv) * D, H] (+ bias); layers_i/attn/o_proj/weight;
   layers_i/attn/{q_norm,k_norm}/weight [D] (Qwen3); layers_i/mlp/gate_up_proj/weight [2I, H];
   layers_i/mlp/down_proj/weight [H, I]; norm/weight [H]; lm_head [V, H] (untied only).
+Projection weights (``weight``, ``lm_head``) are [in, out] under the CPU plan (ops.weight_shape).
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
             # a bare [V, H] array so logits can accumulate in float32 (see logits()).
-            self.lm_head = self.param("lm_head", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size), self.dtype)
+            self.lm_head = self.param("lm_head", nn.initializers.normal(0.02),
+                                      ops.weight_shape(self.plan, c.vocab_size, c.hidden_size), self.dtype)
 
     def __call__(
         self,
@@ -126,6 +128,17 @@ class Transformer(nn.Module):
     def embed(self, tokens):
         return self.embed_tokens(tokens)
 
+    def lm_head_weight(self):
+        """The output projection in the plan's weight layout (ops.weight_shape), for the
+        DFlash drafter's logits. A tied embedding table is [V, H] in every plan: under
+        in_out_weights its transpose, which XLA folds into the drafter's dot of block_size - 1
+        rows."""
+        if not self.cfg.tie_word_embeddings:
+            return self.lm_head
+        table = self.embed_tokens.embedding
+        return table.T if self.plan.in_out_weights else table
+
     def logits(self, h):  # f[..., H] (already normed) -> f32[..., V]
-        w = self.embed_tokens.embedding if self.cfg.tie_word_embeddings else self.lm_head
-        return ops.linear(self.plan, h, w, out_dtype=jnp.float32)
+        if self.cfg.tie_word_embeddings:  # the table, [V, H] in every plan
+            return ops.linear(self.plan, h, self.embed_tokens.embedding, out_dtype=jnp.float32, out_in=True)
+        return ops.linear(self.plan, h, self.lm_head, out_dtype=jnp.float32)

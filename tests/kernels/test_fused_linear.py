@@ -21,7 +21,7 @@ from jspec.config import ModelConfig, RopeConfig
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import apply_rope, rope_inv_freq
 from jspec.models.transformer import Transformer
-from jspec.ops import KernelPlan, plan_kernels
+from jspec.ops import KernelPlan, plan_kernels, plan_params
 from kernels_pallas.fused_linear import (
     default_blocks,
     default_mma_blocks,
@@ -290,9 +290,9 @@ def test_decoder_with_fused_kernels_matches_reference(qk_norm, bias):
     plans = {impl: plan_kernels(cfg, attn_impl="reference", linear_impl=impl, backend="cpu")
              for impl in ("reference", "interpret")}
     for impl, plan in plans.items():
-        m = Transformer(cfg, dtype=BF16, plan=plan)
-        h, _, kv2 = m.apply({"params": params}, tok, meta, kv)
-        outs[impl] = (h, m.apply({"params": params}, h[:, -1], method=Transformer.logits), kv2)
+        m, p = Transformer(cfg, dtype=BF16, plan=plan), plan_params(plan, params)  # CPU reference: [in, out]
+        h, _, kv2 = m.apply({"params": p}, tok, meta, kv)
+        outs[impl] = (h, m.apply({"params": p}, h[:, -1], method=Transformer.logits), kv2)
     (h0, l0, kv0), (h1, l1, kv1) = outs["reference"], outs["interpret"]
     # the interpret model hands the post-attention norm over (o_proj -> down_proj kernels)
     assert plans["interpret"].norm_handoff == (not bias)

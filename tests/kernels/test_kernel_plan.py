@@ -33,11 +33,14 @@ QWEN3 = dataclasses.replace(LLAMA, family="qwen3", qk_norm=True, rms_norm_eps=1e
 def test_auto_resolves_by_backend(monkeypatch):
     monkeypatch.delenv("JSPEC_KERNEL_IMPL", raising=False)
     cpu = plan_kernels(LLAMA, backend="cpu")
-    assert cpu == KernelPlan()  # the references: interpret mode is for tests, too slow to serve
+    # the references (interpret mode is for tests, too slow to serve), weights held [in, out]
+    assert cpu == KernelPlan(in_out_weights=True)
+    assert not plan_kernels(LLAMA, linear_impl="interpret", backend="cpu").in_out_weights  # kernels read [out, in]
     gpu = plan_kernels(LLAMA, backend="gpu")
     assert (gpu.attn, gpu.linear, gpu.sample, gpu.norm_handoff) == ("gpu", "gpu", "gpu", True)
     tpu = plan_kernels(LLAMA, backend="tpu")
     assert (tpu.attn, tpu.linear, tpu.sample, tpu.norm_handoff) == ("tpu", "tpu", "tpu", False)
+    assert not gpu.in_out_weights and not tpu.in_out_weights  # HF [out, in] weights off the CPU
     # an impl named in the config wins; the hand-over needs the GPU projection kernels
     mixed = plan_kernels(LLAMA, attn_impl="interpret", linear_impl="reference", backend="gpu")
     assert (mixed.attn, mixed.linear, mixed.sample, mixed.norm_handoff) == ("interpret", "reference", "gpu", False)
@@ -55,7 +58,7 @@ def test_kernel_impl_override_through_envs(monkeypatch):
     monkeypatch.delenv("JSPEC_KERNEL_IMPL", raising=False)
     assert envs.JSPEC_KERNEL_IMPL is None
     monkeypatch.setenv("JSPEC_KERNEL_IMPL", "auto")
-    assert envs.JSPEC_KERNEL_IMPL is None and plan_kernels(LLAMA, backend="cpu") == KernelPlan()
+    assert envs.JSPEC_KERNEL_IMPL is None and plan_kernels(LLAMA, backend="cpu") == KernelPlan(in_out_weights=True)
     monkeypatch.setenv("JSPEC_KERNEL_IMPL", " Interpret ")
     assert envs.JSPEC_KERNEL_IMPL == "interpret"
     plan = plan_kernels(LLAMA, sample_impl="reference", backend="cpu")
