@@ -2,7 +2,7 @@
 min_tokens, min_p) act as vLLM's, plain and under verification with every drafter.
 
 Greedy: the outputs equal a reference loop that applies the same processors (written out
-in numpy, sampling_helpers.processed) to transformers' logits, plain and with EAGLE3,
+in numpy, tests/helpers/sampling.py processed) to transformers' logits, plain and with EAGLE3,
 PEagle and DFlash, for a batch mixing requests with and without each processor. Under
 speculation, position j of the verified window counts the drafts before it, so a wrong
 count would change the output whenever a draft is accepted (asserted to happen).

@@ -1,5 +1,5 @@
 """Shared pieces of the SamplingParams tests (issue 26): the speculative tests' tiny target
-(spec_e2e_helpers, vocab 64) with a word-level tokenizer ("w0".."w63", so ``bad_words`` and
+(tests/helpers/spec_e2e.py, vocab 64) with a word-level tokenizer ("w0".."w63", so ``bad_words`` and
 ``stop`` strings have tokens to name), engines over it per drafter, and an independent
 reference: vLLM's logits processors written out in numpy over transformers' logits."""
 
