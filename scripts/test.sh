@@ -13,8 +13,13 @@ if [ "$#" -gt 0 ]; then exec python3 -m pytest -q "$@"; fi
 # test that passes alone: a segfault compiling tests/train's speculative step after the rest
 # of the suite (4 clean-clone runs of 4, 2026-11-24), an abort in tests/e2e/test_spec_warmup.py
 # after a third of the suite (2026-11-25). Fewer executables per process, same tests.
-for group in "tests/kernels tests/config tests/checkpoint tests/models tests/drafters" "tests/engine" \
-             "tests/e2e" "tests/serve" "tests/train"; do
+groups=("tests/kernels tests/config tests/checkpoint tests/models tests/drafters" "tests/engine" "tests/e2e"
+        "tests/serve" "tests/train")
+for dir in tests/*/; do  # a new test folder must join a group, or CI would never run it
+  dir=${dir%/}
+  [ "$dir" = tests/helpers ] || [ "$dir" = tests/__pycache__ ] || [[ " ${groups[*]} " == *" $dir "* ]] || { echo "scripts/test.sh: $dir is in no group" >&2; exit 1; }
+done
+for group in "${groups[@]}"; do
   # shellcheck disable=SC2086
   python3 -m pytest -q $group
 done

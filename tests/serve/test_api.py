@@ -4,6 +4,8 @@ finish counted as a finished request ("stop") in /metrics, its latency included.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import jspec
@@ -64,7 +66,15 @@ def test_stop_string_finish_counts_as_stop(client, llm):
         "prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": [stop]})
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["text"] == text[: text.find(stop)]
-    m1 = client.get("/metrics").text
+    # The response can reach the client before the engine thread records the finished
+    # request in the metrics: poll briefly (bounded) for the count to move.
+    deadline = time.monotonic() + 10
+    while True:
+        m1 = client.get("/metrics").text
+        if metric(m1, "vllm:e2e_request_latency_seconds_count") > metric(m0, "vllm:e2e_request_latency_seconds_count") \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
 
     def d(name, **labels):
         return metric(m1, name, **labels) - metric(m0, name, **labels)
