@@ -60,6 +60,15 @@ class KernelPlan:
     # right operand on every call. In a K=7 DFlash verification step of the family that
     # transpose took 44% of the CPU cycles and the dot itself 15% (perf, 2-vCPU EPYC).
     in_out_weights: bool = False
+    # XLA compiler options of the engine's jitted steps (name, value) pairs; set by
+    # plan_kernels on CPU (_CPU_XLA_OPTIONS). Compile-time only: the same options on every
+    # call, no environment variable.
+    xla_options: tuple = ()
+
+    @property
+    def compiler_options(self) -> dict | None:
+        """``jax.jit(..., compiler_options=...)`` for the engine's steps."""
+        return dict(self.xla_options) or None
 
     def for_drafter(self) -> KernelPlan:
         """The plan drafters run with: the same attention, projections on XLA. The glue
@@ -80,7 +89,29 @@ def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str 
                and _linear_kernel_takes((cfg.hidden_size, cfg.q_size))
                and _linear_kernel_takes((cfg.hidden_size, cfg.intermediate_size)))
     in_out = backend == "cpu" and linear not in GPU_IMPLS  # the GPU kernels read [out, in] weights
-    return KernelPlan(attn=attn, linear=linear, sample=sample, norm_handoff=handoff, in_out_weights=in_out)
+    options = _cpu_xla_options() if backend == "cpu" else ()
+    return KernelPlan(attn=attn, linear=linear, sample=sample, norm_handoff=handoff, in_out_weights=in_out,
+                      xla_options=options)
+
+
+# XLA:CPU's YNNPACK fusions off: the dots then run on XLA's own (Eigen) path. On the family
+# (2-vCPU Xeon, float32, batch 1) a greedy DFlash K=3 step took ~15% less time so, the
+# one-row plain step about the same (python -m jspec, 2026-11-25).
+_CPU_XLA_OPTIONS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
+_cpu_options_checked: tuple | None = None
+
+
+def _cpu_xla_options() -> tuple:
+    """_CPU_XLA_OPTIONS where this jaxlib knows them (an unknown option fails the compile:
+    tried once on a one-op function), else none."""
+    global _cpu_options_checked
+    if _cpu_options_checked is None:
+        try:
+            jax.jit(lambda x: x + 1, compiler_options=dict(_CPU_XLA_OPTIONS)).lower(1.0).compile()
+            _cpu_options_checked = _CPU_XLA_OPTIONS
+        except Exception:  # noqa: BLE001  an option this jaxlib does not have
+            _cpu_options_checked = ()
+    return _cpu_options_checked
 
 
 def _resolve(impl: str, name: str, backend: str) -> str:

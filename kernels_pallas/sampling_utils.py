@@ -96,6 +96,15 @@ def gumbel_from_key(key, index) -> jax.Array:
     return -jnp.log(-jnp.log(uniform_from_key(key, index)))
 
 
+def first_argmax(x) -> jax.Array:
+    """i32 index of the maximum over the last axis, the lowest on ties (jnp.argmax's answer
+    for non-NaN input), as a max and a min: two plain reductions, where XLA:CPU runs
+    jnp.argmax's variadic (value, index) reduce about twice as slowly."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    col = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(x == m, col, x.shape[-1] - 1), axis=-1)
+
+
 def _bcast_rows(x, ndim: int):
     """Per-request param [B] -> [B, 1, ..., 1] broadcasting against [B, ..., V]."""
     x = jnp.asarray(x)

@@ -42,7 +42,7 @@ from flax import struct
 from jspec.drafters.dflash import DFlashDrafter
 from jspec.drafters.eagle3 import Eagle3Drafter
 from jspec.kv_cache import AttentionMetadata, KVCache
-from kernels_pallas.sampling_utils import SALT_DRAFT, sample_from_probs
+from kernels_pallas.sampling_utils import SALT_DRAFT, first_argmax, sample_from_probs
 
 
 @struct.dataclass
@@ -93,12 +93,12 @@ def _pick(logits, temperature, seeds, positions, sample: bool):
     the engine passes temperature 0), so no softmax or draw over the vocabulary is traced for
     each draft position; the ids are the same argmax. probs is then None."""
     if not sample:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        return first_argmax(logits), None
     greedy = temperature <= 0
     t = jnp.where(greedy, 1.0, temperature)
     probs = jax.nn.softmax(logits / t[:, None], axis=-1)
     sampled = sample_from_probs(probs, seeds, positions, SALT_DRAFT)
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    argmax = first_argmax(logits)
     ids = jnp.where(greedy, argmax, sampled)
     onehot = jax.nn.one_hot(argmax, logits.shape[-1], dtype=jnp.float32)
     return ids, jnp.where(greedy[:, None], onehot, probs)

@@ -102,9 +102,11 @@ class ModelRunner:
         # `filtering` ("off" | "on": does any request use top-k / top-p) is decided on the
         # host per step: a device-side lax.cond would read its predicate on the host (a
         # ~50 us sync per step on the H200). Top-k / top-p traffic compiles a second variant.
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("layout", "filtering"))
+        opts = plan.compiler_options
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("layout", "filtering"),
+                             compiler_options=opts)
         self._multi = jax.jit(self._multi_step_impl, donate_argnums=(1,),
-                              static_argnames=("layout", "steps", "filtering"))
+                              static_argnames=("layout", "steps", "filtering"), compiler_options=opts)
         # Packed layouts by index: the jitted steps take the small int as their static
         # argument, which is far cheaper to hash per call than the layout itself.
         self._layout_ids: dict = {}

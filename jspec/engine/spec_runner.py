@@ -103,7 +103,7 @@ class SpecModelRunner(ModelRunner):
             if spec.rejection_sample_method == "synthetic" else None
         )
         self._spec_step = jax.jit(self._spec_step_impl, static_argnames=("decode", "layout", "filtering"),
-                                  donate_argnums=(2, 3, 4))
+                                  donate_argnums=(2, 3, 4), compiler_options=self.plan.compiler_options)
 
     # ---- device side ------------------------------------------------------------------
     def _spec_step_impl(self, params, dparams, kv, dkv, probs_buf, synthetic_rates, ints, floats, prev=None, *,

@@ -268,3 +268,28 @@ def test_validation_errors():
         rejection_sample(**good, method="synthetic")
     with pytest.raises(ValueError, match="impl"):
         rejection_sample(**good, impl="cuda")
+
+
+def test_all_greedy_shortcut_equals_sampled_path():
+    """The reference impl answers an all-greedy batch by argmax (a lax.cond): the same
+    tokens as the full path, which a batch with one sampled row takes. Ties resolve to the
+    lowest index, as in the kernels."""
+    rng = np.random.default_rng(7)
+    B, K, V = 4, 3, 3000
+    logits = rng.standard_normal((B, K + 1, V)).astype(np.float32)
+    logits[0, 1, [5, 2900]] = 50.0  # a tie: the lowest index wins
+    argmax = logits.argmax(-1)
+    drafts = argmax[:, :K].copy()
+    drafts[1, 1] = (drafts[1, 1] + 1) % V  # row 1 rejects at position 1
+    num_draft = np.array([3, 3, 2, 0], np.int32)
+    seeds, pos = np.arange(B, dtype=np.int32), np.full(B, 10, np.int32)
+    common = dict(draft_tokens=drafts, num_draft=num_draft, draft_probs=None, top_k=np.zeros(B, np.int32),
+                  top_p=np.ones(B, np.float32), seeds=seeds, positions=pos, impl="reference")
+    toks, n = rejection_sample(logits, temperature=np.zeros(B, np.float32), **common)
+    temp = np.zeros(B, np.float32)
+    temp[3] = 0.7  # one sampled row sends the batch down the full path
+    toks_full, n_full = rejection_sample(logits, temperature=temp, **common)
+    np.testing.assert_array_equal(np.asarray(n)[:3], np.asarray(n_full)[:3])
+    np.testing.assert_array_equal(np.asarray(toks)[:3], np.asarray(toks_full)[:3])
+    np.testing.assert_array_equal(np.asarray(n), [4, 2, 3, 1])
+    assert int(np.asarray(toks)[0, 1]) == 5 and int(np.asarray(toks)[1, 1]) == argmax[1, 1]
