@@ -150,7 +150,8 @@ def advance(seq, new: list[int]) -> list[int]:
             seq.finish_reason, seq.stop_reason, seq.stop_text = "stop", None, None
             break
         if not m.consume_token(t):  # the mask makes this unreachable
-            logger.error("request %s: token %d breaks its grammar: %s", seq.request_id, t, m.get_error())
+            logger.error("request %s: token %d breaks its grammar: %s", seq.request_id, t,
+                         m.get_error().splitlines()[0])
             seq.finish_reason = "abort"
             return new
     if m.is_stopped() and seq.finish_reason is None:
