@@ -3,8 +3,8 @@
 from jspec.engine.llm_engine import EngineConfig, LLMEngine
 from jspec.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from jspec.llm import LLM, generate
-from jspec.sampling_params import SamplingParams
+from jspec.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "generate", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LLMEngine",
-           "EngineConfig"]
+__all__ = ["LLM", "generate", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "Logprob", "LLMEngine", "EngineConfig"]
 __version__ = "0.1.0"

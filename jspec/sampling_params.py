@@ -10,11 +10,15 @@ allowed_token_ids, bad_words, min_tokens (EOS and stop_token_ids masked), logit_
 repetition / frequency / presence penalties; greedy takes the argmax there; sampled rows
 apply temperature, min_p, top-k and top-p. Speculative verification applies the same
 processors to the target's logits at every draft position, counting the drafts before it.
+``structured_outputs`` (vLLM's StructuredOutputsParams) constrains the output to a JSON
+schema, regex, choice or grammar: a token mask applied before all of them
+(jspec/engine/structured.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 
@@ -32,6 +36,76 @@ def _number(x) -> bool:
 
 def _int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one of ``json`` (a JSON schema, as a dict or its
+    JSON text), ``regex``, ``choice`` (the output is one of these strings), ``grammar`` (a
+    Lark grammar in llguidance's syntax, or GBNF) or ``json_object`` (any JSON object).
+    ``disable_any_whitespace``: JSON without whitespace between its tokens (vLLM's name).
+    The grammar is checked here (without the tokenizer): a bad one is a SamplingParamsError
+    naming ``structured_outputs`` and the grammar engine's message."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        def bad(msg):
+            raise SamplingParamsError("structured_outputs", msg)
+
+        set_ = [f for f in ("json", "regex", "choice", "grammar") if getattr(self, f) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            bad(f"needs exactly one of json, regex, choice, grammar, json_object; got {set_ or 'none'}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            bad(f"disable_any_whitespace must be a bool, got {self.disable_any_whitespace!r}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            bad(f"json must be a JSON schema (a dict or its JSON text), got {type(self.json).__name__}")
+        for f in ("regex", "grammar"):
+            if getattr(self, f) is not None and not isinstance(getattr(self, f), str):
+                bad(f"{f} must be a string, got {getattr(self, f)!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
+                bad(f"choice must be a non-empty list of strings, got {self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            bad(f"json_object must be a bool, got {self.json_object!r}")
+        from jspec.engine.structured import check_grammar  # llguidance: loaded with the first request
+
+        check_grammar(self.key)
+
+    @functools.cached_property
+    def key(self) -> tuple[str, str, bool]:
+        """(kind, spec text, flexible whitespace): what the compiled grammar depends on."""
+        import json as _json
+
+        if self.json is not None or self.json_object:
+            schema = self.json if self.json is not None else {"type": "object"}
+            if isinstance(schema, str):
+                try:
+                    schema = _json.loads(schema)
+                except ValueError as e:
+                    raise SamplingParamsError("structured_outputs", f"json is not valid JSON: {e}") from None
+            try:
+                text = _json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            except (TypeError, ValueError) as e:
+                raise SamplingParamsError("structured_outputs", f"json is not JSON-serializable: {e}") from None
+            return "json", text, not self.disable_any_whitespace
+        if self.choice is not None:
+            return "choice", _json.dumps(list(self.choice)), True
+        kind = "regex" if self.regex is not None else "grammar"
+        return kind, getattr(self, kind), True
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        return isinstance(other, StructuredOutputsParams) and self.key == other.key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +132,8 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
     bad_words: tuple[str, ...] | None = None  # words whose last token is banned once the rest matches
     skip_special_tokens: bool = True  # in the detokenized text (and so for stop strings)
+    # JSON schema / regex / choice / grammar the output must match (a dict of the same fields works too)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         def bad(field, msg):
@@ -118,6 +194,15 @@ class SamplingParams:
                     bad("logit_bias", f"entry {k!r}: {v!r} is not token id -> finite number")
                 lb[tid] = min(100.0, max(-100.0, float(v)))  # vLLM's clamp
             put("logit_bias", lb)
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            try:
+                so = StructuredOutputsParams(**so)
+            except TypeError as e:
+                bad("structured_outputs", f"has an unknown field: {e}")
+            put("structured_outputs", so)
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            bad("structured_outputs", f"must be a StructuredOutputsParams or a dict, got {type(so).__name__}")
 
     @staticmethod
     def _strings(field, v, bad):
@@ -187,7 +272,7 @@ class SamplingParams:
             v = getattr(self, field)
             if v is not None and (vocab_size if v == -1 else v) > limit:
                 bad(field, f"asks for {v} log-probabilities per token, above the engine's max_logprobs={limit}")
-        for field in ("stop", "bad_words"):
+        for field in ("stop", "bad_words", "structured_outputs"):
             if getattr(self, field) and tokenizer is None:
                 bad(field, "needs a tokenizer, and the model folder has none")
         ids = tokenize_bad_words(tokenizer, self.bad_words) if self.bad_words else []

@@ -13,6 +13,7 @@ next to the bound it is compared with, measured in the same run:
     python scripts/bench.py --section plain              # issue 3 / 7: batch 1..64, ctx 512 / 4096
     python scripts/bench.py --section eagle3             # issue 5
     python scripts/bench.py --section parallel           # issue 6: DFlash + PEagle on a Qwen3-8B shape
+    python scripts/bench.py --section structured         # issue 27: tok/s with and without a JSON schema
     python scripts/bench.py --quick ...                  # tiny shapes: a CPU smoke test of the script
 Results go to $OUT/bench_<section>.json when OUT is set.
 """
@@ -495,9 +496,10 @@ def spec_section(args, bw, kind):
     return dict(rows=rows)
 
 
-def llm_run(llm, B, ctx, new, rng):
+def llm_run(llm, B, ctx, new, rng, structured=None):
     """Seconds of llm.generate for B fresh random prompts of ctx tokens and ``new`` greedy
-    tokens each (prefill included), and of the same with 1 new token (prefill alone);
+    tokens each (prefill included), and of the same with 1 new token (prefill alone), under
+    the StructuredOutputsParams ``structured`` when given;
     returns (total_s, prefill_s). Untimed runs of the same shapes come first, until one
     compiles nothing new: with speculation, rows finish at different steps, so the batch
     and page-table buckets a run passes through vary from run to run. A timed run that
@@ -508,7 +510,7 @@ def llm_run(llm, B, ctx, new, rng):
     prompts = lambda: [[int(t) for t in rng.integers(0, V, ctx)] for _ in range(B)]  # noqa: E731
     times = []
     for n in (new, 1):
-        sp = jspec.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        sp = jspec.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, structured_outputs=structured)
         for _ in range(4):
             c0 = r.num_compilations
             llm.generate(prompts(), sp)
@@ -602,6 +604,51 @@ def llm_section(args, bw):
     return dict(rows=rows)
 
 
+# A schema no row can complete within --llm-new tokens (at least 2000 integers), so every row
+# runs the full count with and without it.
+STRUCTURED_SCHEMA = {"type": "object", "properties": {"values": {
+    "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 2000}},
+    "required": ["values"], "additionalProperties": False}
+
+
+def structured_section(args, bw):
+    """Structured outputs (issue 27) through jspec.LLM on the Llama 8B shape: random weights
+    (load_format="dummy") and a byte-level BPE tokenizer of the model's vocabulary size
+    (bench_llm_folders.write_tokenizer), --spec-batches rows of --llm-ctx random prompt tokens
+    and --llm-new greedy tokens, tok/s without and with a JSON schema (STRUCTURED_SCHEMA:
+    every output token masked by the grammar, its masks built on the host each step)."""
+    import tempfile
+
+    from bench_llm_folders import write_folders, write_tokenizer
+
+    import jspec
+
+    ctx, new = (64, 32) if args.quick else (args.llm_ctx, args.llm_new)
+    batches = [int(b) for b in args.spec_batches.split(",")] if not args.quick else [1, 2]
+    cfg = TINY if args.quick else LLAMA_8B
+    tdir, _ = write_folders(tempfile.mkdtemp(prefix="jspec_bench_structured_"), cfg, drafter_config("eagle3", cfg,
+                                                                                                    args.quick), 3)
+    write_tokenizer(tdir, cfg.vocab_size)
+    llm = jspec.LLM(tdir, dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches),
+                    enable_prefix_caching=False, max_model_len=ctx + new + 64, linear_impl=LINEAR_IMPL,
+                    attn_impl=ATTN_IMPL)
+    so = jspec.StructuredOutputsParams(json=STRUCTURED_SCHEMA)
+    rng, rows = np.random.default_rng(0), []
+    for B in batches:
+        (tot, pf), (stot, spf) = llm_run(llm, B, ctx, new, rng), llm_run(llm, B, ctx, new, rng, so)
+        row = dict(batch=B, ctx=ctx, new=new, tok_s=B * new / tot, json_tok_s=B * new / stot,
+                   decode_ms=(tot - pf) / (new - 1) * 1e3, json_decode_ms=(stot - spf) / (new - 1) * 1e3)
+        row["slowdown"] = 1 - row["json_tok_s"] / row["tok_s"]
+        rows.append(row)
+        print(f"structured B={B:2d}: {row['tok_s']:8.1f} tok/s plain, {row['json_tok_s']:8.1f} tok/s with the JSON "
+              f"schema ({row['slowdown']:+.1%} slower); decode {row['decode_ms']:.2f} -> {row['json_decode_ms']:.2f} "
+              f"ms/step", flush=True)
+    out = llm.generate([[1, 2, 3]], jspec.SamplingParams(temperature=0, max_tokens=16, structured_outputs=so))[0]
+    text, head = "".join(out.outputs[0].text.split()), '{"values":['  # the mask held (whitespace is free)
+    assert text.startswith(head) or head.startswith(text), out.outputs[0].text
+    return dict(rows=rows)
+
+
 def spec_step_kernels(eng, B, ctx, rng, K, top=30):
     """Where a speculative step's GPU time goes: one jitted verify + sample + propose call
     (SpecModelRunner.run_spec) at batch B, by the profiler's kernel records."""
@@ -664,7 +711,8 @@ def draft_time(eng, B, ctx, rng, K):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--section", choices=["plain", "diag", "verify", "llm", "eagle3", "parallel", "all"], default="plain")
+    ap.add_argument("--section", choices=["plain", "diag", "verify", "llm", "structured", "eagle3", "parallel", "all"],
+                    default="plain")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--batches", default="1,8,32,64", help="plain section: batch sizes")
@@ -699,6 +747,8 @@ def main():
         results["llm"] = llm_section(args, bw)
     if args.section == "verify":
         results["verify"] = verify_section(args, bw)
+    if args.section == "structured":
+        results["structured"] = structured_section(args, bw)
     if args.section in ("plain", "all"):
         results["plain"] = plain_section(args, bw)
         # The probe again at the end, warm: the rooflines use the best of both.

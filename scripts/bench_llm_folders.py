@@ -87,3 +87,31 @@ def write_folders(root: str, cfg: ModelConfig, dc: DrafterConfig, K: int) -> tup
     got = {k: v for k, v in dback.__dict__.items() if k in want}
     assert got == want, {k: (got[k], want[k]) for k in want if got[k] != want[k]}
     return tdir, ddir
+
+
+def write_tokenizer(folder: str, vocab_size: int, seed: int = 0) -> None:
+    """A byte-level BPE tokenizer of ``vocab_size`` tokens into ``folder`` (the structured
+    section: the grammar engine walks a vocabulary of the model's real size). Its merges are
+    random (each token a shorter one + a printable byte), its last two ids the specials
+    <|begin_of_text|> and <|eot_id|> (EOS)."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    bytes_ = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(bytes_))}
+    printable = [c for c in vocab if c.isalnum() or c in '{}[]":,. -_']
+    toks, merges, rng = list(vocab), [], random.Random(seed)
+    while len(vocab) < vocab_size - 2:
+        a, b = rng.choice(toks[-4096:] if rng.random() < 0.5 else toks), rng.choice(printable)
+        if a + b not in vocab and len(a) < 12:
+            vocab[a + b] = len(vocab)
+            toks.append(a + b)
+            merges.append((a, b))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|begin_of_text|>", "<|eot_id|>"])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
+                            eos_token="<|eot_id|>").save_pretrained(folder)

@@ -198,6 +198,31 @@ def processors(name: str, k: int) -> str:
             f"equal; emitted logprobs within {err:.1e}")
 
 
+def structured(method: str) -> str:
+    """Structured outputs (issue 27) on the GPU kernels, the shipped family (its real tokenizer
+    and drafters), float32: 16 JSON schemas, speculative greedy == plain greedy, every output
+    valid."""
+    import jspec
+    from tests.helpers.structured import schemas, valid
+
+    sch = schemas(16)
+    prompts = [f"# config {i}\nsettings = " for i in range(len(sch))]
+    sp = [jspec.SamplingParams(temperature=0, max_tokens=120, structured_outputs=jspec.StructuredOutputsParams(
+        json=s, disable_any_whitespace=True)) for s in sch]
+    kw = dict(dtype="float32", max_num_seqs=8, max_model_len=256)
+    want = [o.outputs[0].text for o in jspec.LLM(**kw).generate(prompts, sp)]
+    llm = jspec.LLM(speculative_config={"method": method}, **kw)
+    _on_gpu_kernels(llm.engine)
+    outs = llm.generate(prompts, sp)
+    got = [o.outputs[0].text for o in outs]
+    bad = [i for i, (o, s) in enumerate(zip(outs, sch)) if o.outputs[0].finish_reason != "stop" or not valid(got[i], s)]
+    assert not bad, f"outputs {bad} unfinished or invalid: {[got[i] for i in bad[:2]]}"
+    differ = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert not differ, f"outputs {differ} differ from plain: {got[differ[0]]!r} vs {want[differ[0]]!r}"
+    return (f"mean acceptance length {llm.engine.stats()['mean_acceptance_length']:.2f}; {len(sch)} of {len(sch)} "
+            f"outputs valid and equal")
+
+
 def divergence(prompt, got, want, dtype) -> str:
     """Where a speculative output leaves the plain one, and the target's logit gap between
     the two tokens there, from one single-sequence forward in ``dtype`` and in float32 (a
@@ -470,6 +495,9 @@ def main():
     for name, k in (("eagle3", 3), ("dflash4", 3)):
         rep.check(f"penalties, logit_bias, logprobs: spec greedy == plain greedy: {name}, K={k}, float32",
                   lambda name=name, k=k: processors(name, k))
+    for m in ("eagle3", "dflash"):
+        rep.check(f"structured outputs (16 JSON schemas): spec greedy == plain greedy, all valid: family {m}, float32",
+                  lambda m=m: structured(m))
     rep.check("head_dim 24 runs on the XLA path == transformers", lambda: fallback(refs))
     for method, probs, what in (("standard", False, "greedy + sampled rows, no draft probs"),
                                 ("standard", True, "probabilistic, with draft probs"),

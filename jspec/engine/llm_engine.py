@@ -26,6 +26,7 @@ from jspec.engine.runner import ModelRunner, tokens_of
 from jspec.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jspec.engine.sequence import Sequence, SpecMetrics, Status
 from jspec.engine.stopping import append_tokens
+from jspec.engine.structured import GrammarCompiler, advance, any_grammar
 from jspec.kv_cache import KVCache
 from jspec.ops import plan_kernels, plan_params
 from jspec.sampling_params import SamplingParams
@@ -186,6 +187,7 @@ class LLMEngine:
                 dparams=plan_params(plan, dparams), dkv=dkv, max_num_seqs=c.max_num_seqs,
             )
         self.runner.configure_sampling(self.eos_token_ids, c.max_logprobs, c.logprobs_mode)
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)  # structured outputs
         self._groups = SampleGroups()  # requests with n > 1
         self._inflight: _InFlight | None = None
         self._prob_rows: dict[str, int] = {}
@@ -264,6 +266,7 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate"
             )
         params.verify(V, self.tokenizer, self.config.max_logprobs)
+        self.grammars.check(params)
         return [int(t) for t in ids]
 
     def add_request(self, request_id: str, prompt, params: SamplingParams, *, prompt_token_ids=None):
@@ -275,6 +278,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be jspec.SamplingParams, got {type(params).__name__}")
         bad_words = params.verify(self.model_cfg.vocab_size, self.tokenizer, self.config.max_logprobs)
+        self.grammars.check(params)
         if params.n > 1:
             for i, cid in enumerate(self._groups.add(request_id, params.n)):
                 seed = None if params.seed is None else (params.seed + i) % 2**63
@@ -286,6 +290,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         seq = Sequence(request_id, ids, params, seed, self._arrivals, bad_words_ids=bad_words)
         seq.prompt_text = prompt if isinstance(prompt, str) else None
+        seq.grammar = self.grammars.matcher(params)
         self.num_prompt_tokens += len(ids)
         self._arrivals += 1
         self._seqs[request_id] = seq
@@ -328,7 +333,7 @@ class LLMEngine:
         n = self.config.num_scheduler_steps
         if self.spec is not None or sched.kind != "decode":
             return 0
-        if n <= 1:
+        if n <= 1 or any_grammar(sched.seqs):  # a grammar's mask holds for one step
             return 1 if self._async else 0
         # A batch that cannot grow n positions takes a plain step.
         if sched.preempted or self.scheduler.waiting or not self._can_grow(sched, n):
@@ -341,6 +346,8 @@ class LLMEngine:
         running with room for both calls, pages for both. A speculative step moves each
         row by up to K + 1 positions (and its drafter writes ``lookahead`` past them)."""
         if not self._async or self.scheduler.waiting or len(self.scheduler.running) != len(f.sched.seqs):
+            return None
+        if any_grammar(f.sched.seqs):  # structured outputs: the next masks need f's accepted tokens on the host
             return None
         if any(r.seq.status is not Status.RUNNING or self._seqs.get(r.seq.request_id) is not r.seq
                for r in f.sched.seqs):
@@ -458,6 +465,7 @@ class LLMEngine:
         i32[len(toks), F] when the step had processors), finish or commit pages."""
         seq.num_computed += computed
         new = append_tokens(seq, toks, self.eos_token_ids, self.max_model_len, self.tokenizer)
+        new = advance(seq, new)  # structured outputs: the grammar takes the tokens, cuts the next drafts
         self.num_generation_tokens += len(new)
         if seq.params.logprobs is not None and lps is not None:
             record_logprobs(seq, new, lps, self.runner.n_top_logprobs, self.tokenizer)

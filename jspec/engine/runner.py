@@ -27,6 +27,7 @@ from jspec.engine.logits_processing import (
 from jspec.engine.logprobs import logprob_info, sampler_logits
 from jspec.engine.packing import pack, unpack
 from jspec.engine.scheduler import SchedulerOutput
+from jspec.engine.structured import apply_bitmask, build_bitmask
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
@@ -46,6 +47,9 @@ class StepInput:
     # Logits processors and logprobs (jspec/engine/logits_processing.py); None when no row of
     # the step uses them: the step then compiles exactly as without them.
     proc: ProcInput | None = None
+    # Structured outputs' packed token masks i32[B, Q', ceil(V/32)] (Q' = the sampled
+    # positions: 1, or Q when verifying; jspec/engine/structured.py); None without grammars.
+    grammar_mask: jax.Array | None = None
 
 
 class StepShape(NamedTuple):
@@ -124,7 +128,9 @@ class ModelRunner:
 
     # ---- device side ------------------------------------------------------------------
     def _process(self, logits, inp: StepInput, proc, drafts):
-        """(logits for the sampler, raw logits): the processors applied when ``proc`` is given."""
+        """(logits for the sampler, raw logits): the processors applied when ``proc`` is given,
+        after the grammar masks (vLLM's raw logprobs see them too)."""
+        logits = apply_bitmask(logits, inp.grammar_mask)
         if proc is None:
             return logits, logits
         return apply_processors(logits, proc, drafts, inp.temperature), logits
@@ -270,7 +276,8 @@ class ModelRunner:
         proc = None
         if any(wants_processing(r.seq) for r in rows):
             proc = build_proc_input(rows, B, W * ps, Q, self.eos_token_ids, prefill=not decode and not advance)
-        return StepInput(tokens, meta, q_lens, temp, top_k, top_p, seeds, sample_pos, proc), n
+        mask = build_bitmask(rows, B, Q if decode else 1, self.cfg.vocab_size, chained=bool(advance or tokens_on_device))
+        return StepInput(tokens, meta, q_lens, temp, top_k, top_p, seeds, sample_pos, proc, mask), n
 
     def _filtering(self, inp) -> str:
         """"on" when some request of the step uses top-k / top-p, else "off"."""

@@ -81,6 +81,8 @@ class Sequence:
     logprobs: list = dataclasses.field(default_factory=list)  # per output token {id: Logprob}, if asked
     cumulative_logprob: float = 0.0
     prompt_logprobs: dict = dataclasses.field(default_factory=dict)  # prompt position -> {id: Logprob}
+    # structured outputs: the request's llguidance matcher, at the state after output_token_ids
+    grammar: object | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -15,7 +15,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jspec.sampling_params import SamplingParams, SamplingParamsError
 from jspec.serve.engine_loop import EngineLoop
 from jspec.serve.metrics import Metrics
-from jspec.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_unsupported, parse_request
+from jspec.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_unsupported,
+    parse_request,
+    structured_outputs_of,
+)
 from jspec.serve.responses import Ctx, complete_response, stream_response
 
 logger = logging.getLogger("jspec.serve")
@@ -242,6 +249,9 @@ def _sampling_params(state: ServerState, req, chat: bool, n_prompt: int) -> Samp
               **{k: getattr(req, k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty",
                                               "min_p", "min_tokens", "bad_words", "allowed_token_ids",
                                               "include_stop_str_in_output") if getattr(req, k) is not None})
+    so, so_field = structured_outputs_of(req)
+    if so is not None:
+        kw["structured_outputs"] = so
     if chat:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
@@ -258,7 +268,7 @@ def _sampling_params(state: ServerState, req, chat: bool, n_prompt: int) -> Samp
     try:
         return SamplingParams(**kw)
     except SamplingParamsError as e:
-        raise APIError(str(e), param=_param(e.param, chat)) from None
+        raise APIError(str(e), param=so_field if e.param == "structured_outputs" else _param(e.param, chat)) from None
 
 
 async def _serve(state: ServerState, request: Request, chat: bool):
@@ -279,7 +289,10 @@ async def _serve(state: ServerState, request: Request, chat: bool):
     try:
         stream = await state.loop.add_request(rid, ids, params, len(ids), arrival)
     except ValueError as e:  # SamplingParamsError names its field
-        raise APIError(str(e), param=_param(getattr(e, "param", None), chat)) from None
+        field = getattr(e, "param", None)
+        if field == "structured_outputs":  # the request field the grammar came in
+            field = structured_outputs_of(req)[1]
+        raise APIError(str(e), param=_param(field, chat)) from None
     prompt_text = None
     if not chat and getattr(req, "echo", False):
         p = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) else req.prompt

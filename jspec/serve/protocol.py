@@ -9,11 +9,17 @@ Validation policy (documented for clients):
   optional fields all the time and clients send them; refusing them would break clients for
   no safety gain.
 * Known fields whose non-default values we do not implement (``suffix``, ``best_of``,
-  tools, ``response_format``) are rejected with 400 rather than silently ignored: ignoring
-  them would change results. The sampling fields (``n``, penalties, ``logit_bias``,
+  tools, a ``response_format`` other than text / json_object / json_schema) are rejected
+  with 400 rather than silently ignored: ignoring them would change results. The sampling fields (``n``, penalties, ``logit_bias``,
   ``logprobs`` / ``top_logprobs``, ``echo``, and vLLM's extensions ``repetition_penalty``,
   ``min_p``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``,
   ``include_stop_str_in_output``) map to jspec.SamplingParams, whose checks give the 400s.
+* Structured outputs: ``response_format`` (``json_object``, ``json_schema``), vLLM's
+  ``structured_outputs`` object (json, regex, choice, grammar, json_object,
+  disable_any_whitespace) and its older ``guided_json`` / ``guided_regex`` /
+  ``guided_choice`` / ``guided_grammar``; at most one of them gives the grammar
+  (``structured_outputs``' options, e.g. disable_any_whitespace, apply to any). A bad schema,
+  regex or grammar is a 400 naming the field it came in.
 """
 
 from __future__ import annotations
@@ -85,6 +91,13 @@ class _SamplingFields(_Strict):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
+    # Structured outputs (see structured_outputs_of): OpenAI's response_format, vLLM's fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -108,7 +121,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any | None = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension
     add_generation_prompt: bool | None = True  # vLLM extension
 
@@ -161,5 +173,39 @@ def check_unsupported(req: _Strict) -> None:
     else:
         if req.tools:
             bad("tools", "tool calling is not implemented")
-        if req.response_format and req.response_format.get("type") not in (None, "text"):
-            bad("response_format", "only {'type': 'text'}")
+    if req.response_format and req.response_format.get("type") not in (None, "text", "json_object", "json_schema"):
+        bad("response_format", "its type must be text, json_object or json_schema")
+
+
+def structured_outputs_of(req: _Strict) -> tuple[dict | None, str | None]:
+    """(StructuredOutputsParams' fields, the request field they came from), or (None, None)."""
+    given = []
+    rf = req.response_format
+    if rf and rf.get("type") == "json_object":
+        given.append(({"json_object": True}, "response_format"))
+    elif rf and rf.get("type") == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+            raise APIError("'response_format' of type json_schema needs 'json_schema': {'name': ..., 'schema': "
+                           "{...}}", param="response_format")
+        given.append(({"json": js["schema"]}, "response_format"))
+    so = dict(req.structured_outputs or {})
+    options = {k: so.pop(k) for k in _OPTIONS if k in so}  # they apply to whichever field gives the grammar
+    if req.structured_outputs is not None and (so or not options):
+        given.append((so, "structured_outputs"))
+    for field, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        if getattr(req, field) is not None:
+            given.append(({key: getattr(req, field)}, field))
+    if len(given) > 1:
+        raise APIError(f"Only one of {', '.join(f for _, f in given)} may give the output's grammar",
+                       param=given[1][1])
+    if not given:
+        if options:
+            raise APIError("'structured_outputs' has options but no json, regex, choice, grammar or json_object",
+                           param="structured_outputs")
+        return None, None
+    return given[0][0] | options, given[0][1]
+
+
+_OPTIONS = ("disable_any_whitespace",)

@@ -7,5 +7,6 @@
 - serve: a real ``python -m jspec.serve`` subprocess, /metrics parsing;
 - engine: an engine driven by hand, requests added and aborted at chosen steps;
 - lowering: the custom calls (Pallas kernels) of a function lowered for GPU or TPU;
-- sampling: reference loops that apply the logits processors to transformers' logits.
+- sampling: reference loops that apply the logits processors to transformers' logits;
+- structured: the varied JSON schemas of the structured-outputs tests, and their validator.
 """
