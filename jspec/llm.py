@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as Seq
 
 from jspec.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
@@ -17,34 +18,19 @@ class LLM:
     family's drafter for M.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        max_num_seqs: int = 8,
-        max_model_len: int | None = None,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        speculative_config: dict | None = None,
-        seed: int = 0,
-        **engine_args,
-    ):
+    def __init__(self, model: str | None = None, **engine_args):
+        """``engine_args``: any field of ``jspec.EngineConfig`` (vLLM's names: dtype,
+        max_num_seqs, max_model_len, gpu_memory_utilization, enable_prefix_caching,
+        speculative_config, seed, load_format, ...), with EngineConfig's defaults."""
         if model is None:
             from jspec import family
 
             model = family.TARGET
-        if speculative_config is not None:
-            engine_args["speculative_config"] = speculative_config
-        self.engine = LLMEngine(
-            EngineConfig(
-                model=str(model), dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                page_size=page_size, num_pages=num_pages, gpu_memory_utilization=gpu_memory_utilization,
-                enable_prefix_caching=enable_prefix_caching, seed=seed, **engine_args,
-            )
-        )
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise ValueError(f"jspec.LLM: unknown engine argument(s) {unknown}; EngineConfig takes {sorted(known)}")
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
         self._next_id = 0
 
     def generate(

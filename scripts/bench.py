@@ -229,7 +229,7 @@ def target_forward_time(eng, B, ctx, rng, q, gpu_time=False):
     for s in seqs:
         s.draft_token_ids = [1] * (q - 1)
     sched = SchedulerOutput("decode", [ScheduledSeq(s, q, True) for s in seqs], [])
-    inp, _ = eng.runner.build_input(sched, q_override=q)
+    inp, _ = eng.runner.build_input(sched, q)
     if gpu_time:
         from gpu_trace import device_times
         t = device_times(lambda: eng.runner.run(inp), [()], reps=10)["busy_us"] / 1e6
@@ -293,8 +293,8 @@ def diag_section(args, bw):
     seqs = inject(eng, 1, 512, rng, max_tokens=8)
     sched = SchedulerOutput("decode", [ScheduledSeq(s, 1, True) for s in seqs], [])
     r = eng.runner
-    t_build = timeit(lambda: r.build_input(sched)[0], reps=50)
-    inp, _ = r.build_input(sched)
+    t_build = timeit(lambda: r.build_input(sched, 1)[0], reps=50)
+    inp, _ = r.build_input(sched, 1)
     t_jit = timeit(lambda: r.run(inp), reps=30)
 
     def ten():
@@ -329,7 +329,7 @@ def diag_section(args, bw):
     eng8 = make_engine(cfg, params, max_num_seqs=8, ctx=512, dtype="bfloat16", sched_steps=n)
     seqs8 = inject(eng8, 1, 512, rng, max_tokens=64)
     assert all(eng8.blocks.ensure_slots(s, 512 + n) for s in seqs8)
-    inp8, _ = eng8.runner.build_input(SchedulerOutput("decode", [ScheduledSeq(s, 1, True) for s in seqs8], []))
+    inp8, _ = eng8.runner.build_input(SchedulerOutput("decode", [ScheduledSeq(s, 1, True) for s in seqs8], []), 1)
     t_multi = timeit(lambda: eng8.runner.run(inp8, n), reps=10)
     multi = device_times(lambda: eng8.runner.run(inp8, n), [()], reps=5) if gpu else None
     busy_multi = multi and multi["busy_us"] / 1e3
@@ -659,8 +659,8 @@ def spec_step_kernels(eng, B, ctx, rng, K, top=30):
     for s in seqs:
         s.draft_token_ids = [1] * K
     sched = SchedulerOutput("decode", [ScheduledSeq(s, K + 1, True) for s in seqs], [])
-    rows = {s.request_id: i for i, s in enumerate(seqs)}
-    inp, _, _ = r.build_spec_input(sched, rows)
+    r.assign_prob_rows(sched, {s.request_id for s in seqs})
+    inp, _, _ = r.build_spec_input(sched)
     t = device_times(lambda: r.run_spec(inp, True), [()], reps=10)
     for s in seqs:
         s.draft_token_ids = []
@@ -680,15 +680,14 @@ def draft_time(eng, B, ctx, rng, K):
     for s in seqs:
         s.draft_token_ids = [1] * K
     sched = SchedulerOutput("decode", [ScheduledSeq(s, K + 1, True) for s in seqs], [])
-    inp, _ = r.build_input(sched, q_override=K + 1)
+    inp, _ = r.build_input(sched, K + 1)
     inp = jax.tree.map(jnp.asarray, inp)
     Bp, Q = inp.tokens.shape
     aux = jax.random.normal(jax.random.PRNGKey(3), (Bp, Q, r.dcfg.num_aux * r.cfg.hidden_size), jnp.bfloat16)
     last = jnp.full((Bp,), Q - 1, jnp.int32)
     active = jnp.ones((Bp,), bool)
     temp = jnp.zeros((Bp,), jnp.float32)
-    embed = r.params["embed_tokens"]["embedding"]
-    head = r.params.get("lm_head", embed)
+    embed, head = r.embedding_table(r.params), r.lm_head_weight(r.params)
     fn = jax.jit(lambda dp, dkv, pin: r.drafter.propose(dp, dkv, pin, num_tokens=K, with_probs=False)[0])
     pin = ProposeInputs(inp.tokens, aux, inp.meta, last, embed, head, inp.seeds, temp, active)
     args = (r.dparams, r.dkv, pin)

@@ -190,7 +190,6 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)  # structured outputs
         self._groups = SampleGroups()  # requests with n > 1
         self._inflight: _InFlight | None = None
-        self._prob_rows: dict[str, int] = {}
         self._rng = np.random.default_rng(c.seed)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = 0
@@ -363,7 +362,7 @@ class LLMEngine:
                        for r in f.sched.seqs):
                 return None
             self.num_chained_calls += 1
-            return _InFlight(f.sched, 0, self.runner.dispatch_spec(f.sched, self._prob_rows, prev=f.tokens), True)
+            return _InFlight(f.sched, 0, self.runner.dispatch_spec(f.sched, self._running_ids(), prev=f.tokens), True)
         if not self._can_grow(f.sched, 2 * f.steps):
             return None
         self.num_chained_calls += 1
@@ -383,15 +382,9 @@ class LLMEngine:
         return [o for r, t, lp in zip(f.sched.seqs, toks, lps)
                 if r.seq.status is Status.RUNNING and (o := self._advance(r.seq, t, f.steps, lp)) is not None]
 
-    def _assign_prob_rows(self, sched):
-        """Rows of the runner's draft-probability buffer for the scheduled requests."""
-        live = {s.request_id for s in self.scheduler.running}
-        for rid in [r for r in self._prob_rows if r not in live]:
-            del self._prob_rows[rid]
-        free = sorted(set(range(self.config.max_num_seqs)) - set(self._prob_rows.values()))
-        for r in sched.seqs:
-            if r.seq.request_id not in self._prob_rows:
-                self._prob_rows[r.seq.request_id] = free.pop(0)
+    def _running_ids(self) -> set:
+        """Ids of the running requests (the speculative runner keeps their draft-probability rows)."""
+        return {s.request_id for s in self.scheduler.running}
 
     def _apply_spec(self, sched, res, live=None) -> list[tuple[list[int], int, np.ndarray | None]]:
         """Per row of a speculative step: record acceptance, set the next drafts, and return
@@ -432,8 +425,7 @@ class LLMEngine:
             toks, lps, plp = self.runner.execute(sched)
             record_prompt_logprobs(sched.seqs, plp, self.runner.n_top_logprobs, self.tokenizer)
             return [(t, r.num_new, None if lps is None else lps[i]) for i, (r, t) in enumerate(zip(sched.seqs, toks))]
-        self._assign_prob_rows(sched)
-        res = self.runner.execute_spec(sched, self._prob_rows)
+        res = self.runner.execute_spec(sched, self._running_ids())
         record_prompt_logprobs(sched.seqs, res.prompt_logprobs, self.runner.n_top_logprobs, self.tokenizer)
         return self._apply_spec(sched, res)
 
@@ -445,8 +437,7 @@ class LLMEngine:
                 if sched is None or not sched.seqs:
                     return []
                 if self.spec is not None and sched.kind == "decode" and self._async:
-                    self._assign_prob_rows(sched)
-                    f = _InFlight(sched, 0, self.runner.dispatch_spec(sched, self._prob_rows), True)
+                    f = _InFlight(sched, 0, self.runner.dispatch_spec(sched, self._running_ids()), True)
                 elif (n := self._decode_steps(sched)) == 0:
                     return self._groups.merge([o for r, (toks, computed, lp) in zip(sched.seqs, self._run(sched))
                                                if (o := self._advance(r.seq, toks, computed, lp)) is not None])

@@ -33,7 +33,7 @@ from jspec.drafters.registry import make_drafter
 from jspec.engine.logits_processing import extend_history
 from jspec.engine.logprobs import info_width
 from jspec.engine.packing import pack
-from jspec.engine.runner import ModelRunner, StepInput, StepShape
+from jspec.engine.runner_base import RunnerBase, StepInput, StepShape
 from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
@@ -83,7 +83,7 @@ class SpecStepResult:
     prompt_logprobs: np.ndarray | None = None  # i32[n, P, F] of each position's next prompt token
 
 
-class SpecModelRunner(ModelRunner):
+class SpecModelRunner(RunnerBase):
     def __init__(self, cfg, params, kv, buckets, *, dtype, plan: KernelPlan, spec: SpeculativeConfig,
                  dcfg: DrafterConfig, dparams, dkv, max_num_seqs: int):
         super().__init__(cfg, params, kv, buckets, dtype=dtype, plan=plan)
@@ -97,6 +97,7 @@ class SpecModelRunner(ModelRunner):
         self.with_probs = spec.draft_sample_method == "probabilistic"
         V = cfg.vocab_size
         self.probs_buf = jnp.zeros((max_num_seqs, self.K, V), jnp.float32) if self.with_probs else None
+        self._prob_rows: dict[str, int] = {}  # request id -> its row of probs_buf (assign_prob_rows)
         # A traced argument (not a constant): benchmarks swap rates without recompiling.
         self.synthetic_rates = (
             jnp.asarray(spec.synthetic_conditional_rates, jnp.float32)
@@ -141,8 +142,7 @@ class SpecModelRunner(ModelRunner):
             pairs = jnp.where(at_last & inp.sample[:, None], sampled[:, None], inp.pair_next)
         aux = aux.reshape(B, Q, -1)
         draft_temp = b.temperature if self.with_probs else jnp.zeros_like(b.temperature)
-        embed = params["embed_tokens"]["embedding"]
-        lm_head = self.model.apply({"params": params}, method=Transformer.lm_head_weight)  # the plan's layout
+        embed, lm_head = self.embedding_table(params), self.lm_head_weight(params)
         drafts, probs, dkv = self.drafter.propose(
             dparams, dkv, ProposeInputs(pairs, aux, b.meta, last_idx, embed, lm_head, b.seeds, draft_temp, inp.sample),
             num_tokens=self.K, with_probs=self.with_probs,
@@ -162,15 +162,14 @@ class SpecModelRunner(ModelRunner):
         return kv, dkv, probs_buf, packed
 
     # ---- host side --------------------------------------------------------------------
-    def build_spec_input(self, sched: SchedulerOutput, prob_rows: dict,
-                         chained: bool = False) -> tuple[SpecInput, int, bool]:
+    def build_spec_input(self, sched: SchedulerOutput, chained: bool = False) -> tuple[SpecInput, int, bool]:
         """The step's input from the host state. ``chained``: for a verification step that
         continues one still on the device (``continue_from``): every row verifies K drafts,
         tokens and the position shift come from that step."""
         decode = sched.kind == "decode"
         if chained:
             sched = SchedulerOutput("decode", [ScheduledSeq(r.seq, self.K + 1, True) for r in sched.seqs], [])
-        base, n = self.build_input(sched, q_override=self.K + 1 if decode else None, tokens_on_device=chained)
+        base, n = self.build_input(sched, self.K + 1 if decode else self.chunk_q(sched), tokens_on_device=chained)
         B, Q = base.tokens.shape
         num_draft = np.zeros((B,), np.int32)
         pair_next = np.zeros((B, Q), np.int32)
@@ -179,7 +178,7 @@ class SpecModelRunner(ModelRunner):
         for i, r in enumerate(sched.seqs):
             s = r.seq
             sample[i] = r.sample
-            rows[i] = prob_rows.get(s.request_id, 0)
+            rows[i] = self._prob_rows.get(s.request_id, 0)
             if decode:
                 num_draft[i] = self.K if chained else len(s.draft_token_ids)
             else:
@@ -198,10 +197,25 @@ class SpecModelRunner(ModelRunner):
         )
         return packed
 
-    def dispatch_spec(self, sched: SchedulerOutput, prob_rows: dict, prev: jax.Array | None = None) -> jax.Array:
+    def assign_prob_rows(self, sched: SchedulerOutput, running: set):
+        """Rows of probs_buf for the scheduled requests: a request keeps its row while it is
+        ``running`` (ids), whose drafts' probabilities the row holds between steps."""
+        if not self.with_probs:
+            return
+        rows = self._prob_rows
+        for rid in [r for r in rows if r not in running]:
+            del rows[rid]
+        free = sorted(set(range(self.probs_buf.shape[0])) - set(rows.values()))
+        for r in sched.seqs:
+            if r.seq.request_id not in rows:
+                rows[r.seq.request_id] = free.pop(0)
+
+    def dispatch_spec(self, sched: SchedulerOutput, running: set, prev: jax.Array | None = None) -> jax.Array:
         """Start a speculative step (chained behind ``prev`` when given); its packed output
         stays on the device until ``read_spec``."""
-        inp, _, decode = self.build_spec_input(sched, prob_rows, chained=prev is not None)
+        if prev is None:  # a chained step keeps the rows of the step it continues
+            self.assign_prob_rows(sched, running)
+        inp, _, decode = self.build_spec_input(sched, chained=prev is not None)
         return self.run_spec(inp, decode, prev)
 
     def read_spec(self, packed: jax.Array, n: int) -> SpecStepResult:
@@ -215,8 +229,8 @@ class SpecModelRunner(ModelRunner):
             res.prompt_logprobs = packed[:, 2 * K1 + K1 * F :].reshape(n, -1, F)
         return res
 
-    def execute_spec(self, sched: SchedulerOutput, prob_rows: dict) -> SpecStepResult:
-        return self.read_spec(self.dispatch_spec(sched, prob_rows), len(sched.seqs))
+    def execute_spec(self, sched: SchedulerOutput, running: set) -> SpecStepResult:
+        return self.read_spec(self.dispatch_spec(sched, running), len(sched.seqs))
 
     def warmup_shapes(self, num_scheduler_steps: int = 1, async_scheduling: bool = False) -> list[StepShape]:
         """Every shape the speculative step compiles for: verification (Q = K + 1), with

@@ -128,6 +128,10 @@ class Transformer(nn.Module):
     def embed(self, tokens):
         return self.embed_tokens(tokens)
 
+    def embedding_table(self):
+        """The input embedding [V, H] (the drafters that share the target's embed from it)."""
+        return self.embed_tokens.embedding
+
     def lm_head_weight(self):
         """The output projection in the plan's weight layout (ops.weight_shape), for the
         DFlash drafter's logits. A tied embedding table is [V, H] in every plan: under

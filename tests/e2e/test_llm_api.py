@@ -63,3 +63,10 @@ def test_max_model_len_beyond_the_models_positions(tmp_path, monkeypatch):
     assert jspec.LLM(folder, max_model_len=64, num_pages=16).engine.max_model_len == 64
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's override, honoured
     assert jspec.LLM(folder, max_model_len=96, num_pages=16).engine.max_model_len == 96
+
+
+def test_llm_takes_engine_config_fields_only():
+    """jspec.LLM passes its keyword arguments to EngineConfig (one set of defaults); a name
+    EngineConfig does not have is an error naming it, before anything loads."""
+    with pytest.raises(ValueError, match=r"unknown engine argument\(s\) \['max_num_seq'\]"):
+        jspec.LLM(max_num_seq=4)
