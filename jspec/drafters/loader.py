@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.checkpoint.dummy import check_load_format, dummy_params
-from jspec.checkpoint.safetensors_io import CheckpointError, SafetensorsReader
+from jspec.checkpoint.safetensors_io import CheckpointError
 from jspec.checkpoint.target import resolve_dtype, set_path
+from jspec.checkpoint.tensor_sources import open_tensor_source
 from jspec.config import ConfigError, ModelConfig
 from jspec.drafters.config import FMT_EAGLE3_ORIGINAL, DrafterConfig, detect_format, drafter_config_from_hf
 
@@ -101,68 +102,6 @@ def drafter_param_spec(c: DrafterConfig) -> list[DrafterParamSpec]:
     return specs
 
 
-class _BinSource:
-    """``pytorch_model.bin`` through torch.load(weights_only=True)."""
-
-    def __init__(self, fn: str):
-        try:
-            import torch
-        except ImportError:
-            raise CheckpointError(f"{fn}: reading pytorch_model.bin needs torch, which is not installed") from None
-        self.folder = os.path.dirname(fn)
-        self.tensors = torch.load(fn, map_location="cpu", weights_only=True)
-
-    def __contains__(self, name):
-        return name in self.tensors
-
-    def names(self):
-        return self.tensors.keys()
-
-    def shape(self, name):
-        return tuple(self.tensors[name].shape)
-
-    def get(self, name) -> np.ndarray:
-        t = self.tensors[name]
-        # numpy has no bfloat16: widen floats to float32 before the final cast.
-        return (t.float() if t.is_floating_point() else t).numpy()
-
-
-class _SafetensorsSource:
-    def __init__(self, folder: str):
-        self.reader = SafetensorsReader(folder)
-        self.folder = folder
-
-    def __contains__(self, name):
-        return name in self.reader
-
-    def names(self):
-        return self.reader.names()
-
-    def shape(self, name):
-        return self.reader.shape(name)
-
-    def get(self, name):
-        return self.reader.get(name)
-
-    def get_int(self, name) -> np.ndarray:
-        # framework="flax" would truncate int64 with a warning; numpy keeps it exact.
-        from safetensors import safe_open
-
-        with safe_open(self.reader.files[name], framework="np") as f:
-            return f.get_tensor(name)
-
-
-def open_tensor_source(folder: str):
-    """safetensors (single or sharded) first; else pytorch_model.bin."""
-    has_st = any(os.path.exists(os.path.join(folder, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
-    if has_st:
-        return _SafetensorsSource(folder)
-    binf = os.path.join(folder, "pytorch_model.bin")
-    if os.path.exists(binf):
-        return _BinSource(binf)
-    raise CheckpointError(f"no model.safetensors, model.safetensors.index.json or pytorch_model.bin in {folder!r}")
-
-
 def check_specs(src, specs: list[DrafterParamSpec], folder: str):
     for spec in specs:
         for name, want in zip(spec.sources, spec.source_shapes):
@@ -217,8 +156,7 @@ def load_drafter(path, target_cfg: ModelConfig, dtype="float32", sharding=None, 
     params: dict = {}
     for spec in specs:
         if spec.integer:
-            raw = src.get_int(spec.sources[0]) if hasattr(src, "get_int") else src.get(spec.sources[0])
-            arr = jnp.asarray(np.asarray(raw).astype(np.int32))
+            arr = jnp.asarray(np.asarray(src.get_int(spec.sources[0])).astype(np.int32))
         else:
             parts = [jnp.asarray(src.get(n)).astype(dt) for n in spec.sources]
             arr = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
