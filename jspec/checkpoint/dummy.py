@@ -15,6 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jspec.checkpoint.param_spec import ParamSpec, set_path
+
 LOAD_FORMATS = ("auto", "dummy")  # "auto": the folder's orbax copy, else its safetensors / .bin
 
 
@@ -24,14 +26,12 @@ def check_load_format(load_format: str) -> str:
     return load_format
 
 
-def dummy_params(specs, dtype, seed: int = 0, sharding=None) -> dict:
-    """A parameter tree for ``specs`` (ParamSpec / DrafterParamSpec: path, shape, integer)."""
-    from jspec.checkpoint.target import set_path
-
+def dummy_params(specs: list[ParamSpec], dtype, seed: int = 0, sharding=None) -> dict:
+    """A parameter tree for ``specs`` (a target's or a drafter's ParamSpecs)."""
     key = jax.random.PRNGKey(seed)
     tree: dict = {}
     for i, s in enumerate(specs):
-        if getattr(s, "integer", False):
+        if s.integer:
             arr = jnp.zeros(s.shape, jnp.int32)
         else:
             k = jax.random.fold_in(key, i)

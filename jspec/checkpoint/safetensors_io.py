@@ -2,6 +2,7 @@
 
 Tensors are read one at a time (``safe_open`` maps the file; only the requested tensor is
 materialised), so loading never holds a second full copy of the model in host memory.
+tensor_sources.py picks this reader or the ``pytorch_model.bin`` one for a folder.
 """
 
 from __future__ import annotations
@@ -65,9 +66,22 @@ class SafetensorsReader:
             raise CheckpointError(f"checkpoint in {self.folder!r} is missing tensor {name!r}")
         return self._handle(self.files[name]).get_tensor(name)
 
+    def get_int(self, name: str):
+        # framework="flax" would truncate int64 with a warning; numpy keeps it exact.
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], framework="np") as f:
+            return f.get_tensor(name)
+
     def nbytes(self) -> int:
         return sum(os.path.getsize(fn) for fn in set(self.files.values()))
 
     def close(self):
         self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 

@@ -14,15 +14,13 @@ import os
 
 import numpy as np
 
-from jspec.drafters.loader import open_tensor_source, read_drafter_config
+from jspec.checkpoint.tensor_sources import open_tensor_source
+from jspec.drafters.loader import read_drafter_config
 
 
 def _read_all(folder: str) -> dict[str, np.ndarray]:
-    src = open_tensor_source(folder)
-    out = {}
-    for n in src.names():
-        out[n] = src.get_int(n) if hasattr(src, "get_int") and n in ("d2t", "t2d") else np.asarray(src.get(n))
-    return out
+    with open_tensor_source(folder) as src:
+        return {n: src.get_int(n) if n in ("d2t", "t2d") else np.asarray(src.get(n)) for n in src.names()}
 
 
 def _write(folder: str, config: dict, tensors: dict[str, np.ndarray], as_bin: bool):

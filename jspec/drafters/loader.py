@@ -1,94 +1,78 @@
 """Drafter parameters from a checkpoint folder (speculators, original EAGLE3, z-lab DFlash).
 
 ``drafter_param_spec`` is the single map from our parameter tree to the checkpoint's tensor
-names for every layout; names and shapes are all checked before any tensor is read, so a
-bad checkpoint fails with the tensor's name (and both shapes) rather than deep in a forward.
+names for every layout; the load goes through the targets' spec and loader
+(jspec/checkpoint/param_spec.py), so names and shapes are all checked before any tensor is
+read and a bad checkpoint fails with the tensor's name (and both shapes) rather than deep in
+a forward.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 from jspec.checkpoint.dummy import check_load_format, dummy_params
-from jspec.checkpoint.safetensors_io import CheckpointError, SafetensorsReader
-from jspec.checkpoint.target import resolve_dtype, set_path
+from jspec.checkpoint.param_spec import ParamSpec, SpecList, check_specs, load_params, resolve_dtype
+from jspec.checkpoint.tensor_sources import open_tensor_source
 from jspec.config import ConfigError, ModelConfig
 from jspec.drafters.config import FMT_EAGLE3_ORIGINAL, DrafterConfig, detect_format, drafter_config_from_hf
 
 
-@dataclasses.dataclass(frozen=True)
-class DrafterParamSpec:
-    path: tuple[str, ...]  # our tree path
-    shape: tuple[int, ...]  # our shape (sources concatenated on axis 0, then reshaped)
-    sources: tuple[str, ...]  # checkpoint tensor names
-    source_shapes: tuple[tuple[int, ...], ...]
-    integer: bool = False  # d2t: kept as int32, never cast to the float dtype
-
-
-def drafter_param_spec(c: DrafterConfig) -> list[DrafterParamSpec]:
+def drafter_param_spec(c: DrafterConfig) -> list[ParamSpec]:
     H, D, I, Vd = c.hidden_size, c.head_dim, c.intermediate_size, c.draft_vocab_size
-    specs: list[DrafterParamSpec] = []
-
-    def add(path, sources, source_shapes, shape=None, integer=False):
-        cat = (sum(s[0] for s in source_shapes),) + tuple(source_shapes[0][1:])
-        specs.append(DrafterParamSpec(tuple(path), tuple(shape or cat), tuple(sources), tuple(source_shapes), integer))
+    specs = SpecList()
 
     def layer(i: int, prefix: str, in_features: int, dflash: bool):
         L = f"layers_{i}"
-        add((L, "input_layernorm", "weight"), [f"{prefix}.input_layernorm.weight"], [(H,)])
-        add((L, "post_attention_layernorm", "weight"), [f"{prefix}.post_attention_layernorm.weight"], [(H,)])
+        specs.add((L, "input_layernorm", "weight"), [f"{prefix}.input_layernorm.weight"], [(H,)])
+        specs.add((L, "post_attention_layernorm", "weight"), [f"{prefix}.post_attention_layernorm.weight"], [(H,)])
         a = f"{prefix}.self_attn"
         if dflash:
-            add((L, "attn", "q_proj", "weight"), [f"{a}.q_proj.weight"], [(c.q_size, in_features)])
-            add((L, "attn", "kv_proj", "weight"), [f"{a}.k_proj.weight", f"{a}.v_proj.weight"],
-                [(c.kv_size, in_features), (c.kv_size, in_features)])
+            specs.add((L, "attn", "q_proj", "weight"), [f"{a}.q_proj.weight"], [(c.q_size, in_features)])
+            specs.add((L, "attn", "kv_proj", "weight"), [f"{a}.k_proj.weight", f"{a}.v_proj.weight"],
+                      [(c.kv_size, in_features), (c.kv_size, in_features)])
             if c.attention_bias:
-                add((L, "attn", "q_proj", "bias"), [f"{a}.q_proj.bias"], [(c.q_size,)])
-                add((L, "attn", "kv_proj", "bias"), [f"{a}.k_proj.bias", f"{a}.v_proj.bias"], [(c.kv_size,), (c.kv_size,)])
+                specs.add((L, "attn", "q_proj", "bias"), [f"{a}.q_proj.bias"], [(c.q_size,)])
+                specs.add((L, "attn", "kv_proj", "bias"), [f"{a}.k_proj.bias", f"{a}.v_proj.bias"], [(c.kv_size,), (c.kv_size,)])
         else:
             qkv = [f"{a}.{n}_proj" for n in "qkv"]
             shapes = [(c.q_size,), (c.kv_size,), (c.kv_size,)]
-            add((L, "attn", "qkv_proj", "weight"), [n + ".weight" for n in qkv], [s + (in_features,) for s in shapes])
+            specs.add((L, "attn", "qkv_proj", "weight"), [n + ".weight" for n in qkv], [s + (in_features,) for s in shapes])
             if c.attention_bias:
-                add((L, "attn", "qkv_proj", "bias"), [n + ".bias" for n in qkv], shapes)
-        add((L, "attn", "o_proj", "weight"), [f"{a}.o_proj.weight"], [(H, c.q_size)])
+                specs.add((L, "attn", "qkv_proj", "bias"), [n + ".bias" for n in qkv], shapes)
+        specs.add((L, "attn", "o_proj", "weight"), [f"{a}.o_proj.weight"], [(H, c.q_size)])
         if c.attention_bias:
-            add((L, "attn", "o_proj", "bias"), [f"{a}.o_proj.bias"], [(H,)])
+            specs.add((L, "attn", "o_proj", "bias"), [f"{a}.o_proj.bias"], [(H,)])
         if c.qk_norm:
-            add((L, "attn", "q_norm", "weight"), [f"{a}.q_norm.weight"], [(D,)])
-            add((L, "attn", "k_norm", "weight"), [f"{a}.k_norm.weight"], [(D,)])
+            specs.add((L, "attn", "q_norm", "weight"), [f"{a}.q_norm.weight"], [(D,)])
+            specs.add((L, "attn", "k_norm", "weight"), [f"{a}.k_norm.weight"], [(D,)])
         m = f"{prefix}.mlp"
-        add((L, "mlp", "gate_up_proj", "weight"), [f"{m}.gate_proj.weight", f"{m}.up_proj.weight"], [(I, H), (I, H)])
-        add((L, "mlp", "down_proj", "weight"), [f"{m}.down_proj.weight"], [(H, I)])
+        specs.add((L, "mlp", "gate_up_proj", "weight"), [f"{m}.gate_proj.weight", f"{m}.up_proj.weight"], [(I, H), (I, H)])
+        specs.add((L, "mlp", "down_proj", "weight"), [f"{m}.down_proj.weight"], [(H, I)])
         if c.mlp_bias:
-            add((L, "mlp", "gate_up_proj", "bias"), [f"{m}.gate_proj.bias", f"{m}.up_proj.bias"], [(I,), (I,)])
-            add((L, "mlp", "down_proj", "bias"), [f"{m}.down_proj.bias"], [(H,)])
+            specs.add((L, "mlp", "gate_up_proj", "bias"), [f"{m}.gate_proj.bias", f"{m}.up_proj.bias"], [(I,), (I,)])
+            specs.add((L, "mlp", "down_proj", "bias"), [f"{m}.down_proj.bias"], [(H,)])
 
-    add(("fc", "weight"), ["fc.weight"], [(H, c.fc_in_features)])
-    add(("norm", "weight"), ["norm.weight"], [(H,)])
+    specs.add(("fc", "weight"), ["fc.weight"], [(H, c.fc_in_features)])
+    specs.add(("norm", "weight"), ["norm.weight"], [(H,)])
     if c.has_d2t:
-        add(("d2t",), ["d2t"], [(Vd,)], integer=True)
+        specs.add(("d2t",), ["d2t"], [(Vd,)], integer=True)
     if c.method == "dflash":
-        add(("hidden_norm", "weight"), ["hidden_norm.weight"], [(H,)])
+        specs.add(("hidden_norm", "weight"), ["hidden_norm.weight"], [(H,)])
         for i in range(c.num_layers):
             layer(i, f"layers.{i}", H, dflash=True)
         if not c.uses_target_lm_head:
-            add(("lm_head",), ["lm_head.weight"], [(Vd, H)])
+            specs.add(("lm_head",), ["lm_head.weight"], [(Vd, H)])
         return specs
 
     if c.norm_before_fc:
-        add(("input_norm", "weight"), ["input_norm.weight"], [(c.fc_in_features,)])
+        specs.add(("input_norm", "weight"), ["input_norm.weight"], [(c.fc_in_features,)])
     if c.has_own_embeddings:
-        add(("embed_tokens",), ["embed_tokens.weight"], [(c.target_vocab_size, H)])
-    add(("lm_head",), ["lm_head.weight"], [(Vd, H)])
+        specs.add(("embed_tokens",), ["embed_tokens.weight"], [(c.target_vocab_size, H)])
+    specs.add(("lm_head",), ["lm_head.weight"], [(Vd, H)])
     if c.method == "peagle":
-        add(("mask_hidden",), ["mask_hidden"], [(1, 1, c.fc_in_features)], shape=(c.fc_in_features,))
+        specs.add(("mask_hidden",), ["mask_hidden"], [(1, 1, c.fc_in_features)], shape=(c.fc_in_features,))
     if c.source_format == FMT_EAGLE3_ORIGINAL:
         if c.num_layers != 1:
             raise ConfigError(f"config.json: original-format EAGLE3 has one 'midlayer', got num_hidden_layers={c.num_layers}")
@@ -97,82 +81,8 @@ def drafter_param_spec(c: DrafterConfig) -> list[DrafterParamSpec]:
         prefixes = [f"layers.{i}" for i in range(c.num_layers)]
     for i, prefix in enumerate(prefixes):
         layer(i, prefix, 2 * H if i == 0 else H, dflash=False)
-    add(("layers_0", "hidden_norm", "weight"), [f"{prefixes[0]}.hidden_norm.weight"], [(H,)])
+    specs.add(("layers_0", "hidden_norm", "weight"), [f"{prefixes[0]}.hidden_norm.weight"], [(H,)])
     return specs
-
-
-class _BinSource:
-    """``pytorch_model.bin`` through torch.load(weights_only=True)."""
-
-    def __init__(self, fn: str):
-        try:
-            import torch
-        except ImportError:
-            raise CheckpointError(f"{fn}: reading pytorch_model.bin needs torch, which is not installed") from None
-        self.folder = os.path.dirname(fn)
-        self.tensors = torch.load(fn, map_location="cpu", weights_only=True)
-
-    def __contains__(self, name):
-        return name in self.tensors
-
-    def names(self):
-        return self.tensors.keys()
-
-    def shape(self, name):
-        return tuple(self.tensors[name].shape)
-
-    def get(self, name) -> np.ndarray:
-        t = self.tensors[name]
-        # numpy has no bfloat16: widen floats to float32 before the final cast.
-        return (t.float() if t.is_floating_point() else t).numpy()
-
-
-class _SafetensorsSource:
-    def __init__(self, folder: str):
-        self.reader = SafetensorsReader(folder)
-        self.folder = folder
-
-    def __contains__(self, name):
-        return name in self.reader
-
-    def names(self):
-        return self.reader.names()
-
-    def shape(self, name):
-        return self.reader.shape(name)
-
-    def get(self, name):
-        return self.reader.get(name)
-
-    def get_int(self, name) -> np.ndarray:
-        # framework="flax" would truncate int64 with a warning; numpy keeps it exact.
-        from safetensors import safe_open
-
-        with safe_open(self.reader.files[name], framework="np") as f:
-            return f.get_tensor(name)
-
-
-def open_tensor_source(folder: str):
-    """safetensors (single or sharded) first; else pytorch_model.bin."""
-    has_st = any(os.path.exists(os.path.join(folder, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
-    if has_st:
-        return _SafetensorsSource(folder)
-    binf = os.path.join(folder, "pytorch_model.bin")
-    if os.path.exists(binf):
-        return _BinSource(binf)
-    raise CheckpointError(f"no model.safetensors, model.safetensors.index.json or pytorch_model.bin in {folder!r}")
-
-
-def check_specs(src, specs: list[DrafterParamSpec], folder: str):
-    for spec in specs:
-        for name, want in zip(spec.sources, spec.source_shapes):
-            if name not in src:
-                raise CheckpointError(f"drafter checkpoint {folder!r} is missing tensor {name!r}")
-            got = tuple(src.shape(name))
-            if got != tuple(want):
-                raise CheckpointError(
-                    f"tensor {name!r} in {folder!r} has shape {list(got)}, expected {list(want)} from config.json"
-                )
 
 
 def read_drafter_config(path) -> dict:
@@ -210,20 +120,8 @@ def load_drafter(path, target_cfg: ModelConfig, dtype="float32", sharding=None, 
     if check_load_format(load_format) == "dummy":
         cfg = drafter_config_from_hf(d, target_cfg, _dummy_tensor_names(*detect_format(d)))
         return cfg, dummy_params(drafter_param_spec(cfg), dt, seed=1, sharding=sharding)
-    src = open_tensor_source(path)
-    cfg = drafter_config_from_hf(d, target_cfg, frozenset(src.names()))
-    specs = drafter_param_spec(cfg)
-    check_specs(src, specs, path)
-    params: dict = {}
-    for spec in specs:
-        if spec.integer:
-            raw = src.get_int(spec.sources[0]) if hasattr(src, "get_int") else src.get(spec.sources[0])
-            arr = jnp.asarray(np.asarray(raw).astype(np.int32))
-        else:
-            parts = [jnp.asarray(src.get(n)).astype(dt) for n in spec.sources]
-            arr = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-            arr = arr.reshape(spec.shape)
-        if sharding is not None:
-            arr = jax.device_put(arr, sharding)
-        set_path(params, spec.path, arr)
-    return cfg, params
+    with open_tensor_source(path) as src:
+        cfg = drafter_config_from_hf(d, target_cfg, frozenset(src.names()))
+        specs = drafter_param_spec(cfg)
+        check_specs(src, specs, path, "drafter checkpoint")
+        return cfg, load_params(src, specs, dt, sharding)

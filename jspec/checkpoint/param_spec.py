@@ -1,0 +1,109 @@
+"""The one parameter spec and loader of targets and drafters.
+
+A spec function (``target_param_spec`` in target.py, ``drafter_param_spec`` in
+jspec/drafters/loader.py) lists one ``ParamSpec`` per leaf of our parameter tree: its path,
+its shape and the checkpoint tensors it is made of. From that list alone
+``check_specs`` checks every tensor name and shape before any tensor is read (a bad
+checkpoint fails naming the tensor, and both shapes), ``load_params`` streams the tensors
+into the tree, dummy.py draws random weights and target.py's orbax restore builds its
+target tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.checkpoint.safetensors_io import CheckpointError
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One leaf: its ``sources`` concatenated on axis 0, then reshaped to ``shape``."""
+
+    path: tuple[str, ...]  # our tree path
+    shape: tuple[int, ...]  # our shape
+    sources: tuple[str, ...]  # checkpoint tensor names
+    source_shapes: tuple[tuple[int, ...], ...]  # their shapes in the checkpoint
+    integer: bool = False  # kept as int32 (d2t), never cast to the float dtype
+
+
+class SpecList(list):
+    """The ParamSpecs of one model, in load order, appended through ``add``."""
+
+    def add(self, path, sources, source_shapes, shape=None, integer=False):
+        """A leaf at ``path``; ``shape`` defaults to the sources' concatenation on axis 0."""
+        source_shapes = tuple(tuple(s) for s in source_shapes)
+        cat = (sum(s[0] for s in source_shapes),) + source_shapes[0][1:]
+        self.append(ParamSpec(tuple(path), tuple(shape or cat), tuple(sources), source_shapes, integer))
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported (choose from {sorted(DTYPES)})")
+        return DTYPES[dtype]
+    return jnp.dtype(dtype)
+
+
+def set_path(tree: dict, path: tuple[str, ...], value):
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def check_specs(src, specs: list[ParamSpec], folder: str, what: str):
+    """Every source tensor of ``specs`` is in ``src`` with its shape, else CheckpointError.
+
+    ``what`` names the folder's role in the missing-tensor message ("checkpoint",
+    "drafter checkpoint").
+    """
+    for spec in specs:
+        for name, want in zip(spec.sources, spec.source_shapes):
+            if name not in src:
+                raise CheckpointError(f"{what} {folder!r} is missing tensor {name!r}")
+            got = tuple(src.shape(name))
+            if got != tuple(want):
+                raise CheckpointError(
+                    f"tensor {name!r} in {folder!r} has shape {list(got)}, expected {list(want)} from config.json"
+                )
+
+
+def load_params(src, specs: list[ParamSpec], dtype, sharding=None, progress=None) -> dict:
+    """The param tree of ``specs``, read from ``src`` one tensor at a time (check_specs first).
+
+    Float leaves are cast to ``dtype``, integer leaves kept int32; each leaf is placed on
+    ``sharding`` when given. ``progress`` None shows a tqdm bar for checkpoints over 1 GiB.
+    """
+    if progress is None:
+        progress = src.nbytes() > (1 << 30)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(len(s.sources) for s in specs), desc="loading weights", unit="tensor")
+    params: dict = {}
+    for spec in specs:
+        parts = []
+        for name in spec.sources:
+            if spec.integer:
+                parts.append(jnp.asarray(np.asarray(src.get_int(name)).astype(np.int32)))
+            else:
+                parts.append(jnp.asarray(src.get(name)).astype(dtype))
+            if bar is not None:
+                bar.update(1)
+        arr = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+        if arr.shape != spec.shape:
+            arr = arr.reshape(spec.shape)
+        if sharding is not None:
+            arr = jax.device_put(arr, sharding)
+        set_path(params, spec.path, arr)
+        del parts
+    if bar is not None:
+        bar.close()
+    return params
