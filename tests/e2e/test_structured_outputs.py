@@ -12,7 +12,7 @@ import pytest
 
 import jspec
 from jspec import family
-from jspec.engine import runner as runner_mod
+from jspec.engine import runner_base as runner_mod
 from tests.helpers.structured import schemas, valid
 
 SCHEMAS = schemas(50)
