@@ -192,7 +192,7 @@ def format_metrics(m: dict, title: str) -> str:
             ("Mean tokens per chunk:", f"{m['mean_tokens_per_chunk']:.2f}")]
     if m.get("spec_decode"):
         s = m["spec_decode"]
-        rows += [("Drafts:", s["num_drafts"]), ("Mean acceptance length:", f"{s['mean_acceptance_length']:.2f}")]
+        rows += [("Drafts:", int(s["num_drafts"])), ("Mean acceptance length:", f"{s['mean_acceptance_length']:.2f}")]
     lines = ["=" * 60, title, "=" * 60] + [f"{k:<44}{v:>16}" for k, v in rows]
     for name, head in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
