@@ -16,9 +16,11 @@ are vLLM's definitions and names, so figures compare with ``vllm bench serve``'s
 
     # a running server
     python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --rates 1,4,16
-    # start `python -m jspec.serve ARGS` for each --launch, plain then with a drafter
+    # start `python -m jspec.serve ARGS` for each --launch (ARGS shell-quoted), plain then
+    # with a drafter; docs/benchmarks.md has the 8B command
+    SPEC='{"method": "eagle3", "model": "DRAFTER", "num_speculative_tokens": 3}'
     python scripts/bench_serving.py --rates 1,4 --launch "--model M" \\
-        --launch "--model M --speculative-config '{\\"method\\": \\"eagle3\\", \\"model\\": \\"D\\"}'"
+        --launch "--model M --speculative-config '$SPEC'"
 
 Exit status 1 if any request failed (the first error is printed), 2 if a server did not start.
 """
