@@ -115,3 +115,29 @@ def write_tokenizer(folder: str, vocab_size: int, seed: int = 0) -> None:
     tok.add_special_tokens(["<|begin_of_text|>", "<|eot_id|>"])
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
                             eos_token="<|eot_id|>").save_pretrained(folder)
+
+
+def main(argv=None) -> None:
+    """Write the folders bench.py's llm section uses, for a server (scripts/bench_serving.py):
+    ``python scripts/bench_llm_folders.py OUT --method eagle3`` -> OUT/target-llama, OUT/drafter-eagle3."""
+    import argparse
+
+    from bench import LLAMA_8B, QWEN3_8B, drafter_config
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("out")
+    p.add_argument("--method", default="eagle3", choices=["eagle3", "peagle", "dflash"],
+                   help="eagle3: the Llama-3.1-8B shape; peagle, dflash: Qwen3-8B (as bench.py)")
+    p.add_argument("--k", type=int, default=3, help="the drafter config's speculative tokens")
+    p.add_argument("--no-tokenizer", dest="tokenizer", action="store_false",
+                   help="no tokenizer in the target folder (the server then streams token ids, no text)")
+    a = p.parse_args(argv)
+    cfg = LLAMA_8B if a.method == "eagle3" else QWEN3_8B
+    tdir, ddir = write_folders(a.out, cfg, drafter_config(a.method, cfg, False), a.k)
+    if a.tokenizer:
+        write_tokenizer(tdir, cfg.vocab_size)
+    print(f"target: {tdir}\ndrafter: {ddir}")
+
+
+if __name__ == "__main__":
+    main()
