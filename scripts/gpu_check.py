@@ -105,9 +105,10 @@ def use_checkpoints(folder: str):
 
 
 class Report:
-    def __init__(self, only: str = ""):
+    def __init__(self, only: str = "", md: str | None = None):
         self.lines: list[tuple[str, bool, str]] = []
         self.only = only
+        self.md = md  # rewritten after every line: a run cut short by a time limit keeps what it checked
 
     def check(self, name: str, fn):
         if self.only and not re.search(self.only, name):
@@ -123,6 +124,8 @@ class Report:
         gc.collect()  # engines of this line (reference cycles) give their device memory back
         self.lines.append((name, ok, detail))
         print(f"[{'PASS' if ok else 'FAIL'}] {name}: {detail}", flush=True)
+        if self.md:
+            write_md(self.md, self, [])
 
 
 def _on_gpu_kernels(eng):
@@ -488,7 +491,10 @@ def main():
         sys.exit(f"gpu_check needs a GPU; jax's backend is {jax.default_backend()!r}")
     _ckpts = os.path.abspath(args.ckpts)
     refs = use_checkpoints(_ckpts)
-    rep = Report(args.only)
+    rep = Report(args.only, args.md)
+    # First, while this process holds no device memory: the server sizes its KV pool from the
+    # memory it sees, and on an 80 GB card it ran out beside this process's engines.
+    rep.check("python -m jspec.serve with a drafter answers a completion", lambda: serve("eagle3", 3))
     for name, k, what in DRAFTERS:
         for dtype in ("float32", "bfloat16"):
             rep.check(f"spec greedy == plain greedy: {what}, K={k}, {dtype}", lambda name=name, k=k, dtype=dtype: lossless(name, k, dtype))
@@ -505,7 +511,6 @@ def main():
         rep.check(f"rejection kernel == reference: {what}", lambda method=method, probs=probs: rejection(method, probs))
     rep.check("LLMEngine.warmup() with a drafter (EAGLE3)", lambda: warmup("eagle3", 3))
     rep.check("LLMEngine.warmup() with a drafter (DFlash)", lambda: warmup("dflash4", 3))
-    rep.check("python -m jspec.serve with a drafter answers a completion", lambda: serve("eagle3", 3))
     perf_lines = []
     if not (args.no_perf or _cpu_smoke):
         try:
