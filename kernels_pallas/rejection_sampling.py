@@ -51,9 +51,8 @@ probability buffer). Whether to sort (`filtering`): decided on the host when the
 params are host values, else by a lax.cond on the device -- which on GPU reads its
 predicate on the host: ~50 us per call on the H200, half the kernel time at B=64, K=7
 (scripts/bench_rejection.py). Callers that know (filtering="off"/"on") skip it: the engine
-decides it per step on the host (ModelRunner._filtering, a static jit argument). The kernels
-have no all-greedy fast path for the same reason (greedy rows cost one argmax pass in the
-kernel); the reference impl, which serves the CPU, has one behind a lax.cond.
+decides it per step on the host (a static jit argument). The kernels have no all-greedy fast
+path for the same reason; the reference impl (the CPU's) has one behind a lax.cond.
 
 Random numbers: a stateless int32 hash (sampling_utils) keyed on (seed, position, salt):
 u1, u2 per row for the draw and u_i for the accept test, so results do not depend on batch
@@ -427,25 +426,22 @@ def _rejection_sample_jit(target_logits, draft_tokens, num_draft, draft_probs, t
     d, mode, key, inv_t, thr = _row_params(target_logits, draft_tokens, num_draft, temperature,
                                            top_k, top_p, seeds, positions,
                                            filtering=filtering)
+    rest = (d, num_draft, draft_probs, temperature, seeds, positions, method, synthetic_rates)
     if impl == "reference":
-        def sampled(_):
-            cand, p_d = _ref_rows(target_logits, draft_probs, d, mode, key, inv_t, thr)
-            return _epilogue(cand, p_d, d, num_draft, draft_probs, temperature, seeds, positions,
-                             method, synthetic_rates)
-
-        def all_greedy(_):  # the argmax is every greedy row's answer (lowest index of the max)
+        # The reference impl serves the CPU, where a conditional is decided on the device (no
+        # host sync, unlike on a GPU); an all-greedy batch skips the sampling math, ~10% of a
+        # greedy K = 7 verification step of the family. Greedy rows: the lowest argmax.
+        def all_greedy(_):
             cand = su.first_argmax(target_logits)
-            return _epilogue(cand, jnp.zeros(cand.shape, jnp.float32), d, num_draft, draft_probs,
-                             temperature, seeds, positions, method, synthetic_rates)
+            return _epilogue(cand, jnp.zeros(cand.shape, jnp.float32), *rest)
 
-        # The reference impl serves the CPU, where a conditional is decided on the device
-        # (no host sync, unlike on a GPU) and the sampling math it skips is ~10% of a
-        # greedy K = 7 verification step of the family (cumsums over 2048-wide blocks).
+        def sampled(_):
+            return _epilogue(*_ref_rows(target_logits, draft_probs, d, mode, key, inv_t, thr), *rest)
+
         return jax.lax.cond(jnp.all(temperature <= 0.0), all_greedy, sampled, None)
     cand, p_d = _kernel_rows(target_logits, draft_probs, d, mode, key, inv_t, thr, impl=impl,
                              bpp=blocks_per_program, num_warps=num_warps, num_stages=num_stages)
-    return _epilogue(cand, p_d, d, num_draft, draft_probs, temperature, seeds, positions,
-                     method, synthetic_rates)
+    return _epilogue(cand, p_d, *rest)
 
 
 def host_filtering(temperature, top_k, top_p, v):
