@@ -57,6 +57,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas.tuning import device_tuning
+
 PROLOGUES = ("none", "rmsnorm", "silu_mul")
 
 
@@ -140,32 +142,30 @@ def _pow2_divisor(n: int, pref: int, least: int) -> int:
 
 
 def default_blocks(F: int, K: int):
-    """(block_f, block_d, num_warps, num_stages), or None when no tile divides the shape.
-
-    From the H200 sweep (2026-11-21, scripts/bench_linear.py --sweep, GPU time, Llama-3.1-8B
-    layer shapes with their prologues): K = 4096 (qkv, o) best at 8 x 512 tiles, 4 warps,
-    4 stages (qkv 15.9 us, o 10.7; 16 x 512: 16.3 / 11.3); K = 14336 (down) at 16 x 1024,
-    8 warps, 2 stages (30.7 us; 16 x 512: 32.9)."""
-    bf, bd, warps, stages = (16, 1024, 8, 2) if K >= 8192 else (8, 512, 4, 4)
-    bf, bd = _pow2_divisor(F, bf, 2), _pow2_divisor(K, bd, 32)
-    return (bf, bd, warps, stages) if bf and bd else None
+    """(block_f, block_d, num_warps, num_stages), or None when no tile divides the shape:
+    the device's elementwise row (kernels_pallas/tuning.py), shrunk to powers of two that
+    divide [F, K]. On the H200: K = 4096 (qkv, o) 8 x 512 tiles, 4 warps, 4 stages (qkv
+    15.9 us, o 10.7; 16 x 512: 16.3 / 11.3); K = 14336 (down) 16 x 1024, 8 warps, 2 stages
+    (30.7 us; 16 x 512: 32.9)."""
+    t = device_tuning().linear_tile(F, K, mma=False)
+    bf, bd = _pow2_divisor(F, t.block_f, 2), _pow2_divisor(K, t.block_d, 32)
+    return (bf, bd, t.num_warps, t.num_stages) if bf and bd else None
 
 
 def default_mma_blocks(F: int, K: int, dtype):
     """fused_linear's default tiles, (block_f, block_d, num_warps, num_stages, True): the
     weight tile feeds a tensor-core dot (h in row 0 of a 16-row operand), which Triton
     software-pipelines through shared memory; the elementwise stream's loads it does not.
-    From the H200 exploration (2026-11-21, GPU time, two runs of a scratch sweep now in
-    scripts/bench_linear.py --sweep; raw results in git history, commit 2f4c831):
+    The device's tensor-core row (kernels_pallas/tuning.py). On the H200 (2026-11-21, GPU
+    time, scripts/bench_linear.py --sweep; raw results in git history, commit 2f4c831):
     o [4096, 4096] 11.3 us vs 11.8 elementwise, qkv [6144, 4096] + RMSNorm 15.4-16.0 vs
     17.5, down [4096, 14336] + SwiGLU 31.9 vs 33.1. bf16 / f16 only (an f32 dot would run in
     TF32); None where no tile divides the shape (then default_blocks)."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return None
-    bf, bd = (32, 512) if K >= 8192 else ((64, 256) if F >= 6144 else (32, 256))
-    stages = 4 if bf == 64 else 6
-    bf, bd = _pow2_divisor(F, bf, 16), _pow2_divisor(K, bd, 32)
-    return (bf, bd, 4, stages, True) if bf and bd else None
+    t = device_tuning().linear_tile(F, K, mma=True)
+    bf, bd = _pow2_divisor(F, t.block_f, 16), _pow2_divisor(K, t.block_d, 32)
+    return (bf, bd, t.num_warps, t.num_stages, True) if bf and bd else None
 
 
 def silu_mul_rounded(g, u, dtype):

@@ -278,13 +278,14 @@ def paged_attention_gpu(
     G = H // KVH
     N = B * Q * H
     R = Q * G
-    if block_rows is None:
-        block_rows = min(max(16, _next_pow2(R)), 128)  # all rows of a kv head in one program
+    tuning = device_tuning()  # kernels_pallas/tuning.py
+    if block_rows is None:  # all rows of a kv head in one program, up to the device's cap
+        block_rows = min(max(16, _next_pow2(R)), tuning.attn_max_block_rows)
     if block_kv is None:
-        block_kv = 64
+        block_kv = tuning.attn_block_kv
     row_blocks = -(-R // block_rows)
     num_kv_blocks = -(-(W * S) // block_kv)
-    num_sms = device_tuning().num_sms  # programs per wave (kernels_pallas/tuning.py)
+    num_sms = tuning.num_sms  # programs per wave
     if kv_splits is None:
         kv_splits = default_kv_splits(B, KVH, row_blocks, num_kv_blocks, num_sms)
     kv_splits = min(kv_splits, num_kv_blocks)

@@ -2,19 +2,16 @@
 
 Public API
 ----------
-rejection_sample(target_logits, draft_tokens, num_draft, draft_probs, temperature, top_k,
-                 top_p, seeds, positions, *, method="standard", synthetic_rates=None,
-                 impl="auto", blocks_per_program=1, num_warps=2, num_stages=1,
-                 filtering="auto")
+rejection_sample(target_logits, draft_tokens, num_draft, draft_probs, temperature, top_k, top_p,
+                 seeds, positions, *, method="standard", synthetic_rates=None, impl="auto",
+                 blocks_per_program=None, num_warps=None, num_stages=None, filtering="auto")
     -> (tokens i32[B, K+1] padded with -1, num_emitted i32[B])
 ref_rejection_sample(...): same signature minus the tuning arguments, pure jnp.
 The GPU and TPU kernels (per-block statistics of the logits) are in
 kernels_pallas/rejection_blocks.py; this file holds the contract, the reference, the
-shared jnp draw and the jitted wrapper.
-Helpers live in kernels_pallas/sampling_utils.py (uniform, target_probs,
-sample_from_probs, filter_thresholds), synthetic-rate conversions in
-kernels_pallas/synthetic.py, the impl choice in kernels_pallas/dispatch.py
-(impl="auto" -> gpu / tpu / interpret by backend).
+shared jnp draw and the jitted wrapper. Helpers: kernels_pallas/sampling_utils.py,
+synthetic-rate conversions in kernels_pallas/synthetic.py, the impl choice in
+kernels_pallas/dispatch.py (impl="auto" -> gpu / tpu / interpret by backend).
 
 Design
 ------
@@ -100,6 +97,7 @@ from kernels_pallas.rejection_blocks import (  # noqa: F401  (re-exported: tests
     num_blocks,
     sample_block,
 )
+from kernels_pallas.tuning import device_tuning
 
 # ----------------------------------------------------------------------------------------
 # Validation
@@ -391,8 +389,6 @@ def _ref_jit(target_logits, draft_tokens, num_draft, draft_probs, temperature, t
                      method, synthetic_rates)
 
 
-
-
 # ----------------------------------------------------------------------------------------
 # Public wrapper
 # ----------------------------------------------------------------------------------------
@@ -470,9 +466,10 @@ def rejection_sample(
     method: str = "standard",  # "standard" | "synthetic"
     synthetic_rates=None,  # f32[K] conditional rates (method="synthetic" only)
     impl: str = "auto",  # see kernels_pallas.dispatch.resolve_impl
-    blocks_per_program: int = 1,  # GPU: vocabulary blocks per program (1, 2, 4, ...), a loop
-    num_warps: int = 2,  # Triton warps per program (GPU only; 2 was fastest on the H200)
-    num_stages: int = 1,  # Triton pipelining depth of the block loop (GPU only)
+    # GPU only, None: the device's row (kernels_pallas/tuning.py; H200: 1, 2, 1).
+    blocks_per_program: int | None = None,  # vocabulary blocks per program (1, 2, 4, ...), a loop
+    num_warps: int | None = None,  # Triton warps per program
+    num_stages: int | None = None,  # Triton pipelining depth of the block loop
     filtering: str = "auto",  # top-k/top-p sort: "auto" (when some row uses them), "off", "on"
 ):
     """Speculative-decoding verification -> (tokens i32[B, K+1] padded with -1, num_emitted i32[B]).
@@ -482,6 +479,8 @@ def rejection_sample(
     """
     _validate(target_logits, draft_tokens, num_draft, draft_probs, temperature, top_k,
               top_p, seeds, positions, method, synthetic_rates)
+    blocks_per_program, num_warps, num_stages = (d if a is None else a for a, d in zip(
+        (blocks_per_program, num_warps, num_stages), device_tuning().rejection))
     if filtering not in ("auto", "off", "on"):
         raise ValueError(f"filtering must be 'auto', 'off' or 'on', got {filtering!r}")
     if not isinstance(blocks_per_program, int) or blocks_per_program < 1 or blocks_per_program & (blocks_per_program - 1):

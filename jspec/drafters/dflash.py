@@ -32,14 +32,14 @@ from flax import linen as nn
 
 from jspec import ops
 from jspec.drafters.config import DrafterConfig
-from jspec.drafters.eagle3 import draft_probs_to_target, draft_to_target_ids, embed
+from jspec.drafters.eagle3 import DraftVocab, embed
 from jspec.drafters.layers import DFlashLayer
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import Linear, RMSNorm
 from jspec.ops import KernelPlan
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(DraftVocab, nn.Module):
     cfg: DrafterConfig
     dtype: jnp.dtype = jnp.float32
     plan: KernelPlan = KernelPlan()
@@ -91,9 +91,3 @@ class DFlashDrafter(nn.Module):
         if w is None:
             raise ValueError("this DFlash drafter uses the target's lm_head: pass target_lm_head=[Vt, H]")
         return ops.linear(self.plan, h, w, out_dtype=jnp.float32)
-
-    def to_target_ids(self, ids):  # i32[...] -> i32[...]
-        return draft_to_target_ids(ids, self.d2t if self.cfg.has_d2t else None)
-
-    def probs_to_target(self, probs):  # f[..., Vd] -> f[..., Vt]
-        return draft_probs_to_target(probs, self.d2t if self.cfg.has_d2t else None, self.cfg.target_vocab_size)

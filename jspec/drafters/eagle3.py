@@ -55,7 +55,18 @@ def draft_probs_to_target(probs, d2t, target_vocab_size: int):  # probs: f[..., 
     return out.at[..., tgt].set(probs)
 
 
-class Eagle3Drafter(nn.Module):
+class DraftVocab:
+    """Draft ids and probabilities in the target's vocabulary, for a drafter module with
+    ``cfg`` (DrafterConfig) and, when ``cfg.has_d2t``, a ``d2t`` parameter."""
+
+    def to_target_ids(self, ids):  # i32[...] draft ids -> i32[...] target ids
+        return draft_to_target_ids(ids, self.d2t if self.cfg.has_d2t else None)
+
+    def probs_to_target(self, probs):  # f[..., Vd] -> f[..., Vt]
+        return draft_probs_to_target(probs, self.d2t if self.cfg.has_d2t else None, self.cfg.target_vocab_size)
+
+
+class Eagle3Drafter(DraftVocab, nn.Module):
     """EAGLE3 / PEagle drafter. ``cfg.method`` in {"eagle3", "peagle"}."""
 
     cfg: DrafterConfig
@@ -115,12 +126,6 @@ class Eagle3Drafter(nn.Module):
     def logits(self, pre_norm_out):  # f[..., H] -> f32[..., Vd]
         h = self.norm(pre_norm_out)
         return ops.linear(self.plan, h, self.lm_head, out_dtype=jnp.float32)
-
-    def to_target_ids(self, ids):  # i32[...] draft ids -> i32[...] target ids
-        return draft_to_target_ids(ids, self.d2t if self.cfg.has_d2t else None)
-
-    def probs_to_target(self, probs):  # f[..., Vd] -> f[..., Vt]
-        return draft_probs_to_target(probs, self.d2t if self.cfg.has_d2t else None, self.cfg.target_vocab_size)
 
 
 def create_kv_cache(cfg: DrafterConfig, num_pages: int, page_size: int, dtype, sharding=None) -> KVCache:

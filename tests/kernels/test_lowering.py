@@ -272,3 +272,23 @@ def test_device_tuning_table():
     # The H200's choices, pinned: batch 1 and 32 decode at context 512 / 4096 (64-key blocks).
     assert [default_kv_splits(b, 8, 1, n, 132) for b, n in ((1, 8), (1, 64), (32, 64))] == [8, 64, 2]
     assert default_kv_splits(1, 8, 1, 64, 114) == 57
+
+
+def test_tile_tables():
+    """Projection tiles come from the device's table rows (first match by weight shape),
+    shrunk to divisors of the shape; the H200's rows, pinned on the 8B layer shapes. Every
+    table ends with a row that takes any shape."""
+    from kernels_pallas.fused_linear import default_blocks, default_mma_blocks
+    from kernels_pallas.tuning import DEVICES
+
+    assert default_blocks(6144, 4096) == (8, 512, 4, 4)
+    assert default_blocks(4096, 14336) == (16, 1024, 8, 2)
+    assert default_blocks(4096, 14338) is None  # no K chunk of >= 32 divides it
+    assert default_mma_blocks(6144, 4096, BF16) == (64, 256, 4, 4, True)
+    assert default_mma_blocks(4096, 4096, BF16) == (32, 256, 4, 6, True)
+    assert default_mma_blocks(4096, 14336, BF16) == (32, 512, 4, 6, True)
+    assert default_mma_blocks(4096, 4096, jnp.float32) is None
+    for t in DEVICES.values():
+        for rows in (t.linear, t.linear_mma):
+            assert (rows[-1].min_k, rows[-1].min_f) == (0, 0)
+            assert t.linear_tile(1, 1, rows is t.linear_mma) == rows[-1]
