@@ -14,6 +14,7 @@ after ``--before`` steps one ``--prompt-len``-token prompt arrives. Reported per
 
     python scripts/bench_mixed.py                    # 8B shape, mixed and unmixed (GPU)
     python scripts/bench_mixed.py --small            # tiny model on CPU, about a minute
+    python scripts/bench_mixed.py --check ...        # first: mixed == unmixed greedy outputs (tiny model)
 Results go to $OUT/bench_mixed.json when OUT is set.
 """
 
@@ -87,6 +88,32 @@ def scenario(eng: LLMEngine, args, rng) -> dict:
                 steps_until_first_token=n_prefill_steps, num_gaps=len(gaps))
 
 
+def check(cfg, params) -> dict:
+    """Greedy outputs of requests arriving at chosen steps, mixed engine vs unmixed, on this
+    backend's kernels (the tiny model in float32)."""
+    arrivals = [(0, 5), (0, 100), (3, 7), (5, 150), (9, 40), (12, 3), (12, 64)]  # (step, prompt length)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for _, n in arrivals]
+    outs = {}
+    for partial in (2, 0):
+        ec = EngineConfig(model="random-check", dtype="float32", max_num_seqs=4, max_model_len=256, page_size=16,
+                          num_pages=96, max_prefill_chunk=32, max_num_partial_prefills=partial)
+        eng = LLMEngine(ec, preloaded=(cfg, params))
+        done, step = {}, 0
+        while step <= arrivals[-1][0] or eng.has_unfinished_requests():
+            for i, (at, _) in enumerate(arrivals):
+                if at == step:
+                    eng.add_request(f"r{i}", prompts[i], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+            done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+            step += 1
+        outs[partial] = (done, eng.stats()["num_mixed_steps"])
+    same = sum(outs[2][0][k] == outs[0][0][k] for k in outs[0][0])
+    res = dict(requests=len(arrivals), same_outputs=same, mixed_steps=outs[2][1])
+    print(f"check: {same} of {len(arrivals)} greedy outputs equal mixed vs unmixed ({outs[2][1]} mixed steps)",
+          flush=True)
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true", help="a tiny model and short prompt: a CPU check of the script")
@@ -99,6 +126,7 @@ def main():
     ap.add_argument("--batched-tokens", type=int, default=None, help="max_num_batched_tokens (default: the engine's)")
     ap.add_argument("--partial", type=int, default=2, help="max_num_partial_prefills of the mixed engine")
     ap.add_argument("--engines", default="mixed,unmixed")
+    ap.add_argument("--check", action="store_true", help="first: mixed == unmixed greedy outputs on a tiny model")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
     cfg = LLAMA_8B
@@ -109,8 +137,11 @@ def main():
     info = dict(date=time.strftime("%Y-%m-%d"), jax=jax.__version__, device=str(jax.devices()[0].device_kind),
                 args=vars(args))
     print(info, flush=True)
-    params = random_tree(target_param_spec(cfg), args.dtype, seed=0)
     results = dict(info=info)
+    if args.check:
+        tiny = dataclasses.replace(TINY, num_layers=2)
+        results["check"] = check(tiny, random_tree(target_param_spec(tiny), "float32", seed=1))
+    params = random_tree(target_param_spec(cfg), args.dtype, seed=0)
     for name in args.engines.split(","):
         eng = make_engine(cfg, params, args, mixed=name == "mixed")
         shapes = eng.warmup_shapes()
