@@ -43,6 +43,14 @@ class SchedulerConfig:
     drop_last_prefix_hit: bool = False  # EAGLE-style drafters recompute the last hit page
     max_prefill_rows: int = 0  # > 0: mixed steps, at most this many prefill rows per step
 
+    def __post_init__(self):
+        if self.max_prefill_rows < 0:
+            raise ValueError(f"max_num_partial_prefills must be >= 0, got {self.max_prefill_rows}")
+        if self.max_prefill_rows and self.max_num_batched_tokens <= self.max_num_seqs:
+            # decode rows come first: a budget they can fill would starve every prompt
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must exceed max_num_seqs="
+                             f"{self.max_num_seqs} when mixing decode rows and prefill chunks")
+
 
 @dataclasses.dataclass
 class ScheduledSeq:

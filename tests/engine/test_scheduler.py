@@ -546,3 +546,11 @@ def test_mixed_decode_growth_preempts_a_prefilling_newcomer():
     while not sim.sched.num_preemptions:
         out = sim.step()
     assert out.preempted == [late] and late.status is Status.WAITING and [r.seq for r in out.seqs] == [a]
+
+
+@pytest.mark.parametrize("kw, match", [(dict(max_prefill_rows=-1), "max_num_partial_prefills"),
+                                       (dict(max_prefill_rows=1, max_num_batched_tokens=8), "must exceed")])
+def test_mixed_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SchedulerConfig(**{**dict(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=16,
+                                  max_model_len=128), **kw})
