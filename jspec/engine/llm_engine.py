@@ -62,8 +62,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_prefill_chunk: int = 256  # tokens of one prompt per step (the widest prefill bucket)
     # Mixed steps (jspec/engine/mixed.py; without speculation): every decode row, then chunks of
-    # at most this many prompts, in one step. 0: a step is all prefill or all decode.
-    max_num_partial_prefills: int = 2
+    # at most this many prompts, in one step. 0: a step is all prefill or all decode, prefill
+    # first (offline generate's throughput); the server mixes by default (--max-num-partial-prefills 2).
+    max_num_partial_prefills: int = 0
     seed: int = 0
     # Kernel choice ("auto" | "reference" | "gpu" | "tpu" | "interpret" | "tpu_interpret"),
     # resolved once by jspec.ops.plan_kernels: "auto" means the Pallas kernels on GPU/TPU and

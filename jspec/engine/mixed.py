@@ -5,7 +5,10 @@ row segments, each padded to its own buckets so neither pays for the other's wid
   decode segment   [Bd, 1]   every running decode row      (Bd: Buckets.batch)
   prefill segment  [Bp, Qp]  chunks of prefilling prompts  (Bp: Buckets.prefill_rows,
                                                               Qp: Buckets.mixed_q)
-Both share one page-table width W. Device data flow (``MixedSteps._mixed_impl``):
+Both share one page-table width W, the widest bucket: under the GPU kernel the only one
+(jspec.ops.page_table_widths); under the jnp reference a gather of every row's whole
+table, which is what keeps the mixed shapes from multiplying by the width buckets there
+(a bound of max_model_len keys per row; CPU serving is for tests). Device data flow (``MixedSteps._mixed_impl``):
   tokens [1, Bd + Bp * Qp]  (the segments flattened, decode first)
   Transformer(tokens, MixedMetadata((meta_d, meta_p)), kv)
     dense layers (qkv, o_proj, MLP, norms) over all N rows at once: weights stream once;
@@ -17,7 +20,7 @@ Both share one page-table width W. Device data flow (``MixedSteps._mixed_impl``)
   -> (out_d, out_p): i32[Bd], i32[Bp] (with processors, tuples with logprob blocks)
 A prefill row that does not reach its last prompt token samples too; the host drops it.
 
-Shapes: |batch| x |prefill_rows| x |mixed_q| x |pages| mixed steps (``mixed_shapes``),
+Shapes: |batch| x |prefill_rows| x |mixed_q| mixed steps (``mixed_shapes``),
 besides the runner's prefill (rows up to prefill_rows) and decode shapes.
 """
 
@@ -46,8 +49,8 @@ class MixedInput:
 
 def mixed_shapes(buckets) -> list[StepShape]:
     """Every mixed-step shape of these buckets (none when the engine does not mix)."""
-    return [StepShape(Bd, Qp, W, 0, prefill_rows=Bp) for Bd in buckets.batch for Bp in buckets.prefill_rows
-            for Qp in buckets.mixed_q for W in buckets.pages]
+    return [StepShape(Bd, Qp, buckets.pages[-1], 0, prefill_rows=Bp) for Bd in buckets.batch
+            for Bp in buckets.prefill_rows for Qp in buckets.mixed_q]
 
 
 def describe_shapes(shapes) -> str:
@@ -81,7 +84,7 @@ class MixedSteps:
         dec = SchedulerOutput("decode", sched.seqs[:nd], [])
         pre = SchedulerOutput("prefill", sched.seqs[nd:], [])
         b = self.buckets
-        W = pick(b.pages, max(len(r.seq.pages) for r in sched.seqs))
+        W = b.pages[-1]
         d, _ = self.build_input(dec, 1, W=W)
         p, _ = self.build_input(pre, pick(b.mixed_q, max(r.num_new for r in pre.seqs)),
                                 B=pick(b.prefill_rows, len(pre.seqs)), W=W)

@@ -62,8 +62,7 @@ def test_async_scheduling_matches_sync_and_transformers(llama_ckpt, steps):
 def test_async_warmup_compiles_every_decode_shape_once(llama_ckpt):
     """With one step per call every decode step is the fed-back call: warmup compiles it in
     place of the plain decode step, and traffic compiles nothing more."""
-    llm = jspec.LLM(llama_ckpt[0], max_num_seqs=2, max_model_len=64, page_size=16, max_prefill_chunk=32,
-                    max_num_partial_prefills=0)  # prefill and decode steps apart
+    llm = jspec.LLM(llama_ckpt[0], max_num_seqs=2, max_model_len=64, page_size=16, max_prefill_chunk=32)
     eng = llm.engine
     shapes = list(eng.runner.warmup_shapes(1, True))
     assert sorted(s[3] for s in shapes) == [0] * 4 + [1] * 2  # B{1,2} x (Q{16,32} plain, decode fed)

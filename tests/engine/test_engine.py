@@ -120,9 +120,7 @@ def test_seeded_sampling_reproducible_across_runs_and_batches(llama_ckpt):
 
 
 def test_compilations_stay_fixed_as_requests_come_and_go(llama_ckpt):
-    # prefill and decode steps apart (tests/e2e/test_mixed_batching.py: the mixed steps)
-    llm = jspec.LLM(llama_ckpt[0], max_num_seqs=2, max_model_len=64, page_size=16, max_prefill_chunk=32,
-                    max_num_partial_prefills=0)
+    llm = jspec.LLM(llama_ckpt[0], max_num_seqs=2, max_model_len=64, page_size=16, max_prefill_chunk=32)
     eng = llm.engine
     shapes = list(eng.runner.warmup_shapes(1, eng.config.async_scheduling))
     eng.warmup()
