@@ -9,6 +9,7 @@ from jspec.engine.buckets import Buckets
 from jspec.engine.mixed import describe_shapes, mixed_shapes
 from jspec.engine.runner import ModelRunner
 from jspec.ops import KernelPlan, page_table_widths
+from jspec.serve.cli import build_parser, engine_kwargs, log_shapes
 
 
 def server_shapes(attn: str, partial_prefills: int, *, max_num_seqs=64, max_model_len=1536, chunk=256, page=16):
@@ -42,3 +43,12 @@ def test_mixed_buckets():
     assert none.prefill_rows == none.mixed_q == () and mixed_shapes(none) == []
     assert none.pages == (4, 8, 16, 32, 64, 96)
     assert Buckets.create(8, 32, 4, max_prefill_rows=2).mixed_q == (16, 32)
+
+
+def test_server_defaults_mix_and_log_the_shape_count(caplog):
+    kw = engine_kwargs(build_parser().parse_args([]))
+    assert (kw["max_num_partial_prefills"], kw["max_num_batched_tokens"], kw["max_prefill_chunk"]) == (2, None, 256)
+    shapes = server_shapes("gpu", 2)
+    with caplog.at_level("INFO", logger="jspec.serve"):
+        line = log_shapes(SimpleNamespace(warmup_shapes=lambda: shapes))
+    assert line == "59 shapes (7 decode, 42 mixed, 10 prefill)" and line in caplog.text
