@@ -66,3 +66,22 @@ class AttentionMetadata:
             slot_mapping=jnp.asarray(slots[None].astype(np.int32)),
             causal=jnp.ones((1,), bool),
         )
+
+
+@struct.dataclass
+class MixedMetadata:
+    """A step of several row segments (jspec/engine/mixed.py: decode rows [Bd, 1] and
+    prefill chunks [Bp, Qp]) whose tokens run flattened as one [1, N] row through the
+    dense layers (N = sum of B_i * Q_i, segment by segment): ``positions`` and
+    ``slot_mapping`` are the segments' flattened, and attention runs once per segment
+    with the segment's own metadata (jspec.ops.attention)."""
+
+    segments: tuple  # of AttentionMetadata, segment i over [B_i, Q_i]
+
+    @property
+    def positions(self):  # i32[1, N]
+        return jnp.concatenate([m.positions.reshape(1, -1) for m in self.segments], axis=1)
+
+    @property
+    def slot_mapping(self):  # i32[1, N]
+        return jnp.concatenate([m.slot_mapping.reshape(1, -1) for m in self.segments], axis=1)

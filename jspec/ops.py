@@ -28,7 +28,7 @@ from flax import struct
 
 from jspec import envs
 from jspec.config import ModelConfig
-from jspec.kv_cache import AttentionMetadata
+from jspec.kv_cache import AttentionMetadata, MixedMetadata
 from kernels_pallas import fused_linear as _fl
 from kernels_pallas import paged_attention as _pa
 from kernels_pallas import qkv_rope_kv_write as _qkv
@@ -263,9 +263,30 @@ def qkv_rope_write(plan: KernelPlan, x, w, b, rope, slot_mapping, k_pages, v_pag
     return q.reshape(B, Q, num_heads, D), k_pages, v_pages
 
 
-def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata, *, sm_scale: float):
+def page_table_widths(plan: KernelPlan, max_pages: int) -> tuple[int, ...] | None:
+    """The page-table widths W the engine compiles: None for powers of two up to
+    ``max_pages`` (jspec/engine/buckets.py), or the one width ``max_pages``. The jnp
+    reference gathers all W pages of every row, and the TPU kernel steps over the table
+    statically, so both pay for W; the GPU kernel's programs stop at each row's kv_len
+    (its loop bound is dynamic), so one width serves every context there and a server
+    compiles |W buckets| times fewer shapes."""
+    return (max_pages,) if plan.attn in GPU_IMPLS else None
+
+
+def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata | MixedMetadata, *, sm_scale: float):
     """Paged attention of q [B, Q, H, D] over the cache [P, S, KVH, D] -> [B, Q, H, D]
-    (kernels_pallas/paged_attention.py for the semantics)."""
+    (kernels_pallas/paged_attention.py for the semantics). With ``MixedMetadata`` q is
+    [1, N, H, D], the segments' rows flattened in order: one call per segment, on its
+    own [B_i, Q_i] layout."""
+    if isinstance(meta, MixedMetadata):
+        H, D = q.shape[2:]
+        outs, off = [], 0
+        for m in meta.segments:
+            b, n = m.positions.shape
+            qs = q[:, off : off + b * n].reshape(b, n, H, D)
+            outs.append(attention(plan, qs, k_pages, v_pages, m, sm_scale=sm_scale).reshape(1, b * n, H, D))
+            off += b * n
+        return jax.numpy.concatenate(outs, axis=1)
     impl = plan.attn
     if impl != "reference":
         impl = shape_fallback("paged_attention", impl, _pa.unsupported_shape(impl, q.shape[-1]))

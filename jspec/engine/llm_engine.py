@@ -28,7 +28,7 @@ from jspec.engine.sequence import Sequence, SpecMetrics, Status
 from jspec.engine.stopping import append_tokens
 from jspec.engine.structured import GrammarCompiler, advance, any_grammar
 from jspec.kv_cache import KVCache
-from jspec.ops import plan_kernels, plan_params
+from jspec.ops import page_table_widths, plan_kernels, plan_params
 from jspec.sampling_params import SamplingParams
 
 logger = logging.getLogger("jspec.engine")
@@ -57,8 +57,14 @@ class EngineConfig:
     num_pages: int | None = None  # None: from gpu_memory_utilization (accelerators) or full capacity
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    max_num_batched_tokens: int | None = None  # None: max(max_prefill_chunk, max_num_seqs)
-    max_prefill_chunk: int = 256
+    # Tokens per step (vLLM's name): decode rows (+ drafts) and prefill chunks together. None:
+    # 2048 when mixing (vLLM's chunked-prefill default), else max(max_prefill_chunk, max_num_seqs).
+    max_num_batched_tokens: int | None = None
+    max_prefill_chunk: int = 256  # tokens of one prompt per step (the widest prefill bucket)
+    # Mixed steps (jspec/engine/mixed.py; without speculation): every decode row, then chunks of
+    # at most this many prompts, in one step. 0: a step is all prefill or all decode, prefill
+    # first (offline generate's throughput); the server mixes by default (--max-num-partial-prefills 2).
+    max_num_partial_prefills: int = 0
     seed: int = 0
     # Kernel choice ("auto" | "reference" | "gpu" | "tpu" | "interpret" | "tpu_interpret"),
     # resolved once by jspec.ops.plan_kernels: "auto" means the Pallas kernels on GPU/TPU and
@@ -158,22 +164,25 @@ class LLMEngine:
         chunk = min(c.max_prefill_chunk, self.max_model_len)
         # EAGLE-style drafters: their KV at p depends on token p + 1 (see BlockManager).
         eagle_style = drafter is not None and drafter.reads_next_token
+        mix = c.max_num_partial_prefills if drafter is None else 0  # speculative engines do not mix yet
         sched_cfg = SchedulerConfig(
             max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=c.max_num_batched_tokens or max(chunk, c.max_num_seqs),
+            max_num_batched_tokens=c.max_num_batched_tokens or (2048 if mix else max(chunk, c.max_num_seqs)),
             max_prefill_chunk=chunk,
             max_model_len=self.max_model_len,
             lookahead=self.lookahead,
             # EAGLE-style drafters need the target hidden states of the last hit page
             # (and their own KV there depends on the token after it): recompute it.
             drop_last_prefix_hit=eagle_style,
+            max_prefill_rows=mix,
         )
         self.blocks = BlockManager(num_pages, c.page_size, c.enable_prefix_caching, hash_next_token=eagle_style)
         self.scheduler = Scheduler(sched_cfg, self.blocks)
         dtype = resolve_dtype(c.dtype)
         kv = KVCache.create(mc.num_layers, num_pages, c.page_size, mc.num_kv_heads, mc.head_dim, dtype)
-        buckets = Buckets.create(c.max_num_seqs, chunk, pages_per_seq)
         plan = plan_kernels(mc, attn_impl=c.attn_impl, linear_impl=c.linear_impl, sample_impl=c.sample_impl)
+        buckets = Buckets.create(c.max_num_seqs, chunk, pages_per_seq, max_prefill_rows=mix,
+                                 page_widths=page_table_widths(plan, pages_per_seq))
         params = plan_params(plan, params)  # the weight layout the plan's modules declare
         if self.spec is None:
             self.runner = ModelRunner(mc, params, kv, buckets, dtype=dtype, plan=plan)
@@ -482,4 +491,5 @@ class LLMEngine:
             "num_pages": self.num_pages,
             "num_compilations": self.runner.num_compilations,
             "num_chained_calls": self.num_chained_calls,
+            "num_mixed_steps": getattr(self.runner, "num_mixed_steps", 0),
         }

@@ -3,7 +3,8 @@
 ``ModelRunner.execute`` turns a ``SchedulerOutput`` into a ``StepInput`` padded to a
 bucket (batch B, query width Q, page-table width W; ``RunnerBase.build_input``), calls the
 jitted step with the KV cache donated, and hands back per-sequence tokens. The number of
-distinct compiled shapes is at most |batch buckets| x (|prefill buckets| + 1) x |page buckets|.
+distinct compiled shapes is at most |batch buckets| x (|prefill buckets| + 1) x |page buckets|,
+plus the mixed steps' (jspec/engine/mixed.py) when the engine mixes decode and prefill rows.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.engine.logits_processing import extend_history
+from jspec.engine.mixed import MixedSteps, mixed_shapes
 from jspec.engine.packing import pack
 from jspec.engine.runner_base import RunnerBase, StepInput, StepShape, fold_seed, tokens_of  # noqa: F401  re-exported
 from jspec.engine.scheduler import SchedulerOutput
@@ -21,7 +23,7 @@ from jspec.models.transformer import Transformer
 from kernels_pallas.rejection_sampling import rejection_sample
 
 
-class ModelRunner(RunnerBase):
+class ModelRunner(MixedSteps, RunnerBase):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # `filtering` ("off" | "on": does any request use top-k / top-p) is decided on the
@@ -32,6 +34,8 @@ class ModelRunner(RunnerBase):
                              compiler_options=opts)
         self._multi = jax.jit(self._multi_step_impl, donate_argnums=(1,),
                               static_argnames=("layout", "steps", "filtering"), compiler_options=opts)
+        self._mixed = jax.jit(self._mixed_impl, donate_argnums=(1,), static_argnames=("layout", "filtering"),
+                              compiler_options=opts)  # decode rows + prefill chunks (jspec/engine/mixed.py)
         self._no_prev: dict = {}  # (B, steps) -> zeros, the ``prev`` of an unchained decode call
 
     def step_q(self, sched: SchedulerOutput) -> int:
@@ -46,6 +50,13 @@ class ModelRunner(RunnerBase):
         B = h.shape[0]
         last = h[jnp.arange(B), jnp.maximum(inp.q_lens - 1, 0)]  # [B, H]
         logits = self.model.apply({"params": params}, last, method=Transformer.logits)  # f32[B, V]
+        return kv, self._sample(params, h, logits, inp, filtering)
+
+    def _sample(self, params, h, logits, inp: StepInput, filtering):
+        """The plain step's token per row from the logits f32[B, V] at its last position
+        (h: the step's hidden states [B, Q, H], for prompt logprobs): i32[B], or with
+        processors (tokens, logprob blocks i32[B, F], prompt logprob blocks i32[B, P, F])."""
+        B = logits.shape[0]
         logits, raw = self._process(logits[:, None, :], inp, inp.proc, jnp.zeros((B, 0), jnp.int32))
         tokens, _ = rejection_sample(
             logits,
@@ -61,9 +72,9 @@ class ModelRunner(RunnerBase):
             filtering=filtering,
         )
         if inp.proc is None:
-            return kv, tokens[:, 0]
-        return kv, (tokens[:, 0], self._token_logprobs(raw, logits, tokens, inp)[:, 0],
-                    self._prompt_logprobs(params, h, inp.proc))
+            return tokens[:, 0]
+        return (tokens[:, 0], self._token_logprobs(raw, logits, tokens, inp)[:, 0],
+                self._prompt_logprobs(params, h, inp.proc))
 
     def _multi_step_impl(self, params, kv, ints, floats, prev, *, layout, steps: int, filtering):
         """``steps`` decode steps in one call, each sampled token fed back on the device.
@@ -141,6 +152,8 @@ class ModelRunner(RunnerBase):
         """Run one step; returns, per scheduled sequence, the tokens it emitted ([] if none),
         and with processors the logprob blocks i32[n, 1, F] of those tokens and i32[n, P, F]
         of the prompt tokens after each position (else None, None)."""
+        if sched.kind == "mixed":
+            return self.execute_mixed(sched)
         inp, n = self.build_input(sched, self.step_q(sched))
         out = self.run(inp)
         sampled = np.asarray(tokens_of(out))
@@ -150,21 +163,27 @@ class ModelRunner(RunnerBase):
     def warmup_shapes(self, num_scheduler_steps: int = 1, async_scheduling: bool = False) -> list[StepShape]:
         """Every shape the step may compile for: the bounded, known set (steps 0: the plain
         step; >= 1: the fed-back decode call, which with async scheduling and one step per
-        call serves every decode step, so the plain Q = 1 step is never needed)."""
+        call serves every decode step, so the plain Q = 1 step is never needed). A mixing
+        engine (buckets.prefill_rows) prefills at most that many rows per step, and adds
+        the mixed steps (``prefill_rows`` > 0, jspec/engine/mixed.py)."""
         plain_decode = num_scheduler_steps > 1 or not async_scheduling
         fed = num_scheduler_steps if num_scheduler_steps > 1 or async_scheduling else 0
         shapes = []
+        rows = self.buckets.prefill_rows or self.buckets.batch
         for B in self.buckets.batch:
-            for Q in ((1,) if plain_decode else ()) + self.buckets.prefill_q:
+            for Q in ((1,) if plain_decode else ()) + (self.buckets.prefill_q if B in rows else ()):
                 shapes += [StepShape(B, Q, W, 0, decode=Q == 1) for W in self.buckets.pages]
             if fed:
                 shapes += [StepShape(B, 1, W, fed, decode=True) for W in self.buckets.pages]
-        return shapes
+        return shapes + mixed_shapes(self.buckets)
 
     def warmup(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None):
         """Compile every bucket (or ``shapes``, a subset of ``warmup_shapes``) with empty rows
         (all writes dropped: the cache is unchanged)."""
-        for shape in shapes or self.warmup_shapes(num_scheduler_steps, async_scheduling):
-            self.run(self.empty_input(shape.batch, shape.q, shape.pages), shape.steps)
+        shapes = shapes or self.warmup_shapes(num_scheduler_steps, async_scheduling)
+        for shape in shapes:
+            if shape.prefill_rows == 0:
+                self.run(self.empty_input(shape.batch, shape.q, shape.pages), shape.steps)
+        self.warmup_mixed([s for s in shapes if s.prefill_rows])
         jax.block_until_ready(self.kv)
 

@@ -57,6 +57,7 @@ class StepShape(NamedTuple):
     pages: int  # W: page-table width bucket
     steps: int = 0  # ModelRunner: 0 the plain step, >= 1 a fed-back decode call of that many steps
     decode: bool = False  # a decode (or verification) step, not a prefill chunk
+    prefill_rows: int = 0  # > 0: a mixed step, decode rows [batch, 1] + prefill chunks [prefill_rows, q]
 
 
 def fold_seed(seed: int) -> int:
@@ -153,20 +154,21 @@ class RunnerBase:
         return pick(self.buckets.prefill_q, max(r.num_new for r in sched.seqs))
 
     def build_input(self, sched: SchedulerOutput, Q: int, advance: int = 0,
-                    tokens_on_device: bool = False) -> tuple[StepInput, int]:
+                    tokens_on_device: bool = False, B: int | None = None, W: int | None = None) -> tuple[StepInput, int]:
         """Pad the scheduled rows to buckets (B, W; ``Q`` is the runner's: 1 or K + 1 for a
         decode step, ``chunk_q`` for a prefill). Decode rows carry [last token, drafts...].
 
         ``advance`` > 0: a decode call chained behind one still running, which computes
         ``advance`` more positions per row first; its first token is not on the host yet
-        (token -1: take it from the previous call's output on the device).
+        (token -1: take it from the previous call's output on the device). ``B``, ``W``:
+        given buckets (a mixed step's segments, jspec/engine/mixed.py).
         ``tokens_on_device``: every token is -1 (a speculative step chained behind the one
         that proposes them; the device also shifts the positions, see spec_runner)."""
         rows = sched.seqs
         n = len(rows)
         decode = sched.kind == "decode"
-        B = pick(self.buckets.batch, n)
-        W = pick(self.buckets.pages, max(len(r.seq.pages) for r in rows))
+        B = B or pick(self.buckets.batch, n)
+        W = W or pick(self.buckets.pages, max(len(r.seq.pages) for r in rows))
         ps, drop = self.page_size, self.num_pages * self.page_size
         tokens = np.zeros((B, Q), np.int32)
         positions = np.zeros((B, Q), np.int32)

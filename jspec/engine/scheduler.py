@@ -14,6 +14,14 @@ Policy (FCFS):
      in all. Otherwise it is a decode (or verify) step over every running sequence.
   3. A decode step that cannot get pages preempts the most recently admitted sequences
      (their pages are freed; they go back to the front of the queue).
+
+Mixed policy (``SchedulerConfig.max_prefill_rows`` > 0; the server's default without a drafter):
+steps 1 and 3 as above, but step 2 packs every running decode row (last token + drafts,
+oldest first) and then, under what ``max_num_batched_tokens`` leaves, chunks of the oldest
+prefilling sequences (at most ``max_prefill_rows`` of them, ``max_prefill_chunk`` tokens
+each) into one step: kind "mixed" (decode rows first, ``num_decode`` of them), or
+"decode" / "prefill" when one of the two is empty. Running streams get a token every step
+while a long prompt prefills.
 """
 
 from __future__ import annotations
@@ -33,6 +41,15 @@ class SchedulerConfig:
     max_model_len: int
     lookahead: int = 0  # K for EAGLE3/PEagle, K + 1 for DFlash, 0 without speculation
     drop_last_prefix_hit: bool = False  # EAGLE-style drafters recompute the last hit page
+    max_prefill_rows: int = 0  # > 0: mixed steps, at most this many prefill rows per step
+
+    def __post_init__(self):
+        if self.max_prefill_rows < 0:
+            raise ValueError(f"max_num_partial_prefills must be >= 0, got {self.max_prefill_rows}")
+        if self.max_prefill_rows and self.max_num_batched_tokens <= self.max_num_seqs:
+            # decode rows come first: a budget they can fill would starve every prompt
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must exceed max_num_seqs="
+                             f"{self.max_num_seqs} when mixing decode rows and prefill chunks")
 
 
 @dataclasses.dataclass
@@ -44,9 +61,10 @@ class ScheduledSeq:
 
 @dataclasses.dataclass
 class SchedulerOutput:
-    kind: str  # "prefill" | "decode"
+    kind: str  # "prefill" | "decode" | "mixed" (decode rows, then prefill chunks)
     seqs: list[ScheduledSeq]
     preempted: list[Sequence]
+    num_decode: int = 0  # "mixed": seqs[:num_decode] are decode rows
 
 
 class Scheduler:
@@ -119,21 +137,26 @@ class Scheduler:
         if not self.running:
             return None
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        if self.cfg.max_prefill_rows > 0:
+            return self._schedule_mixed()
         if prefilling:
             return self._schedule_prefill(prefilling)
         return self._schedule_decode()
 
-    def _schedule_prefill(self, prefilling: list[Sequence]) -> SchedulerOutput:
-        budget = self.cfg.max_num_batched_tokens
+    def _schedule_prefill(self, prefilling: list[Sequence], budget: int | None = None,
+                          max_rows: int | None = None, preempt: bool = True) -> SchedulerOutput:
+        budget = self.cfg.max_num_batched_tokens if budget is None else budget
         out = []
         for seq in sorted(prefilling, key=lambda s: s.arrival):
             n = min(seq.num_tokens - seq.num_computed, self.cfg.max_prefill_chunk, budget)
-            if n <= 0:
+            if n <= 0 or (max_rows is not None and len(out) >= max_rows):
                 break
             if not self.blocks.ensure_slots(seq, self._slots_needed(seq, n)):
                 continue  # pages are short: this chunk waits; decodes free pages as they end
             budget -= n
             out.append(ScheduledSeq(seq, n, seq.num_computed + n == seq.num_tokens))
+        if not out and not preempt:
+            return SchedulerOutput("prefill", [], [])  # beside decode rows, which make progress
         if not out:
             # Nothing fits: preempt the newest sequence so the oldest can make progress.
             victim = max(self.running, key=lambda s: s.arrival)
@@ -141,11 +164,29 @@ class Scheduler:
             return SchedulerOutput("prefill", [], [victim])
         return SchedulerOutput("prefill", out, [])
 
-    def _schedule_decode(self) -> SchedulerOutput:
+    def _schedule_mixed(self) -> SchedulerOutput:
+        """Decode rows first (as a decode step: growth may preempt the newest sequences),
+        then prefill chunks in the budget they leave."""
+        dec = self._schedule_decode(only_decoding=True)
+        budget = self.cfg.max_num_batched_tokens - sum(r.num_new for r in dec.seqs)
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        if not prefilling or (dec.seqs and budget <= 0):
+            return dec if dec.seqs or dec.preempted else self._schedule_prefill(prefilling)
+        if not dec.seqs:
+            pre = self._schedule_prefill(prefilling, max_rows=self.cfg.max_prefill_rows)
+            return SchedulerOutput(pre.kind, pre.seqs, dec.preempted + pre.preempted)
+        rows = self._schedule_prefill(prefilling, budget, self.cfg.max_prefill_rows, preempt=False).seqs
+        if not rows:  # pages are short for every chunk: the decode rows go alone
+            return dec
+        return SchedulerOutput("mixed", dec.seqs + rows, dec.preempted, num_decode=len(dec.seqs))
+
+    def _schedule_decode(self, only_decoding: bool = False) -> SchedulerOutput:
         preempted = []
         out = []
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status is not Status.RUNNING:
+                continue
+            if only_decoding and seq.num_tokens - seq.num_computed > 1:
                 continue
             n = seq.num_tokens - seq.num_computed + len(seq.draft_token_ids)  # last token + drafts
             while not self.blocks.ensure_slots(seq, self._slots_needed(seq, n)):

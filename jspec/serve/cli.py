@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step, decode rows and prefill chunks together (default: 2048 when mixing)")
+    p.add_argument("--max-prefill-chunk", type=int, default=256, help="tokens of one prompt per step")
+    p.add_argument("--max-num-partial-prefills", type=int, default=2,
+                   help="prompts chunked beside the decode rows of one step (0: prefill and decode steps apart)")
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help='JSON: method eagle3 | peagle | dflash, the drafter folder, e.g. '
                         '\'{"method": "eagle3", "model": "path/to/drafter", "num_speculative_tokens": 3}\'; a method alone '
@@ -68,11 +73,22 @@ def engine_kwargs(args) -> dict:
               page_size=args.page_size, num_pages=args.num_pages,
               gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_chunk=args.max_prefill_chunk,
+              max_num_partial_prefills=args.max_num_partial_prefills,
               num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
               max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode)
     if args.speculative_config is not None:
         kw["speculative_config"] = args.speculative_config
     return kw
+
+
+def log_shapes(engine) -> str:
+    """Log (and return) the compiled step shapes a server can meet: what warmup compiles."""
+    from jspec.engine.mixed import describe_shapes
+
+    line = describe_shapes(engine.warmup_shapes())
+    logger.info("step shapes: %s", line)
+    return line
 
 
 def main(argv=None) -> int:
@@ -86,6 +102,7 @@ def main(argv=None) -> int:
 
     prometheus_client.disable_created_metrics()
     llm = LLM(args.model, **engine_kwargs(args))
+    log_shapes(llm.engine)
     if args.warmup == "on" or (args.warmup == "auto" and _backend() != "cpu"):
         if hasattr(llm.engine, "warmup"):
             import time

@@ -40,10 +40,11 @@ class Sim:
 
     def __init__(self, num_pages, *, max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=64,
                  max_model_len=128, lookahead=0, drop_last_prefix_hit=False, prefix_caching=True,
-                 hash_next_token=False, num_drafts=0):
+                 hash_next_token=False, num_drafts=0, max_prefill_rows=0):
         self.cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    max_prefill_chunk=max_prefill_chunk, max_model_len=max_model_len,
-                                   lookahead=lookahead, drop_last_prefix_hit=drop_last_prefix_hit)
+                                   lookahead=lookahead, drop_last_prefix_hit=drop_last_prefix_hit,
+                                   max_prefill_rows=max_prefill_rows)
         self.blocks = BlockManager(num_pages, PS, prefix_caching, hash_next_token=hash_next_token)
         self.sched = Scheduler(self.cfg, self.blocks)
         self.num_drafts = num_drafts
@@ -409,6 +410,9 @@ CASES = [  # pool sizes picked so that the tight cases do preempt (and the roomy
                                 num_drafts=3), True),
     RunCase("roomy", dict(num_pages=64, max_num_batched_tokens=32, max_prefill_chunk=16, lookahead=2,
                           num_drafts=2), False),
+    RunCase("mixed", dict(num_pages=10, max_num_batched_tokens=24, max_prefill_chunk=16, max_prefill_rows=2), True),
+    RunCase("mixed_roomy", dict(num_pages=64, max_num_batched_tokens=12, max_prefill_chunk=8, max_prefill_rows=1),
+            False),
 ]
 
 
@@ -438,11 +442,16 @@ def test_full_run_invariants(case):
         if out is None:
             continue
         assert len(sim.sched.running) <= cfg.max_num_seqs
-        if out.kind == "prefill":
+        nd = {"prefill": 0, "decode": len(out.seqs), "mixed": out.num_decode}[out.kind]
+        assert all(r.sample and r.num_new == 1 + len(r.seq.draft_token_ids) for r in out.seqs[:nd])
+        assert all(0 < r.num_new <= cfg.max_prefill_chunk for r in out.seqs[nd:])
+        if out.kind != "decode":
             assert sum(r.num_new for r in out.seqs) <= cfg.max_num_batched_tokens
-            assert all(0 < r.num_new <= cfg.max_prefill_chunk for r in out.seqs)
-        else:
-            assert all(r.sample and r.num_new == 1 + len(r.seq.draft_token_ids) for r in out.seqs)
+        if cfg.max_prefill_rows:
+            assert len(out.seqs) - nd <= cfg.max_prefill_rows
+            # every running sequence with only its last token to compute is a decode row
+            assert {id(s) for s in sim.sched.running if s.num_tokens - s.num_computed == 1} <= \
+                {id(r.seq) for r in out.seqs[:nd]}
         assert len({id(r.seq) for r in out.seqs}) == len(out.seqs)
         for r in out.seqs:
             s = r.seq
@@ -479,3 +488,69 @@ def test_scheduled_seq_and_output_types():
     out = sim.schedule()
     assert isinstance(out, SchedulerOutput)
     assert out.seqs == [ScheduledSeq(a, 3, True)]
+
+
+# ---- mixed steps (max_prefill_rows > 0) -------------------------------------------------------
+
+
+def test_mixed_step_keeps_every_decode_row_while_a_long_prompt_prefills():
+    """Decode rows first (each its last token), then the long prompt's chunks in the budget
+    they leave: the running streams get a token in every step of the prefill."""
+    sim = Sim(64, max_num_batched_tokens=10, max_prefill_chunk=8, max_prefill_rows=2)
+    a, b = make_seq(3, 0, max_tokens=50), make_seq(5, 1, max_tokens=50)
+    sim.add(a, b)
+    assert sim.step().kind == "prefill"  # both prompts in one step
+    assert ids(sim.step()) == [("r0", 1, True), ("r1", 1, True)]
+    long = make_seq(40, 2)
+    sim.add(long)
+    chunks = []
+    while not long.output_token_ids:
+        out = sim.step()
+        assert out.kind == "mixed" and out.num_decode == 2 and out.preempted == []
+        assert ids(out)[:2] == [("r0", 1, True), ("r1", 1, True)]
+        assert [r.seq for r in out.seqs[2:]] == [long]
+        chunks.append(out.seqs[2].num_new)
+    assert chunks == [8] * 5  # min(max_prefill_chunk, 10 - 2 decode tokens)
+    out = sim.step()
+    assert out.kind == "decode" and len(out.seqs) == 3
+
+
+def test_mixed_step_budget_and_prefill_rows_oldest_first():
+    sim = Sim(64, max_num_batched_tokens=12, max_prefill_chunk=16, max_prefill_rows=2)
+    a = make_seq(2, 0, max_tokens=50)
+    sim.add(a)
+    sim.step()
+    b, c, d = make_seq(30, 1), make_seq(30, 2), make_seq(30, 3)
+    sim.add(b, c, d)
+    out = sim.schedule()
+    # 1 decode token, then 11 prompt tokens for the two oldest prompts at most
+    assert out.kind == "mixed" and ids(out) == [("r0", 1, True), ("r1", 11, False)]
+    sim.apply(out)
+    sim.sched.cfg = dataclasses.replace(sim.cfg, max_num_batched_tokens=40)
+    out = sim.schedule()
+    assert ids(out) == [("r0", 1, True), ("r1", 16, False), ("r2", 16, False)]  # two rows, oldest first
+
+
+def test_mixed_decode_growth_preempts_a_prefilling_newcomer():
+    """Decode rows keep priority: growing them preempts the newest sequence even while it
+    prefills, and the step goes on without it."""
+    sim = Sim(5, max_num_batched_tokens=16, max_prefill_chunk=4, max_prefill_rows=1)
+    a = make_seq(4, 0, max_tokens=50)  # 1 page, grows into a 2nd at its 5th token
+    sim.add(a)
+    sim.step()
+    late = make_seq(10, 1)  # 3 pages reserved, 1 left free
+    sim.add(late)
+    out = sim.step()
+    assert out.kind == "mixed" and [r.seq for r in out.seqs] == [a, late]
+    # a's 2nd page takes the last free one; its 3rd finds none and preempts late
+    while not sim.sched.num_preemptions:
+        out = sim.step()
+    assert out.preempted == [late] and late.status is Status.WAITING and [r.seq for r in out.seqs] == [a]
+
+
+@pytest.mark.parametrize("kw, match", [(dict(max_prefill_rows=-1), "max_num_partial_prefills"),
+                                       (dict(max_prefill_rows=1, max_num_batched_tokens=8), "must exceed")])
+def test_mixed_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SchedulerConfig(**{**dict(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=16,
+                                  max_model_len=128), **kw})

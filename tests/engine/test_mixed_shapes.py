@@ -1,0 +1,54 @@
+"""The shapes a mixing engine compiles (jspec/engine/mixed.py, buckets.py), counted without
+a model: what a server's warmup compiles and logs at startup (jspec.serve.cli.log_shapes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from jspec.engine.buckets import Buckets
+from jspec.engine.mixed import describe_shapes, mixed_shapes
+from jspec.engine.runner import ModelRunner
+from jspec.ops import KernelPlan, page_table_widths
+from jspec.serve.cli import build_parser, engine_kwargs, log_shapes
+
+
+def server_shapes(attn: str, partial_prefills: int, *, max_num_seqs=64, max_model_len=1536, chunk=256, page=16):
+    pages = -(-max_model_len // page)
+    b = Buckets.create(max_num_seqs, chunk, pages, max_prefill_rows=partial_prefills,
+                       page_widths=page_table_widths(KernelPlan(attn=attn), pages))
+    # the plain runner's warmup_shapes reads nothing but its buckets
+    return ModelRunner.warmup_shapes(SimpleNamespace(buckets=b), 1, True)
+
+
+def test_8b_server_shape_count_before_and_after():
+    """``--max-num-seqs 64 --max-model-len 1536``: before, 7 batch x (5 prefill Q + the
+    fed-back decode) x 6 page-table widths = 252 shapes; on GPU one width serves every
+    context, and mixing adds decode x prefill-row x chunk buckets."""
+    assert len(server_shapes("reference", 0)) == 252
+    assert len(server_shapes("gpu", 0)) == 7 * 6
+    gpu = server_shapes("gpu", 2)  # the engine's default max_num_partial_prefills
+    assert describe_shapes(gpu) == "59 shapes (7 decode, 42 mixed, 10 prefill)"
+    assert len(server_shapes("gpu", 1)) == 7 + 5 + 7 * 3
+    # the CPU plan keeps every width but for the mixed steps (the widest: jspec/engine/mixed.py)
+    assert len(server_shapes("reference", 2)) == (7 + 10) * 6 + 42
+
+
+def test_mixed_buckets():
+    b = Buckets.create(64, 256, 96, max_prefill_rows=3, page_widths=(96,))
+    assert b.prefill_rows == (1, 2, 4)  # the batch buckets up to the one holding 3 rows
+    assert b.mixed_q == (16, 64, 256)
+    assert b.pages == (96,)
+    assert len(mixed_shapes(b)) == 7 * 3 * 3
+    none = Buckets.create(64, 256, 96)
+    assert none.prefill_rows == none.mixed_q == () and mixed_shapes(none) == []
+    assert none.pages == (4, 8, 16, 32, 64, 96)
+    assert Buckets.create(8, 32, 4, max_prefill_rows=2).mixed_q == (16, 32)
+
+
+def test_server_defaults_mix_and_log_the_shape_count(caplog):
+    kw = engine_kwargs(build_parser().parse_args([]))
+    assert (kw["max_num_partial_prefills"], kw["max_num_batched_tokens"], kw["max_prefill_chunk"]) == (2, None, 256)
+    shapes = server_shapes("gpu", 2)
+    with caplog.at_level("INFO", logger="jspec.serve"):
+        line = log_shapes(SimpleNamespace(warmup_shapes=lambda: shapes))
+    assert line == "59 shapes (7 decode, 42 mixed, 10 prefill)" and line in caplog.text
