@@ -106,7 +106,8 @@ def _kernel(
     table_width: int,  # W
     block_rows: int,
     block_kv: int,
-    tokens_per_split: int,
+    tokens_per_split: int,  # the most keys of one split (W * S over the splits)
+    splits: int,  # kv_splits
     has_causal: bool,
 ):
     # refs: pt_ref i32[B * W] (flattened page table), pos_ref i32[B * Q], q_ref [N = B*Q*H, D],
@@ -138,9 +139,13 @@ def _kernel(
 
     # Keys this program can see: below kv_len, at or before its rows' largest position,
     # inside its split.
+    # The splits share this sequence's kv_len evenly (whole blocks each), not the table's
+    # W * S: with one wide table for every context (jspec.ops.page_table_widths) a short
+    # context still spreads over every split. tokens_per_split (from W) bounds it.
     end = jnp.minimum(kv_len, jnp.max(row_pos) + 1)
-    start = split * tokens_per_split
-    end = jnp.minimum(end, start + tokens_per_split)
+    per_split = jnp.minimum(lax.div(kv_len + (splits * block_kv - 1), splits * block_kv) * block_kv, tokens_per_split)
+    start = split * per_split
+    end = jnp.minimum(end, start + per_split)
     num_blocks = jnp.maximum(0, lax.div(end - start + (block_kv - 1), block_kv))
 
     q = q_ref[q_row, :]  # [block_rows, D]; scaled after the dot, in f32, as the reference does
@@ -320,7 +325,8 @@ def paged_attention_gpu(
     ]
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, page_size=S, kv_heads=KVH, group=G, q_len=Q, table_width=W,
-        block_rows=block_rows, block_kv=block_kv, tokens_per_split=tokens_per_split, has_causal=has_causal,
+        block_rows=block_rows, block_kv=block_kv, tokens_per_split=tokens_per_split, splits=kv_splits,
+        has_causal=has_causal,
     )
     whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
     if kv_splits == 1:
