@@ -247,8 +247,8 @@ class RunnerBase:
         now; rows that stopped meanwhile sample nothing (mask: every token)."""
         B, Q = split.batch, split.q
         rows = [r if r.seq.status is Status.RUNNING else ScheduledSeq(r.seq, r.num_new, False) for r in sched.seqs]
-        f32, i32 = (lambda fill=0: np.full((B,), fill, np.float32)), (lambda: np.zeros((B,), np.int32))
-        temp, top_k, top_p, seeds, sample_pos, num_draft = f32(), i32(), f32(1), i32(), i32(), i32()
+        temp, top_p = np.zeros((B,), np.float32), np.ones((B,), np.float32)
+        top_k, seeds, sample_pos, num_draft, prob_rows = (np.zeros((B,), np.int32) for _ in range(5))
         sample = np.zeros((B,), bool)
         for b, r in enumerate(rows):
             s, p = r.seq, r.seq.params
@@ -260,8 +260,7 @@ class RunnerBase:
         if any(wants_processing(r.seq) for r in rows):
             proc = build_proc_input(rows, B, split.hist, Q, self.eos_token_ids, prefill=False)
         mask = build_bitmask(rows, B, Q, self.cfg.vocab_size)
-        return SampleInput(temp, top_k, top_p, seeds, sample_pos, num_draft, sample, np.zeros((B,), np.int32),
-                           proc, mask)
+        return SampleInput(temp, top_k, top_p, seeds, sample_pos, num_draft, sample, prob_rows, proc, mask)
 
     def _filtering(self, inp) -> str:
         """"on" when some request of the step uses top-k / top-p, else "off"."""
