@@ -42,6 +42,7 @@ class _InFlight:
     steps: int
     tokens: jax.Array  # on the device: i32[B, steps], or the speculative step's packed output
     spec: bool = False
+    split: object = None  # structured outputs: the forward's Split, tokens None until its tail is dispatched
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +92,9 @@ class EngineConfig:
     # the model's, or "processed_logprobs", those the sampler draws from.
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
+    # warmup() also compiles the masked steps of a batch with a grammar (structured outputs),
+    # which otherwise compile on first use.
+    warmup_structured_outputs: bool = False
 
 
 class LLMEngine:
@@ -317,7 +321,8 @@ class LLMEngine:
 
     def warmup(self):
         """Compile every shape bucket now, so serving never stalls on a compilation."""
-        self.runner.warmup(self.config.num_scheduler_steps, self._async)
+        self.runner.warmup(self.config.num_scheduler_steps, self._async,
+                           structured=self.config.warmup_structured_outputs)
 
     @property
     def _async(self) -> bool:
@@ -355,8 +360,6 @@ class LLMEngine:
         row by up to K + 1 positions (and its drafter writes ``lookahead`` past them)."""
         if not self._async or self.scheduler.waiting or len(self.scheduler.running) != len(f.sched.seqs):
             return None
-        if any_grammar(f.sched.seqs):  # structured outputs: the next masks need f's accepted tokens on the host
-            return None
         if any(r.seq.status is not Status.RUNNING or self._seqs.get(r.seq.request_id) is not r.seq
                for r in f.sched.seqs):
             return None
@@ -370,11 +373,13 @@ class LLMEngine:
             if not all(self.blocks.ensure_slots(r.seq, r.seq.num_computed + 2 * K1 + self.lookahead)
                        for r in f.sched.seqs):
                 return None
-            self.num_chained_calls += 1
-            return _InFlight(f.sched, 0, self.runner.dispatch_spec(f.sched, self._running_ids(), prev=f.tokens), True)
-        if not self._can_grow(f.sched, 2 * f.steps):
+        elif not self._can_grow(f.sched, 2 * f.steps):
             return None
         self.num_chained_calls += 1
+        if any_grammar(f.sched.seqs):  # its masks need f's tokens: the forward now, the rest in step()
+            return _InFlight(f.sched, f.steps, None, f.spec, self.runner.dispatch_forward(f.sched, f.tokens))
+        if f.spec:
+            return _InFlight(f.sched, 0, self.runner.dispatch_spec(f.sched, self._running_ids(), prev=f.tokens), True)
         return _InFlight(f.sched, f.steps, self.runner.dispatch_decode(f.sched, f.steps, prev=f.tokens))
 
     def _collect(self, f: _InFlight) -> list[RequestOutput]:
@@ -454,8 +459,11 @@ class LLMEngine:
                     f = _InFlight(sched, n, self.runner.dispatch_decode(sched, n))
             # The next call goes to the device before this one is read: the host work below
             # (and the caller's, until the next step()) overlaps the device's.
-            self._inflight = self._chain(f)
-            return self._groups.merge(self._collect(f))
+            self._inflight = nxt = self._chain(f)
+            outs = self._collect(f)
+            if nxt is not None and nxt.split is not None:  # structured: masks built while its forward runs
+                nxt.tokens = self.runner.dispatch_tail(nxt.split, nxt.sched)
+            return self._groups.merge(outs)
         except BaseException:
             self._inflight = None  # a failed step leaves nothing chained behind it
             raise

@@ -16,7 +16,15 @@ import numpy as np
 from jspec.engine.logits_processing import extend_history
 from jspec.engine.mixed import MixedSteps, mixed_shapes
 from jspec.engine.packing import pack
-from jspec.engine.runner_base import RunnerBase, StepInput, StepShape, fold_seed, tokens_of  # noqa: F401  re-exported
+from jspec.engine.runner_base import (  # noqa: F401  re-exported
+    RunnerBase,
+    SampleInput,
+    Split,
+    StepInput,
+    StepShape,
+    fold_seed,
+    tokens_of,
+)
 from jspec.engine.scheduler import SchedulerOutput
 from jspec.kv_cache import AttentionMetadata
 from jspec.models.transformer import Transformer
@@ -37,6 +45,12 @@ class ModelRunner(MixedSteps, RunnerBase):
         self._mixed = jax.jit(self._mixed_impl, donate_argnums=(1,), static_argnames=("layout", "filtering"),
                               compiler_options=opts)  # decode rows + prefill chunks (jspec/engine/mixed.py)
         self._no_prev: dict = {}  # (B, steps) -> zeros, the ``prev`` of an unchained decode call
+        # A structured decode step chained behind the one before it runs in two calls (a
+        # split step): the forward, dispatched at once, then the masks and sampling, once
+        # the host has built the masks (structured outputs only; see dispatch_forward).
+        self._fwd = jax.jit(self._forward_impl, donate_argnums=(1,), static_argnames=("layout",),
+                            compiler_options=opts)
+        self._tail = jax.jit(self._sample_impl, static_argnames=("layout", "filtering"), compiler_options=opts)
 
     def step_q(self, sched: SchedulerOutput) -> int:
         """Q of the plain step: 1 per decode row, else the prefill chunk bucket."""
@@ -122,7 +136,49 @@ class ModelRunner(MixedSteps, RunnerBase):
             return kv, ys.T  # i32[B, steps]
         return kv, (ys[0].T, ys[1].transpose(1, 0, 2))  # i32[B, steps], i32[B, steps, F]
 
+    def _forward_impl(self, params, kv, ints, floats, prev, *, layout):
+        """A split decode step's forward: one token per row (host token -1: ``prev[b, -1]``,
+        the output of the call before, still on the device) -> (kv, logits f32[B, 1, V])."""
+        self.num_compilations += 1
+        inp: StepInput = self._unpack(ints, floats, layout)
+        tok = jnp.where(inp.tokens < 0, prev[:, -1:], inp.tokens)
+        h, _, kv = self.model.apply({"params": params}, tok, inp.meta, kv)
+        return kv, self.model.apply({"params": params}, h[:, 0], method=Transformer.logits)[:, None]
+
+    def _sample_impl(self, logits, ints, floats, *, layout, filtering):
+        """A split decode step's tail: masks, processors and sampling on the forward's logits
+        f32[B, 1, V] -> i32[B, 1] (with processors also the logprob blocks i32[B, 1, F]): the
+        output of a one-step fed-back call, which the next call can chain behind."""
+        self.num_compilations += 1
+        s: SampleInput = self._unpack(ints, floats, layout)
+        B = logits.shape[0]
+        none = jnp.zeros((B, 0), jnp.int32)
+        logits, raw = self._process(logits, s, s.proc, none)
+        out, _ = rejection_sample(logits, none, jnp.zeros((B,), jnp.int32), None, s.temperature, s.top_k, s.top_p,
+                                  s.seeds, s.sample_pos, impl=self.sample_impl, filtering=filtering)
+        return out if s.proc is None else (out, self._token_logprobs(raw, logits, out, s))
+
     # ---- host side --------------------------------------------------------------------
+    def dispatch_forward(self, sched: SchedulerOutput, prev) -> Split:
+        """The forward of the decode step after ``prev`` (a one-step call not yet read),
+        dispatched before the host builds that step's masks (``dispatch_tail``)."""
+        prev = tokens_of(prev)
+        return self.run_forward(self.build_input(sched, 1, advance=prev.shape[1], forward_only=True)[0], prev)
+
+    def run_forward(self, inp: StepInput, prev: jax.Array) -> Split:
+        ints, floats, layout = pack(inp)
+        self.kv, logits = self._fwd(self.params, self.kv, ints, floats, prev, layout=self._layout_id(layout))
+        return Split(logits, inp.tokens.shape[0], 1, inp.meta.page_table.shape[1] * self.page_size)
+
+    def dispatch_tail(self, split: Split, sched: SchedulerOutput):
+        """The rest of a split step, from the host state now (the step before it read): as
+        ``dispatch_decode``'s output, i32[B, 1] on the device."""
+        return self.run_tail(split, self.build_sample_input(sched, split))
+
+    def run_tail(self, split: Split, s: SampleInput):
+        ints, floats, layout = pack(s)
+        return self._tail(split.fwd, ints, floats, layout=self._layout_id(layout), filtering=self._filtering(s))
+
     def run(self, inp: StepInput, steps: int = 0, prev: jax.Array | None = None):
         """One jitted call on a host-built input (two transfers), returned without waiting
         for the device. ``steps`` = 0: the plain step, i32[B] sampled tokens; ``steps`` >= 1:
@@ -177,13 +233,31 @@ class ModelRunner(MixedSteps, RunnerBase):
                 shapes += [StepShape(B, 1, W, fed, decode=True) for W in self.buckets.pages]
         return shapes + mixed_shapes(self.buckets)
 
-    def warmup(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None):
+    def warmup(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None,
+               structured: bool = False):
         """Compile every bucket (or ``shapes``, a subset of ``warmup_shapes``) with empty rows
-        (all writes dropped: the cache is unchanged)."""
+        (all writes dropped: the cache is unchanged). ``structured``: also the masked steps
+        a batch with a grammar takes (``warmup_structured``)."""
         shapes = shapes or self.warmup_shapes(num_scheduler_steps, async_scheduling)
         for shape in shapes:
             if shape.prefill_rows == 0:
                 self.run(self.empty_input(shape.batch, shape.q, shape.pages), shape.steps)
         self.warmup_mixed([s for s in shapes if s.prefill_rows])
+        if structured:
+            self.warmup_structured(async_scheduling)
         jax.block_until_ready(self.kv)
+
+    def warmup_structured(self, async_scheduling: bool):
+        """The masked steps of a batch with a grammar, with empty rows: prefill chunks, and a
+        decode step as it runs (with async scheduling the one-step fed-back call and the
+        split step's two calls, else the plain step)."""
+        for B in self.buckets.batch:
+            mask = self.allow_all(B, 1)
+            for W in self.buckets.pages:
+                for Q in self.buckets.prefill_q + (() if async_scheduling else (1,)):
+                    self.run(self.empty_input(B, Q, W).replace(grammar_mask=mask))
+                if async_scheduling:
+                    self.run(self.empty_input(B, 1, W).replace(grammar_mask=mask), 1)
+                    split = self.run_forward(self.empty_input(B, 1, W), jnp.zeros((B, 1), jnp.int32))
+                    self.run_tail(split, self.empty_sample_input(B, 1))
 

@@ -23,8 +23,9 @@ from jspec.engine.logits_processing import (
 )
 from jspec.engine.logprobs import logprob_info, sampler_logits
 from jspec.engine.packing import unpack
-from jspec.engine.scheduler import SchedulerOutput
-from jspec.engine.structured import apply_bitmask, build_bitmask
+from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
+from jspec.engine.sequence import Status
+from jspec.engine.structured import apply_bitmask, bitmask_words, build_bitmask
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
@@ -47,6 +48,34 @@ class StepInput:
     # Structured outputs' packed token masks i32[B, Q', ceil(V/32)] (Q' = the sampled
     # positions: 1, or Q when verifying; jspec/engine/structured.py); None without grammars.
     grammar_mask: jax.Array | None = None
+
+
+@struct.dataclass
+class SampleInput:
+    """The host half of a split (structured) step's tail (``dispatch_tail``): what masking,
+    sampling and proposing read, built once the step before it has been read. Same field
+    names as StepInput's, which ``_process`` and ``_token_logprobs`` read."""
+
+    temperature: jax.Array  # f32[B]
+    top_k: jax.Array  # i32[B]
+    top_p: jax.Array  # f32[B]
+    seeds: jax.Array  # i32[B]
+    sample_pos: jax.Array  # i32[B]
+    num_draft: jax.Array  # i32[B]   drafts verified: the row's grammar-valid ones (speculation; 0 plain)
+    sample: jax.Array  # bool[B]     rows still running (the others' output is dropped)
+    prob_rows: jax.Array  # i32[B]   rows in probs_buf (speculation)
+    proc: ProcInput | None
+    grammar_mask: jax.Array | None  # i32[B, Q, ceil(V/32)]
+
+
+class Split(NamedTuple):
+    """A structured step whose forward is dispatched (``dispatch_forward``) and whose tail
+    (masks, sampling, drafter) waits for the host: the forward's outputs stay on the device."""
+
+    fwd: object  # device arrays the tail reads (the logits f32[B, Q, V], ...)
+    batch: int  # B bucket
+    q: int  # sampled positions per row: 1, or K + 1 when verifying
+    hist: int  # history width of the processors (W * page_size)
 
 
 class StepShape(NamedTuple):
@@ -154,7 +183,8 @@ class RunnerBase:
         return pick(self.buckets.prefill_q, max(r.num_new for r in sched.seqs))
 
     def build_input(self, sched: SchedulerOutput, Q: int, advance: int = 0,
-                    tokens_on_device: bool = False, B: int | None = None, W: int | None = None) -> tuple[StepInput, int]:
+                    tokens_on_device: bool = False, forward_only: bool = False,
+                    B: int | None = None, W: int | None = None) -> tuple[StepInput, int]:
         """Pad the scheduled rows to buckets (B, W; ``Q`` is the runner's: 1 or K + 1 for a
         decode step, ``chunk_q`` for a prefill). Decode rows carry [last token, drafts...].
 
@@ -163,7 +193,8 @@ class RunnerBase:
         (token -1: take it from the previous call's output on the device). ``B``, ``W``:
         given buckets (a mixed step's segments, jspec/engine/mixed.py).
         ``tokens_on_device``: every token is -1 (a speculative step chained behind the one
-        that proposes them; the device also shifts the positions, see spec_runner)."""
+        that proposes them; the device also shifts the positions, see spec_runner).
+        ``forward_only``: no processors or masks (a split step's forward: its tail has them)."""
         rows = sched.seqs
         n = len(rows)
         decode = sched.kind == "decode"
@@ -204,15 +235,49 @@ class RunnerBase:
             page_table=table, kv_lens=kv_lens, positions=positions, slot_mapping=slots,
             causal=np.ones((B,), bool),
         )
+        proc = mask = None
+        if not forward_only:
+            if any(wants_processing(r.seq) for r in rows):
+                proc = build_proc_input(rows, B, W * ps, Q, self.eos_token_ids, prefill=not decode and not advance)
+            mask = build_bitmask(rows, B, Q if decode else 1, self.cfg.vocab_size,
+                                 chained=bool(advance or tokens_on_device))
+        return StepInput(tokens, meta, q_lens, temp, top_k, top_p, seeds, sample_pos, proc, mask), n
+
+    def build_sample_input(self, sched: SchedulerOutput, split: Split) -> SampleInput:
+        """The tail of a split decode step over ``sched``'s rows, from the host state after
+        the step before it was read: each running row samples at num_computed + 1 (verifying
+        its grammar-valid drafts, ``structured.advance``), under the masks of its grammar
+        now; rows that stopped meanwhile sample nothing (mask: every token)."""
+        B, Q = split.batch, split.q
+        rows = [r if r.seq.status is Status.RUNNING else ScheduledSeq(r.seq, r.num_new, False) for r in sched.seqs]
+        temp, top_p = np.zeros((B,), np.float32), np.ones((B,), np.float32)
+        top_k, seeds, sample_pos, num_draft, prob_rows = (np.zeros((B,), np.int32) for _ in range(5))
+        sample = np.zeros((B,), bool)
+        for b, r in enumerate(rows):
+            s, p = r.seq, r.seq.params
+            temp[b], top_k[b], top_p[b], seeds[b] = p.temperature, max(p.top_k, 0), p.top_p, fold_seed(s.seed)
+            sample_pos[b] = s.num_computed + 1
+            num_draft[b] = min(len(s.draft_token_ids), Q - 1) if r.sample else 0
+            sample[b] = r.sample
         proc = None
         if any(wants_processing(r.seq) for r in rows):
-            proc = build_proc_input(rows, B, W * ps, Q, self.eos_token_ids, prefill=not decode and not advance)
-        mask = build_bitmask(rows, B, Q if decode else 1, self.cfg.vocab_size, chained=bool(advance or tokens_on_device))
-        return StepInput(tokens, meta, q_lens, temp, top_k, top_p, seeds, sample_pos, proc, mask), n
+            proc = build_proc_input(rows, B, split.hist, Q, self.eos_token_ids, prefill=False)
+        mask = build_bitmask(rows, B, Q, self.cfg.vocab_size)
+        return SampleInput(temp, top_k, top_p, seeds, sample_pos, num_draft, sample, prob_rows, proc, mask)
 
     def _filtering(self, inp) -> str:
         """"on" when some request of the step uses top-k / top-p, else "off"."""
         return host_filtering(inp.temperature, inp.top_k, inp.top_p, self.cfg.vocab_size)
+
+    def allow_all(self, B: int, Q: int) -> np.ndarray:
+        """Grammar masks i32[B, Q, ceil(V/32)] allowing every token (warmup's masked steps)."""
+        return np.full((B, Q, bitmask_words(self.cfg.vocab_size)), -1, np.int32)
+
+    def empty_sample_input(self, B: int, Q: int) -> SampleInput:
+        """A split step's tail over B rows that sample nothing, masks allowing everything."""
+        zi = np.zeros((B,), np.int32)
+        return SampleInput(np.zeros((B,), np.float32), zi, np.ones((B,), np.float32), zi, zi, zi,
+                           np.zeros((B,), bool), zi, None, self.allow_all(B, Q))
 
     def empty_input(self, B: int, Q: int, W: int) -> StepInput:
         """A step input of B empty rows (q_lens 0, every slot dropped): compiles a shape

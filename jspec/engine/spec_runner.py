@@ -33,7 +33,7 @@ from jspec.drafters.registry import make_drafter
 from jspec.engine.logits_processing import extend_history
 from jspec.engine.logprobs import info_width
 from jspec.engine.packing import pack
-from jspec.engine.runner_base import RunnerBase, StepInput, StepShape
+from jspec.engine.runner_base import RunnerBase, SampleInput, Split, StepInput, StepShape
 from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
@@ -105,6 +105,13 @@ class SpecModelRunner(RunnerBase):
         )
         self._spec_step = jax.jit(self._spec_step_impl, static_argnames=("decode", "layout", "filtering"),
                                   donate_argnums=(2, 3, 4), compiler_options=self.plan.compiler_options)
+        # A structured verification step chained behind the one before it runs in two calls
+        # (a split step): the target at once, then masks, sampling and the drafter once the
+        # host has built the masks (structured outputs only; see dispatch_forward).
+        self._spec_fwd = jax.jit(self._spec_forward_impl, static_argnames=("layout",), donate_argnums=(1,),
+                                 compiler_options=self.plan.compiler_options)
+        self._spec_tail = jax.jit(self._spec_tail_impl, static_argnames=("layout", "filtering"),
+                                  donate_argnums=(2, 3), compiler_options=self.plan.compiler_options)
 
     # ---- device side ------------------------------------------------------------------
     def _spec_step_impl(self, params, dparams, kv, dkv, probs_buf, synthetic_rates, ints, floats, prev=None, *,
@@ -116,35 +123,52 @@ class SpecModelRunner(RunnerBase):
         b = inp.base
         h, aux, kv = self.model.apply({"params": params}, b.tokens, b.meta, kv, aux_layers=self.aux_layers)
         B, Q = b.tokens.shape
-        lm = lambda x: self.model.apply({"params": params}, x, method=Transformer.logits)  # noqa: E731
-        common = (b.temperature, b.top_k, b.top_p, b.seeds, b.sample_pos)
         if decode:
-            q = probs_buf[inp.prob_rows] if self.with_probs else None
-            # Position j sees the drafts before it (logits_processing: penalties, bad words...).
-            logits, raw = self._process(lm(h), b, b.proc, b.tokens[:, 1:])
-            out, n_emit = rejection_sample(
-                logits, b.tokens[:, 1:], inp.num_draft, q, *common,
-                method=self.spec.rejection_sample_method, synthetic_rates=synthetic_rates,
-                impl=self.sample_impl, filtering=filtering,
-            )
-            pairs = jnp.maximum(out, 0)  # [B, K+1] == [B, Q]
-            last_idx = n_emit - 1
-        else:
-            last_idx = jnp.maximum(b.q_lens - 1, 0)
-            last_h = h[jnp.arange(B), last_idx]
-            logits, raw = self._process(lm(last_h)[:, None], b, b.proc, jnp.zeros((B, 0), jnp.int32))
-            out, n_emit = rejection_sample(
-                logits, jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32), None, *common,
-                impl=self.sample_impl, filtering=filtering,
-            )
-            sampled = out[:, 0]
-            at_last = jnp.arange(Q)[None, :] == last_idx[:, None]
-            pairs = jnp.where(at_last & inp.sample[:, None], sampled[:, None], inp.pair_next)
+            out = self._verify_and_propose(params, dparams, dkv, probs_buf, synthetic_rates, self._lm(params, h), aux,
+                                           b.tokens, b.meta, inp, b, filtering, h)
+            return (kv, *out)
+        last_idx = jnp.maximum(b.q_lens - 1, 0)
+        last_h = h[jnp.arange(B), last_idx]
+        logits, raw = self._process(self._lm(params, last_h)[:, None], b, b.proc, jnp.zeros((B, 0), jnp.int32))
+        out, n_emit = rejection_sample(
+            logits, jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32), None,
+            b.temperature, b.top_k, b.top_p, b.seeds, b.sample_pos, impl=self.sample_impl, filtering=filtering,
+        )
+        sampled = out[:, 0]
+        at_last = jnp.arange(Q)[None, :] == last_idx[:, None]
+        pairs = jnp.where(at_last & inp.sample[:, None], sampled[:, None], inp.pair_next)
+        return (kv, *self._propose_and_pack(params, dparams, dkv, probs_buf, pairs, aux, b.meta, last_idx, inp, b,
+                                            out, n_emit, logits, raw, h))
+
+    def _lm(self, params, h):
+        return self.model.apply({"params": params}, h, method=Transformer.logits)
+
+    def _verify_and_propose(self, params, dparams, dkv, probs_buf, synthetic_rates, logits, aux, tokens, meta,
+                            inp, s, filtering, h):
+        """A verification step after the target: masks and processors on ``logits``
+        f32[B, Q, V], ``rejection_sample`` of the drafts tokens[:, 1:], then the drafter;
+        ``inp`` gives num_draft, sample and prob_rows, ``s`` the sampling fields."""
+        q = probs_buf[inp.prob_rows] if self.with_probs else None
+        # Position j sees the drafts before it (logits_processing: penalties, bad words...).
+        logits, raw = self._process(logits, s, s.proc, tokens[:, 1:])
+        out, n_emit = rejection_sample(
+            logits, tokens[:, 1:], inp.num_draft, q, s.temperature, s.top_k, s.top_p, s.seeds, s.sample_pos,
+            method=self.spec.rejection_sample_method, synthetic_rates=synthetic_rates,
+            impl=self.sample_impl, filtering=filtering,
+        )
+        pairs = jnp.maximum(out, 0)  # [B, K+1] == [B, Q]
+        return self._propose_and_pack(params, dparams, dkv, probs_buf, pairs, aux, meta, n_emit - 1, inp, s,
+                                      out, n_emit, logits, raw, h)
+
+    def _propose_and_pack(self, params, dparams, dkv, probs_buf, pairs, aux, meta, last_idx, inp, s, out, n_emit,
+                          logits, raw, h):
+        """The drafter over the step's pairs i32[B, Q], then the step's one packed output."""
+        B, Q = pairs.shape
         aux = aux.reshape(B, Q, -1)
-        draft_temp = b.temperature if self.with_probs else jnp.zeros_like(b.temperature)
+        draft_temp = s.temperature if self.with_probs else jnp.zeros_like(s.temperature)
         embed, lm_head = self.embedding_table(params), self.lm_head_weight(params)
         drafts, probs, dkv = self.drafter.propose(
-            dparams, dkv, ProposeInputs(pairs, aux, b.meta, last_idx, embed, lm_head, b.seeds, draft_temp, inp.sample),
+            dparams, dkv, ProposeInputs(pairs, aux, meta, last_idx, embed, lm_head, s.seeds, draft_temp, inp.sample),
             num_tokens=self.K, with_probs=self.with_probs,
         )
         if self.with_probs:
@@ -154,22 +178,45 @@ class SpecModelRunner(RunnerBase):
         # A prefill step emits one token: padded to K + 1 so read_spec finds the drafts.
         out = jnp.pad(out, ((0, 0), (0, self.K + 1 - out.shape[1])), constant_values=-1)
         parts = [out, n_emit[:, None], drafts[:, : self.K].astype(jnp.int32)]
-        if b.proc is not None:  # logprob blocks of the emitted tokens ride along: still one read
-            lp = self._token_logprobs(raw, logits, out[:, : logits.shape[1]], b)  # [B, 1 or K+1, F]
+        if s.proc is not None:  # logprob blocks of the emitted tokens ride along: still one read
+            lp = self._token_logprobs(raw, logits, out[:, : logits.shape[1]], s)  # [B, 1 or K+1, F]
             lp = jnp.pad(lp, ((0, 0), (0, self.K + 1 - lp.shape[1]), (0, 0)))
-            parts += [lp.reshape(B, -1), self._prompt_logprobs(params, h, b.proc).reshape(B, -1)]
-        packed = jnp.concatenate(parts, axis=1)
-        return kv, dkv, probs_buf, packed
+            parts += [lp.reshape(B, -1), self._prompt_logprobs(params, h, s.proc).reshape(B, -1)]
+        return dkv, probs_buf, jnp.concatenate(parts, axis=1)
+
+    def _spec_forward_impl(self, params, kv, ints, floats, prev, *, layout):
+        """A split (structured) verification step's forward, chained behind ``prev``: the
+        target over [bonus, K drafts] -> (kv, (logits f32[B, Q, V], aux, tokens i32[B, Q],
+        meta)), what ``_spec_tail_impl`` reads."""
+        self.num_compilations += 1
+        inp = continue_from(self._unpack(ints, floats, layout), prev, self.K, self.page_size, self.num_pages)
+        b = inp.base
+        h, aux, kv = self.model.apply({"params": params}, b.tokens, b.meta, kv, aux_layers=self.aux_layers)
+        return kv, (self._lm(params, h), aux, b.tokens, b.meta)
+
+    def _spec_tail_impl(self, params, dparams, dkv, probs_buf, synthetic_rates, fwd, ints, floats, *, layout,
+                        filtering):
+        """A split verification step's tail: the masks (and sampling fields) the host built
+        after reading the step before, rejection sampling and the drafter, on ``fwd``.
+        Same maths and output as the one-call step."""
+        self.num_compilations += 1
+        s: SampleInput = self._unpack(ints, floats, layout)
+        logits, aux, tokens, meta = fwd
+        return self._verify_and_propose(params, dparams, dkv, probs_buf, synthetic_rates, logits, aux, tokens, meta,
+                                        s, s, filtering, None)
 
     # ---- host side --------------------------------------------------------------------
-    def build_spec_input(self, sched: SchedulerOutput, chained: bool = False) -> tuple[SpecInput, int, bool]:
+    def build_spec_input(self, sched: SchedulerOutput, chained: bool = False,
+                         forward_only: bool = False) -> tuple[SpecInput, int, bool]:
         """The step's input from the host state. ``chained``: for a verification step that
         continues one still on the device (``continue_from``): every row verifies K drafts,
-        tokens and the position shift come from that step."""
+        tokens and the position shift come from that step. ``forward_only``: without
+        processors or masks (a split step's forward)."""
         decode = sched.kind == "decode"
         if chained:
             sched = SchedulerOutput("decode", [ScheduledSeq(r.seq, self.K + 1, True) for r in sched.seqs], [])
-        base, n = self.build_input(sched, self.K + 1 if decode else self.chunk_q(sched), tokens_on_device=chained)
+        base, n = self.build_input(sched, self.K + 1 if decode else self.chunk_q(sched), tokens_on_device=chained,
+                                   forward_only=forward_only)
         B, Q = base.tokens.shape
         num_draft = np.zeros((B,), np.int32)
         pair_next = np.zeros((B, Q), np.int32)
@@ -218,6 +265,35 @@ class SpecModelRunner(RunnerBase):
         inp, _, decode = self.build_spec_input(sched, chained=prev is not None)
         return self.run_spec(inp, decode, prev)
 
+    def dispatch_forward(self, sched: SchedulerOutput, prev: jax.Array) -> Split:
+        """The target's half of the verification step after ``prev`` (a step not yet read),
+        dispatched before the host builds that step's masks (``dispatch_tail``): a structured
+        batch's masks need ``prev``'s tokens and drafts, which the host reads meanwhile."""
+        return self.run_forward(self.build_spec_input(sched, chained=True, forward_only=True)[0], prev)
+
+    def run_forward(self, inp: SpecInput, prev: jax.Array) -> Split:
+        ints, floats, layout = pack(inp)
+        self.kv, fwd = self._spec_fwd(self.params, self.kv, ints, floats, prev, layout=self._layout_id(layout))
+        B, Q = inp.base.tokens.shape
+        return Split(fwd, B, Q, inp.base.meta.page_table.shape[1] * self.page_size)
+
+    def dispatch_tail(self, split: Split, sched: SchedulerOutput) -> jax.Array:
+        """The rest of a split step (masks, rejection sampling, the drafter) from the host
+        state now: each running row verifies its grammar-valid drafts. Returns the packed
+        output, as ``dispatch_spec``."""
+        s = self.build_sample_input(sched, split)
+        for i, r in enumerate(sched.seqs):
+            s.prob_rows[i] = self._prob_rows.get(r.seq.request_id, 0)
+        return self.run_tail(split, s)
+
+    def run_tail(self, split: Split, s: SampleInput) -> jax.Array:
+        ints, floats, layout = pack(s)
+        self.dkv, self.probs_buf, packed = self._spec_tail(
+            self.params, self.dparams, self.dkv, self.probs_buf, self.synthetic_rates, split.fwd, ints, floats,
+            layout=self._layout_id(layout), filtering=self._filtering(s),
+        )
+        return packed
+
     def read_spec(self, packed: jax.Array, n: int) -> SpecStepResult:
         """Wait for a step's packed output and split its first n rows."""
         packed = np.asarray(packed)[:n]
@@ -264,10 +340,21 @@ class SpecModelRunner(RunnerBase):
             filtering=self._filtering(inp.base),
         )
 
-    def warmup(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None):
+    def warmup(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None,
+               structured: bool = False):
         """Compile every shape (or ``shapes``, a subset of ``warmup_shapes``) with empty rows:
         no row samples or drafts, every target and drafter write is dropped, so the caches
-        and the draft-probability buffer keep their contents."""
+        and the draft-probability buffer keep their contents. ``structured``: also the
+        masked steps of a batch with a grammar: prefill chunks, verification, and with
+        async scheduling the split step's two calls."""
         for sh in shapes or self.warmup_shapes(num_scheduler_steps, async_scheduling):
             self.run_spec(self.empty_spec_input(sh), sh.decode, self._empty_prev(sh))
+        for sh in self.warmup_shapes(1, async_scheduling) if structured else ():
+            inp = self.empty_spec_input(sh)
+            if sh.steps:  # the chained form: split in two
+                split = self.run_forward(inp, self._empty_prev(sh))
+                self.run_tail(split, self.empty_sample_input(sh.batch, sh.q))
+                continue
+            mask = self.allow_all(sh.batch, sh.q if sh.decode else 1)
+            self.run_spec(inp.replace(base=inp.base.replace(grammar_mask=mask)), sh.decode)
         jax.block_until_ready((self.kv, self.dkv))

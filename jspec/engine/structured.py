@@ -16,9 +16,11 @@ Device: ``apply_bitmask`` sets the disallowed logits to -inf before the processo
 rejection sampler, at every verification position: the sampler sees the masked target
 distribution, and greedy speculative output equals greedy plain output.
 
-A step whose batch has a grammar is never chained behind the one before it (async
-scheduling): its masks depend on that step's accepted tokens, which only the host knows
-once it has read them. It runs one decode step per call for the same reason.
+A step whose batch has a grammar depends on the tokens of the step before it, which the
+host knows only once it has read them: with async scheduling its call is split (the
+engine's ``_chain``): the target's forward is dispatched behind the step before, and the
+masks (``build_bitmask``, from the host state once that step is read), sampling and the
+drafter follow in a second call. It runs one decode step per call for the same reason.
 """
 
 from __future__ import annotations
@@ -187,7 +189,7 @@ def build_bitmask(rows, B: int, Q: int, vocab_size: int, chained: bool = False) 
     not sample allow every token."""
     if not any_grammar(rows):
         return None
-    if chained:
+    if chained:  # a chained step's forward goes alone; its masks come with its tail (build_sample_input)
         raise RuntimeError("a step with structured outputs cannot be chained: its masks need the tokens before it")
     import llguidance.numpy
 

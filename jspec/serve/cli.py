@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
                    help="compile every shape bucket before serving (engine.warmup()); auto: on "
                         "except on the CPU backend, where compiling all buckets takes minutes")
+    p.add_argument("--warmup-structured-outputs", action="store_true",
+                   help="warmup also compiles the steps of batches with structured outputs (JSON schema, "
+                        "regex...), which otherwise compile on their first use")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -79,6 +82,8 @@ def engine_kwargs(args) -> dict:
               max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode)
     if args.speculative_config is not None:
         kw["speculative_config"] = args.speculative_config
+    if args.warmup_structured_outputs:
+        kw["warmup_structured_outputs"] = True
     return kw
 
 

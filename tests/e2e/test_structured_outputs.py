@@ -57,9 +57,14 @@ def test_speculative_outputs_validate_and_greedy_equals_plain(plain, method, mon
     assert greedy == plain[1][0.0]
     stats = llm.engine.stats()
     assert stats["accepted_per_position"][1] > 0  # drafts verified (and accepted) past the first position
-    check(llm.generate(PROMPTS, params(1.0, seed=100)))
+    assert stats["num_chained_calls"] > 0  # masked batches chain (split steps)
+    sampled = check(llm.generate(PROMPTS, params(1.0, seed=100)))
     if method != "eagle3":
         return
+    # The split steps give the unchained path's tokens (seeded T=1; greedy is compared above).
+    with monkeypatch.context() as m:
+        m.setattr(llm.engine, "_chain", lambda f: None)
+        assert [o.outputs[0].text for o in llm.generate(PROMPTS[:8], params(1.0, seed=100)[:8])] == sampled[:8]
     # The control: masks at the first verification position only (later ones allow every
     # token), same compiled shapes: the checks above catch it.
     build = runner_mod.build_bitmask

@@ -164,11 +164,50 @@ def test_engine_modes_mixed_batch_and_the_grammar_cache(llm):
     for o in outs[1:]:
         assert o.outputs[0].finish_reason == "stop" and re.fullmatch("(yes|no)-[0-9]{3}", o.outputs[0].text)
     assert eng.grammars.num_compiled == n0 + 1  # one grammar, compiled once for both requests
+    # Async scheduling chains the masked batch (split steps); the unchained path gives the
+    # same tokens, greedy and seeded alike.
+    assert eng.stats()["num_chained_calls"] > 0
     for kw in (dict(num_scheduler_steps=4), dict(async_scheduling=False)):
         other = jspec.LLM(default_model_path(), max_num_seqs=4, max_model_len=128, dtype="float32", **kw)
         got = other.generate(prompts, [free] + sp)
-        assert [o.outputs[0].text for o in got[1:2]] == [outs[1].outputs[0].text], kw
-        assert re.fullmatch("(yes|no)-[0-9]{3}", got[2].outputs[0].text)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in outs], kw
+        assert (other.engine.stats()["num_chained_calls"] > 0) == other.engine.config.async_scheduling
+
+
+def test_a_structured_step_is_dispatched_before_its_masks_are_built(llm, monkeypatch):
+    """The chained step of a masked batch: its forward goes to the device, then the host
+    reads the step before it and builds the masks (while the forward runs), then the tail."""
+    from jspec.engine import runner_base
+
+    eng, events = llm.engine, []
+    fwd, tail, collect, build = eng.runner.dispatch_forward, eng.runner.dispatch_tail, eng._collect, \
+        runner_base.build_bitmask
+    monkeypatch.setattr(eng.runner, "dispatch_forward", lambda *a: events.append("forward") or fwd(*a))
+    monkeypatch.setattr(eng.runner, "dispatch_tail", lambda *a: events.append("tail") or tail(*a))
+    monkeypatch.setattr(eng, "_collect", lambda *a: events.append("read") or collect(*a))
+    monkeypatch.setattr(runner_base, "build_bitmask", lambda *a, **k: events.append("mask") or build(*a, **k))
+    so = SOP(regex="[a-z]{6}")
+    outs = llm.generate(["one", "two", "three"], [jspec.SamplingParams(temperature=t, seed=3, max_tokens=10,
+                                                                      structured_outputs=so) for t in (0.0, 1.0, 1.0)])
+    assert all(re.fullmatch("[a-z]{6}", o.outputs[0].text) for o in outs)
+    split = "".join(e[0] for e in events)  # f(orward) r(ead) t(ail) m(ask)
+    assert split.count("frtm") >= 4 and split.count("f") == split.count("frtm"), events
+
+
+def test_warmup_compiles_the_masked_steps_when_asked(monkeypatch):
+    from jspec.serve.cli import build_parser, engine_kwargs
+
+    assert engine_kwargs(build_parser().parse_args(["--warmup-structured-outputs"]))["warmup_structured_outputs"]
+    assert "warmup_structured_outputs" not in engine_kwargs(build_parser().parse_args([]))
+    llm = jspec.LLM(default_model_path(), max_num_seqs=1, max_model_len=32, page_size=16, max_prefill_chunk=16,
+                    dtype="float32", warmup_structured_outputs=True)
+    eng = llm.engine
+    monkeypatch.setattr(eng.runner, "warmup_shapes", lambda *a: [])  # the unmasked ones: tested elsewhere
+    eng.warmup()
+    n = eng.runner.num_compilations
+    assert n == 4  # masked: the prefill chunk, the fed decode call, the split step's forward and tail
+    llm.generate(["one"], jspec.SamplingParams(temperature=0, max_tokens=8, structured_outputs=SOP(regex="[a-z]{7}")))
+    assert eng.runner.num_compilations == n and eng.num_chained_calls > 0
 
 
 def test_a_model_without_tokenizer_refuses_structured_outputs(tmp_path):
