@@ -379,7 +379,7 @@ class LLMEngine:
         if any_grammar(f.sched.seqs):  # its masks need f's tokens: the forward now, the rest in step()
             return _InFlight(f.sched, f.steps, None, f.spec, self.runner.dispatch_forward(f.sched, f.tokens))
         if f.spec:
-            return _InFlight(f.sched, 0, self.runner.dispatch_spec(f.sched, self._running_ids(), prev=f.tokens), True)
+            return _InFlight(f.sched, 0, self.runner.dispatch_spec(f.sched, prev=f.tokens), True)
         return _InFlight(f.sched, f.steps, self.runner.dispatch_decode(f.sched, f.steps, prev=f.tokens))
 
     def _collect(self, f: _InFlight) -> list[RequestOutput]:

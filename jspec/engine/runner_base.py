@@ -167,7 +167,6 @@ class RunnerBase:
         logits = self.model.apply({"params": params}, h, method=Transformer.logits)  # f32[B, Q, V]
         return logprob_info(logits, proc.prompt_next, self.n_top_logprobs)
 
-
     # ---- the target's tables, for the drafters (the runner never names parameters) ----
     def embedding_table(self, params):
         """The target's input embedding [V, H]."""

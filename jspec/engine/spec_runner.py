@@ -257,10 +257,12 @@ class SpecModelRunner(RunnerBase):
             if r.seq.request_id not in rows:
                 rows[r.seq.request_id] = free.pop(0)
 
-    def dispatch_spec(self, sched: SchedulerOutput, running: set, prev: jax.Array | None = None) -> jax.Array:
+    def dispatch_spec(self, sched: SchedulerOutput, running: set | None = None,
+                      prev: jax.Array | None = None) -> jax.Array:
         """Start a speculative step (chained behind ``prev`` when given); its packed output
-        stays on the device until ``read_spec``."""
-        if prev is None:  # a chained step keeps the rows of the step it continues
+        stays on the device until ``read_spec``. ``running``: the running request ids, for
+        ``assign_prob_rows`` (a chained step keeps the rows of the step it continues)."""
+        if prev is None:
             self.assign_prob_rows(sched, running)
         inp, _, decode = self.build_spec_input(sched, chained=prev is not None)
         return self.run_spec(inp, decode, prev)
