@@ -21,6 +21,7 @@ A shape a kernel cannot tile runs the XLA path with one log line (dispatch.shape
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import jax
@@ -64,6 +65,14 @@ class KernelPlan:
     # plan_kernels on CPU (_CPU_XLA_OPTIONS). Compile-time only: the same options on every
     # call, no environment variable.
     xla_options: tuple = ()
+    # Tensor parallelism (jspec/parallel): the degree the fused projections' weights are
+    # split over (their outputs tp-interleaved: split_fused), the drafter's degree (1: a
+    # replicated drafter; for_drafter) and the mesh (per-shard kernels under shard_map).
+    # tp > 1 runs the projections and the sampler through XLA, which the SPMD partitioner
+    # splits; the paged-attention kernel runs per shard of KV heads (attention).
+    tp: int = 1
+    draft_tp: int = 1
+    mesh: object = None  # jax.sharding.Mesh | None
 
     @property
     def compiler_options(self) -> dict | None:
@@ -74,24 +83,29 @@ class KernelPlan:
         """The plan drafters run with: the same attention, projections on XLA. The glue
         kernels were tuned and measured on target layers only, and every drafter figure in
         docs/benchmarks.md was taken with the drafter's projections on XLA."""
-        return dataclasses.replace(self, linear="reference", norm_handoff=False)
+        return dataclasses.replace(self, linear="reference", norm_handoff=False, tp=self.draft_tp)
 
 
 def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str = "auto",
-                 sample_impl: str = "auto", backend: str | None = None) -> KernelPlan:
+                 sample_impl: str = "auto", backend: str | None = None, tp: int = 1, draft_tp: int = 1,
+                 mesh=None) -> KernelPlan:
     """The engine's plan (made once). "auto": JSPEC_KERNEL_IMPL if set (jspec/envs.py),
     else by backend: the jnp references on CPU (Pallas' interpreter runs the kernels there
-    for tests, far too slowly to serve with), the GPU / TPU kernels on those backends."""
+    for tests, far too slowly to serve with), the GPU / TPU kernels on those backends.
+    ``tp`` > 1 (on ``mesh``): the glue kernels and the rejection kernel give way to XLA,
+    which the SPMD partitioner splits over the mesh (the logits stay sharded by vocabulary)."""
     backend = backend or jax.default_backend()
     attn, linear, sample = (_resolve(i, name, backend) for i, name in
                             ((attn_impl, "attn_impl"), (linear_impl, "linear_impl"), (sample_impl, "sample_impl")))
+    if tp > 1:
+        linear = sample = "reference"
     handoff = (linear in GPU_IMPLS and not cfg.mlp_bias  # a gate_up bias would be scaled by 1 / rms too
                and _linear_kernel_takes((cfg.hidden_size, cfg.q_size))
                and _linear_kernel_takes((cfg.hidden_size, cfg.intermediate_size)))
     in_out = backend == "cpu" and linear not in GPU_IMPLS  # the GPU kernels read [out, in] weights
     options = _cpu_xla_options() if backend == "cpu" else ()
     return KernelPlan(attn=attn, linear=linear, sample=sample, norm_handoff=handoff, in_out_weights=in_out,
-                      xla_options=options)
+                      xla_options=options, tp=tp, draft_tp=draft_tp, mesh=mesh)
 
 
 # XLA:CPU's YNNPACK fusions off: the dots then run on XLA's own (Eigen) path. On the family
@@ -229,9 +243,26 @@ def linear_then_norm(plan: KernelPlan, x, w, b=None, *, residual, norm_w, eps) -
     return Normed(linear(plan, x, w, b, residual=residual), norm_w, eps)
 
 
+def split_fused(plan: KernelPlan, y, sizes):
+    """The parts [..., n] of a fused projection's output y [..., sum(sizes)] (q|k|v, gate|up,
+    DFlash's k|v). Under tensor parallelism the fused weight is tp-interleaved
+    (jspec/parallel/placement.py): y is [part 0 | part 1 | ...] per device, each part's
+    columns of that device, so the parts are gathered back from tp blocks, locally."""
+    tp, lead = plan.tp, y.shape[:-1]
+    if tp == 1:
+        return [y[..., o: o + n] for o, n in zip(itertools.accumulate((0,) + tuple(sizes)), sizes)]
+    per = [n // tp for n in sizes]
+    y = y.reshape(lead + (tp, sum(per)))
+    return [y[..., o: o + p].reshape(lead + (n,)) for o, p, n in zip(itertools.accumulate([0] + per), per, sizes)]
+
+
 def mlp(plan: KernelPlan, x, w_gate_up, b_gate_up, w_down, b_down, *, residual=None):
     """SwiGLU: [residual +] down(silu(g) * u) with g|u = gate_up(x). x: f[..., H] or
     Normed; w_gate_up: [2I, H]; w_down: [H, I]; biases [2I] / [H] | None."""
+    if plan.tp > 1:  # gate|up tp-interleaved: g and u split per device, down's input sharded likewise
+        gu = linear(plan, x, w_gate_up, b_gate_up)
+        g, u = split_fused(plan, gu, (gu.shape[-1] // 2,) * 2)
+        return linear(plan, jax.nn.silu(g) * u, w_down, b_down, residual=residual)
     if isinstance(x, Normed) and x.sumsq is not None:  # handed over: see linear_then_norm
         gu = linear(plan, x.scaled, w_gate_up, b_gate_up)
         return _project(plan, gu, w_down, b_down, prologue="silu_mul", sumsq=x.sumsq, eps=x.eps, residual=residual)
@@ -249,6 +280,15 @@ def qkv_rope_write(plan: KernelPlan, x, w, b, rope, slot_mapping, k_pages, v_pag
     B, Q, _ = x.shape
     M, D = B * Q, k_pages.shape[-1]
     (cos, sin), rows = rope, lambda a: a.reshape(M, -1)
+    if plan.tp > 1:  # XLA ops over the tp-interleaved q|k|v (split_fused); the partitioner splits them
+        KVH = k_pages.shape[2]
+        q, k, v = split_fused(plan, rows(linear(plan, x, w, b)), (num_heads * D, KVH * D, KVH * D))
+        q, k, v = q.reshape(M, num_heads, D), k.reshape(M, KVH, D), v.reshape(M, KVH, D)
+        if q_norm_w is not None:
+            q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+        q, k = _rope.rope_halves(q, rows(cos), rows(sin)), _rope.rope_halves(k, rows(cos), rows(sin))
+        k_pages, v_pages = _pa.write_kv(k_pages, v_pages, k, v, slot_mapping.reshape(M))
+        return q.reshape(B, Q, num_heads, D), k_pages, v_pages
     if isinstance(x, Normed) and q_norm_w is None and qkv_kernel(plan, M, w.shape, D, w.dtype):
         q, k_pages, v_pages = _qkv.qkv_rope_kv_write(rows(x.x), w, x.weight, b, rows(cos), rows(sin),
                                                      slot_mapping.reshape(M), k_pages, v_pages, num_heads=num_heads,
@@ -290,5 +330,27 @@ def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata | M
     impl = plan.attn
     if impl != "reference":
         impl = shape_fallback("paged_attention", impl, _pa.unsupported_shape(impl, q.shape[-1]))
+    if plan.tp > 1 and impl != "reference":
+        kvh = k_pages.shape[2]
+        impl = shape_fallback("paged_attention", impl, None if kvh % plan.tp == 0 else
+                              f"{kvh} KV heads, replicated over tensor parallel size {plan.tp}")
+        if impl != "reference":
+            return _sharded_attention(plan, impl, q, k_pages, v_pages, meta, sm_scale)
     return _pa.paged_attention(q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions, meta.causal,
                                sm_scale=sm_scale, impl=impl)
+
+
+def _sharded_attention(plan: KernelPlan, impl: str, q, k_pages, v_pages, meta: AttentionMetadata, sm_scale: float):
+    """The paged-attention kernel once per device under shard_map: q's heads and the cache's
+    KV heads split alike over the "tp" axis (tp divides the KV heads), the metadata
+    replicated; no collective (each device's heads attend over its own KV heads)."""
+    from jax.sharding import PartitionSpec as P
+
+    heads, rep = P(None, None, "tp", None), P()
+
+    def local(q, k, v, table, lens, pos, causal):
+        return _pa.paged_attention(q, k, v, table, lens, pos, causal, sm_scale=sm_scale, impl=impl)
+
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(heads, heads, heads, rep, rep, rep, rep), out_specs=heads,
+                         check_vma=False)(q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions,
+                                          meta.causal)

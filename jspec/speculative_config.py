@@ -14,6 +14,8 @@ Keys (vLLM names and meanings):
   of the two synthetic keys must be set.
 - draft_sample_method: "greedy" (argmax drafts; the verifier treats q as one-hot) or
   "probabilistic" (drafts sampled from q, which the drafter passes to the verifier).
+- draft_tensor_parallel_size: None (the target's tensor_parallel_size), 1 (the drafter
+  replicated on every device of the target's mesh) or the target's (sharded as the target).
 Unknown keys raise ValueError naming the key.
 """
 
@@ -50,8 +52,12 @@ class SpeculativeConfig:
     synthetic_acceptance_rates: tuple[float, ...] | None = None
     synthetic_acceptance_length: float | None = None
     draft_sample_method: str = "greedy"
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self):
+        dtp = self.draft_tensor_parallel_size
+        if dtp is not None and (isinstance(dtp, bool) or not isinstance(dtp, int) or dtp < 1):
+            raise ValueError(f"speculative_config 'draft_tensor_parallel_size' must be an int >= 1, got {dtp!r}")
         if self.method is not None and self.method not in METHODS:
             raise ValueError(f"speculative_config 'method' must be one of {METHODS} or None, got {self.method!r}")
         if self.model is not None and not isinstance(self.model, str):

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.checkpoint.param_spec import ParamSpec, set_path
+from jspec.parallel.placement import Placement
 
 LOAD_FORMATS = ("auto", "dummy")  # "auto": the folder's orbax copy, else its safetensors / .bin
 
@@ -38,7 +39,9 @@ def dummy_params(specs: list[ParamSpec], dtype, seed: int = 0, sharding=None) ->
             is_norm = len(s.shape) == 1 and "norm" in "/".join(s.path)
             scale, base = (0.1, 1.0) if is_norm else (0.02, 0.0)
             arr = _normal(k, shape=tuple(s.shape), dtype=jnp.dtype(dtype), scale=scale, base=base)
-        if sharding is not None:
+        if isinstance(sharding, Placement):  # tensor parallelism: the leaf's own split
+            arr = sharding.place(arr, s)
+        elif sharding is not None:
             arr = jax.device_put(arr, sharding)
         set_path(tree, s.path, arr)
     return jax.block_until_ready(tree)

@@ -31,16 +31,23 @@ class ParamSpec:
     sources: tuple[str, ...]  # checkpoint tensor names
     source_shapes: tuple[tuple[int, ...], ...]  # their shapes in the checkpoint
     integer: bool = False  # kept as int32 (d2t), never cast to the float dtype
+    # Tensor parallelism (jspec/parallel): the axis of ``shape`` (HF [out, in] layout) split
+    # over the mesh's "tp" axis, Megatron-style: 0 column-parallel (output rows, a
+    # vocabulary), 1 row-parallel (input columns); None replicated. A leaf of several
+    # sources split on axis 0 holds, on each device, that device's slice of every source in
+    # turn ("tp-interleaved": [q_i | k_i | v_i], [gate_i | up_i]; ops.split_fused reads it).
+    split: int | None = None
 
 
 class SpecList(list):
     """The ParamSpecs of one model, in load order, appended through ``add``."""
 
-    def add(self, path, sources, source_shapes, shape=None, integer=False):
-        """A leaf at ``path``; ``shape`` defaults to the sources' concatenation on axis 0."""
+    def add(self, path, sources, source_shapes, shape=None, integer=False, split=None):
+        """A leaf at ``path``; ``shape`` defaults to the sources' concatenation on axis 0;
+        ``split``: the axis tensor parallelism shards (ParamSpec.split)."""
         source_shapes = tuple(tuple(s) for s in source_shapes)
         cat = (sum(s[0] for s in source_shapes),) + source_shapes[0][1:]
-        self.append(ParamSpec(tuple(path), tuple(shape or cat), tuple(sources), source_shapes, integer))
+        self.append(ParamSpec(tuple(path), tuple(shape or cat), tuple(sources), source_shapes, integer, split))
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
@@ -78,8 +85,12 @@ def load_params(src, specs: list[ParamSpec], dtype, sharding=None, progress=None
     """The param tree of ``specs``, read from ``src`` one tensor at a time (check_specs first).
 
     Float leaves are cast to ``dtype``, integer leaves kept int32; each leaf is placed on
-    ``sharding`` when given. ``progress`` None shows a tqdm bar for checkpoints over 1 GiB.
+    ``sharding`` when given: a jax Sharding, or a ``jspec.parallel.Placement`` (tensor
+    parallelism: each device reads only its own slice of each tensor). ``progress`` None
+    shows a tqdm bar for checkpoints over 1 GiB.
     """
+    from jspec.parallel.placement import Placement
+
     if progress is None:
         progress = src.nbytes() > (1 << 30)
     bar = None
@@ -89,6 +100,11 @@ def load_params(src, specs: list[ParamSpec], dtype, sharding=None, progress=None
         bar = tqdm(total=sum(len(s.sources) for s in specs), desc="loading weights", unit="tensor")
     params: dict = {}
     for spec in specs:
+        if isinstance(sharding, Placement):
+            set_path(params, spec.path, sharding.load_leaf(src, spec, dtype))
+            if bar is not None:
+                bar.update(len(spec.sources))
+            continue
         parts = []
         for name in spec.sources:
             if spec.integer:

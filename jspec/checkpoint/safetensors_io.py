@@ -66,6 +66,13 @@ class SafetensorsReader:
             raise CheckpointError(f"checkpoint in {self.folder!r} is missing tensor {name!r}")
         return self._handle(self.files[name]).get_tensor(name)
 
+    def get_part(self, name: str, index: tuple):
+        """``tensor[index]`` (a tuple of slices), reading only that part of the file:
+        tensor parallelism's per-device slices (jspec/parallel/placement.py)."""
+        if name not in self.files:
+            raise CheckpointError(f"checkpoint in {self.folder!r} is missing tensor {name!r}")
+        return self._handle(self.files[name]).get_slice(name)[index]
+
     def get_int(self, name: str):
         # framework="flax" would truncate int64 with a warning; numpy keeps it exact.
         from safetensors import safe_open

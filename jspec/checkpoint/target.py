@@ -25,6 +25,7 @@ from jspec.checkpoint.param_spec import (
 from jspec.checkpoint.safetensors_io import CheckpointError
 from jspec.checkpoint.tensor_sources import open_tensor_source
 from jspec.config import ModelConfig, load_model_config
+from jspec.parallel.placement import Placement
 
 # DTYPES, ParamSpec, resolve_dtype and set_path are re-exported for existing importers.
 __all__ = [
@@ -36,32 +37,36 @@ ORBAX_DIR = "orbax_params"
 
 
 def target_param_spec(c: ModelConfig) -> list[ParamSpec]:
+    """Our tree <- HF names, with the Megatron split of each leaf (ParamSpec.split): q/k/v and
+    gate/up by output rows, o and down by input columns, embedding and lm_head by vocabulary;
+    norms and the o / down biases replicated."""
     H, D, I = c.hidden_size, c.head_dim, c.intermediate_size
     specs = SpecList()
-    specs.add(("embed_tokens", "embedding"), ["model.embed_tokens.weight"], [(c.vocab_size, H)])
+    specs.add(("embed_tokens", "embedding"), ["model.embed_tokens.weight"], [(c.vocab_size, H)], split=0)
     for i in range(c.num_layers):
         p, L = f"model.layers.{i}", f"layers_{i}"
         specs.add((L, "input_layernorm", "weight"), [f"{p}.input_layernorm.weight"], [(H,)])
         specs.add((L, "post_attention_layernorm", "weight"), [f"{p}.post_attention_layernorm.weight"], [(H,)])
         qkv = [f"{p}.self_attn.{n}_proj" for n in "qkv"]
         qkv_shapes = [(c.q_size,), (c.kv_size,), (c.kv_size,)]
-        specs.add((L, "attn", "qkv_proj", "weight"), [n + ".weight" for n in qkv], [s + (H,) for s in qkv_shapes])
+        specs.add((L, "attn", "qkv_proj", "weight"), [n + ".weight" for n in qkv], [s + (H,) for s in qkv_shapes],
+                  split=0)
         if c.attention_bias:
-            specs.add((L, "attn", "qkv_proj", "bias"), [n + ".bias" for n in qkv], qkv_shapes)
+            specs.add((L, "attn", "qkv_proj", "bias"), [n + ".bias" for n in qkv], qkv_shapes, split=0)
             specs.add((L, "attn", "o_proj", "bias"), [f"{p}.self_attn.o_proj.bias"], [(H,)])
-        specs.add((L, "attn", "o_proj", "weight"), [f"{p}.self_attn.o_proj.weight"], [(H, c.q_size)])
+        specs.add((L, "attn", "o_proj", "weight"), [f"{p}.self_attn.o_proj.weight"], [(H, c.q_size)], split=1)
         if c.qk_norm:
             specs.add((L, "attn", "q_norm", "weight"), [f"{p}.self_attn.q_norm.weight"], [(D,)])
             specs.add((L, "attn", "k_norm", "weight"), [f"{p}.self_attn.k_norm.weight"], [(D,)])
         gu = [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
-        specs.add((L, "mlp", "gate_up_proj", "weight"), [n + ".weight" for n in gu], [(I, H), (I, H)])
-        specs.add((L, "mlp", "down_proj", "weight"), [f"{p}.mlp.down_proj.weight"], [(H, I)])
+        specs.add((L, "mlp", "gate_up_proj", "weight"), [n + ".weight" for n in gu], [(I, H), (I, H)], split=0)
+        specs.add((L, "mlp", "down_proj", "weight"), [f"{p}.mlp.down_proj.weight"], [(H, I)], split=1)
         if c.mlp_bias:
-            specs.add((L, "mlp", "gate_up_proj", "bias"), [n + ".bias" for n in gu], [(I,), (I,)])
+            specs.add((L, "mlp", "gate_up_proj", "bias"), [n + ".bias" for n in gu], [(I,), (I,)], split=0)
             specs.add((L, "mlp", "down_proj", "bias"), [f"{p}.mlp.down_proj.bias"], [(H,)])
     specs.add(("norm", "weight"), ["model.norm.weight"], [(H,)])
     if not c.tie_word_embeddings:
-        specs.add(("lm_head",), ["lm_head.weight"], [(c.vocab_size, H)])
+        specs.add(("lm_head",), ["lm_head.weight"], [(c.vocab_size, H)], split=0)
     return specs
 
 
@@ -76,19 +81,31 @@ def save_orbax(params, folder: str) -> str:
 
 
 def restore_orbax(folder, specs, dtype, sharding=None):
+    """The tree of ``specs`` from ``folder/orbax_params``. With a Placement (tensor
+    parallelism) every leaf is restored sharded (orbax reads each device's part) and the
+    fused leaves are then put in the tp-interleaved layout on the devices."""
     import orbax.checkpoint as ocp
 
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    place = sharding if isinstance(sharding, Placement) else None
     target: dict = {}
     for spec in specs:
-        set_path(target, spec.path, jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sharding))
+        s = place.sharding(spec) if place else sharding
+        set_path(target, spec.path, jax.ShapeDtypeStruct(spec.shape, dtype, sharding=s))
     path = os.path.abspath(os.path.join(folder, ORBAX_DIR))
     with ocp.StandardCheckpointer() as ckptr:
         try:
-            return ckptr.restore(path, target)
+            params = ckptr.restore(path, target)
         except (ValueError, KeyError) as e:
             raise CheckpointError(f"orbax checkpoint {path!r} does not match config.json: {e}") from None
+    if place is not None:
+        for spec in specs:
+            leaf = params
+            for k in spec.path:
+                leaf = leaf[k]
+            set_path(params, spec.path, place.from_concatenated(leaf, spec))
+    return params
 
 
 def load_target(path, dtype="float32", sharding=None, progress=None, load_format="auto"):
@@ -97,12 +114,15 @@ def load_target(path, dtype="float32", sharding=None, progress=None, load_format
     A folder holding ``orbax_params/`` (written by scripts/convert_to_orbax.py) restores
     from orbax; otherwise its safetensors (or pytorch_model.bin) are streamed.
     ``load_format="dummy"`` reads config.json alone and draws random weights
-    (jspec/checkpoint/dummy.py).
+    (jspec/checkpoint/dummy.py). ``sharding``: a jax Sharding for every leaf, or a
+    ``jspec.parallel.Placement`` (tensor parallelism, each leaf split by its ParamSpec).
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path!r} is not a directory")
     cfg = load_model_config(path)
+    if isinstance(sharding, Placement):  # tensor parallelism: the shapes must split (before any read)
+        sharding.check_target(cfg)
     dt = resolve_dtype(dtype)
     specs = target_param_spec(cfg)
     if check_load_format(load_format) == "dummy":

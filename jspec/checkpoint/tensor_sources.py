@@ -2,7 +2,8 @@
 
 A tensor source (``SafetensorsReader`` or ``BinReader``) answers ``name in src``,
 ``names()``, ``shape(name)``, ``get(name)`` (floats, cast by the caller), ``get_int(name)``
-(integer maps, exact), ``nbytes()`` and ``close()``, and is a context manager; target and
+(integer maps, exact), ``get_part(name, index)`` (a slice, for tensor parallelism),
+``nbytes()`` and ``close()``, and is a context manager; target and
 drafter loaders read through it alike (jspec/checkpoint/param_spec.py).
 """
 
@@ -42,6 +43,10 @@ class BinReader:
         return (t.float() if t.is_floating_point() else t).numpy()
 
     get_int = get  # torch keeps integer tensors exact
+
+    def get_part(self, name, index: tuple) -> np.ndarray:
+        # torch.load has already read the whole file: a slice saves device memory, not host memory.
+        return self.get(name)[index]
 
     def nbytes(self) -> int:
         return os.path.getsize(self.fn)

@@ -65,9 +65,9 @@ class DFlashAttention(nn.Module):
     def _kv(self, x, positions):  # x: [B, T, H], positions: i32[B, T] -> k, v: [B, T, KVH, D]
         c = self.cfg
         B, T, _ = x.shape
-        kv = self.kv_proj(x)
-        k = self.k_norm(kv[..., : c.kv_size].reshape(B, T, c.num_kv_heads, c.head_dim))
-        v = kv[..., c.kv_size :].reshape(B, T, c.num_kv_heads, c.head_dim)
+        k, v = ops.split_fused(self.plan, self.kv_proj(x), (c.kv_size, c.kv_size))  # k|v tp-interleaved
+        k = self.k_norm(k.reshape(B, T, c.num_kv_heads, c.head_dim))
+        v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
         return apply_rope(k, positions, rope_inv_freq(c.rope, c.head_dim)), v
 
     def context_kv(self, ctx, meta: AttentionMetadata, k_pages, v_pages):  # ctx: [B, C, H]

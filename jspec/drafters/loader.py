@@ -17,9 +17,12 @@ from jspec.checkpoint.param_spec import ParamSpec, SpecList, check_specs, load_p
 from jspec.checkpoint.tensor_sources import open_tensor_source
 from jspec.config import ConfigError, ModelConfig
 from jspec.drafters.config import FMT_EAGLE3_ORIGINAL, DrafterConfig, detect_format, drafter_config_from_hf
+from jspec.parallel.placement import Placement
 
 
 def drafter_param_spec(c: DrafterConfig) -> list[ParamSpec]:
+    """Our tree <- the layout's names; the Megatron splits (ParamSpec.split) as the target's,
+    fc by its input columns (the aux states), norms, d2t and mask_hidden replicated."""
     H, D, I, Vd = c.hidden_size, c.head_dim, c.intermediate_size, c.draft_vocab_size
     specs = SpecList()
 
@@ -29,32 +32,36 @@ def drafter_param_spec(c: DrafterConfig) -> list[ParamSpec]:
         specs.add((L, "post_attention_layernorm", "weight"), [f"{prefix}.post_attention_layernorm.weight"], [(H,)])
         a = f"{prefix}.self_attn"
         if dflash:
-            specs.add((L, "attn", "q_proj", "weight"), [f"{a}.q_proj.weight"], [(c.q_size, in_features)])
+            specs.add((L, "attn", "q_proj", "weight"), [f"{a}.q_proj.weight"], [(c.q_size, in_features)], split=0)
             specs.add((L, "attn", "kv_proj", "weight"), [f"{a}.k_proj.weight", f"{a}.v_proj.weight"],
-                      [(c.kv_size, in_features), (c.kv_size, in_features)])
+                      [(c.kv_size, in_features), (c.kv_size, in_features)], split=0)
             if c.attention_bias:
-                specs.add((L, "attn", "q_proj", "bias"), [f"{a}.q_proj.bias"], [(c.q_size,)])
-                specs.add((L, "attn", "kv_proj", "bias"), [f"{a}.k_proj.bias", f"{a}.v_proj.bias"], [(c.kv_size,), (c.kv_size,)])
+                specs.add((L, "attn", "q_proj", "bias"), [f"{a}.q_proj.bias"], [(c.q_size,)], split=0)
+                specs.add((L, "attn", "kv_proj", "bias"), [f"{a}.k_proj.bias", f"{a}.v_proj.bias"], [(c.kv_size,), (c.kv_size,)],
+                          split=0)
         else:
             qkv = [f"{a}.{n}_proj" for n in "qkv"]
             shapes = [(c.q_size,), (c.kv_size,), (c.kv_size,)]
-            specs.add((L, "attn", "qkv_proj", "weight"), [n + ".weight" for n in qkv], [s + (in_features,) for s in shapes])
+            specs.add((L, "attn", "qkv_proj", "weight"), [n + ".weight" for n in qkv], [s + (in_features,) for s in shapes],
+                      split=0)
             if c.attention_bias:
-                specs.add((L, "attn", "qkv_proj", "bias"), [n + ".bias" for n in qkv], shapes)
-        specs.add((L, "attn", "o_proj", "weight"), [f"{a}.o_proj.weight"], [(H, c.q_size)])
+                specs.add((L, "attn", "qkv_proj", "bias"), [n + ".bias" for n in qkv], shapes, split=0)
+        specs.add((L, "attn", "o_proj", "weight"), [f"{a}.o_proj.weight"], [(H, c.q_size)], split=1)
         if c.attention_bias:
             specs.add((L, "attn", "o_proj", "bias"), [f"{a}.o_proj.bias"], [(H,)])
         if c.qk_norm:
             specs.add((L, "attn", "q_norm", "weight"), [f"{a}.q_norm.weight"], [(D,)])
             specs.add((L, "attn", "k_norm", "weight"), [f"{a}.k_norm.weight"], [(D,)])
         m = f"{prefix}.mlp"
-        specs.add((L, "mlp", "gate_up_proj", "weight"), [f"{m}.gate_proj.weight", f"{m}.up_proj.weight"], [(I, H), (I, H)])
-        specs.add((L, "mlp", "down_proj", "weight"), [f"{m}.down_proj.weight"], [(H, I)])
+        specs.add((L, "mlp", "gate_up_proj", "weight"), [f"{m}.gate_proj.weight", f"{m}.up_proj.weight"],
+                  [(I, H), (I, H)], split=0)
+        specs.add((L, "mlp", "down_proj", "weight"), [f"{m}.down_proj.weight"], [(H, I)], split=1)
         if c.mlp_bias:
-            specs.add((L, "mlp", "gate_up_proj", "bias"), [f"{m}.gate_proj.bias", f"{m}.up_proj.bias"], [(I,), (I,)])
+            specs.add((L, "mlp", "gate_up_proj", "bias"), [f"{m}.gate_proj.bias", f"{m}.up_proj.bias"], [(I,), (I,)],
+                      split=0)
             specs.add((L, "mlp", "down_proj", "bias"), [f"{m}.down_proj.bias"], [(H,)])
 
-    specs.add(("fc", "weight"), ["fc.weight"], [(H, c.fc_in_features)])
+    specs.add(("fc", "weight"), ["fc.weight"], [(H, c.fc_in_features)], split=1)
     specs.add(("norm", "weight"), ["norm.weight"], [(H,)])
     if c.has_d2t:
         specs.add(("d2t",), ["d2t"], [(Vd,)], integer=True)
@@ -63,14 +70,14 @@ def drafter_param_spec(c: DrafterConfig) -> list[ParamSpec]:
         for i in range(c.num_layers):
             layer(i, f"layers.{i}", H, dflash=True)
         if not c.uses_target_lm_head:
-            specs.add(("lm_head",), ["lm_head.weight"], [(Vd, H)])
+            specs.add(("lm_head",), ["lm_head.weight"], [(Vd, H)], split=0)
         return specs
 
     if c.norm_before_fc:
         specs.add(("input_norm", "weight"), ["input_norm.weight"], [(c.fc_in_features,)])
     if c.has_own_embeddings:
-        specs.add(("embed_tokens",), ["embed_tokens.weight"], [(c.target_vocab_size, H)])
-    specs.add(("lm_head",), ["lm_head.weight"], [(Vd, H)])
+        specs.add(("embed_tokens",), ["embed_tokens.weight"], [(c.target_vocab_size, H)], split=0)
+    specs.add(("lm_head",), ["lm_head.weight"], [(Vd, H)], split=0)
     if c.method == "peagle":
         specs.add(("mask_hidden",), ["mask_hidden"], [(1, 1, c.fc_in_features)], shape=(c.fc_in_features,))
     if c.source_format == FMT_EAGLE3_ORIGINAL:
@@ -119,9 +126,13 @@ def load_drafter(path, target_cfg: ModelConfig, dtype="float32", sharding=None, 
     dt = resolve_dtype(dtype)
     if check_load_format(load_format) == "dummy":
         cfg = drafter_config_from_hf(d, target_cfg, _dummy_tensor_names(*detect_format(d)))
+        if isinstance(sharding, Placement):
+            sharding.check_drafter(cfg)
         return cfg, dummy_params(drafter_param_spec(cfg), dt, seed=1, sharding=sharding)
     with open_tensor_source(path) as src:
         cfg = drafter_config_from_hf(d, target_cfg, frozenset(src.names()))
+        if isinstance(sharding, Placement):  # tensor parallelism: the shapes must split (before any read)
+            sharding.check_drafter(cfg)
         specs = drafter_param_spec(cfg)
         check_specs(src, specs, path, "drafter checkpoint")
         return cfg, load_params(src, specs, dt, sharding)

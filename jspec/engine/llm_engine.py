@@ -14,7 +14,7 @@ import os
 import jax
 import numpy as np
 
-from jspec import envs
+from jspec import envs, parallel
 from jspec.checkpoint.model_files import generation_eos, load_tokenizer
 from jspec.checkpoint.target import load_target, resolve_dtype
 from jspec.config import load_model_config
@@ -95,6 +95,10 @@ class EngineConfig:
     # warmup() also compiles the masked steps of a batch with a grammar (structured outputs),
     # which otherwise compile on first use.
     warmup_structured_outputs: bool = False
+    # Tensor parallelism (vLLM's name): the model split Megatron-style over this many
+    # devices of one mesh (jspec/parallel; the drafter: speculative_config's
+    # draft_tensor_parallel_size). 1: one device, no mesh.
+    tensor_parallel_size: int = 1
 
 
 class LLMEngine:
@@ -108,6 +112,12 @@ class LLMEngine:
         devices = jax.devices()
         kinds = ", ".join(sorted({str(getattr(d, "device_kind", d)) for d in devices}))
         logger.info("jspec engine on %s (%s x%d), dtype %s", jax.default_backend(), kinds, len(devices), c.dtype)
+        tp, self.mesh = c.tensor_parallel_size, parallel.make_mesh(c.tensor_parallel_size)
+        if self.mesh is not None:
+            if sharding is not None or preloaded is not None:
+                raise ValueError("tensor_parallel_size > 1 places the weights itself: no sharding or preloaded "
+                                 "params (load_format='dummy' gives random weights)")
+            sharding = parallel.Placement(self.mesh, tp)
         if preloaded is None:
             self.model_cfg, params = load_target(c.model, c.dtype, sharding=sharding, load_format=c.load_format)
             self.tokenizer = load_tokenizer(c.model)
@@ -138,6 +148,9 @@ class LLMEngine:
             from jspec.drafters import load_drafter
             from jspec.drafters.registry import make_drafter
 
+            self.draft_tp = parallel.resolve_draft_tp(self.spec.draft_tensor_parallel_size, tp)
+            if self.mesh is not None:
+                sharding = parallel.Placement(self.mesh, self.draft_tp)
             if preloaded_drafter is not None:
                 self.dcfg, dparams = preloaded_drafter
             else:
@@ -183,8 +196,10 @@ class LLMEngine:
         self.blocks = BlockManager(num_pages, c.page_size, c.enable_prefix_caching, hash_next_token=eagle_style)
         self.scheduler = Scheduler(sched_cfg, self.blocks)
         dtype = resolve_dtype(c.dtype)
-        kv = KVCache.create(mc.num_layers, num_pages, c.page_size, mc.num_kv_heads, mc.head_dim, dtype)
-        plan = plan_kernels(mc, attn_impl=c.attn_impl, linear_impl=c.linear_impl, sample_impl=c.sample_impl)
+        kv = KVCache.create(mc.num_layers, num_pages, c.page_size, mc.num_kv_heads, mc.head_dim, dtype,
+                            parallel.kv_sharding(self.mesh, mc.num_kv_heads, tp))
+        plan = plan_kernels(mc, attn_impl=c.attn_impl, linear_impl=c.linear_impl, sample_impl=c.sample_impl,
+                            tp=tp, draft_tp=self.draft_tp if self.spec is not None else 1, mesh=self.mesh)
         buckets = Buckets.create(c.max_num_seqs, chunk, pages_per_seq, max_prefill_rows=mix,
                                  page_widths=page_table_widths(plan, pages_per_seq))
         params = plan_params(plan, params)  # the weight layout the plan's modules declare
@@ -194,7 +209,8 @@ class LLMEngine:
             from jspec.drafters import create_kv_cache
             from jspec.engine.spec_runner import SpecModelRunner
 
-            dkv = create_kv_cache(self.dcfg, num_pages, c.page_size, dtype)
+            dkv = create_kv_cache(self.dcfg, num_pages, c.page_size, dtype,
+                                  parallel.kv_sharding(self.mesh, self.dcfg.num_kv_heads, self.draft_tp))
             self.runner = SpecModelRunner(
                 mc, params, kv, buckets, dtype=dtype, plan=plan, spec=self.spec, dcfg=self.dcfg,
                 dparams=plan_params(plan, dparams), dkv=dkv, max_num_seqs=c.max_num_seqs,
@@ -235,9 +251,11 @@ class LLMEngine:
         itemsize = np.dtype(resolve_dtype(c.dtype)).itemsize
         # K and V of every target layer, and of every drafter layer (its own cache over
         # the same page ids) when speculating.
-        layers = [(mc.num_layers, mc.num_kv_heads, mc.head_dim)]
+        # Per device: a cache sharded by KV head holds kv_heads / tp of them (kv_sharding).
+        layers = [(mc.num_layers, parallel.local_kv_heads(mc.num_kv_heads, c.tensor_parallel_size), mc.head_dim)]
         if self.spec is not None:
-            layers.append((self.dcfg.num_layers, self.dcfg.num_kv_heads, self.dcfg.head_dim))
+            dkvh = parallel.local_kv_heads(self.dcfg.num_kv_heads, self.draft_tp)
+            layers.append((self.dcfg.num_layers, dkvh, self.dcfg.head_dim))
         page_bytes = sum(2 * n * c.page_size * kvh * d * itemsize for n, kvh, d in layers)
         free = limit * c.gpu_memory_utilization - stats.get("bytes_in_use", 0)
         return max(pages_per_seq, int(free // page_bytes))

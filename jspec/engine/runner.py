@@ -28,6 +28,7 @@ from jspec.engine.runner_base import (  # noqa: F401  re-exported
 from jspec.engine.scheduler import SchedulerOutput
 from jspec.kv_cache import AttentionMetadata
 from jspec.models.transformer import Transformer
+from jspec.parallel import replicate
 from kernels_pallas.rejection_sampling import rejection_sample
 
 
@@ -191,7 +192,7 @@ class ModelRunner(MixedSteps, RunnerBase):
         if prev is None:
             key = (inp.tokens.shape[0], steps)
             if key not in self._no_prev:
-                self._no_prev[key] = jnp.zeros(key, jnp.int32)
+                self._no_prev[key] = replicate(jnp.zeros(key, jnp.int32), self.plan.mesh)
             prev = self._no_prev[key]
         self.kv, sampled = self._multi(self.params, self.kv, ints, floats, prev, steps=steps, **kw)
         return sampled

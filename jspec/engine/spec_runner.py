@@ -37,6 +37,7 @@ from jspec.engine.runner_base import RunnerBase, SampleInput, Split, StepInput, 
 from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
+from jspec.parallel import replicate
 from jspec.speculative_config import SpeculativeConfig
 from kernels_pallas.rejection_sampling import rejection_sample
 
@@ -96,7 +97,7 @@ class SpecModelRunner(RunnerBase):
         self.aux_layers = tuple(dcfg.aux_layer_ids)
         self.with_probs = spec.draft_sample_method == "probabilistic"
         V = cfg.vocab_size
-        self.probs_buf = jnp.zeros((max_num_seqs, self.K, V), jnp.float32) if self.with_probs else None
+        self.probs_buf = replicate(jnp.zeros((max_num_seqs, self.K, V), jnp.float32), plan.mesh) if self.with_probs else None
         self._prob_rows: dict[str, int] = {}  # request id -> its row of probs_buf (assign_prob_rows)
         # A traced argument (not a constant): benchmarks swap rates without recompiling.
         self.synthetic_rates = (
@@ -329,7 +330,7 @@ class SpecModelRunner(RunnerBase):
 
     def _empty_prev(self, sh: StepShape):
         """A stand-in ``prev`` for compiling the chained form (steps = 1), else None."""
-        return jnp.zeros((sh.batch, 2 * self.K + 2), jnp.int32) if sh.steps else None
+        return replicate(jnp.zeros((sh.batch, 2 * self.K + 2), jnp.int32), self.plan.mesh) if sh.steps else None
 
     def lower_spec(self, sh: StepShape):
         """The speculative step of shape ``sh``, lowered (not run): ``.compile()`` gives its

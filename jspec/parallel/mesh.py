@@ -1,0 +1,111 @@
+"""The tensor-parallel mesh, the configurations it accepts, and the KV cache's sharding.
+
+Every check raises a ValueError naming the numbers: a tensor-parallel size that does not
+divide the attention heads, the KV heads (nor is divided by them), the intermediate size or
+the vocabulary, or that asks for more devices than JAX sees.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+TP_AXIS = "tp"
+
+
+def make_mesh(tp: int) -> Mesh | None:
+    """A 1-D mesh ("tp") over the first ``tp`` devices; None for tp == 1 (one device, no
+    mesh: the engine runs exactly as without tensor parallelism). Across hosts,
+    ``jax.distributed.initialize()`` first makes every host's devices visible here."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+    if tp == 1:
+        return None
+    devices = jax.devices()
+    if tp > len(devices):
+        raise ValueError(f"tensor_parallel_size={tp} asks for more devices than exist: jax sees {len(devices)} "
+                         f"{jax.default_backend()} device(s)")
+    return Mesh(np.asarray(devices[:tp]), (TP_AXIS,))
+
+
+def resolve_draft_tp(draft_tp: int | None, tp: int) -> int:
+    """The drafter's tensor-parallel size: None -> the target's (vLLM's default); else 1
+    (the drafter replicated on every device of the mesh) or the target's."""
+    if draft_tp is None:
+        return tp
+    if draft_tp not in (1, tp):
+        raise ValueError(f"draft_tensor_parallel_size={draft_tp} must be 1 (a replicated drafter) or "
+                         f"tensor_parallel_size={tp}")
+    return draft_tp
+
+
+def _divides(tp: int, what: str, flag: str, **sizes):
+    for name, n in sizes.items():
+        if n % tp:
+            raise ValueError(f"{flag}={tp} does not divide the {what}'s {name}={n}")
+
+
+def _kv_heads(tp: int, what: str, flag: str, kv_heads: int, head_dim: int):
+    # KV heads are sharded when tp divides them, else replicated (tp a multiple of them);
+    # their projection's output columns are split evenly either way.
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"{flag}={tp}: the {what}'s num_key_value_heads={kv_heads} must be a multiple of it "
+                         f"(KV cache sharded by head) or divide it (KV cache replicated)")
+    _divides(tp, what, flag, **{"num_key_value_heads * head_dim": kv_heads * head_dim})
+
+
+def check_target(cfg, tp: int):
+    """ValueError unless the target (a ModelConfig) splits over ``tp`` devices."""
+    if tp == 1:
+        return
+    flag = "tensor_parallel_size"
+    _divides(tp, "target", flag, num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
+             vocab_size=cfg.vocab_size)
+    _kv_heads(tp, "target", flag, cfg.num_kv_heads, cfg.head_dim)
+
+
+def check_drafter(cfg, tp: int):
+    """ValueError unless the drafter (a DrafterConfig) splits over ``tp`` devices."""
+    if tp == 1:
+        return
+    flag = "draft_tensor_parallel_size"
+    sizes = dict(num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
+                 draft_vocab_size=cfg.draft_vocab_size)
+    if cfg.has_own_embeddings:
+        sizes["vocab_size (its own embeddings)"] = cfg.target_vocab_size
+    sizes["fc input (aux states x target hidden)"] = cfg.fc_in_features
+    _divides(tp, "drafter", flag, **sizes)
+    _kv_heads(tp, "drafter", flag, cfg.num_kv_heads, cfg.head_dim)
+
+
+def kv_sharding(mesh: Mesh | None, num_kv_heads: int, tp: int):
+    """The paged cache's sharding ([P, S, KVH, D] per layer): by KV head where ``tp``
+    divides them, replicated otherwise (and for a replicated drafter, tp == 1). None
+    without a mesh (the default device)."""
+    if mesh is None:
+        return None
+    heads = TP_AXIS if tp > 1 and num_kv_heads % tp == 0 else None
+    return NamedSharding(mesh, P(None, None, heads, None))
+
+
+def replicate(x, mesh: Mesh | None):
+    """``x`` replicated on ``mesh`` (as is without one): a stand-in for a step output that
+    is fed back into the next call, committed to the same sharding so the two calls share
+    one executable."""
+    return x if mesh is None else jax.device_put(x, NamedSharding(mesh, P()))
+
+
+def local_kv_heads(num_kv_heads: int, tp: int) -> int:
+    """KV heads each device's cache holds (kv_sharding)."""
+    return num_kv_heads // tp if num_kv_heads % tp == 0 else num_kv_heads
+
+
+def device_param_bytes(params) -> dict:
+    """{device: bytes of ``params`` stored on it} (each device's shards of every leaf)."""
+    out: dict = {}
+    for leaf in jax.tree.leaves(params):
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out
