@@ -13,6 +13,8 @@ if [ "$#" -gt 0 ]; then exec python3 -m pytest -q "$@"; fi
 # test that passes alone: a segfault compiling tests/train's speculative step after the rest
 # of the suite (4 clean-clone runs of 4, 2026-11-24), an abort in tests/e2e/test_spec_warmup.py
 # after a third of the suite (2026-11-25). Fewer executables per process, same tests.
+# tests/parallel must be a process of its own anyway: its conftest gives jax 8 virtual CPU
+# devices (XLA_FLAGS, read when jax starts).
 # One persistent compilation cache for this run's pytest processes (and the servers they
 # start): a shape compiled in one process is loaded, not compiled again, in the next. Most
 # of the suite's time is XLA's CPU compiler (tests/e2e/test_spec_lossless.py: 230 s cold,
@@ -21,7 +23,7 @@ cache_dir=$(mktemp -d)
 trap 'rm -rf "$cache_dir"' EXIT
 export JAX_COMPILATION_CACHE_DIR="$cache_dir" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.1
 groups=("tests/kernels tests/config tests/checkpoint tests/models tests/drafters" "tests/engine" "tests/e2e"
-        "tests/serve" "tests/train")
+        "tests/serve" "tests/train" "tests/parallel")
 for dir in tests/*/; do  # a new test folder must join a group, or CI would never run it
   dir=${dir%/}
   [ "$dir" = tests/helpers ] || [ "$dir" = tests/__pycache__ ] || [[ " ${groups[*]} " == *" $dir "* ]] || { echo "scripts/test.sh: $dir is in no group" >&2; exit 1; }

@@ -112,12 +112,8 @@ class LLMEngine:
         devices = jax.devices()
         kinds = ", ".join(sorted({str(getattr(d, "device_kind", d)) for d in devices}))
         logger.info("jspec engine on %s (%s x%d), dtype %s", jax.default_backend(), kinds, len(devices), c.dtype)
-        tp, self.mesh = c.tensor_parallel_size, parallel.make_mesh(c.tensor_parallel_size)
-        if self.mesh is not None:
-            if sharding is not None or preloaded is not None:
-                raise ValueError("tensor_parallel_size > 1 places the weights itself: no sharding or preloaded "
-                                 "params (load_format='dummy' gives random weights)")
-            sharding = parallel.Placement(self.mesh, tp)
+        tp, self.draft_tp = c.tensor_parallel_size, 1
+        self.mesh, sharding = parallel.engine_mesh(tp, sharding, preloaded)  # tp 1: no mesh, ``sharding`` as given
         if preloaded is None:
             self.model_cfg, params = load_target(c.model, c.dtype, sharding=sharding, load_format=c.load_format)
             self.tokenizer = load_tokenizer(c.model)
@@ -149,8 +145,7 @@ class LLMEngine:
             from jspec.drafters.registry import make_drafter
 
             self.draft_tp = parallel.resolve_draft_tp(self.spec.draft_tensor_parallel_size, tp)
-            if self.mesh is not None:
-                sharding = parallel.Placement(self.mesh, self.draft_tp)
+            sharding = parallel.Placement(self.mesh, self.draft_tp) if self.mesh is not None else sharding
             if preloaded_drafter is not None:
                 self.dcfg, dparams = preloaded_drafter
             else:
@@ -199,7 +194,7 @@ class LLMEngine:
         kv = KVCache.create(mc.num_layers, num_pages, c.page_size, mc.num_kv_heads, mc.head_dim, dtype,
                             parallel.kv_sharding(self.mesh, mc.num_kv_heads, tp))
         plan = plan_kernels(mc, attn_impl=c.attn_impl, linear_impl=c.linear_impl, sample_impl=c.sample_impl,
-                            tp=tp, draft_tp=self.draft_tp if self.spec is not None else 1, mesh=self.mesh)
+                            tp=tp, draft_tp=self.draft_tp, mesh=self.mesh)
         buckets = Buckets.create(c.max_num_seqs, chunk, pages_per_seq, max_prefill_rows=mix,
                                  page_widths=page_table_widths(plan, pages_per_seq))
         params = plan_params(plan, params)  # the weight layout the plan's modules declare
@@ -250,8 +245,7 @@ class LLMEngine:
             return c.max_num_seqs * pages_per_seq
         itemsize = np.dtype(resolve_dtype(c.dtype)).itemsize
         # K and V of every target layer, and of every drafter layer (its own cache over
-        # the same page ids) when speculating.
-        # Per device: a cache sharded by KV head holds kv_heads / tp of them (kv_sharding).
+        # the same page ids) when speculating; per device (tp: kv_heads / tp where sharded).
         layers = [(mc.num_layers, parallel.local_kv_heads(mc.num_kv_heads, c.tensor_parallel_size), mc.head_dim)]
         if self.spec is not None:
             dkvh = parallel.local_kv_heads(self.dcfg.num_kv_heads, self.draft_tp)

@@ -12,6 +12,7 @@ from jspec.parallel.mesh import (
     check_drafter,
     check_target,
     device_param_bytes,
+    engine_mesh,
     kv_sharding,
     local_kv_heads,
     make_mesh,
@@ -21,6 +22,6 @@ from jspec.parallel.mesh import (
 from jspec.parallel.placement import Placement
 
 __all__ = [
-    "TP_AXIS", "Placement", "check_drafter", "check_target", "device_param_bytes", "kv_sharding", "local_kv_heads",
+    "TP_AXIS", "Placement", "check_drafter", "check_target", "device_param_bytes", "engine_mesh", "kv_sharding", "local_kv_heads",
     "make_mesh", "replicate", "resolve_draft_tp",
 ]

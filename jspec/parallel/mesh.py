@@ -30,6 +30,21 @@ def make_mesh(tp: int) -> Mesh | None:
     return Mesh(np.asarray(devices[:tp]), (TP_AXIS,))
 
 
+def engine_mesh(tp: int, sharding=None, preloaded=None):
+    """(mesh, what the target is loaded onto) for an engine of tensor parallel size ``tp``:
+    (None, ``sharding``) at tp 1; at tp > 1 the mesh and a Placement, which places the
+    weights itself (no ``sharding``, no preloaded params: load_format="dummy" gives random ones)."""
+    mesh = make_mesh(tp)
+    if mesh is None:
+        return None, sharding
+    if sharding is not None or preloaded is not None:
+        raise ValueError("tensor_parallel_size > 1 places the weights itself: no sharding or preloaded params "
+                         "(load_format='dummy' gives random weights)")
+    from jspec.parallel.placement import Placement
+
+    return mesh, Placement(mesh, tp)
+
+
 def resolve_draft_tp(draft_tp: int | None, tp: int) -> int:
     """The drafter's tensor-parallel size: None -> the target's (vLLM's default); else 1
     (the drafter replicated on every device of the mesh) or the target's."""

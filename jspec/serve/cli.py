@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-chunk", type=int, default=256, help="tokens of one prompt per step")
     p.add_argument("--max-num-partial-prefills", type=int, default=2,
                    help="prompts chunked beside the decode rows of one step (0: prefill and decode steps apart)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices the model is split over (Megatron-style, one mesh; the drafter: "
+                        "speculative_config's draft_tensor_parallel_size, 1 or the same)")
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help='JSON: method eagle3 | peagle | dflash, the drafter folder, e.g. '
                         '\'{"method": "eagle3", "model": "path/to/drafter", "num_speculative_tokens": 3}\'; a method alone '
@@ -79,7 +82,8 @@ def engine_kwargs(args) -> dict:
               max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_chunk=args.max_prefill_chunk,
               max_num_partial_prefills=args.max_num_partial_prefills,
               num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
-              max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode)
+              max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode,
+              tensor_parallel_size=args.tensor_parallel_size)
     if args.speculative_config is not None:
         kw["speculative_config"] = args.speculative_config
     if args.warmup_structured_outputs:

@@ -1,0 +1,116 @@
+"""Tensor parallelism below the engine: the sharded forward against the unsharded one (a
+tied lm_head: the vocabulary-sharded table), each device's parameter bytes, the per-device
+read of a fused leaf, and the errors of configurations that do not split."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+from jspec import parallel
+from jspec.checkpoint.target import load_target, target_param_spec
+from jspec.kv_cache import AttentionMetadata, KVCache
+from jspec.models.transformer import Transformer
+from jspec.ops import plan_kernels, plan_params
+from tests.helpers import parallel as h
+
+
+def _forward(folder, tp):
+    mesh = parallel.make_mesh(tp)
+    cfg, params = load_target(folder, "float32", sharding=parallel.Placement(mesh, tp) if mesh else None)
+    plan = plan_kernels(cfg, tp=tp, mesh=mesh)
+    params = plan_params(plan, params)
+    kv = KVCache.create(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim, jnp.float32,
+                        parallel.kv_sharding(mesh, cfg.num_kv_heads, tp))
+    meta = AttentionMetadata.for_single_sequence([2, 0], 16, 0, 20, 4)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (1, 20)), jnp.int32)
+    model = Transformer(cfg, plan=plan)
+
+    @jax.jit
+    def run(params, kv):
+        h, _, _ = model.apply({"params": params}, tokens, meta, kv)
+        return model.apply({"params": params}, h, method=Transformer.logits)
+
+    return cfg, params, np.asarray(run(params, kv))
+
+
+def test_tied_forward_and_bytes_at_tp4(llama_ckpt):
+    folder, _ = llama_ckpt  # tests/helpers/targets.py "llama_tied": 4 heads, 2 KV heads, tied lm_head
+    cfg, _, want = _forward(folder, 1)
+    assert cfg.tie_word_embeddings
+    _, params, got = _forward(folder, 4)
+    # Same maths, per-device partial sums added in another order: float32 rounding only.
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    per_device = parallel.device_param_bytes(params)
+    total = sum(np.prod(s.shape) * 4 for s in target_param_spec(cfg))
+    assert len(per_device) == 4
+    for dev, n in per_device.items():
+        assert abs(n - total / 4) <= 0.1 * total / 4, (dev, n, total)
+    emb = params["embed_tokens"]["embedding"]  # the table (and tied lm_head) by vocabulary
+    assert {s.data.shape for s in emb.addressable_shards} == {(cfg.vocab_size // 4, cfg.hidden_size)}
+
+
+def test_engine_bytes_per_device():
+    """The tp-4 EAGLE3 engine of the greedy tests: target and drafter each within 10% of
+    total / 4 on every device (embeddings, lm_heads and the replicated norms included)."""
+    eng = h.llm("llama", "eagle3", 4).engine
+    for tree in (eng.runner.params, eng.runner.dparams):
+        total = sum(x.nbytes for x in jax.tree.leaves(tree))
+        per_device = parallel.device_param_bytes(tree)
+        assert len(per_device) == 4
+        assert all(abs(n - total / 4) <= 0.1 * total / 4 for n in per_device.values()), (per_device, total)
+
+
+def test_fused_leaf_read_per_device():
+    """Device i holds [q_i | k_i | v_i]: slice i of each projection (tp-interleaved), read
+    from the safetensors file slice by slice."""
+    folder, hf = h.target("qwen3")
+    mesh = parallel.make_mesh(2)
+    cfg, params = load_target(folder, "float32", sharding=parallel.Placement(mesh, 2))
+    w = params["layers_0"]["attn"]["qkv_proj"]["weight"]
+    attn = hf.model.layers[0].self_attn
+    q, k, v = (p.weight.detach().numpy() for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    for shard in w.addressable_shards:
+        i = shard.index[0].start // (w.shape[0] // 2)
+        want = np.concatenate([x[i * len(x) // 2: (i + 1) * len(x) // 2] for x in (q, k, v)])
+        np.testing.assert_array_equal(np.asarray(shard.data), want)
+
+
+def _config_folder(tmp_path, src, **changes):
+    folder = tmp_path / "_".join(f"{k}{v}" for k, v in changes.items())
+    folder.mkdir()
+    shutil.copy(os.path.join(src, "config.json"), folder)
+    with open(folder / "config.json") as f:
+        d = json.load(f)
+    d.update(changes)
+    with open(folder / "config.json", "w") as f:
+        json.dump(d, f)
+    return str(folder)
+
+
+def test_errors_name_the_numbers(tmp_path):
+    folder, _ = h.target("llama")  # 8 heads of 8, 2 KV heads, intermediate 96, vocab 64
+    bad = [({"num_attention_heads": 6, "head_dim": 8}, 4, r"num_attention_heads=6"),
+           ({"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8}, 2, r"num_key_value_heads=3"),
+           ({"intermediate_size": 90}, 4, r"intermediate_size=90"),
+           ({"vocab_size": 66}, 4, r"vocab_size=66")]
+    for changes, tp, match in bad:
+        with pytest.raises(ValueError, match=f"tensor_parallel_size={tp} .*{match}|{match}"):
+            jspec.LLM(_config_folder(tmp_path, folder, **changes), load_format="dummy", tensor_parallel_size=tp)
+    with pytest.raises(ValueError, match="tensor_parallel_size=16 asks for more devices than exist: jax sees 8"):
+        jspec.LLM(folder, tensor_parallel_size=16)
+    sc = h.spec_config("llama", "eagle3")
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=8 does not divide the drafter's "
+                                         "num_attention_heads=4"):
+        jspec.LLM(folder, tensor_parallel_size=8, speculative_config=sc, **h.ENGINE_KW)
+    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size=2 must be 1 .* or tensor_parallel_size=4"):
+        jspec.LLM(folder, tensor_parallel_size=4, speculative_config={**sc, "draft_tensor_parallel_size": 2},
+                  **h.ENGINE_KW)
