@@ -8,5 +8,7 @@
 - engine: an engine driven by hand, requests added and aborted at chosen steps;
 - lowering: the custom calls (Pallas kernels) of a function lowered for GPU or TPU;
 - sampling: reference loops that apply the logits processors to transformers' logits;
-- structured: the varied JSON schemas of the structured-outputs tests, and their validator.
+- structured: the varied JSON schemas of the structured-outputs tests, and their validator;
+- parallel: 8-head Llama / Qwen3 targets and their drafters, engines cached per tensor
+  parallel size (tests/parallel).
 """

@@ -114,3 +114,30 @@ def test_errors_name_the_numbers(tmp_path):
     with pytest.raises(ValueError, match=r"draft_tensor_parallel_size=2 must be 1 .* or tensor_parallel_size=4"):
         jspec.LLM(folder, tensor_parallel_size=4, speculative_config={**sc, "draft_tensor_parallel_size": 2},
                   **h.ENGINE_KW)
+
+
+def test_attention_kernel_per_shard():
+    """The paged-attention kernel under tp (ops.attention): once per device under shard_map
+    over the KV heads (tp 2 divides 2 KV heads; the GPU kernel in Pallas' interpreter), and
+    the XLA path where the KV heads are replicated (tp 4): both equal the reference."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jspec import ops
+
+    rng = np.random.default_rng(0)
+    B, Q, H, KVH, D = 2, 3, 4, 2, 16
+    q = jnp.asarray(rng.standard_normal((B, Q, H, D)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((6, 8, KVH, D)), jnp.float32) for _ in range(2))
+    meta = AttentionMetadata(jnp.asarray([[1, 3], [0, 5]], jnp.int32), jnp.asarray([12, 9], jnp.int32),
+                             jnp.asarray([[9, 10, 11], [6, 7, 8]], jnp.int32), jnp.zeros((B, Q), jnp.int32),
+                             jnp.ones((B,), bool))
+    want = ops.attention(ops.KernelPlan(), q, k, v, meta, sm_scale=D**-0.5)
+    for tp in (2, 4):
+        mesh = parallel.make_mesh(tp)
+        heads = NamedSharding(mesh, P(None, None, "tp", None))
+        plan = ops.KernelPlan(attn="interpret", tp=tp, mesh=mesh)
+        kv_sharding = parallel.kv_sharding(mesh, KVH, tp)
+        got = jax.jit(lambda q, k, v, plan=plan: ops.attention(plan, q, k, v, meta, sm_scale=D**-0.5))(
+            jax.device_put(q, heads), jax.device_put(k, kv_sharding), jax.device_put(v, kv_sharding))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
