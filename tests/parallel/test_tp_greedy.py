@@ -69,3 +69,25 @@ def test_spec_seeded_across_tp():
     (seed, position), the sampler sees the same distributions)."""
     outs = [h.generate(h.llm("llama", "eagle3", tp), PROMPTS, N, temperature=1.0, seed=3) for tp in (2, 4)]
     assert outs[0] == outs[1]
+
+
+def test_warmup_covers_serving_at_tp2():
+    """After warmup, serving compiles nothing more, shardings included (a fed-back input
+    committed elsewhere than the step's output would compile the same trace again, with
+    no new trace): no XLA compilation while a warmed-up engine at tp 2 serves, through
+    chained (async) speculative steps."""
+    import jax
+
+    want = reference("llama")
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(kw) if event.endswith("backend_compile_duration") else None)
+    llm = h.llm("llama", "eagle3", 2, max_num_seqs=1, async_scheduling=True)
+    eng = llm.engine
+    eng.warmup()
+    n = len(compiles)
+    assert n > 0  # the listener sees compilations
+    assert h.generate(llm, PROMPTS, N) == want
+    h.generate(llm, PROMPTS, N, temperature=1.0, seed=1)
+    assert eng.num_chained_calls > 0
+    assert compiles[n:] == []
