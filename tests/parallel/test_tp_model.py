@@ -164,3 +164,13 @@ def test_orbax_and_dummy_under_tp(tmp_path):
         assert b[k].sharding.is_equivalent_to(a[k].sharding, a[k].ndim), k
         assert d[k].sharding.is_equivalent_to(a[k].sharding, a[k].ndim), k
         np.testing.assert_array_equal(np.asarray(b[k]), np.asarray(a[k]), err_msg=k)
+
+
+def test_server_flag():
+    from jspec.serve.cli import build_parser, engine_kwargs
+
+    assert engine_kwargs(build_parser().parse_args(["--tensor-parallel-size", "4"]))["tensor_parallel_size"] == 4
+    assert engine_kwargs(build_parser().parse_args(["-tp", "2"]))["tensor_parallel_size"] == 2
+    assert engine_kwargs(build_parser().parse_args([]))["tensor_parallel_size"] == 1
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1, got 0"):
+        jspec.LLM(h.target("llama")[0], tensor_parallel_size=0)
