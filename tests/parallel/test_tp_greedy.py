@@ -79,14 +79,15 @@ def test_warmup_covers_serving_at_tp2():
     import jax
 
     want = reference("llama")
-    compiles = []
+    compiles = []  # XLA compilations, and executables loaded from a persistent cache (scripts/test.sh)
+    watched = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **kw: compiles.append(kw) if event.endswith("backend_compile_duration") else None)
+        lambda event, secs, **kw: compiles.append(event) if event in watched else None)
     llm = h.llm("llama", "eagle3", 2, max_num_seqs=1, async_scheduling=True)
     eng = llm.engine
     eng.warmup()
     n = len(compiles)
-    assert n > 0  # the listener sees compilations
+    assert n > 0  # the listener sees them
     assert h.generate(llm, PROMPTS, N) == want
     h.generate(llm, PROMPTS, N, temperature=1.0, seed=1)
     assert eng.num_chained_calls > 0
