@@ -20,6 +20,7 @@ from jspec.checkpoint.target import load_target, resolve_dtype
 from jspec.config import load_model_config
 from jspec.engine.block_manager import BlockManager
 from jspec.engine.buckets import Buckets
+from jspec.engine.kv_memory import pages_from_memory
 from jspec.engine.logprobs import LOGPROBS_MODES, record_logprobs, record_prompt_logprobs
 from jspec.engine.outputs import CompletionOutput, RequestOutput, SampleGroups, make_output  # noqa: F401 (re-exported)
 from jspec.engine.runner import ModelRunner, tokens_of
@@ -95,10 +96,7 @@ class EngineConfig:
     # warmup() also compiles the masked steps of a batch with a grammar (structured outputs),
     # which otherwise compile on first use.
     warmup_structured_outputs: bool = False
-    # Tensor parallelism (vLLM's name): the model split Megatron-style over this many
-    # devices of one mesh (jspec/parallel; the drafter: speculative_config's
-    # draft_tensor_parallel_size). 1: one device, no mesh.
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # vLLM's name: devices the model is split over (jspec/parallel)
 
 
 class LLMEngine:
@@ -112,10 +110,10 @@ class LLMEngine:
         devices = jax.devices()
         kinds = ", ".join(sorted({str(getattr(d, "device_kind", d)) for d in devices}))
         logger.info("jspec engine on %s (%s x%d), dtype %s", jax.default_backend(), kinds, len(devices), c.dtype)
-        tp, self.draft_tp = c.tensor_parallel_size, 1
-        self.mesh, sharding = parallel.engine_mesh(tp, sharding, preloaded)  # tp 1: no mesh, ``sharding`` as given
+        self.par = parallel.EngineMesh.create(c.tensor_parallel_size, sharding, preloaded)
         if preloaded is None:
-            self.model_cfg, params = load_target(c.model, c.dtype, sharding=sharding, load_format=c.load_format)
+            self.model_cfg, params = load_target(c.model, c.dtype, self.par.placement(sharding),
+                                                 load_format=c.load_format)
             self.tokenizer = load_tokenizer(c.model)
             gen_eos = generation_eos(c.model)
         else:
@@ -144,12 +142,11 @@ class LLMEngine:
             from jspec.drafters import load_drafter
             from jspec.drafters.registry import make_drafter
 
-            self.draft_tp = parallel.resolve_draft_tp(self.spec.draft_tensor_parallel_size, tp)
-            sharding = parallel.Placement(self.mesh, self.draft_tp) if self.mesh is not None else sharding
+            self.par.draft_tp = parallel.resolve_draft_tp(self.spec.draft_tensor_parallel_size, self.par.tp)
             if preloaded_drafter is not None:
                 self.dcfg, dparams = preloaded_drafter
             else:
-                self.dcfg, dparams = load_drafter(self.spec.model, mc, c.dtype, sharding=sharding,
+                self.dcfg, dparams = load_drafter(self.spec.model, mc, c.dtype, self.par.placement(sharding, True),
                                                   load_format=c.load_format)
             if self.dcfg.method != self.spec.method:
                 raise ValueError(
@@ -167,7 +164,7 @@ class LLMEngine:
             self.K = 0
             self.lookahead = 0
         pages_per_seq = -(-(self.max_model_len + self.lookahead) // c.page_size)
-        num_pages = c.num_pages or self._pages_from_memory(pages_per_seq)
+        num_pages = c.num_pages or pages_from_memory(c, mc, self.dcfg if self.spec else None, self.par, pages_per_seq)
         if num_pages < pages_per_seq:
             raise ValueError(
                 f"num_pages={num_pages} x page_size={c.page_size} cannot hold one sequence of "
@@ -192,9 +189,9 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.blocks)
         dtype = resolve_dtype(c.dtype)
         kv = KVCache.create(mc.num_layers, num_pages, c.page_size, mc.num_kv_heads, mc.head_dim, dtype,
-                            parallel.kv_sharding(self.mesh, mc.num_kv_heads, tp))
+                            self.par.kv_sharding(mc.num_kv_heads))
         plan = plan_kernels(mc, attn_impl=c.attn_impl, linear_impl=c.linear_impl, sample_impl=c.sample_impl,
-                            tp=tp, draft_tp=self.draft_tp, mesh=self.mesh)
+                            **self.par.plan_args())
         buckets = Buckets.create(c.max_num_seqs, chunk, pages_per_seq, max_prefill_rows=mix,
                                  page_widths=page_table_widths(plan, pages_per_seq))
         params = plan_params(plan, params)  # the weight layout the plan's modules declare
@@ -205,7 +202,7 @@ class LLMEngine:
             from jspec.engine.spec_runner import SpecModelRunner
 
             dkv = create_kv_cache(self.dcfg, num_pages, c.page_size, dtype,
-                                  parallel.kv_sharding(self.mesh, self.dcfg.num_kv_heads, self.draft_tp))
+                                  self.par.kv_sharding(self.dcfg.num_kv_heads, draft=True))
             self.runner = SpecModelRunner(
                 mc, params, kv, buckets, dtype=dtype, plan=plan, spec=self.spec, dcfg=self.dcfg,
                 dparams=plan_params(plan, dparams), dkv=dkv, max_num_seqs=c.max_num_seqs,
@@ -236,23 +233,6 @@ class LLMEngine:
 
             spec = dataclasses.replace(spec, model=family.drafter_for(model, spec.method))
         return spec
-
-    def _pages_from_memory(self, pages_per_seq: int) -> int:
-        mc, c = self.model_cfg, self.config
-        stats = jax.devices()[0].memory_stats() or {}
-        limit = stats.get("bytes_limit")
-        if not limit or jax.default_backend() == "cpu":
-            return c.max_num_seqs * pages_per_seq
-        itemsize = np.dtype(resolve_dtype(c.dtype)).itemsize
-        # K and V of every target layer, and of every drafter layer (its own cache over
-        # the same page ids) when speculating; per device (tp: kv_heads / tp where sharded).
-        layers = [(mc.num_layers, parallel.local_kv_heads(mc.num_kv_heads, c.tensor_parallel_size), mc.head_dim)]
-        if self.spec is not None:
-            dkvh = parallel.local_kv_heads(self.dcfg.num_kv_heads, self.draft_tp)
-            layers.append((self.dcfg.num_layers, dkvh, self.dcfg.head_dim))
-        page_bytes = sum(2 * n * c.page_size * kvh * d * itemsize for n, kvh, d in layers)
-        free = limit * c.gpu_memory_utilization - stats.get("bytes_in_use", 0)
-        return max(pages_per_seq, int(free // page_bytes))
 
     # ---- requests ---------------------------------------------------------------------
     @property

@@ -97,7 +97,8 @@ class SpecModelRunner(RunnerBase):
         self.aux_layers = tuple(dcfg.aux_layer_ids)
         self.with_probs = spec.draft_sample_method == "probabilistic"
         V = cfg.vocab_size
-        self.probs_buf = replicate(jnp.zeros((max_num_seqs, self.K, V), jnp.float32), plan.mesh) if self.with_probs else None
+        self.probs_buf = (replicate(jnp.zeros((max_num_seqs, self.K, V), jnp.float32), plan.mesh)
+                          if self.with_probs else None)
         self._prob_rows: dict[str, int] = {}  # request id -> its row of probs_buf (assign_prob_rows)
         # A traced argument (not a constant): benchmarks swap rates without recompiling.
         self.synthetic_rates = (

@@ -9,10 +9,10 @@ programs with the collectives they need (docs/architecture.md, "Tensor paralleli
 
 from jspec.parallel.mesh import (
     TP_AXIS,
+    EngineMesh,
     check_drafter,
     check_target,
     device_param_bytes,
-    engine_mesh,
     kv_sharding,
     local_kv_heads,
     make_mesh,
@@ -22,6 +22,6 @@ from jspec.parallel.mesh import (
 from jspec.parallel.placement import Placement
 
 __all__ = [
-    "TP_AXIS", "Placement", "check_drafter", "check_target", "device_param_bytes", "engine_mesh", "kv_sharding", "local_kv_heads",
-    "make_mesh", "replicate", "resolve_draft_tp",
+    "TP_AXIS", "EngineMesh", "Placement", "check_drafter", "check_target", "device_param_bytes", "kv_sharding",
+    "local_kv_heads", "make_mesh", "replicate", "resolve_draft_tp",
 ]

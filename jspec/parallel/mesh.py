@@ -7,6 +7,8 @@ the vocabulary, or that asks for more devices than JAX sees.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -30,19 +32,44 @@ def make_mesh(tp: int) -> Mesh | None:
     return Mesh(np.asarray(devices[:tp]), (TP_AXIS,))
 
 
-def engine_mesh(tp: int, sharding=None, preloaded=None):
-    """(mesh, what the target is loaded onto) for an engine of tensor parallel size ``tp``:
-    (None, ``sharding``) at tp 1; at tp > 1 the mesh and a Placement, which places the
-    weights itself (no ``sharding``, no preloaded params: load_format="dummy" gives random ones)."""
-    mesh = make_mesh(tp)
-    if mesh is None:
-        return None, sharding
-    if sharding is not None or preloaded is not None:
-        raise ValueError("tensor_parallel_size > 1 places the weights itself: no sharding or preloaded params "
-                         "(load_format='dummy' gives random weights)")
-    from jspec.parallel.placement import Placement
+@dataclasses.dataclass
+class EngineMesh:
+    """An engine's tensor parallelism: the mesh (None at tp 1: one device, as without it),
+    the target's size and the drafter's (``resolve_draft_tp``), and what follows from them."""
 
-    return mesh, Placement(mesh, tp)
+    mesh: Mesh | None
+    tp: int
+    draft_tp: int = 1
+
+    @classmethod
+    def create(cls, tp: int, sharding=None, preloaded=None) -> EngineMesh:
+        """At tp > 1 the engine places the weights itself: no ``sharding``, no preloaded
+        params (load_format="dummy" gives random ones)."""
+        mesh = make_mesh(tp)
+        if mesh is not None and (sharding is not None or preloaded is not None):
+            raise ValueError("tensor_parallel_size > 1 places the weights itself: no sharding or preloaded params "
+                             "(load_format='dummy' gives random weights)")
+        return cls(mesh, tp)
+
+    def _size(self, draft: bool) -> int:
+        return self.draft_tp if draft else self.tp
+
+    def placement(self, sharding=None, draft: bool = False):
+        """What the target's (``draft``: the drafter's) weights are loaded onto: a Placement
+        on the mesh, else ``sharding`` as given."""
+        from jspec.parallel.placement import Placement
+
+        return sharding if self.mesh is None else Placement(self.mesh, self._size(draft))
+
+    def kv_sharding(self, num_kv_heads: int, draft: bool = False):
+        return kv_sharding(self.mesh, num_kv_heads, self._size(draft))
+
+    def local_kv_heads(self, num_kv_heads: int, draft: bool = False) -> int:
+        return local_kv_heads(num_kv_heads, self._size(draft))
+
+    def plan_args(self) -> dict:
+        """plan_kernels' tensor-parallel arguments."""
+        return dict(tp=self.tp, draft_tp=self.draft_tp, mesh=self.mesh)
 
 
 def resolve_draft_tp(draft_tp: int | None, tp: int) -> int:
