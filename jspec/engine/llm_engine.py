@@ -23,7 +23,8 @@ from jspec.engine.buckets import Buckets
 from jspec.engine.kv_memory import pages_from_memory
 from jspec.engine.logprobs import LOGPROBS_MODES, record_logprobs, record_prompt_logprobs
 from jspec.engine.outputs import CompletionOutput, RequestOutput, SampleGroups, make_output  # noqa: F401 (re-exported)
-from jspec.engine.runner import ModelRunner, tokens_of
+from jspec.engine.runner import ModelRunner
+from jspec.engine.runner_base import tokens_of
 from jspec.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jspec.engine.sequence import Sequence, SpecMetrics, Status
 from jspec.engine.stopping import append_tokens

@@ -16,15 +16,7 @@ import numpy as np
 from jspec.engine.logits_processing import extend_history
 from jspec.engine.mixed import MixedSteps, mixed_shapes
 from jspec.engine.packing import pack
-from jspec.engine.runner_base import (  # noqa: F401  re-exported
-    RunnerBase,
-    SampleInput,
-    Split,
-    StepInput,
-    StepShape,
-    fold_seed,
-    tokens_of,
-)
+from jspec.engine.runner_base import RunnerBase, SampleInput, Split, StepInput, StepShape, tokens_of
 from jspec.engine.scheduler import SchedulerOutput
 from jspec.kv_cache import AttentionMetadata
 from jspec.models.transformer import Transformer
@@ -71,25 +63,22 @@ class ModelRunner(MixedSteps, RunnerBase):
         """The plain step's token per row from the logits f32[B, V] at its last position
         (h: the step's hidden states [B, Q, H], for prompt logprobs): i32[B], or with
         processors (tokens, logprob blocks i32[B, F], prompt logprob blocks i32[B, P, F])."""
-        B = logits.shape[0]
-        logits, raw = self._process(logits[:, None, :], inp, inp.proc, jnp.zeros((B, 0), jnp.int32))
-        tokens, _ = rejection_sample(
-            logits,
-            jnp.zeros((B, 0), jnp.int32),
-            jnp.zeros((B,), jnp.int32),
-            None,
-            inp.temperature,
-            inp.top_k,
-            inp.top_p,
-            inp.seeds,
-            inp.sample_pos,
-            impl=self.sample_impl,
-            filtering=filtering,
-        )
-        if inp.proc is None:
+        tokens, lp = self._sample_one(logits[:, None, :], inp, inp.proc, inp.sample_pos, filtering)
+        if lp is None:
             return tokens[:, 0]
-        return (tokens[:, 0], self._token_logprobs(raw, logits, tokens, inp)[:, 0],
-                self._prompt_logprobs(params, h, inp.proc))
+        return tokens[:, 0], lp[:, 0], self._prompt_logprobs(params, h, inp.proc)
+
+    def _sample_one(self, logits, s, proc, sample_pos, filtering):
+        """One token per row from logits f32[B, 1, V]: masks and processors (``proc``, may be
+        None), then ``rejection_sample`` with no drafts at ``sample_pos`` (the RNG key's
+        position) -> (i32[B, 1], the logprob blocks i32[B, 1, F] or None without ``proc``).
+        Every plain step samples here: the one-call, fed-back, split and mixed steps."""
+        B = logits.shape[0]
+        none = jnp.zeros((B, 0), jnp.int32)
+        logits, raw = self._process(logits, s, proc, none)
+        out, _ = rejection_sample(logits, none, jnp.zeros((B,), jnp.int32), None, s.temperature, s.top_k, s.top_p,
+                                  s.seeds, sample_pos, impl=self.sample_impl, filtering=filtering)
+        return out, None if proc is None else self._token_logprobs(raw, logits, out, s)
 
     def _multi_step_impl(self, params, kv, ints, floats, prev, *, layout, steps: int, filtering):
         """``steps`` decode steps in one call, each sampled token fed back on the device.
@@ -102,12 +91,10 @@ class ModelRunner(MixedSteps, RunnerBase):
         """
         self.num_compilations += 1
         inp: StepInput = self._unpack(ints, floats, layout)
-        B = inp.tokens.shape[0]
         first = jnp.where(inp.tokens[:, 0] < 0, prev[:, -1], inp.tokens[:, 0])
         ps, drop = self.page_size, self.num_pages * self.page_size
         table = inp.meta.page_table
         active = inp.q_lens > 0
-        none = (jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32), None)
         proc = inp.proc
         hist = None
         if proc is not None:  # a chained call's history lacks the previous call's tokens
@@ -123,14 +110,11 @@ class ModelRunner(MixedSteps, RunnerBase):
             h, _, kv = self.model.apply({"params": params}, tok[:, None], meta, kv)
             logits = self.model.apply({"params": params}, h[:, 0], method=Transformer.logits)
             p = None if proc is None else proc.replace(hist=hist[0], n_hist=hist[1])
-            logits, raw = self._process(logits[:, None], inp, p, none[0])
-            out, _ = rejection_sample(logits, *none, inp.temperature, inp.top_k, inp.top_p, inp.seeds,
-                                      inp.sample_pos + t, impl=self.sample_impl, filtering=filtering)
+            out, lp = self._sample_one(logits[:, None], inp, p, inp.sample_pos + t, filtering)
             if proc is None:
                 return (kv, out[:, 0], hist), out[:, 0]
-            lp = self._token_logprobs(raw, logits, out, inp)[:, 0]
             hist = extend_history(*hist, out, active.astype(jnp.int32))
-            return (kv, out[:, 0], hist), (out[:, 0], lp)
+            return (kv, out[:, 0], hist), (out[:, 0], lp[:, 0])
 
         (kv, _, _), ys = jax.lax.scan(body, (kv, first, hist), jnp.arange(steps, dtype=jnp.int32))
         if proc is None:
@@ -152,12 +136,8 @@ class ModelRunner(MixedSteps, RunnerBase):
         output of a one-step fed-back call, which the next call can chain behind."""
         self.num_compilations += 1
         s: SampleInput = self._unpack(ints, floats, layout)
-        B = logits.shape[0]
-        none = jnp.zeros((B, 0), jnp.int32)
-        logits, raw = self._process(logits, s, s.proc, none)
-        out, _ = rejection_sample(logits, none, jnp.zeros((B,), jnp.int32), None, s.temperature, s.top_k, s.top_p,
-                                  s.seeds, s.sample_pos, impl=self.sample_impl, filtering=filtering)
-        return out if s.proc is None else (out, self._token_logprobs(raw, logits, out, s))
+        out, lp = self._sample_one(logits, s, s.proc, s.sample_pos, filtering)
+        return out if lp is None else (out, lp)
 
     # ---- host side --------------------------------------------------------------------
     def dispatch_forward(self, sched: SchedulerOutput, prev) -> Split:
