@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 
 import jax
 from flax import struct
@@ -73,6 +74,10 @@ class KernelPlan:
     tp: int = 1
     draft_tp: int = 1
     mesh: object = None  # jax.sharding.Mesh | None
+    # Threads warmup compiles on (RunnerBase.precompile). On an accelerator compilation is
+    # host work that releases the GIL (XLA's passes, LLVM, Triton); XLA:CPU's compiler
+    # already spreads one compilation over the cores, so CPU compiles one at a time.
+    compile_threads: int = 1
 
     @property
     def compiler_options(self) -> dict | None:
@@ -104,8 +109,9 @@ def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str 
                and _linear_kernel_takes((cfg.hidden_size, cfg.intermediate_size)))
     in_out = backend == "cpu" and linear not in GPU_IMPLS  # the GPU kernels read [out, in] weights
     options = _cpu_xla_options() if backend == "cpu" else ()
+    threads = 1 if backend == "cpu" else min(8, os.cpu_count() or 1)
     return KernelPlan(attn=attn, linear=linear, sample=sample, norm_handoff=handoff, in_out_weights=in_out,
-                      xla_options=options, tp=tp, draft_tp=draft_tp, mesh=mesh)
+                      xla_options=options, tp=tp, draft_tp=draft_tp, mesh=mesh, compile_threads=threads)
 
 
 # XLA:CPU's YNNPACK fusions off: the dots then run on XLA's own (Eigen) path. On the family

@@ -92,11 +92,16 @@ class MixedSteps:
 
     def run_mixed(self, inp: MixedInput):
         """One jitted mixed call (two transfers), not waited for: (out_d, out_p)."""
+        fn, args, kw = self._mixed_call(inp)
+        self.kv, out = fn(*args, **kw)
+        return out
+
+    def _mixed_call(self, inp: MixedInput):
+        """(jitted function, arguments, static keywords) of ``run_mixed``'s call."""
         ints, floats, layout = pack(inp)
         filtering = "on" if "on" in (self._filtering(inp.decode), self._filtering(inp.prefill)) else "off"
-        self.kv, out = self._mixed(self.params, self.kv, ints, floats, layout=self._layout_id(layout),
-                                   filtering=filtering)
-        return out
+        return self._mixed, (self.params, self.kv, ints, floats), dict(layout=self._layout_id(layout),
+                                                                      filtering=filtering)
 
     def execute_mixed(self, sched: SchedulerOutput):
         """``ModelRunner.execute`` of a mixed step: per row the tokens it emitted, the logprob

@@ -164,18 +164,30 @@ class ModelRunner(MixedSteps, RunnerBase):
         """One jitted call on a host-built input (two transfers), returned without waiting
         for the device. ``steps`` = 0: the plain step, i32[B] sampled tokens; ``steps`` >= 1:
         that many decode steps fed back on the device (``_multi_step_impl``), i32[B, steps]."""
+        fn, args, kw = self._call(inp, steps, prev)
+        self.kv, sampled = fn(*args, **kw)
+        return sampled
+
+    def _call(self, inp: StepInput, steps: int, prev):
+        """(jitted function, arguments, static keywords) of ``run``'s call."""
         ints, floats, layout = pack(inp)
         kw = dict(layout=self._layout_id(layout), filtering=self._filtering(inp))
         if steps == 0:
-            self.kv, sampled = self._step(self.params, self.kv, ints, floats, **kw)
-            return sampled
+            return self._step, (self.params, self.kv, ints, floats), kw
         if prev is None:
             key = (inp.tokens.shape[0], steps)
             if key not in self._no_prev:
                 self._no_prev[key] = replicate(jnp.zeros(key, jnp.int32), self.plan.mesh)
             prev = self._no_prev[key]
-        self.kv, sampled = self._multi(self.params, self.kv, ints, floats, prev, steps=steps, **kw)
-        return sampled
+        return self._multi, (self.params, self.kv, ints, floats, prev), dict(kw, steps=steps)
+
+    def lower_shape(self, shape: StepShape):
+        """``warmup``'s call for ``shape``, lowered (``RunnerBase.precompile``)."""
+        if shape.prefill_rows:
+            fn, args, kw = self._mixed_call(self.empty_mixed_input(shape))
+        else:
+            fn, args, kw = self._call(self.empty_input(shape.batch, shape.q, shape.pages), shape.steps, None)
+        return fn.lower(*args, **kw)
 
     def dispatch_decode(self, sched: SchedulerOutput, steps: int, prev: jax.Array | None = None) -> jax.Array:
         """Start ``steps`` fed-back decode steps; i32[B, steps] on the device (rows past the

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
@@ -263,6 +264,27 @@ class RunnerBase:
             proc = build_proc_input(rows, B, split.hist, Q, self.eos_token_ids, prefill=False)
         mask = build_bitmask(rows, B, Q, self.cfg.vocab_size)
         return SampleInput(temp, top_k, top_p, seeds, sample_pos, num_draft, sample, prob_rows, proc, mask)
+
+    def precompile(self, shapes, threads: int):
+        """Compile the executables ``warmup`` runs for ``shapes`` on ``threads`` threads first.
+
+        Tracing and lowering hold the GIL (one shape at a time, here); XLA's compiler
+        releases it, so the compilations overlap each other and the next shape's tracing.
+        An 8B step takes seconds to compile on a GPU (the server's startup is mostly that).
+        jax keeps an executable compiled ahead of time under the key a call looks up, so
+        warmup's calls of the same arguments then only run. Shapes whose call this runner
+        cannot lower ahead (``lower_shape`` -> None) compile in warmup as before. One
+        thread: nothing to gain, warmup's calls compile as they go."""
+        if threads <= 1:
+            return
+        with ThreadPoolExecutor(threads) as pool:
+            jobs = [pool.submit(low.compile) for sh in shapes if (low := self.lower_shape(sh)) is not None]
+            for job in jobs:
+                job.result()
+
+    def lower_shape(self, shape: StepShape):
+        """The jitted call ``warmup`` makes for ``shape``, lowered (not compiled), or None."""
+        return None
 
     def _filtering(self, inp) -> str:
         """"on" when some request of the step uses top-k / top-p, else "off"."""

@@ -344,6 +344,10 @@ class SpecModelRunner(RunnerBase):
             filtering=self._filtering(inp.base),
         )
 
+    def lower_shape(self, sh: StepShape):
+        """``warmup``'s call for ``sh``, lowered (``RunnerBase.precompile``)."""
+        return None if sh.prefill_rows else self.lower_spec(sh)
+
     def warmup(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None,
                structured: bool = False):
         """Compile every shape (or ``shapes``, a subset of ``warmup_shapes``) with empty rows:

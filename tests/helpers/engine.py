@@ -27,3 +27,34 @@ def drive(llm, script, max_steps=400):
         if i > max(script) and not aborts and not eng.has_unfinished_requests():
             break
     return done
+
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # every compile request, cache hit or not
+_compile_log: list | None = None
+
+
+def _on_duration(name, _secs, **_kw):
+    if _compile_log is not None and name == _COMPILE_EVENT:
+        _compile_log.append(name)
+
+
+def precompile_then_warmup(eng, threads=2) -> tuple[int, int]:
+    """``RunnerBase.precompile`` on ``threads`` threads (the accelerator path; the CPU plan
+    compiles in warmup's calls), then ``eng.warmup()``: (compile requests during precompile,
+    during warmup; small helper computations count too). Warmup's calls should find every
+    executable compiled."""
+    import jax
+
+    global _compile_log
+    if not getattr(precompile_then_warmup, "listening", False):
+        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        precompile_then_warmup.listening = True
+    counts = []
+    for run in (lambda: eng.runner.precompile(eng.warmup_shapes(), threads), eng.warmup):
+        _compile_log = []
+        try:
+            run()
+        finally:
+            counts.append(len(_compile_log))
+            _compile_log = None
+    return counts[0], counts[1]
