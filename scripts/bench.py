@@ -14,6 +14,7 @@ next to the bound it is compared with, measured in the same run:
     python scripts/bench.py --section eagle3             # issue 5
     python scripts/bench.py --section parallel           # issue 6: DFlash + PEagle on a Qwen3-8B shape
     python scripts/bench.py --section structured         # issue 27: tok/s with and without a JSON schema
+    python scripts/bench.py --section warmup             # issue 28: warmup time, serial / threaded compiles
     python scripts/bench.py --quick ...                  # tiny shapes: a CPU smoke test of the script
 Results go to $OUT/bench_<section>.json when OUT is set.
 """
@@ -708,9 +709,32 @@ def draft_time(eng, B, ctx, rng, K):
     return t
 
 
+def warmup_section(args, bw):
+    """Engine warmup (every shape compiled) of the 8B plain engine at max_num_seqs
+    --warm-batch, one compilation at a time and on the plan's threads (RunnerBase.precompile),
+    each on a fresh engine with jax's caches cleared (no persistent cache)."""
+    cfg = LLAMA_8B
+    params = random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
+    rows = []
+    for threads in (1, None):
+        jax.clear_caches()
+        eng = make_engine(cfg, params, max_num_seqs=args.warm_batch, ctx=args.llm_ctx, dtype="bfloat16")
+        n = len(eng.warmup_shapes())
+        threads = threads or eng.runner.plan.compile_threads
+        t = time.perf_counter()
+        eng.runner.precompile(eng.warmup_shapes(), threads)
+        eng.runner.warmup(1, True)
+        t = time.perf_counter() - t
+        rows.append(dict(threads=threads, shapes=n, seconds=t, compilations=eng.runner.num_compilations))
+        print(f"warmup, {n} shapes, {threads} compile thread(s): {t:.1f} s", flush=True)
+        del eng
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--section", choices=["plain", "diag", "verify", "llm", "structured", "eagle3", "parallel", "all"],
+    ap.add_argument("--section", choices=["plain", "diag", "verify", "llm", "structured", "warmup", "eagle3", "parallel",
+                                         "all"],
                     default="plain")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--quick", action="store_true")
@@ -726,6 +750,7 @@ def main():
     ap.add_argument("--methods", default="dflash,peagle", help="parallel / llm sections: which drafters")
     ap.add_argument("--llm-ctx", type=int, default=512, help="llm section: prompt tokens")
     ap.add_argument("--llm-new", type=int, default=256, help="llm section: generated tokens")
+    ap.add_argument("--warm-batch", type=int, default=4, help="warmup section: max_num_seqs")
     ap.add_argument("--kernels", action="store_true", help="eagle3/parallel sections: profile one speculative "
                     "step per (batch, K) and print its GPU time by kernel")
     args = ap.parse_args()
@@ -748,6 +773,8 @@ def main():
         results["verify"] = verify_section(args, bw)
     if args.section == "structured":
         results["structured"] = structured_section(args, bw)
+    if args.section == "warmup":
+        results["warmup"] = warmup_section(args, bw)
     if args.section in ("plain", "all"):
         results["plain"] = plain_section(args, bw)
         # The probe again at the end, warm: the rooflines use the best of both.
