@@ -175,6 +175,28 @@ def lossless(name: str, k: int, dtype: str) -> str:
             f"{len(prompts) - len(bad)} of {len(prompts)} outputs equal" + "".join(f"; {t}" for t in ties))
 
 
+def mixed(name: str | None, k: int | None) -> str:
+    """Mixed steps (issue 28: every decode row and a prefill chunk in one call) on the GPU
+    kernels, plain or speculative: greedy == the unmixed plain engine's."""
+    import jspec
+    from tests.helpers import spec_e2e as h
+
+    prompts = h.varied_prompts(8, 1, 50, seed=5)
+    sp = jspec.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = [o.token_ids for o in h.llm(None, dtype="float32").generate(prompts, sp)]
+    llm = h.llm(name, k, dtype="float32", max_num_partial_prefills=1)
+    eng = llm.engine
+    _on_gpu_kernels(eng)
+    before = eng.stats()
+    got = [o.token_ids for o in llm.generate(prompts, sp)]
+    after = eng.stats()
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert not bad, f"outputs {bad} differ"
+    n = after["num_mixed_steps"] - before["num_mixed_steps"]
+    assert n > 0, "no mixed step ran"
+    return f"{n} mixed steps, {after['num_preemptions'] - before['num_preemptions']} preemptions; 8 of 8 outputs equal"
+
+
 def processors(name: str, k: int) -> str:
     """Penalties, logit_bias and logprobs (issue 26) on the GPU kernels: speculative greedy ==
     plain greedy token for token, and the emitted tokens' logprobs equal (float32)."""
@@ -531,6 +553,9 @@ def main():
     for m in ("eagle3", "dflash"):
         rep.check(f"structured outputs (16 JSON schemas): spec greedy == plain greedy, all valid: family {m}, float32",
                   lambda m=m: structured(m))
+    for name, k in ((None, None), ("eagle3", 3), ("dflash8_zlab", 7)):
+        rep.check(f"mixed steps: greedy == unmixed plain greedy: {name or 'plain'}, float32",
+                  lambda name=name, k=k: mixed(name, k))
     rep.check("head_dim 24 runs on the XLA path == transformers", lambda: fallback(refs))
     for method, probs, what in (("standard", False, "greedy + sampled rows, no draft probs"),
                                 ("standard", True, "probabilistic, with draft probs"),
