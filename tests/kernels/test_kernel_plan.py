@@ -6,6 +6,7 @@ reads the environment."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import re
 
@@ -44,6 +45,8 @@ def test_auto_resolves_by_backend(monkeypatch):
     assert (tpu.attn, tpu.linear, tpu.sample, tpu.norm_handoff) == ("tpu", "tpu", "tpu", False)
     assert not gpu.in_out_weights and not tpu.in_out_weights  # HF [out, in] weights off the CPU
     assert gpu.compiler_options is None and tpu.compiler_options is None  # XLA's defaults there
+    # warmup compiles on several threads off the CPU (RunnerBase.precompile)
+    assert cpu.compile_threads == 1 and gpu.compile_threads == tpu.compile_threads == min(8, os.cpu_count() or 1)
     # an impl named in the config wins; the hand-over needs the GPU projection kernels
     mixed = plan_kernels(LLAMA, attn_impl="interpret", linear_impl="reference", backend="gpu")
     assert (mixed.attn, mixed.linear, mixed.sample, mixed.norm_handoff) == ("interpret", "reference", "gpu", False)
