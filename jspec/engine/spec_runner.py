@@ -75,6 +75,11 @@ def continue_from(inp: SpecInput, prev, K: int, page_size: int, num_pages: int) 
     return inp.replace(base=b.replace(tokens=tokens, meta=meta, sample_pos=b.sample_pos + n_prev, proc=proc))
 
 
+def last_positions(b: StepInput) -> jax.Array:
+    """i32[B]: index along Q of each row's last token (0 for empty rows)."""
+    return jnp.maximum(b.q_lens - 1, 0)
+
+
 @dataclasses.dataclass
 class SpecStepResult:
     tokens: np.ndarray  # i32[n, K+1]  emitted tokens, -1 padded
@@ -124,26 +129,33 @@ class SpecModelRunner(RunnerBase):
             inp = continue_from(inp, prev, self.K, self.page_size, self.num_pages)
         b = inp.base
         h, aux, kv = self.model.apply({"params": params}, b.tokens, b.meta, kv, aux_layers=self.aux_layers)
-        B, Q = b.tokens.shape
+        B = b.tokens.shape[0]
         if decode:
             out = self._verify_and_propose(params, dparams, dkv, probs_buf, synthetic_rates, self._lm(params, h), aux,
                                            b.tokens, b.meta, inp, b, filtering, h)
             return (kv, *out)
-        last_idx = jnp.maximum(b.q_lens - 1, 0)
-        last_h = h[jnp.arange(B), last_idx]
-        logits, raw = self._process(self._lm(params, last_h)[:, None], b, b.proc, jnp.zeros((B, 0), jnp.int32))
+        last = self._lm(params, h[jnp.arange(B), last_positions(b)])  # f32[B, V]
+        return (kv, *self._prefill_and_propose(params, dparams, dkv, probs_buf, last, h, aux, inp, filtering))
+
+    def _lm(self, params, h):
+        return self.model.apply({"params": params}, h, method=Transformer.logits)
+
+    def _prefill_and_propose(self, params, dparams, dkv, probs_buf, logits, h, aux, inp, filtering):
+        """A prefill step after the target (h [B, Q, H], aux [B, Q, ...]): sample one token
+        from ``logits`` f32[B, V] at each row's last chunk position, then the drafter over
+        the shifted prompt (pair tokens from the host) with the sampled token last."""
+        b = inp.base
+        B, Q = b.tokens.shape
+        last_idx = last_positions(b)
+        logits, raw = self._process(logits[:, None], b, b.proc, jnp.zeros((B, 0), jnp.int32))
         out, n_emit = rejection_sample(
             logits, jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32), None,
             b.temperature, b.top_k, b.top_p, b.seeds, b.sample_pos, impl=self.sample_impl, filtering=filtering,
         )
-        sampled = out[:, 0]
         at_last = jnp.arange(Q)[None, :] == last_idx[:, None]
-        pairs = jnp.where(at_last & inp.sample[:, None], sampled[:, None], inp.pair_next)
-        return (kv, *self._propose_and_pack(params, dparams, dkv, probs_buf, pairs, aux, b.meta, last_idx, inp, b,
-                                            out, n_emit, logits, raw, h))
-
-    def _lm(self, params, h):
-        return self.model.apply({"params": params}, h, method=Transformer.logits)
+        pairs = jnp.where(at_last & inp.sample[:, None], out[:, :1], inp.pair_next)
+        return self._propose_and_pack(params, dparams, dkv, probs_buf, pairs, aux, b.meta, last_idx, inp, b,
+                                      out, n_emit, logits, raw, h)
 
     def _verify_and_propose(self, params, dparams, dkv, probs_buf, synthetic_rates, logits, aux, tokens, meta,
                             inp, s, filtering, h):
