@@ -1,4 +1,5 @@
-"""The mixed step: decode rows and prefill chunks in one jitted call (plain engine).
+"""The mixed step: decode rows and prefill chunks in one jitted call (plain engine; with a
+drafter: spec_mixed.py).
 
 A step of the mixed scheduler (``SchedulerOutput.kind == "mixed"``, scheduler.py) has two
 row segments, each padded to its own buckets so neither pays for the other's width:

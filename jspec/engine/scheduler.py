@@ -15,7 +15,7 @@ Policy (FCFS):
   3. A decode step that cannot get pages preempts the most recently admitted sequences
      (their pages are freed; they go back to the front of the queue).
 
-Mixed policy (``SchedulerConfig.max_prefill_rows`` > 0; the server's default without a drafter):
+Mixed policy (``SchedulerConfig.max_prefill_rows`` > 0; the server's default, with or without a drafter):
 steps 1 and 3 as above, but step 2 packs every running decode row (last token + drafts,
 oldest first) and then, under what ``max_num_batched_tokens`` leaves, chunks of the oldest
 prefilling sequences (at most ``max_prefill_rows`` of them, ``max_prefill_chunk`` tokens
