@@ -60,7 +60,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     # Tokens per step (vLLM's name): decode rows (+ drafts) and prefill chunks together. None:
-    # 2048 when mixing (vLLM's chunked-prefill default), else max(max_prefill_chunk, max_num_seqs).
+    # 2048 when mixing (vLLM's chunked-prefill default; more if max_num_seqs rows of K + 1 tokens
+    # and a chunk need it), else max(max_prefill_chunk, max_num_seqs).
     max_num_batched_tokens: int | None = None
     max_prefill_chunk: int = 256  # tokens of one prompt per step (the widest prefill bucket)
     # Mixed steps (jspec/engine/mixed.py; with a drafter spec_mixed.py): every decode row (with its
@@ -176,7 +177,8 @@ class LLMEngine:
         mix = c.max_num_partial_prefills
         sched_cfg = SchedulerConfig(
             max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=c.max_num_batched_tokens or (2048 if mix else max(chunk, c.max_num_seqs)),
+            max_num_batched_tokens=c.max_num_batched_tokens or (max(2048, c.max_num_seqs * (self.K + 1) + chunk)
+                                                                if mix else max(chunk, c.max_num_seqs)),
             max_prefill_chunk=chunk,
             max_model_len=self.max_model_len,
             lookahead=self.lookahead,
@@ -184,6 +186,7 @@ class LLMEngine:
             # (and their own KV there depends on the token after it): recompute it.
             drop_last_prefix_hit=eagle_style,
             max_prefill_rows=mix,
+            num_drafts=self.K,
         )
         self.blocks = BlockManager(num_pages, c.page_size, c.enable_prefix_caching, hash_next_token=eagle_style)
         self.scheduler = Scheduler(sched_cfg, self.blocks)

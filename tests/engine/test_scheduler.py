@@ -556,7 +556,9 @@ def test_mixed_decode_growth_preempts_a_prefilling_newcomer():
 
 
 @pytest.mark.parametrize("kw, match", [(dict(max_prefill_rows=-1), "max_num_partial_prefills"),
-                                       (dict(max_prefill_rows=1, max_num_batched_tokens=8), "must exceed")])
+                                       (dict(max_prefill_rows=1, max_num_batched_tokens=8), "must exceed"),
+                                       (dict(max_prefill_rows=1, max_num_batched_tokens=32, num_drafts=3),
+                                        r"max_num_seqs=8 x \(1 \+ num_speculative_tokens=3\)")])
 def test_mixed_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         SchedulerConfig(**{**dict(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=16,
