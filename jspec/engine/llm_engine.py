@@ -61,12 +61,13 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     # Tokens per step (vLLM's name): decode rows (+ drafts) and prefill chunks together. None:
-    # 2048 when mixing (vLLM's chunked-prefill default), else max(max_prefill_chunk, max_num_seqs).
+    # 2048 when mixing (vLLM's chunked-prefill default; more if max_num_seqs rows of K + 1 tokens
+    # and a chunk need it), else max(max_prefill_chunk, max_num_seqs).
     max_num_batched_tokens: int | None = None
     max_prefill_chunk: int = 256  # tokens of one prompt per step (the widest prefill bucket)
-    # Mixed steps (jspec/engine/mixed.py; without speculation): every decode row, then chunks of
-    # at most this many prompts, in one step. 0: a step is all prefill or all decode, prefill
-    # first (offline generate's throughput); the server mixes by default (--max-num-partial-prefills 2).
+    # Mixed steps (jspec/engine/mixed.py; with a drafter spec_mixed.py): every decode row (with its
+    # drafts), then chunks of at most this many prompts, in one step. 0: a step is all prefill or all
+    # decode, prefill first (offline generate's throughput); the server mixes by default (--max-num-partial-prefills 2).
     max_num_partial_prefills: int = 0
     seed: int = 0
     # Kernel choice ("auto" | "reference" | "gpu" | "tpu" | "interpret" | "tpu_interpret"),
@@ -174,10 +175,11 @@ class LLMEngine:
         chunk = min(c.max_prefill_chunk, self.max_model_len)
         # EAGLE-style drafters: their KV at p depends on token p + 1 (see BlockManager).
         eagle_style = drafter is not None and drafter.reads_next_token
-        mix = c.max_num_partial_prefills if drafter is None else 0  # speculative engines do not mix yet
+        mix = c.max_num_partial_prefills
         sched_cfg = SchedulerConfig(
             max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=c.max_num_batched_tokens or (2048 if mix else max(chunk, c.max_num_seqs)),
+            max_num_batched_tokens=c.max_num_batched_tokens or (max(2048, c.max_num_seqs * (self.K + 1) + chunk)
+                                                                if mix else max(chunk, c.max_num_seqs)),
             max_prefill_chunk=chunk,
             max_model_len=self.max_model_len,
             lookahead=self.lookahead,
@@ -185,6 +187,7 @@ class LLMEngine:
             # (and their own KV there depends on the token after it): recompute it.
             drop_last_prefix_hit=eagle_style,
             max_prefill_rows=mix,
+            num_drafts=self.K,
         )
         self.blocks = BlockManager(num_pages, c.page_size, c.enable_prefix_caching, hash_next_token=eagle_style)
         self.scheduler = Scheduler(sched_cfg, self.blocks)
@@ -406,7 +409,7 @@ class LLMEngine:
             if live is not None and not live[i]:
                 out.append(([], 0, None))
                 continue
-            if sched.kind == "decode":
+            if sched.kind == "decode" or i < sched.num_decode:  # a verification row ("mixed": the first rows)
                 n_emit = int(res.num_emitted[i])
                 n_draft = len(seq.draft_token_ids)
                 if n_draft:

@@ -1,4 +1,5 @@
-"""The mixed step: decode rows and prefill chunks in one jitted call (plain engine).
+"""The mixed step: decode rows and prefill chunks in one jitted call (plain engine; with a
+drafter: spec_mixed.py).
 
 A step of the mixed scheduler (``SchedulerOutput.kind == "mixed"``, scheduler.py) has two
 row segments, each padded to its own buckets so neither pays for the other's width:
@@ -16,7 +17,8 @@ table, which is what keeps the mixed shapes from multiplying by the width bucket
     [B_i, Q_i] layout and metadata (jspec.ops.attention)
   last hidden per row: decode rows' only token, prefill rows' last chunk token
   logits = lm_head([Bd + Bp, H])  (one GEMM), split per segment
-  per segment: grammar masks, processors, rejection_sample (K = 0), logprobs (runner._sample)
+  per segment: grammar masks, processors, rejection_sample (K = 0), logprobs (runner._sample);
+  masks come for both segments or neither (``masked_alike``): one masked variant per shape
   -> (out_d, out_p): i32[Bd], i32[Bp] (with processors, tuples with logprob blocks)
 A prefill row that does not reach its last prompt token samples too; the host drops it.
 
@@ -51,6 +53,19 @@ def mixed_shapes(buckets) -> list[StepShape]:
     """Every mixed-step shape of these buckets (none when the engine does not mix)."""
     return [StepShape(Bd, Qp, buckets.pages[-1], 0, prefill_rows=Bp) for Bd in buckets.batch
             for Bp in buckets.prefill_rows for Qp in buckets.mixed_q]
+
+
+def masked_alike(a: StepInput, qa: int, b: StepInput, qb: int, allow_all):
+    """Both segments with grammar masks, or neither: where only one segment has a grammar,
+    the other gets masks allowing every token (``allow_all(B, Q)``; qa, qb: each segment's
+    mask positions). So a mixed shape has one masked variant, the one warmup compiles."""
+    if (a.grammar_mask is None) == (b.grammar_mask is None):
+        return a, b
+
+    def fill(s, q):
+        return s if s.grammar_mask is not None else s.replace(grammar_mask=allow_all(s.tokens.shape[0], q))
+
+    return fill(a, qa), fill(b, qb)
 
 
 def describe_shapes(shapes) -> str:
@@ -88,7 +103,7 @@ class MixedSteps:
         d, _ = self.build_input(dec, 1, W=W)
         p, _ = self.build_input(pre, pick(b.mixed_q, max(r.num_new for r in pre.seqs)),
                                 B=pick(b.prefill_rows, len(pre.seqs)), W=W)
-        return MixedInput(d, p)
+        return MixedInput(*masked_alike(d, 1, p, 1, self.allow_all))
 
     def run_mixed(self, inp: MixedInput):
         """One jitted mixed call (two transfers), not waited for: (out_d, out_p)."""
@@ -124,11 +139,15 @@ class MixedSteps:
             plp[lo:hi, : pblocks.shape[1]] = pblocks[: hi - lo]
         return toks, lp, plp
 
-    def empty_mixed_input(self, shape: StepShape) -> MixedInput:
-        return MixedInput(self.empty_input(shape.batch, 1, shape.pages),
-                          self.empty_input(shape.prefill_rows, shape.q, shape.pages))
+    def empty_mixed_input(self, shape: StepShape, masked: bool = False) -> MixedInput:
+        """A mixed step of ``shape`` with no active row (``masked``: with grammar masks)."""
+        d = self.empty_input(shape.batch, 1, shape.pages)
+        p = self.empty_input(shape.prefill_rows, shape.q, shape.pages)
+        if masked:
+            d, p = (s.replace(grammar_mask=self.allow_all(s.tokens.shape[0], 1)) for s in (d, p))
+        return MixedInput(d, p)
 
-    def warmup_mixed(self, shapes):
+    def warmup_mixed(self, shapes, masked: bool = False):
         for shape in shapes:
-            self.run_mixed(self.empty_mixed_input(shape))
+            self.run_mixed(self.empty_mixed_input(shape, masked))
         jax.block_until_ready(self.kv)

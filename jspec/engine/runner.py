@@ -243,14 +243,17 @@ class ModelRunner(MixedSteps, RunnerBase):
     def warmup_structured(self, async_scheduling: bool):
         """The masked steps of a batch with a grammar, with empty rows: prefill chunks, and a
         decode step as it runs (with async scheduling the one-step fed-back call and the
-        split step's two calls, else the plain step)."""
+        split step's two calls, else the plain step), and the mixed steps (masked_alike).
+        Prefill chunks as ``warmup_shapes``: a mixing engine's have at most prefill_rows rows."""
+        rows = self.buckets.prefill_rows or self.buckets.batch
         for B in self.buckets.batch:
             mask = self.allow_all(B, 1)
             for W in self.buckets.pages:
-                for Q in self.buckets.prefill_q + (() if async_scheduling else (1,)):
+                for Q in (self.buckets.prefill_q if B in rows else ()) + (() if async_scheduling else (1,)):
                     self.run(self.empty_input(B, Q, W).replace(grammar_mask=mask))
                 if async_scheduling:
                     self.run(self.empty_input(B, 1, W).replace(grammar_mask=mask), 1)
                     split = self.run_forward(self.empty_input(B, 1, W), jnp.zeros((B, 1), jnp.int32))
                     self.run_tail(split, self.empty_sample_input(B, 1))
+        self.warmup_mixed(mixed_shapes(self.buckets), masked=True)
 

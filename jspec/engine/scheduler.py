@@ -15,7 +15,7 @@ Policy (FCFS):
   3. A decode step that cannot get pages preempts the most recently admitted sequences
      (their pages are freed; they go back to the front of the queue).
 
-Mixed policy (``SchedulerConfig.max_prefill_rows`` > 0; the server's default without a drafter):
+Mixed policy (``SchedulerConfig.max_prefill_rows`` > 0; the server's default, with or without a drafter):
 steps 1 and 3 as above, but step 2 packs every running decode row (last token + drafts,
 oldest first) and then, under what ``max_num_batched_tokens`` leaves, chunks of the oldest
 prefilling sequences (at most ``max_prefill_rows`` of them, ``max_prefill_chunk`` tokens
@@ -42,14 +42,16 @@ class SchedulerConfig:
     lookahead: int = 0  # K for EAGLE3/PEagle, K + 1 for DFlash, 0 without speculation
     drop_last_prefix_hit: bool = False  # EAGLE-style drafters recompute the last hit page
     max_prefill_rows: int = 0  # > 0: mixed steps, at most this many prefill rows per step
+    num_drafts: int = 0  # K: drafts a decode row verifies (speculation)
 
     def __post_init__(self):
         if self.max_prefill_rows < 0:
             raise ValueError(f"max_num_partial_prefills must be >= 0, got {self.max_prefill_rows}")
-        if self.max_prefill_rows and self.max_num_batched_tokens <= self.max_num_seqs:
+        if self.max_prefill_rows and self.max_num_batched_tokens <= self.max_num_seqs * (1 + self.num_drafts):
             # decode rows come first: a budget they can fill would starve every prompt
+            per_row = f" x (1 + num_speculative_tokens={self.num_drafts})" if self.num_drafts else ""
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must exceed max_num_seqs="
-                             f"{self.max_num_seqs} when mixing decode rows and prefill chunks")
+                             f"{self.max_num_seqs}{per_row} when mixing decode rows and prefill chunks")
 
 
 @dataclasses.dataclass

@@ -7,6 +7,7 @@ Device data flow of a decode (verify) step, Q = K + 1 per row:
 A prefill step (Q = chunk bucket) samples one token at each row's last prompt position
 and feeds the drafter the shifted prompt (the pair tokens come from the host) with the
 sampled token as the last pair, so the first drafts exist as soon as the prompt is done.
+A mixed step runs both in one call, over one target forward (spec_mixed.py).
 
 Draft probabilities (draft_sample_method="probabilistic") stay on the device between
 steps in ``probs_buf: f32[max_num_seqs, K, V]``, one row per running request.
@@ -32,9 +33,11 @@ from jspec.drafters.propose import ProposeInputs, slots_for
 from jspec.drafters.registry import make_drafter
 from jspec.engine.logits_processing import extend_history
 from jspec.engine.logprobs import info_width
+from jspec.engine.mixed import mixed_shapes
 from jspec.engine.packing import pack
 from jspec.engine.runner_base import RunnerBase, SampleInput, Split, StepInput, StepShape
 from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
+from jspec.engine.spec_mixed import SpecMixedSteps
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
 from jspec.parallel import replicate
@@ -75,6 +78,11 @@ def continue_from(inp: SpecInput, prev, K: int, page_size: int, num_pages: int) 
     return inp.replace(base=b.replace(tokens=tokens, meta=meta, sample_pos=b.sample_pos + n_prev, proc=proc))
 
 
+def last_positions(b: StepInput) -> jax.Array:
+    """i32[B]: index along Q of each row's last token (0 for empty rows)."""
+    return jnp.maximum(b.q_lens - 1, 0)
+
+
 @dataclasses.dataclass
 class SpecStepResult:
     tokens: np.ndarray  # i32[n, K+1]  emitted tokens, -1 padded
@@ -84,7 +92,7 @@ class SpecStepResult:
     prompt_logprobs: np.ndarray | None = None  # i32[n, P, F] of each position's next prompt token
 
 
-class SpecModelRunner(RunnerBase):
+class SpecModelRunner(SpecMixedSteps, RunnerBase):
     def __init__(self, cfg, params, kv, buckets, *, dtype, plan: KernelPlan, spec: SpeculativeConfig,
                  dcfg: DrafterConfig, dparams, dkv, max_num_seqs: int):
         super().__init__(cfg, params, kv, buckets, dtype=dtype, plan=plan)
@@ -114,6 +122,9 @@ class SpecModelRunner(RunnerBase):
                                  compiler_options=self.plan.compiler_options)
         self._spec_tail = jax.jit(self._spec_tail_impl, static_argnames=("layout", "filtering"),
                                   donate_argnums=(2, 3), compiler_options=self.plan.compiler_options)
+        # Verification rows and prefill chunks in one call (jspec/engine/spec_mixed.py).
+        self._spec_mixed = jax.jit(self._spec_mixed_impl, static_argnames=("layout", "filtering"),
+                                   donate_argnums=(2, 3, 4), compiler_options=self.plan.compiler_options)
 
     # ---- device side ------------------------------------------------------------------
     def _spec_step_impl(self, params, dparams, kv, dkv, probs_buf, synthetic_rates, ints, floats, prev=None, *,
@@ -124,26 +135,33 @@ class SpecModelRunner(RunnerBase):
             inp = continue_from(inp, prev, self.K, self.page_size, self.num_pages)
         b = inp.base
         h, aux, kv = self.model.apply({"params": params}, b.tokens, b.meta, kv, aux_layers=self.aux_layers)
-        B, Q = b.tokens.shape
+        B = b.tokens.shape[0]
         if decode:
             out = self._verify_and_propose(params, dparams, dkv, probs_buf, synthetic_rates, self._lm(params, h), aux,
                                            b.tokens, b.meta, inp, b, filtering, h)
             return (kv, *out)
-        last_idx = jnp.maximum(b.q_lens - 1, 0)
-        last_h = h[jnp.arange(B), last_idx]
-        logits, raw = self._process(self._lm(params, last_h)[:, None], b, b.proc, jnp.zeros((B, 0), jnp.int32))
+        last = self._lm(params, h[jnp.arange(B), last_positions(b)])  # f32[B, V]
+        return (kv, *self._prefill_and_propose(params, dparams, dkv, probs_buf, last, h, aux, inp, filtering))
+
+    def _lm(self, params, h):
+        return self.model.apply({"params": params}, h, method=Transformer.logits)
+
+    def _prefill_and_propose(self, params, dparams, dkv, probs_buf, logits, h, aux, inp, filtering):
+        """A prefill step after the target (h [B, Q, H], aux [B, Q, ...]): sample one token
+        from ``logits`` f32[B, V] at each row's last chunk position, then the drafter over
+        the shifted prompt (pair tokens from the host) with the sampled token last."""
+        b = inp.base
+        B, Q = b.tokens.shape
+        last_idx = last_positions(b)
+        logits, raw = self._process(logits[:, None], b, b.proc, jnp.zeros((B, 0), jnp.int32))
         out, n_emit = rejection_sample(
             logits, jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32), None,
             b.temperature, b.top_k, b.top_p, b.seeds, b.sample_pos, impl=self.sample_impl, filtering=filtering,
         )
-        sampled = out[:, 0]
         at_last = jnp.arange(Q)[None, :] == last_idx[:, None]
-        pairs = jnp.where(at_last & inp.sample[:, None], sampled[:, None], inp.pair_next)
-        return (kv, *self._propose_and_pack(params, dparams, dkv, probs_buf, pairs, aux, b.meta, last_idx, inp, b,
-                                            out, n_emit, logits, raw, h))
-
-    def _lm(self, params, h):
-        return self.model.apply({"params": params}, h, method=Transformer.logits)
+        pairs = jnp.where(at_last & inp.sample[:, None], out[:, :1], inp.pair_next)
+        return self._propose_and_pack(params, dparams, dkv, probs_buf, pairs, aux, b.meta, last_idx, inp, b,
+                                      out, n_emit, logits, raw, h)
 
     def _verify_and_propose(self, params, dparams, dkv, probs_buf, synthetic_rates, logits, aux, tokens, meta,
                             inp, s, filtering, h):
@@ -208,17 +226,19 @@ class SpecModelRunner(RunnerBase):
                                         s, s, filtering, None)
 
     # ---- host side --------------------------------------------------------------------
-    def build_spec_input(self, sched: SchedulerOutput, chained: bool = False,
-                         forward_only: bool = False) -> tuple[SpecInput, int, bool]:
+    def build_spec_input(self, sched: SchedulerOutput, chained: bool = False, forward_only: bool = False, *,
+                         B: int | None = None, W: int | None = None,
+                         Q: int | None = None) -> tuple[SpecInput, int, bool]:
         """The step's input from the host state. ``chained``: for a verification step that
         continues one still on the device (``continue_from``): every row verifies K drafts,
         tokens and the position shift come from that step. ``forward_only``: without
-        processors or masks (a split step's forward)."""
+        processors or masks (a split step's forward). ``B``, ``W``, ``Q``: given buckets
+        (a mixed step's segments, jspec/engine/spec_mixed.py)."""
         decode = sched.kind == "decode"
         if chained:
             sched = SchedulerOutput("decode", [ScheduledSeq(r.seq, self.K + 1, True) for r in sched.seqs], [])
-        base, n = self.build_input(sched, self.K + 1 if decode else self.chunk_q(sched), tokens_on_device=chained,
-                                   forward_only=forward_only)
+        Q = Q or (self.K + 1 if decode else self.chunk_q(sched))
+        base, n = self.build_input(sched, Q, tokens_on_device=chained, forward_only=forward_only, B=B, W=W)
         B, Q = base.tokens.shape
         num_draft = np.zeros((B,), np.int32)
         pair_next = np.zeros((B, Q), np.int32)
@@ -310,17 +330,25 @@ class SpecModelRunner(RunnerBase):
         return res
 
     def execute_spec(self, sched: SchedulerOutput, running: set) -> SpecStepResult:
+        """Run one step and read it (a "mixed" step: decode rows first, as scheduled)."""
+        if sched.kind == "mixed":
+            self.assign_prob_rows(sched, running)
+            return self.execute_spec_mixed(sched)
         return self.read_spec(self.dispatch_spec(sched, running), len(sched.seqs))
 
     def warmup_shapes(self, num_scheduler_steps: int = 1, async_scheduling: bool = False) -> list[StepShape]:
         """Every shape the speculative step compiles for: verification (Q = K + 1), with
         async scheduling also its chained form (steps = 1: continues a step on the device),
-        and the prefill chunk buckets, for each batch and page-table bucket.
-        (num_scheduler_steps does not apply to speculation.)"""
+        and the prefill chunk buckets, for each batch and page-table bucket. A mixing engine
+        prefills at most buckets.prefill_rows rows per step and adds the mixed steps
+        (``prefill_rows`` > 0, jspec/engine/spec_mixed.py). (num_scheduler_steps does not
+        apply to speculation.)"""
+        b = self.buckets
         qs = [(self.K + 1, 0, True)] + ([(self.K + 1, 1, True)] if async_scheduling else [])
-        qs += [(Q, 0, False) for Q in self.buckets.prefill_q]
-        return [StepShape(B, Q, W, steps, decode) for B in self.buckets.batch for Q, steps, decode in qs
-                for W in self.buckets.pages]
+        qs += [(Q, 0, False) for Q in b.prefill_q]
+        rows = b.prefill_rows or b.batch
+        return [StepShape(B, Q, W, steps, decode) for B in b.batch for Q, steps, decode in qs
+                for W in b.pages if decode or B in rows] + mixed_shapes(b)
 
     def empty_spec_input(self, sh: StepShape) -> SpecInput:
         """A step of shape ``sh`` with no active row: nothing samples, drafts or writes."""
@@ -336,6 +364,8 @@ class SpecModelRunner(RunnerBase):
     def lower_spec(self, sh: StepShape):
         """The speculative step of shape ``sh``, lowered (not run): ``.compile()`` gives its
         executable and ``memory_analysis()`` (tests check it needs no cache-sized copies)."""
+        if sh.prefill_rows:
+            return self.lower_spec_mixed(sh)
         inp = self.empty_spec_input(sh)
         ints, floats, layout = pack(inp)
         return self._spec_step.lower(
@@ -346,7 +376,7 @@ class SpecModelRunner(RunnerBase):
 
     def lower_shape(self, sh: StepShape):
         """``warmup``'s call for ``sh``, lowered (``RunnerBase.precompile``)."""
-        return None if sh.prefill_rows else self.lower_spec(sh)
+        return self.lower_spec_mixed(sh) if sh.prefill_rows else self.lower_spec(sh)
 
     def warmup(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None,
                structured: bool = False):
@@ -354,10 +384,16 @@ class SpecModelRunner(RunnerBase):
         no row samples or drafts, every target and drafter write is dropped, so the caches
         and the draft-probability buffer keep their contents. ``structured``: also the
         masked steps of a batch with a grammar: prefill chunks, verification, and with
-        async scheduling the split step's two calls."""
-        for sh in shapes or self.warmup_shapes(num_scheduler_steps, async_scheduling):
-            self.run_spec(self.empty_spec_input(sh), sh.decode, self._empty_prev(sh))
+        async scheduling the split step's two calls, and the mixed steps."""
+        shapes = shapes or self.warmup_shapes(num_scheduler_steps, async_scheduling)
+        for sh in shapes:
+            if not sh.prefill_rows:
+                self.run_spec(self.empty_spec_input(sh), sh.decode, self._empty_prev(sh))
+        self.warmup_spec_mixed([sh for sh in shapes if sh.prefill_rows])
         for sh in self.warmup_shapes(1, async_scheduling) if structured else ():
+            if sh.prefill_rows:
+                self.run_spec_mixed(self.empty_spec_mixed_input(sh, masked=True))
+                continue
             inp = self.empty_spec_input(sh)
             if sh.steps:  # the chained form: split in two
                 split = self.run_forward(inp, self._empty_prev(sh))

@@ -72,11 +72,15 @@ def test_spec_step_updates_the_caches_in_place(name, k):
     """The compiled step writes both caches where they lie: no temporary as large as one
     layer's K or V buffer. (A one-row drafter write was rewritten by XLA into a select over
     the whole buffer, two cache copies per layer: the server with an EAGLE3 drafter ran out
-    of memory on the H200 with the page pool sized to fill the device.)"""
-    llm = h.llm(name, k, num_pages=1024, attn_impl="reference", linear_impl="reference", sample_impl="reference")
+    of memory on the H200 with the page pool sized to fill the device.) The mixed step
+    (jspec/engine/spec_mixed.py) too, whose two drafter passes share the caches."""
+    llm = h.llm(name, k, num_pages=1024, attn_impl="reference", linear_impl="reference", sample_impl="reference",
+                max_num_partial_prefills=1)
     r = llm.engine.runner
     layer_buffer = r.dkv.k[0].nbytes  # 1024 pages x 16 x 2 heads x 16 x 4 bytes = 2 MiB
-    for sh in r.warmup_shapes(1, True):
+    shapes = r.warmup_shapes(1, True)
+    assert any(sh.prefill_rows and sh.batch == 1 for sh in shapes)
+    for sh in shapes:
         if sh.decode or sh.batch == 1:
             temp = r.lower_spec(sh).compile().memory_analysis().temp_size_in_bytes
             assert temp < layer_buffer // 4, (sh, temp, layer_buffer)

@@ -8,15 +8,20 @@ from types import SimpleNamespace
 from jspec.engine.buckets import Buckets
 from jspec.engine.mixed import describe_shapes, mixed_shapes
 from jspec.engine.runner import ModelRunner
+from jspec.engine.spec_runner import SpecModelRunner
 from jspec.ops import KernelPlan, page_table_widths
 from jspec.serve.cli import build_parser, engine_kwargs, log_shapes
 
 
-def server_shapes(attn: str, partial_prefills: int, *, max_num_seqs=64, max_model_len=1536, chunk=256, page=16):
-    pages = -(-max_model_len // page)
+def server_shapes(attn: str, partial_prefills: int, *, max_num_seqs=64, max_model_len=1536, chunk=256, page=16,
+                  K=0, lookahead=0):
+    """K > 0: the speculative runner's (lookahead: the drafter's, which widens the page table)."""
+    pages = -(-(max_model_len + lookahead) // page)
     b = Buckets.create(max_num_seqs, chunk, pages, max_prefill_rows=partial_prefills,
                        page_widths=page_table_widths(KernelPlan(attn=attn), pages))
-    # the plain runner's warmup_shapes reads nothing but its buckets
+    # the runners' warmup_shapes read nothing but their buckets (and K)
+    if K:
+        return SpecModelRunner.warmup_shapes(SimpleNamespace(buckets=b, K=K), 1, True)
     return ModelRunner.warmup_shapes(SimpleNamespace(buckets=b), 1, True)
 
 
@@ -31,6 +36,22 @@ def test_8b_server_shape_count_before_and_after():
     assert len(server_shapes("gpu", 1)) == 7 + 5 + 7 * 3
     # the CPU plan keeps every width but for the mixed steps (the widest: jspec/engine/mixed.py)
     assert len(server_shapes("reference", 2)) == (7 + 10) * 6 + 42
+
+
+def test_8b_server_shapes_with_a_drafter():
+    """EAGLE3 K = 3 (lookahead 3: 97 pages): verification and its chained form per batch
+    bucket, prefill chunks, and when mixing (jspec/engine/spec_mixed.py) the mixed steps,
+    whose decode segment is [B, K + 1]; prefill-only steps then take at most 2 rows."""
+    unmixed = server_shapes("gpu", 0, K=3, lookahead=3)
+    assert describe_shapes(unmixed) == "49 shapes (14 decode, 35 prefill)"  # 7 x (2 + 5)
+    mixed = server_shapes("gpu", 2, K=3, lookahead=3)
+    assert describe_shapes(mixed) == "66 shapes (14 decode, 42 mixed, 10 prefill)"
+    assert {(s.q, s.pages, s.steps) for s in mixed if s.decode} == {(4, 97, 0), (4, 97, 1)}
+    assert sorted({s.batch for s in mixed if not s.decode and not s.prefill_rows}) == [1, 2]
+    assert [s for s in mixed if s.prefill_rows] == mixed_shapes(Buckets.create(64, 256, 97, max_prefill_rows=2,
+                                                                                page_widths=(97,)))
+    # the CPU plan: every width but for the mixed steps
+    assert len(server_shapes("reference", 2, K=3, lookahead=3)) == (14 + 10) * 6 + 42
 
 
 def test_mixed_buckets():

@@ -61,10 +61,10 @@ class Sim:
         """The engine's side of a step: positions computed, tokens emitted, finish or commit."""
         if out is None:
             return
-        for r in out.seqs:
+        for i, r in enumerate(out.seqs):
             seq = r.seq
             drafts = list(seq.draft_token_ids)
-            if out.kind == "decode" and drafts:
+            if (out.kind == "decode" or i < out.num_decode) and drafts:  # a verification row
                 # accept a deterministic, varying number of drafts (0 .. all)
                 n_acc = (seq.arrival + seq.num_tokens) % (len(drafts) + 1)
                 emitted = drafts[:n_acc] + [self.token(seq, n_acc)]
@@ -413,6 +413,13 @@ CASES = [  # pool sizes picked so that the tight cases do preempt (and the roomy
     RunCase("mixed", dict(num_pages=10, max_num_batched_tokens=24, max_prefill_chunk=16, max_prefill_rows=2), True),
     RunCase("mixed_roomy", dict(num_pages=64, max_num_batched_tokens=12, max_prefill_chunk=8, max_prefill_rows=1),
             False),
+    # mixed steps with a drafter (jspec/engine/spec_mixed.py): drafts in the decode rows'
+    # tokens, lookahead reserved past both segments' rows
+    RunCase("mixed_eagle_like", dict(num_pages=10, max_num_batched_tokens=24, max_prefill_chunk=16, lookahead=3,
+                                     num_drafts=3, hash_next_token=True, drop_last_prefix_hit=True,
+                                     max_prefill_rows=2), True),
+    RunCase("mixed_dflash_like", dict(num_pages=10, max_num_batched_tokens=32, max_prefill_chunk=16, lookahead=4,
+                                      num_drafts=3, max_prefill_rows=1), True),
 ]
 
 
@@ -549,7 +556,9 @@ def test_mixed_decode_growth_preempts_a_prefilling_newcomer():
 
 
 @pytest.mark.parametrize("kw, match", [(dict(max_prefill_rows=-1), "max_num_partial_prefills"),
-                                       (dict(max_prefill_rows=1, max_num_batched_tokens=8), "must exceed")])
+                                       (dict(max_prefill_rows=1, max_num_batched_tokens=8), "must exceed"),
+                                       (dict(max_prefill_rows=1, max_num_batched_tokens=32, num_drafts=3),
+                                        r"max_num_seqs=8 x \(1 \+ num_speculative_tokens=3\)")])
 def test_mixed_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         SchedulerConfig(**{**dict(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=16,

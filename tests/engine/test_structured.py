@@ -210,6 +210,36 @@ def test_warmup_compiles_the_masked_steps_when_asked(monkeypatch):
     assert eng.runner.num_compilations == n and eng.num_chained_calls > 0
 
 
+def test_warmup_compiles_the_masked_mixed_steps(monkeypatch):
+    """A mixing engine: warmup also compiles the masked mixed steps, and a mixed step with a
+    grammar in one segment masks both (mixed.masked_alike, all tokens allowed in the other),
+    so it runs the compiled variant."""
+    from tests.helpers.engine import drive
+
+    llm = jspec.LLM(default_model_path(), max_num_seqs=2, max_model_len=64, page_size=16, max_prefill_chunk=16,
+                    dtype="float32", warmup_structured_outputs=True, max_num_partial_prefills=1,
+                    async_scheduling=False)
+    eng, r = llm.engine, llm.engine.runner
+    monkeypatch.setattr(r, "warmup_shapes", lambda *a: [])  # the unmasked ones: tested elsewhere
+    eng.warmup()
+    # the prefill chunk (B 1: max_num_partial_prefills), the decode step at B 1 / 2, the mixed steps
+    assert r.num_compilations == 1 + 2 + 2
+    compiled, run = [], r.run_mixed
+
+    def counting(inp):
+        n = r.num_compilations
+        out = run(inp)
+        compiled.append(r.num_compilations - n)
+        return out
+
+    monkeypatch.setattr(r, "run_mixed", counting)
+    free, prompt = jspec.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), "a longer prompt, " * 3
+    so = jspec.SamplingParams(temperature=0, max_tokens=12, structured_outputs=SOP(regex="[a-z]{10}"))
+    done = drive(llm, {0: [("add", "g", "one", so)], 1: [("add", "free", prompt, free)]})
+    assert len(compiled) >= 2 and not any(compiled), compiled  # the prompt's 3 chunks beside g's rows
+    assert re.fullmatch("[a-z]{10}", eng.tokenizer.decode(done["g"][0])) and len(done["free"][0]) == 4
+
+
 def test_a_model_without_tokenizer_refuses_structured_outputs(tmp_path):
     for f in ("config.json", "model.safetensors"):
         shutil.copy(os.path.join(default_model_path(), f), tmp_path / f)
