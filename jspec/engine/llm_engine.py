@@ -316,8 +316,7 @@ class LLMEngine:
         return self.runner.warmup_shapes(self.config.num_scheduler_steps, self._async)
 
     def warmup(self):
-        """Compile every shape bucket now (several at a time on an accelerator), so serving
-        never stalls on a compilation."""
+        """Compile every shape now (several at once on an accelerator): no request compiles."""
         self.runner.precompile(self.warmup_shapes(), self.runner.plan.compile_threads)
         self.runner.warmup(self.config.num_scheduler_steps, self._async,
                            structured=self.config.warmup_structured_outputs)
