@@ -155,20 +155,15 @@ class SpecMixedSteps:
 
     def run_spec_mixed(self, inp: SpecMixedInput):
         """One jitted mixed call (two transfers), not waited for: (packed_d, packed_p)."""
-        ints, floats, layout = pack(inp)
-        self.kv, self.dkv, self.probs_buf, out = self._spec_mixed(
-            self.params,
-            self.dparams,
-            self.kv,
-            self.dkv,
-            self.probs_buf,
-            self.synthetic_rates,
-            ints,
-            floats,
-            layout=self._layout_id(layout),
-            filtering=self._mixed_filtering(inp),
-        )
+        args, kw = self._spec_mixed_args(inp)
+        self.kv, self.dkv, self.probs_buf, out = self._spec_mixed(*args, **kw)
         return out
+
+    def _spec_mixed_args(self, inp: SpecMixedInput):
+        """(arguments, static keywords) of the mixed call on ``inp``."""
+        ints, floats, layout = pack(inp)
+        args = (self.params, self.dparams, self.kv, self.dkv, self.probs_buf, self.synthetic_rates, ints, floats)
+        return args, dict(layout=self._layout_id(layout), filtering=self._mixed_filtering(inp))
 
     def _mixed_filtering(self, inp: SpecMixedInput) -> str:
         return "on" if "on" in (self._filtering(inp.decode.base), self._filtering(inp.prefill.base)) else "off"
@@ -191,20 +186,8 @@ class SpecMixedSteps:
 
     def lower_spec_mixed(self, sh: StepShape):
         """The mixed step of shape ``sh``, lowered (not run), as ``lower_spec``."""
-        inp = self.empty_spec_mixed_input(sh)
-        ints, floats, layout = pack(inp)
-        return self._spec_mixed.lower(
-            self.params,
-            self.dparams,
-            self.kv,
-            self.dkv,
-            self.probs_buf,
-            self.synthetic_rates,
-            ints,
-            floats,
-            layout=self._layout_id(layout),
-            filtering=self._mixed_filtering(inp),
-        )
+        args, kw = self._spec_mixed_args(self.empty_spec_mixed_input(sh))
+        return self._spec_mixed.lower(*args, **kw)
 
     def warmup_spec_mixed(self, shapes, masked: bool = False):
         for sh in shapes:
