@@ -31,6 +31,11 @@ class Buckets:
     prefill_rows: tuple[int, ...] = ()  # prefill rows of any step: the batch buckets up to max_num_partial_prefills
     mixed_q: tuple[int, ...] = ()  # the prefill segment's chunk width in a mixed step (x4 steps)
 
+    @property
+    def prefill_batch(self) -> tuple[int, ...]:
+        """Row counts a prefill step can have: prefill_rows when mixing, else every batch bucket."""
+        return self.prefill_rows or self.batch
+
     @classmethod
     def create(cls, max_num_seqs, max_prefill_chunk, max_pages_per_seq, min_prefill=16, min_pages=4,
                *, page_widths: tuple[int, ...] | None = None, max_prefill_rows: int = 0):

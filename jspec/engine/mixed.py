@@ -114,9 +114,8 @@ class MixedSteps:
     def _mixed_call(self, inp: MixedInput):
         """(jitted function, arguments, static keywords) of ``run_mixed``'s call."""
         ints, floats, layout = pack(inp)
-        filtering = "on" if "on" in (self._filtering(inp.decode), self._filtering(inp.prefill)) else "off"
         return self._mixed, (self.params, self.kv, ints, floats), dict(layout=self._layout_id(layout),
-                                                                      filtering=filtering)
+                                                                      filtering=self._filtering(inp.decode, inp.prefill))
 
     def execute_mixed(self, sched: SchedulerOutput):
         """``ModelRunner.execute`` of a mixed step: per row the tokens it emitted, the logprob

@@ -218,9 +218,8 @@ class ModelRunner(MixedSteps, RunnerBase):
         plain_decode = num_scheduler_steps > 1 or not async_scheduling
         fed = num_scheduler_steps if num_scheduler_steps > 1 or async_scheduling else 0
         shapes = []
-        rows = self.buckets.prefill_rows or self.buckets.batch
         for B in self.buckets.batch:
-            for Q in ((1,) if plain_decode else ()) + (self.buckets.prefill_q if B in rows else ()):
+            for Q in ((1,) if plain_decode else ()) + (self.buckets.prefill_q if B in self.buckets.prefill_batch else ()):
                 shapes += [StepShape(B, Q, W, 0, decode=Q == 1) for W in self.buckets.pages]
             if fed:
                 shapes += [StepShape(B, 1, W, fed, decode=True) for W in self.buckets.pages]
@@ -245,11 +244,10 @@ class ModelRunner(MixedSteps, RunnerBase):
         decode step as it runs (with async scheduling the one-step fed-back call and the
         split step's two calls, else the plain step), and the mixed steps (masked_alike).
         Prefill chunks as ``warmup_shapes``: a mixing engine's have at most prefill_rows rows."""
-        rows = self.buckets.prefill_rows or self.buckets.batch
         for B in self.buckets.batch:
             mask = self.allow_all(B, 1)
             for W in self.buckets.pages:
-                for Q in (self.buckets.prefill_q if B in rows else ()) + (() if async_scheduling else (1,)):
+                for Q in (self.buckets.prefill_q if B in self.buckets.prefill_batch else ()) + (() if async_scheduling else (1,)):
                     self.run(self.empty_input(B, Q, W).replace(grammar_mask=mask))
                 if async_scheduling:
                     self.run(self.empty_input(B, 1, W).replace(grammar_mask=mask), 1)

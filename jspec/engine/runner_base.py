@@ -286,9 +286,11 @@ class RunnerBase:
         """The jitted call ``warmup`` makes for ``shape``, lowered (not compiled), or None."""
         return None
 
-    def _filtering(self, inp) -> str:
-        """"on" when some request of the step uses top-k / top-p, else "off"."""
-        return host_filtering(inp.temperature, inp.top_k, inp.top_p, self.cfg.vocab_size)
+    def _filtering(self, *inps) -> str:
+        """"on" when some request of the step (its inputs ``inps``: one, or a mixed step's
+        two segments) uses top-k / top-p, else "off"."""
+        modes = {host_filtering(i.temperature, i.top_k, i.top_p, self.cfg.vocab_size) for i in inps}
+        return modes.pop() if len(modes) == 1 else ("on" if "on" in modes else "off")
 
     def allow_all(self, B: int, Q: int) -> np.ndarray:
         """Grammar masks i32[B, Q, ceil(V/32)] allowing every token (warmup's masked steps)."""

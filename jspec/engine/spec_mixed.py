@@ -163,10 +163,7 @@ class SpecMixedSteps:
         """(arguments, static keywords) of the mixed call on ``inp``."""
         ints, floats, layout = pack(inp)
         args = (self.params, self.dparams, self.kv, self.dkv, self.probs_buf, self.synthetic_rates, ints, floats)
-        return args, dict(layout=self._layout_id(layout), filtering=self._mixed_filtering(inp))
-
-    def _mixed_filtering(self, inp: SpecMixedInput) -> str:
-        return "on" if "on" in (self._filtering(inp.decode.base), self._filtering(inp.prefill.base)) else "off"
+        return args, dict(layout=self._layout_id(layout), filtering=self._filtering(inp.decode.base, inp.prefill.base))
 
     def execute_spec_mixed(self, sched: SchedulerOutput):
         """A mixed step, read: one SpecStepResult over ``sched``'s rows (decode rows first)."""

@@ -346,9 +346,8 @@ class SpecModelRunner(SpecMixedSteps, RunnerBase):
         b = self.buckets
         qs = [(self.K + 1, 0, True)] + ([(self.K + 1, 1, True)] if async_scheduling else [])
         qs += [(Q, 0, False) for Q in b.prefill_q]
-        rows = b.prefill_rows or b.batch
         return [StepShape(B, Q, W, steps, decode) for B in b.batch for Q, steps, decode in qs
-                for W in b.pages if decode or B in rows] + mixed_shapes(b)
+                for W in b.pages if decode or B in b.prefill_batch] + mixed_shapes(b)
 
     def empty_spec_input(self, sh: StepShape) -> SpecInput:
         """A step of shape ``sh`` with no active row: nothing samples, drafts or writes."""
@@ -376,7 +375,7 @@ class SpecModelRunner(SpecMixedSteps, RunnerBase):
 
     def lower_shape(self, sh: StepShape):
         """``warmup``'s call for ``sh``, lowered (``RunnerBase.precompile``)."""
-        return self.lower_spec_mixed(sh) if sh.prefill_rows else self.lower_spec(sh)
+        return self.lower_spec(sh)
 
     def warmup(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None,
                structured: bool = False):
