@@ -6,9 +6,11 @@
     # 2. On the GPU machine (fastapi / uvicorn as wheels if absent there; JSPEC_COMMIT names
     #    the commit checked where the tree has no .git):
     JSPEC_COMMIT=<hash> python scripts/gpu_check.py --ckpts .gpu_check --md $OUT/gpu_check.md
-    # On an 80 GB H100 the whole run takes ~10 minutes, a device call's limit: run the lines
-    # with --no-perf, then the table in a second call that rewrites only the table's section
-    # of a copy of that report: cp docs/gpu_check.md $OUT/ && ... --perf-only --md $OUT/gpu_check.md
+    # The whole run takes over 10 minutes, a device call's limit (the report is rewritten after
+    # every line): run the lines with --no-perf; if the call's limit cut them short, carry the
+    # report back and go on in a second call with --resume (it keeps the report's lines and
+    # runs the rest); then the table in a last call that rewrites only the table's section of
+    # a copy of that report: cp docs/gpu_check.md $OUT/ && ... --perf-only --md $OUT/gpu_check.md
 
 Run it whenever jspec/ or kernels_pallas/ change, and commit its docs/gpu_check.md with
 the change (overwritten each run). Each line passes or fails on its own:
@@ -113,8 +115,21 @@ class Report:
         self.only = only
         self.md = md  # rewritten after every line: a run cut short by a time limit keeps what it checked
 
+    def resume(self, path: str):
+        """--resume: keep the lines of an earlier run's report at ``path`` (cut short by a
+        device call's time limit) and skip them in this run. Its commit must be this run's."""
+        with open(path) as f:
+            text = f.read()
+        commit = re.search(r"^- commit: (\S+)", text, re.M)
+        if not commit or commit.group(1) != _commit():
+            sys.exit(f"--resume: {path} is of commit {commit and commit.group(1)}, this tree is {_commit()}")
+        for m in re.finditer(r"^\| (.+?) \| (pass|\*\*FAIL\*\*) \| (.*) \|$", text, re.M):
+            self.lines.append((m.group(1), m.group(2) == "pass", m.group(3)))
+
     def check(self, name: str, fn):
         if self.only and not re.search(self.only, name):
+            return
+        if any(n == name for n, _, _ in self.lines):  # run by the report this one resumes
             return
         t = time.perf_counter()
         try:
@@ -467,9 +482,7 @@ def perf_table(rows) -> list[str]:
     return out
 
 
-def write_md(path: str, report: Report, perf_lines: list[str]):
-    import jax
-
+def _commit() -> str:
     commit = os.environ.get("JSPEC_COMMIT")  # the device machine's copy of the tree has no .git
     if not commit:
         try:
@@ -477,6 +490,13 @@ def write_md(path: str, report: Report, perf_lines: list[str]):
                                     cwd=ROOT).stdout.strip() or "unknown"
         except OSError:
             commit = "unknown"
+    return commit
+
+
+def write_md(path: str, report: Report, perf_lines: list[str]):
+    import jax
+
+    commit = _commit()
     passed = sum(ok for _, ok, _ in report.lines)
     lines = ["# GPU check", "",
              "Written by `scripts/gpu_check.py` (see its docstring for how to run it); overwritten each run.", "",
@@ -502,8 +522,7 @@ def replace_perf(path: str, perf_lines: list[str]):
     with open(path) as f:
         text = f.read()
     head = text.split("\n" + PERF_HEADING)[0].rstrip("\n").split("\n")
-    commit = os.environ.get("JSPEC_COMMIT", "unknown")
-    note = [f"(the table's run: commit {commit}, {datetime.date.today().isoformat()}, separate device call)", ""]
+    note = [f"(the table's run: commit {_commit()}, {datetime.date.today().isoformat()}, separate device call)", ""]
     with open(path, "w") as f:
         f.write("\n".join(head + _perf_section(note + perf_lines)) + "\n")
 
@@ -522,6 +541,8 @@ def main():
     ap.add_argument("--no-perf", action="store_true")
     ap.add_argument("--perf-only", action="store_true", help="only the performance table, written into the "
                     "existing report at --md in place of its table section")
+    ap.add_argument("--resume", action="store_true", help="keep the lines of the report at --md (a run of "
+                    "this commit cut short by a time limit) and run only the others")
     ap.add_argument("--only", default="", help="run only the lines matching this regex (debugging)")
     ap.add_argument("--cpu", action="store_true", help="smoke-test this script on CPU (jnp references, no perf)")
     args = ap.parse_args()
@@ -541,6 +562,8 @@ def main():
     _ckpts = os.path.abspath(args.ckpts)
     refs = use_checkpoints(_ckpts)
     rep = Report(args.only, args.md)
+    if args.resume and os.path.exists(args.md):
+        rep.resume(args.md)
     # First, while this process holds no device memory: the server sizes its KV pool from the
     # memory it sees, and on an 80 GB card it ran out beside this process's engines.
     rep.check("python -m jspec.serve with a drafter answers a completion", lambda: serve("eagle3", 3))
