@@ -1,11 +1,56 @@
-"""The KV page pool sized from a device's free memory (``EngineConfig.gpu_memory_utilization``)."""
+"""The KV page pool sized from a device's free memory (``EngineConfig.gpu_memory_utilization``),
+and allocated."""
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import numpy as np
 
 from jspec.checkpoint.target import resolve_dtype
+from jspec.kv_cache import KVCache
+
+logger = logging.getLogger("jspec.engine")
+
+
+def create_pools(c, mc, dcfg, par, pages_per_seq: int, max_model_len: int, dtype):
+    """The target's KV pool and the drafter's (``dcfg``; None: no drafter) over the same
+    page ids: (kv, dkv or None, num_pages), with ``c.num_pages`` pages or as many as fit
+    (``pages_from_memory``).
+
+    A pool sized from memory is allocated here and waited for, so that a failure shows now,
+    not at the first step. Its arrays (K and V of each layer) are separate blocks of XLA's
+    allocator, and on a heap that grew in pieces (XLA_PYTHON_CLIENT_PREALLOCATE=false) the
+    last one can find no free block of its size although the bytes are free: on the H200 the
+    embedded family's 16 arrays of 5.9 GB, the 16th failed with 16 GB free and 5.4 GB its
+    largest block, and surfaced as an out-of-memory error in the first step. Each failure
+    gives back 5% of the pages, down to one sequence's."""
+    num_pages = c.num_pages or pages_from_memory(c, mc, dcfg, par, pages_per_seq)
+    if num_pages < pages_per_seq:
+        raise ValueError(f"num_pages={num_pages} x page_size={c.page_size} cannot hold one sequence of "
+                         f"max_model_len={max_model_len}: need at least {pages_per_seq} pages")
+    while True:
+        kv = KVCache.create(mc.num_layers, num_pages, c.page_size, mc.num_kv_heads, mc.head_dim, dtype,
+                            par.kv_sharding(mc.num_kv_heads))
+        dkv = None
+        if dcfg is not None:
+            from jspec.drafters import create_kv_cache
+
+            dkv = create_kv_cache(dcfg, num_pages, c.page_size, dtype, par.kv_sharding(dcfg.num_kv_heads, draft=True))
+        if c.num_pages:
+            return kv, dkv, num_pages
+        try:
+            jax.block_until_ready((kv, dkv))
+            return kv, dkv, num_pages
+        except jax.errors.JaxRuntimeError as e:
+            kv = dkv = None  # the arrays that were allocated go back before the next try
+            fewer = num_pages * 19 // 20
+            if "RESOURCE_EXHAUSTED" not in str(e) or fewer < pages_per_seq:
+                raise
+            logger.warning("KV page pool of %d pages did not fit in the device's free blocks; trying %d",
+                           num_pages, fewer)
+            num_pages = fewer
 
 
 def pages_from_memory(c, mc, dcfg, par, pages_per_seq: int) -> int:

@@ -20,7 +20,7 @@ from jspec.checkpoint.target import load_target, resolve_dtype
 from jspec.config import load_model_config
 from jspec.engine.block_manager import BlockManager
 from jspec.engine.buckets import Buckets
-from jspec.engine.kv_memory import pages_from_memory
+from jspec.engine.kv_memory import create_pools
 from jspec.engine.logprobs import LOGPROBS_MODES, record_logprobs, record_prompt_logprobs
 from jspec.engine.outputs import CompletionOutput, RequestOutput, SampleGroups, make_output  # noqa: F401 (re-exported)
 from jspec.engine.runner import ModelRunner
@@ -29,7 +29,6 @@ from jspec.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jspec.engine.sequence import Sequence, SpecMetrics, Status
 from jspec.engine.stopping import append_tokens
 from jspec.engine.structured import GrammarCompiler, advance, any_grammar
-from jspec.kv_cache import KVCache
 from jspec.ops import page_table_widths, plan_kernels, plan_params
 from jspec.sampling_params import SamplingParams
 
@@ -166,12 +165,9 @@ class LLMEngine:
             self.K = 0
             self.lookahead = 0
         pages_per_seq = -(-(self.max_model_len + self.lookahead) // c.page_size)
-        num_pages = c.num_pages or pages_from_memory(c, mc, self.dcfg if self.spec else None, self.par, pages_per_seq)
-        if num_pages < pages_per_seq:
-            raise ValueError(
-                f"num_pages={num_pages} x page_size={c.page_size} cannot hold one sequence of "
-                f"max_model_len={self.max_model_len}: need at least {pages_per_seq} pages"
-            )
+        dtype = resolve_dtype(c.dtype)
+        kv, dkv, num_pages = create_pools(c, mc, self.dcfg if self.spec else None, self.par, pages_per_seq,
+                                          self.max_model_len, dtype)
         chunk = min(c.max_prefill_chunk, self.max_model_len)
         # EAGLE-style drafters: their KV at p depends on token p + 1 (see BlockManager).
         eagle_style = drafter is not None and drafter.reads_next_token
@@ -191,9 +187,6 @@ class LLMEngine:
         )
         self.blocks = BlockManager(num_pages, c.page_size, c.enable_prefix_caching, hash_next_token=eagle_style)
         self.scheduler = Scheduler(sched_cfg, self.blocks)
-        dtype = resolve_dtype(c.dtype)
-        kv = KVCache.create(mc.num_layers, num_pages, c.page_size, mc.num_kv_heads, mc.head_dim, dtype,
-                            self.par.kv_sharding(mc.num_kv_heads))
         plan = plan_kernels(mc, attn_impl=c.attn_impl, linear_impl=c.linear_impl, sample_impl=c.sample_impl,
                             **self.par.plan_args())
         buckets = Buckets.create(c.max_num_seqs, chunk, pages_per_seq, max_prefill_rows=mix,
@@ -202,11 +195,8 @@ class LLMEngine:
         if self.spec is None:
             self.runner = ModelRunner(mc, params, kv, buckets, dtype=dtype, plan=plan)
         else:
-            from jspec.drafters import create_kv_cache
             from jspec.engine.spec_runner import SpecModelRunner
 
-            dkv = create_kv_cache(self.dcfg, num_pages, c.page_size, dtype,
-                                  self.par.kv_sharding(self.dcfg.num_kv_heads, draft=True))
             self.runner = SpecModelRunner(
                 mc, params, kv, buckets, dtype=dtype, plan=plan, spec=self.spec, dcfg=self.dcfg,
                 dparams=plan_params(plan, dparams), dkv=dkv, max_num_seqs=c.max_num_seqs,

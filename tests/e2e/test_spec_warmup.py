@@ -67,6 +67,47 @@ def test_kv_pages_from_memory_count_the_drafter_cache(monkeypatch):
     assert kv_bytes <= budget
 
 
+def test_kv_pool_that_does_not_fit_is_retried_smaller(monkeypatch):
+    """A pool sized from memory whose allocation fails (XLA's allocator found no free block
+    for its last array: the embedded family on the H200) is allocated again with 5% fewer
+    pages, before the engine exists, and the engine then runs; an error other than out of
+    memory is raised as it is."""
+    import jax
+
+    from jspec.kv_cache import KVCache
+
+    class Dev:
+        def memory_stats(self):
+            return {"bytes_limit": 64 << 20, "bytes_in_use": 0}
+
+    real = jax.block_until_ready
+    failures = [jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")] * 2
+
+    def block(x):  # the pool's wait (kv, dkv) fails while ``failures`` last
+        if failures and isinstance(x, tuple) and isinstance(x[0], KVCache):
+            raise failures.pop()
+        return real(x)
+
+    folder, _ = h.target()
+    monkeypatch.setattr(jax, "devices", lambda *a: [Dev()])
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "block_until_ready", block)
+    kw = dict(max_num_seqs=2, max_model_len=56, page_size=16, gpu_memory_utilization=0.5,
+              attn_impl="reference", sample_impl="reference", linear_impl="reference")
+    llm = jspec.LLM(folder, speculative_config=h.spec_config("dflash4", 3), **kw)
+    eng = llm.engine
+    c, d = eng.model_cfg, eng.dcfg
+    page = 2 * 16 * 4 * (c.num_layers * c.num_kv_heads * c.head_dim + d.num_layers * d.num_kv_heads * d.head_dim)
+    sized = int(0.5 * (64 << 20) // page)
+    assert eng.num_pages == sized * 19 // 20 * 19 // 20 and not failures
+    assert eng.runner.kv.num_pages == eng.runner.dkv.num_pages == eng.num_pages
+    out = llm.generate([[1, 2, 3]], jspec.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    failures.append(jax.errors.JaxRuntimeError("INTERNAL: something else"))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        jspec.LLM(folder, **kw)
+
+
 @pytest.mark.parametrize("name,k", [("eagle3", 3), ("peagle", 3), ("dflash4", 3)])
 def test_spec_step_updates_the_caches_in_place(name, k):
     """The compiled step writes both caches where they lie: no temporary as large as one
