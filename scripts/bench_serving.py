@@ -195,6 +195,8 @@ def format_metrics(m: dict, title: str) -> str:
     if m.get("spec_decode"):
         s = m["spec_decode"]
         rows += [("Drafts:", int(s["num_drafts"])), ("Mean acceptance length:", f"{s['mean_acceptance_length']:.2f}")]
+    if m.get("compilations") is not None:
+        rows += [("Step shapes compiled during the run:", m["compilations"])]
     lines = ["=" * 60, title, "=" * 60] + [f"{k:<44}{v:>16}" for k, v in rows]
     for name, head in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
@@ -248,6 +250,16 @@ def spec_decode_counters(base_url: str) -> dict | None:
         if name in names:
             out[names[name]] = out.get(names[name], 0.0) + float(line.rsplit(" ", 1)[1])
     return out or None
+
+
+def compilations(base_url: str) -> float | None:
+    """jspec's count of compiled step shapes (its /metrics gauge); None from other servers."""
+    try:
+        text = _get(base_url, "/metrics").text
+    except Exception:
+        return None
+    vals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("jspec:num_compilations")]
+    return vals[0] if vals else None
 
 
 def spec_decode_delta(before: dict | None, after: dict | None) -> dict | None:
@@ -338,11 +350,13 @@ def bench_server(base_url: str, a, label: str) -> list[dict]:
         # fresh prompts per rate (seed, rate index): a repeated prompt would hit the prefix cache
         reqs = make_requests(a.num_prompts, a.input_len, a.output_len, a.range_ratio, vocab, (a.seed, i, 0))
         arrivals = arrival_times(a.num_prompts, rate, (a.seed, i, 1))
-        before = spec_decode_counters(base_url)
+        before, compiled = spec_decode_counters(base_url), compilations(base_url)
         results, duration = asyncio.run(run_rate(base_url, model, reqs, arrivals, a.temperature, a.timeout,
                                                  a.api_key or "none"))
         m = calculate_metrics(results, duration)
         m["spec_decode"] = spec_decode_delta(before, spec_decode_counters(base_url))
+        after = compilations(base_url)
+        m["compilations"] = None if compiled is None or after is None else int(after - compiled)
         title = f"{label} | rate {rate:g} req/s"
         print(format_metrics(m, title), flush=True)
         errors = [r.error for r in results if not r.success]

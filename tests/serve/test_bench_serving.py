@@ -85,3 +85,4 @@ def test_bench_against_launched_server(tmp_path, monkeypatch):
         for name in ("ttft", "tpot", "itl", "e2el"):
             assert 0 < b[f"median_{name}_ms"] <= b[f"p90_{name}_ms"] <= b[f"p99_{name}_ms"]
         assert b["spec_decode"] is None
+        assert isinstance(b["compilations"], int) and b["compilations"] >= 0  # jspec's /metrics gauge, read
