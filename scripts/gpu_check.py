@@ -3,8 +3,8 @@
     # 1. On a CPU machine with the test extra (torch, speculators): build the tiny checkpoints
     #    and the transformers references once (a few MB; carried to the GPU machine).
     python scripts/gpu_check.py --build .gpu_check
-    # 2. On the GPU machine (fastapi / uvicorn as wheels if absent there; JSPEC_COMMIT names
-    #    the commit checked where the tree has no .git):
+    # 2. On the GPU machine (the packages its image lacks as wheels: scripts/device_wheels.sh;
+    #    JSPEC_COMMIT names the commit checked where the tree has no .git):
     JSPEC_COMMIT=<hash> python scripts/gpu_check.py --ckpts .gpu_check --md $OUT/gpu_check.md
     # The whole run takes over 10 minutes, a device call's limit (the report is rewritten after
     # every line): run the lines with --no-perf; if the call's limit cut them short, carry the
