@@ -235,37 +235,38 @@ def vocab_size_of(card: dict) -> int:
     return FALLBACK_VOCAB
 
 
-def spec_decode_counters(base_url: str) -> dict | None:
-    """vLLM's speculative decoding counters from /metrics, summed over labels; None if absent."""
-    names = {"vllm:spec_decode_num_drafts_total": "num_drafts",
-             "vllm:spec_decode_num_draft_tokens_total": "num_draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens_total": "num_accepted_tokens"}
+SPEC_COUNTERS = {"vllm:spec_decode_num_drafts_total": "num_drafts",
+                 "vllm:spec_decode_num_draft_tokens_total": "num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens_total": "num_accepted_tokens"}
+COUNTERS = {**SPEC_COUNTERS, "jspec:num_compilations": "num_compilations"}  # jspec's compiled step shapes
+
+
+def server_counters(base_url: str) -> dict:
+    """The counters of ``COUNTERS`` from one read of /metrics, summed over labels; those a
+    server does not export (or all, if /metrics fails) are absent."""
     out = {}
     try:
         text = _get(base_url, "/metrics").text
     except Exception:
-        return None
+        return out
     for line in text.splitlines():
         name = line.split("{")[0].split(" ")[0]
-        if name in names:
-            out[names[name]] = out.get(names[name], 0.0) + float(line.rsplit(" ", 1)[1])
-    return out or None
+        if name in COUNTERS:
+            out[COUNTERS[name]] = out.get(COUNTERS[name], 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
-def compilations(base_url: str) -> float | None:
-    """jspec's count of compiled step shapes (its /metrics gauge); None from other servers."""
-    try:
-        text = _get(base_url, "/metrics").text
-    except Exception:
+def compilations_delta(before: dict, after: dict) -> int | None:
+    if "num_compilations" not in before or "num_compilations" not in after:
         return None
-    vals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("jspec:num_compilations")]
-    return vals[0] if vals else None
+    return int(after["num_compilations"] - before["num_compilations"])
 
 
-def spec_decode_delta(before: dict | None, after: dict | None) -> dict | None:
-    if not before or not after:
+def spec_decode_delta(before: dict, after: dict) -> dict | None:
+    spec = SPEC_COUNTERS.values()
+    if not any(k in before for k in spec) or not any(k in after for k in spec):
         return None
-    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    d = {k: after[k] - before.get(k, 0.0) for k in spec if k in after}
     if not d.get("num_drafts"):
         return None
     d["mean_acceptance_length"] = 1.0 + d["num_accepted_tokens"] / d["num_drafts"]  # vLLM's: the bonus token included
@@ -350,13 +351,13 @@ def bench_server(base_url: str, a, label: str) -> list[dict]:
         # fresh prompts per rate (seed, rate index): a repeated prompt would hit the prefix cache
         reqs = make_requests(a.num_prompts, a.input_len, a.output_len, a.range_ratio, vocab, (a.seed, i, 0))
         arrivals = arrival_times(a.num_prompts, rate, (a.seed, i, 1))
-        before, compiled = spec_decode_counters(base_url), compilations(base_url)
+        before = server_counters(base_url)
         results, duration = asyncio.run(run_rate(base_url, model, reqs, arrivals, a.temperature, a.timeout,
                                                  a.api_key or "none"))
         m = calculate_metrics(results, duration)
-        m["spec_decode"] = spec_decode_delta(before, spec_decode_counters(base_url))
-        after = compilations(base_url)
-        m["compilations"] = None if compiled is None or after is None else int(after - compiled)
+        after = server_counters(base_url)
+        m["spec_decode"] = spec_decode_delta(before, after)
+        m["compilations"] = compilations_delta(before, after)
         title = f"{label} | rate {rate:g} req/s"
         print(format_metrics(m, title), flush=True)
         errors = [r.error for r in results if not r.success]

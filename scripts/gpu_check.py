@@ -6,10 +6,10 @@
     # 2. On the GPU machine (the packages its image lacks as wheels: scripts/device_wheels.sh;
     #    JSPEC_COMMIT names the commit checked where the tree has no .git):
     JSPEC_COMMIT=<hash> python scripts/gpu_check.py --ckpts .gpu_check --md $OUT/gpu_check.md
-    # The whole run takes over 10 minutes, a device call's limit (the report is rewritten after
-    # every line): run the lines with --no-perf; if the call's limit cut them short, carry the
-    # report back and go on in a second call with --resume (it keeps the report's lines and
-    # runs the rest); then the table in a last call that rewrites only the table's section of
+    # The whole run takes about 10 minutes (H200), a device call's limit (the report is rewritten
+    # after every line): run the lines with --no-perf; if the call's limit cut them short, carry
+    # the report back and go on in a second call with --resume (it keeps the report's passing
+    # lines and runs the rest); then the table in a last call that rewrites only the table's section of
     # a copy of that report: cp docs/gpu_check.md $OUT/ && ... --perf-only --md $OUT/gpu_check.md
 
 Run it whenever jspec/ or kernels_pallas/ change, and commit its docs/gpu_check.md with
