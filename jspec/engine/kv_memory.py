@@ -30,27 +30,32 @@ def create_pools(c, mc, dcfg, par, pages_per_seq: int, max_model_len: int, dtype
     if num_pages < pages_per_seq:
         raise ValueError(f"num_pages={num_pages} x page_size={c.page_size} cannot hold one sequence of "
                          f"max_model_len={max_model_len}: need at least {pages_per_seq} pages")
+    if c.num_pages:
+        return (*_allocate(c, mc, dcfg, par, num_pages, dtype), num_pages)
     while True:
-        kv = KVCache.create(mc.num_layers, num_pages, c.page_size, mc.num_kv_heads, mc.head_dim, dtype,
-                            par.kv_sharding(mc.num_kv_heads))
-        dkv = None
-        if dcfg is not None:
-            from jspec.drafters import create_kv_cache
-
-            dkv = create_kv_cache(dcfg, num_pages, c.page_size, dtype, par.kv_sharding(dcfg.num_kv_heads, draft=True))
-        if c.num_pages:
-            return kv, dkv, num_pages
-        try:
-            jax.block_until_ready((kv, dkv))
-            return kv, dkv, num_pages
+        try:  # an allocation can fail at once or, asynchronously, in the wait
+            pools = _allocate(c, mc, dcfg, par, num_pages, dtype)
+            jax.block_until_ready(pools)
+            return (*pools, num_pages)
         except jax.errors.JaxRuntimeError as e:
-            kv = dkv = None  # the arrays that were allocated go back before the next try
+            pools = None  # the arrays that were allocated go back before the next try
             fewer = num_pages * 19 // 20
             if "RESOURCE_EXHAUSTED" not in str(e) or fewer < pages_per_seq:
                 raise
             logger.warning("KV page pool of %d pages did not fit in the device's free blocks; trying %d",
                            num_pages, fewer)
             num_pages = fewer
+
+
+def _allocate(c, mc, dcfg, par, num_pages: int, dtype):
+    """(kv, dkv or None): the target's pool and the drafter's of ``num_pages`` pages."""
+    kv = KVCache.create(mc.num_layers, num_pages, c.page_size, mc.num_kv_heads, mc.head_dim, dtype,
+                        par.kv_sharding(mc.num_kv_heads))
+    if dcfg is None:
+        return kv, None
+    from jspec.drafters import create_kv_cache
+
+    return kv, create_kv_cache(dcfg, num_pages, c.page_size, dtype, par.kv_sharding(dcfg.num_kv_heads, draft=True))
 
 
 def pages_from_memory(c, mc, dcfg, par, pages_per_seq: int) -> int:

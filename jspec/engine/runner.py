@@ -21,7 +21,6 @@ from jspec.engine.scheduler import SchedulerOutput
 from jspec.kv_cache import AttentionMetadata
 from jspec.models.transformer import Transformer
 from jspec.parallel import replicate
-from kernels_pallas.rejection_sampling import rejection_sample
 
 
 class ModelRunner(MixedSteps, RunnerBase):
@@ -69,15 +68,9 @@ class ModelRunner(MixedSteps, RunnerBase):
         return tokens[:, 0], lp[:, 0], self._prompt_logprobs(params, h, inp.proc)
 
     def _sample_one(self, logits, s, proc, sample_pos, filtering):
-        """One token per row from logits f32[B, 1, V]: masks and processors (``proc``, may be
-        None), then ``rejection_sample`` with no drafts at ``sample_pos`` (the RNG key's
-        position) -> (i32[B, 1], the logprob blocks i32[B, 1, F] or None without ``proc``).
-        Every plain step samples here: the one-call, fed-back, split and mixed steps."""
-        B = logits.shape[0]
-        none = jnp.zeros((B, 0), jnp.int32)
-        logits, raw = self._process(logits, s, proc, none)
-        out, _ = rejection_sample(logits, none, jnp.zeros((B,), jnp.int32), None, s.temperature, s.top_k, s.top_p,
-                                  s.seeds, sample_pos, impl=self.sample_impl, filtering=filtering)
+        """``_sample_no_drafts`` -> (i32[B, 1], the logprob blocks i32[B, 1, F] or None without
+        ``proc``)."""
+        out, _, logits, raw = self._sample_no_drafts(logits, s, proc, sample_pos, filtering)
         return out, None if proc is None else self._token_logprobs(raw, logits, out, s)
 
     def _multi_step_impl(self, params, kv, ints, floats, prev, *, layout, steps: int, filtering):

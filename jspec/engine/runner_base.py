@@ -1,5 +1,6 @@
 """What both runners share: the step's input types, host rows -> padded device arrays
-(``RunnerBase.build_input``), and the pieces both jitted steps call (processors, logprobs).
+(``RunnerBase.build_input``), and the pieces both jitted steps call (processors, sampling
+with no drafts, logprobs).
 
 ``ModelRunner`` (runner.py) adds the plain step and the fed-back decode call;
 ``SpecModelRunner`` (spec_runner.py) the speculative step. Neither inherits the other's jits.
@@ -11,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -30,7 +32,7 @@ from jspec.engine.structured import apply_bitmask, bitmask_words, build_bitmask
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
-from kernels_pallas.rejection_sampling import host_filtering
+from kernels_pallas.rejection_sampling import host_filtering, rejection_sample
 
 
 @struct.dataclass
@@ -153,6 +155,19 @@ class RunnerBase:
         if proc is None:
             return logits, logits
         return apply_processors(logits, proc, drafts, inp.temperature), logits
+
+    def _sample_no_drafts(self, logits, s, proc, sample_pos, filtering):
+        """One token per row from logits f32[B, 1, V]: masks and processors (``proc``, may be
+        None), then ``rejection_sample`` with no drafts at ``sample_pos`` (the RNG key's
+        position) -> (tokens i32[B, 1], n_emit i32[B], the sampler's logits, the raw logits).
+        Every plain step samples here (the one-call, fed-back, split and mixed steps) and so
+        does a speculative prefill, for its first token."""
+        B = logits.shape[0]
+        none = jnp.zeros((B, 0), jnp.int32)
+        logits, raw = self._process(logits, s, proc, none)
+        out, n_emit = rejection_sample(logits, none, jnp.zeros((B,), jnp.int32), None, s.temperature, s.top_k,
+                                       s.top_p, s.seeds, sample_pos, impl=self.sample_impl, filtering=filtering)
+        return out, n_emit, logits, raw
 
     def _token_logprobs(self, raw, processed, tokens, inp: StepInput):
         """i32[B, Q, F] logprob blocks (jspec/engine/logprobs.py) of the emitted tokens i32[B, Q]."""

@@ -151,13 +151,9 @@ class SpecModelRunner(SpecMixedSteps, RunnerBase):
         from ``logits`` f32[B, V] at each row's last chunk position, then the drafter over
         the shifted prompt (pair tokens from the host) with the sampled token last."""
         b = inp.base
-        B, Q = b.tokens.shape
+        Q = b.tokens.shape[1]
         last_idx = last_positions(b)
-        logits, raw = self._process(logits[:, None], b, b.proc, jnp.zeros((B, 0), jnp.int32))
-        out, n_emit = rejection_sample(
-            logits, jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32), None,
-            b.temperature, b.top_k, b.top_p, b.seeds, b.sample_pos, impl=self.sample_impl, filtering=filtering,
-        )
+        out, n_emit, logits, raw = self._sample_no_drafts(logits[:, None], b, b.proc, b.sample_pos, filtering)
         at_last = jnp.arange(Q)[None, :] == last_idx[:, None]
         pairs = jnp.where(at_last & inp.sample[:, None], out[:, :1], inp.pair_next)
         return self._propose_and_pack(params, dparams, dkv, probs_buf, pairs, aux, b.meta, last_idx, inp, b,

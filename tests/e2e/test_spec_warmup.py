@@ -70,8 +70,8 @@ def test_kv_pages_from_memory_count_the_drafter_cache(monkeypatch):
 def test_kv_pool_that_does_not_fit_is_retried_smaller(monkeypatch):
     """A pool sized from memory whose allocation fails (XLA's allocator found no free block
     for its last array: the embedded family on the H200) is allocated again with 5% fewer
-    pages, before the engine exists, and the engine then runs; an error other than out of
-    memory is raised as it is."""
+    pages, before the engine exists, and the engine then runs; so is one that fails at once
+    in the allocation; an error other than out of memory is raised as it is."""
     import jax
 
     from jspec.kv_cache import KVCache
@@ -103,6 +103,17 @@ def test_kv_pool_that_does_not_fit_is_retried_smaller(monkeypatch):
     assert eng.runner.kv.num_pages == eng.runner.dkv.num_pages == eng.num_pages
     out = llm.generate([[1, 2, 3]], jspec.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
+    real_create, sizes = KVCache.create.__func__, []
+
+    def create(cls, num_layers, num_pages, *a, **k):  # the first allocation fails at once
+        sizes.append(num_pages)
+        if len(sizes) == 1:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return real_create(cls, num_layers, num_pages, *a, **k)
+
+    monkeypatch.setattr(KVCache, "create", classmethod(create))
+    assert jspec.LLM(folder, **kw).engine.num_pages == sizes[0] * 19 // 20 == sizes[1]
+    monkeypatch.setattr(KVCache, "create", classmethod(real_create))
     failures.append(jax.errors.JaxRuntimeError("INTERNAL: something else"))
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         jspec.LLM(folder, **kw)
