@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import hashlib
 import json
 import os
 import re
@@ -512,14 +513,35 @@ def perf_table(rows) -> list[str]:
 
 
 def _commit() -> str:
-    commit = os.environ.get("JSPEC_COMMIT")  # the device machine's copy of the tree has no .git
+    """The commit checked: JSPEC_COMMIT, else git's HEAD, marked when jspec/ or kernels_pallas/
+    differ from it (the device machine's copy of the tree can carry a stale .git with the
+    newer files as uncommitted changes: a report must not name a commit it did not run)."""
+    commit = os.environ.get("JSPEC_COMMIT")
     if not commit:
         try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=ROOT).stdout.strip() or "unknown"
+            git = ["git", "-C", ROOT]
+            commit = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+            dirty = subprocess.run(git + ["status", "--porcelain", "--", "jspec", "kernels_pallas"],
+                                   capture_output=True, text=True).stdout.strip()
+            commit = (commit or "unknown") + (" with uncommitted changes to jspec/ or kernels_pallas/" if dirty else "")
         except OSError:
             commit = "unknown"
     return commit
+
+
+def code_digest() -> str:
+    """sha256 (12 hex digits) of every file under jspec/ and kernels_pallas/ (paths and bytes,
+    caches left out): the code a report ran, comparable with ``--digest`` at any checkout."""
+    h = hashlib.sha256()
+    for top in ("jspec", "kernels_pallas"):
+        for d, dirs, files in sorted(os.walk(os.path.join(ROOT, top))):
+            dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+            for name in sorted(files):
+                path = os.path.join(d, name)
+                h.update(os.path.relpath(path, ROOT).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()[:12]
 
 
 def write_md(path: str, report: Report, perf_lines: list[str]):
@@ -529,7 +551,7 @@ def write_md(path: str, report: Report, perf_lines: list[str]):
     passed = sum(ok for _, ok, _ in report.lines)
     lines = ["# GPU check", "",
              "Written by `scripts/gpu_check.py` (see its docstring for how to run it); overwritten each run.", "",
-             f"- commit: {commit}", f"- date: {datetime.date.today().isoformat()}",
+             f"- commit: {commit}", f"- code digest (`--digest`): {code_digest()}", f"- date: {datetime.date.today().isoformat()}",
              f"- device: {jax.devices()[0].device_kind} ({jax.default_backend()})", f"- jax: {jax.__version__}",
              f"- result: {passed} of {len(report.lines)} lines pass", "",
              "| check | result | detail |", "| --- | --- | --- |"]
@@ -551,7 +573,8 @@ def replace_perf(path: str, perf_lines: list[str]):
     with open(path) as f:
         text = f.read()
     head = text.split("\n" + PERF_HEADING)[0].rstrip("\n").split("\n")
-    note = [f"(the table's run: commit {_commit()}, {datetime.date.today().isoformat()}, separate device call)", ""]
+    note = [f"(the table's run: commit {_commit()}, code digest {code_digest()}, {datetime.date.today().isoformat()}, "
+            "separate device call)", ""]
     with open(path, "w") as f:
         f.write("\n".join(head + _perf_section(note + perf_lines)) + "\n")
 
@@ -574,7 +597,10 @@ def main():
                     "run of this commit cut short by a time limit) and run only the others")
     ap.add_argument("--only", default="", help="run only the lines matching this regex (debugging)")
     ap.add_argument("--cpu", action="store_true", help="smoke-test this script on CPU (jnp references, no perf)")
+    ap.add_argument("--digest", action="store_true", help="print this checkout's code digest (a report's header) and exit")
     args = ap.parse_args()
+    if args.digest:
+        return print(code_digest())
     if args.build:
         return build(args.build)
     import jax
