@@ -4,13 +4,16 @@
     #    and the transformers references once (a few MB; carried to the GPU machine).
     python scripts/gpu_check.py --build .gpu_check
     # 2. On the GPU machine (the packages its image lacks as wheels: scripts/device_wheels.sh;
-    #    JSPEC_COMMIT names the commit checked where the tree has no .git):
-    JSPEC_COMMIT=<hash> python scripts/gpu_check.py --ckpts .gpu_check --md $OUT/gpu_check.md
-    # The whole run takes about 10 minutes (H200), a device call's limit (the report is rewritten
-    # after every line): run the lines with --no-perf; if the call's limit cut them short, carry
-    # the report back and go on in a second call with --resume (it keeps the report's passing
-    # lines and runs the rest); then the table in a last call that rewrites only the table's section of
-    # a copy of that report: cp docs/gpu_check.md $OUT/ && ... --perf-only --md $OUT/gpu_check.md
+    #    JSPEC_COMMIT names the commit checked where the tree has no .git, or a stale one: the
+    #    lent machine's copy kept the session's first commit; the report's code digest, which
+    #    `--digest` prints at any checkout, says which code ran):
+    JSPEC_COMMIT=<hash> python scripts/gpu_check.py --ckpts .gpu_check --no-perf --md $OUT/gpu_check.md
+    JSPEC_COMMIT=<hash> python scripts/gpu_check.py --ckpts .gpu_check --perf-only --md $OUT/gpu_check.md
+    # On an H200 the lines take about 7.5 minutes and the table one (2026-11-26: both in one
+    # 487 s device call; the report is rewritten after every line). If a call's limit cuts the
+    # lines short, carry the report back and go on in a second call with --resume (it keeps
+    # the report's passing lines and runs the rest), then --perf-only on a copy of it, which
+    # rewrites only the table's section: cp docs/gpu_check.md $OUT/ && ... --perf-only
 
 Run it whenever jspec/ or kernels_pallas/ change, and commit its docs/gpu_check.md with
 the change (overwritten each run). Each line passes or fails on its own:
