@@ -138,3 +138,12 @@ class BlockManager:
                     self._free.append(page)
         seq.pages = []
         seq.block_hashes = []
+
+    def forget_cached_pages(self):
+        """Empty the prefix cache, every sequence's pages freed first (jspec/engine/recovery.py:
+        the pages' contents are gone): cached pages return to the free list."""
+        assert not any(self.ref), "forget_cached_pages with pages still held"
+        self._free.extend(reversed(self._evictable))
+        self._evictable.clear()
+        self.page_hash.clear()
+        self.hash_page.clear()

@@ -23,6 +23,7 @@ from jspec.engine.buckets import Buckets
 from jspec.engine.kv_memory import create_pools
 from jspec.engine.logprobs import LOGPROBS_MODES, record_logprobs, record_prompt_logprobs
 from jspec.engine.outputs import CompletionOutput, RequestOutput, SampleGroups, make_output  # noqa: F401 (re-exported)
+from jspec.engine.recovery import restore_after_failure
 from jspec.engine.runner import ModelRunner
 from jspec.engine.runner_base import tokens_of
 from jspec.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -453,6 +454,9 @@ class LLMEngine:
             return self._groups.merge(outs)
         except BaseException:
             self._inflight = None  # a failed step leaves nothing chained behind it
+            if (n := restore_after_failure(self.runner, self.scheduler)) is not None:
+                logger.error("a step failed on the device and took the KV caches with it: zeroed caches in "
+                             "their place, %d running requests preempted", n)
             raise
 
     def _advance(self, seq: Sequence, toks: list[int], computed: int, lps=None) -> RequestOutput | None:

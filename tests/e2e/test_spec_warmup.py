@@ -119,6 +119,98 @@ def test_kv_pool_that_does_not_fit_is_retried_smaller(monkeypatch):
         jspec.LLM(folder, **kw)
 
 
+def test_a_step_that_fails_on_the_device_leaves_a_working_engine(monkeypatch):
+    """A step that fails after its call took the donated buffers (out of memory on the
+    device) raises, and the engine goes on: zeroed buffers in their place, its running
+    requests preempted and recomputed, the prefix cache empty, every output the greedy one,
+    and a prompt sent again finds no stale page. A step that fails on the host before its
+    call changes nothing."""
+    import jax
+
+    prompts = h.varied_prompts(3, 20, 40, seed=11)
+    want = h.greedy_reference(prompts, 12)
+    llm = h.llm("eagle3", 3, spec_extra=CASES[0][2], seed=1)  # the warmup test's engine: compiled
+    eng, runner = llm.engine, llm.engine.runner
+    sp = jspec.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"f{i}", p, sp)
+    real, calls = runner._spec_step, []
+
+    def failing(*a, **k):  # call 3 fails on the host, before the call; call 6 on the device, after it
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("host")
+        out = real(*a, **k)
+        if len(calls) == 6:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return out
+
+    monkeypatch.setattr(runner, "_spec_step", failing)
+    done, errors, preempted = {}, [], []
+    while eng.has_unfinished_requests():
+        buffers, n0 = (runner.kv, runner.dkv, runner.probs_buf), eng.scheduler.num_preemptions
+        try:
+            done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+        except (RuntimeError, jax.errors.JaxRuntimeError) as e:
+            errors.append(str(e))
+            replaced = [new is not old for new, old in zip((runner.kv, runner.dkv, runner.probs_buf), buffers)]
+            preempted.append((replaced, eng.scheduler.num_preemptions - n0, len(eng.scheduler.running),
+                              len(eng.blocks.hash_page), eng.blocks.num_free_pages))
+    assert errors[0] == "host" and "RESOURCE_EXHAUSTED" in errors[1]
+    replaced, n_preempted, running, cached, free = preempted[0]  # host failure: buffers and requests kept
+    assert replaced == [False] * 3 and n_preempted == 0 and running >= 1 and free < eng.num_pages
+    replaced, n_preempted, running, cached, free = preempted[1]  # device failure
+    assert replaced == [True] * 3 and n_preempted >= 1 and running == cached == 0 and free == eng.num_pages
+    assert [done[f"f{i}"] for i in range(3)] == want
+    outs = llm.generate(prompts, sp)  # their pages cached again after the failure: hits, same outputs
+    assert [o.token_ids for o in outs] == want
+
+
+def test_the_server_loop_fails_a_failed_steps_request_and_serves_the_next(monkeypatch):
+    """The server's engine loop (jspec/serve/engine_loop.py) after a step that failed on the
+    device: the request in flight gets the error, and the requests sent after it get the
+    greedy outputs (before the engine restored its buffers, every later step failed)."""
+    import asyncio
+
+    import jax
+
+    from jspec.serve.engine_loop import EngineLoop
+
+    prompts = h.varied_prompts(3, 20, 40, seed=11)
+    want = h.greedy_reference(prompts, 12)
+    eng = h.llm("eagle3", 3, spec_extra=CASES[0][2], seed=1).engine
+    real, fail = eng.runner._spec_step, [True]
+
+    def failing(*a, **k):  # the first call donates its buffers, then fails
+        out = real(*a, **k)
+        if fail and fail.pop():
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return out
+
+    monkeypatch.setattr(eng.runner, "_spec_step", failing)
+    sp = jspec.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def main():
+        loop = EngineLoop(eng, idle_wait=0.01)
+        loop.start()
+
+        async def run(rid, prompt):
+            stream = await loop.add_request(rid, prompt, sp, len(prompt))
+            while not (out := await stream.get()).finished:
+                pass
+            return out
+
+        try:
+            first = await run("first", prompts[0])
+            return first, await asyncio.gather(*(run(f"r{i}", p) for i, p in enumerate(prompts)))
+        finally:
+            loop.stop()
+
+    first, rest = asyncio.run(main())
+    assert first.error and "RESOURCE_EXHAUSTED" in first.error
+    assert [o.error for o in rest] == [None] * 3 and [o.token_ids for o in rest] == want
+
+
 @pytest.mark.parametrize("name,k", [("eagle3", 3), ("peagle", 3), ("dflash4", 3)])
 def test_spec_step_updates_the_caches_in_place(name, k):
     """The compiled step writes both caches where they lie: no temporary as large as one
