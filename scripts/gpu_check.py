@@ -29,6 +29,8 @@ the change (overwritten each run). Each line passes or fails on its own:
     probabilistic with draft probabilities, synthetic), at a Llama-3 vocabulary;
   - LLMEngine.warmup() with a drafter, and ``python -m jspec.serve`` with a drafter
     answering one OpenAI completion with the greedy tokens;
+  - a step that fails after its call took the donated caches: the engine restores them and
+    finishes its requests with the greedy outputs;
   - a quick performance table (scripts/bench.py's measurements, batch 1, bf16 8B shape).
 """
 
@@ -215,6 +217,50 @@ def mixed(name: str | None, k: int | None) -> str:
     n = after["num_mixed_steps"] - before["num_mixed_steps"]
     assert n > 0, "no mixed step ran"
     return f"{n} mixed steps, {after['num_preemptions'] - before['num_preemptions']} preemptions; 8 of 8 outputs equal"
+
+
+def failed_step(name: str, k: int) -> str:
+    """A step whose call took the donated buffers and then failed (as on the device's out of
+    memory): the engine restores zeroed buffers (jspec/engine/recovery.py), preempts its
+    running requests and finishes them with the plain greedy outputs, on the GPU kernels."""
+    import jax
+
+    import jspec
+    from tests.helpers import spec_e2e as h
+
+    prompts = h.varied_prompts(8, 1, 50, seed=0)
+    sp = jspec.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = [o.token_ids for o in h.llm(None, dtype="float32").generate(prompts, sp)]
+    eng = h.llm(name, k, dtype="float32").engine  # the lossless line's engine: compiled
+    _on_gpu_kernels(eng)
+    r = eng.runner
+    real, calls = r._spec_step, []
+
+    def failing(*a, **kw):
+        out = real(*a, **kw)
+        calls.append(1)
+        if len(calls) == 5:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: (gpu_check) a failure after the call")
+        return out
+
+    r._spec_step = failing
+    try:
+        for i, p in enumerate(prompts):
+            eng.add_request(f"failed_step{i}", p, sp)
+        done, failures = {}, []
+        while eng.has_unfinished_requests():
+            n0 = eng.scheduler.num_preemptions
+            try:
+                done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+            except jax.errors.JaxRuntimeError:
+                failures.append(eng.scheduler.num_preemptions - n0)
+    finally:
+        r._spec_step = real
+    assert len(failures) == 1 and failures[0] > 0, failures
+    got = [done[f"failed_step{i}"] for i in range(len(prompts))]
+    same = sum(g == w for g, w in zip(got, want))
+    assert same == len(prompts), f"{same} of {len(prompts)} outputs equal"
+    return f"step 5 failed after its call; {failures[0]} requests preempted, {same} of {same} outputs == plain greedy"
 
 
 def pool_from_memory() -> str:
@@ -638,6 +684,8 @@ def main():
     for name, k in ((None, None), ("eagle3", 3), ("dflash8_zlab", 7)):
         rep.check(f"mixed steps: greedy == unmixed plain greedy: {name or 'plain'}, float32",
                   lambda name=name, k=k: mixed(name, k))
+    rep.check("a step that fails on the device after its call: the engine serves on: eagle3, K=3, float32",
+              lambda: failed_step("eagle3", 3))
     rep.check("head_dim 24 runs on the XLA path == transformers", lambda: fallback(refs))
     for method, probs, what in (("standard", False, "greedy + sampled rows, no draft probs"),
                                 ("standard", True, "probabilistic, with draft probs"),
