@@ -43,7 +43,8 @@ class LLM:
         """Generate for a prompt or a list of prompts (strings or token-id lists).
 
         All requests are validated before any is queued, so one bad prompt raises a
-        ValueError and leaves the engine (and requests already in it) untouched.
+        ValueError and leaves the engine (and requests already in it) untouched. A call that
+        fails or is interrupted aborts its unfinished requests before it raises.
         Synchronous: safe to call from inside a running event loop (Jupyter, Colab).
         """
         if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
@@ -69,15 +70,21 @@ class LLM:
 
             bar = tqdm(total=len(rids), desc="generating", unit="req")
         pending = set(rids)
-        while pending:
-            for out in eng.step():
-                if out.finished and out.request_id in pending:
-                    done[out.request_id] = out
-                    pending.discard(out.request_id)
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while pending:
+                for out in eng.step():
+                    if out.finished and out.request_id in pending:
+                        done[out.request_id] = out
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:  # a failed or interrupted (Ctrl-C) call leaves none of its requests queued
+            for rid in pending:
+                eng.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[r] for r in rids]
 
 

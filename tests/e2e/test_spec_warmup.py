@@ -166,6 +166,30 @@ def test_a_step_that_fails_on_the_device_leaves_a_working_engine(monkeypatch):
     assert [o.token_ids for o in outs] == want
 
 
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
+def test_a_generate_that_fails_leaves_no_request_behind(monkeypatch, exc):
+    """LLM.generate interrupted (Ctrl-C in a notebook) or failing in its third step aborts
+    its unfinished requests: the next call runs only its own, with the greedy outputs."""
+    prompts = h.varied_prompts(3, 20, 40, seed=11)
+    want = h.greedy_reference(prompts, 12)
+    llm = h.llm("eagle3", 3, spec_extra=CASES[0][2], seed=1)
+    eng = llm.engine
+    real, calls = eng.step, []
+
+    def failing():
+        calls.append(1)
+        if len(calls) == 3:
+            raise exc("stop")
+        return real()
+
+    monkeypatch.setattr(eng, "step", failing)
+    sp = jspec.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with pytest.raises(exc, match="stop"):
+        llm.generate(prompts, sp)
+    assert not eng.has_unfinished_requests() and eng.num_free_pages == eng.num_pages
+    assert [o.token_ids for o in llm.generate(prompts[:2], sp)] == want[:2]
+
+
 def test_the_server_loop_fails_a_failed_steps_request_and_serves_the_next(monkeypatch):
     """The server's engine loop (jspec/serve/engine_loop.py) after a step that failed on the
     device: the request in flight gets the error, and the requests sent after it get the
