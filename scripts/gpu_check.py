@@ -9,8 +9,8 @@
     #    `--digest` prints at any checkout, says which code ran):
     JSPEC_COMMIT=<hash> python scripts/gpu_check.py --ckpts .gpu_check --no-perf --md $OUT/gpu_check.md
     JSPEC_COMMIT=<hash> python scripts/gpu_check.py --ckpts .gpu_check --perf-only --md $OUT/gpu_check.md
-    # On an H200 the lines take about 7.5 minutes and the table one (2026-11-26: both in one
-    # 487 s device call; the report is rewritten after every line). If a call's limit cuts the
+    # On an H200 the lines take 7.5 to 9.5 minutes, the table one more (2026-11-26: 456 and
+    # 556 s on two machines; the report is rewritten after every line). If a call's limit cuts the
     # lines short, carry the report back and go on in a second call with --resume (it keeps
     # the report's passing lines and runs the rest), then --perf-only on a copy of it, which
     # rewrites only the table's section: cp docs/gpu_check.md $OUT/ && ... --perf-only
