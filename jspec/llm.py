@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence as Seq
 
+from jspec import vllm_args
 from jspec.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from jspec.sampling_params import SamplingParams
 
@@ -21,15 +22,15 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args):
         """``engine_args``: any field of ``jspec.EngineConfig`` (vLLM's names: dtype,
         max_num_seqs, max_model_len, gpu_memory_utilization, enable_prefix_caching,
-        speculative_config, seed, load_format, ...), with EngineConfig's defaults."""
+        speculative_config, seed, load_format, tokenizer, ...), with EngineConfig's defaults,
+        and vLLM's other engine arguments as jspec/vllm_args.py takes them (block_size,
+        trust_remote_code, enforce_eager, ...)."""
         if model is None:
             from jspec import family
 
             model = family.TARGET
         known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
-        unknown = sorted(set(engine_args) - known)
-        if unknown:
-            raise ValueError(f"jspec.LLM: unknown engine argument(s) {unknown}; EngineConfig takes {sorted(known)}")
+        engine_args = vllm_args.translate(engine_args, known)
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
         self._next_id = 0
 
@@ -98,20 +99,24 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or
-        a list of conversations, through the model's chat template (vLLM's LLM.chat)."""
+        a list of conversations, through the model's chat template, or ``chat_template``
+        (a Jinja string) in its place, with ``chat_template_kwargs`` passed to it (vLLM's LLM.chat)."""
         tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+        if tok is None or not (chat_template or getattr(tok, "chat_template", None)):
             raise ValueError("this model has no tokenizer with a chat template: LLM.chat needs one "
-                             "(use LLM.generate with token ids instead)")
+                             "(pass chat_template=..., or use LLM.generate with token ids instead)")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not convs or any(not isinstance(c, (list, tuple)) or not c for c in convs):
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
         ids = []
         for conv in convs:
-            out = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt, tokenize=True)
+            out = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt, tokenize=True,
+                                          chat_template=chat_template, **(chat_template_kwargs or {}))
             ids.append(list(out["input_ids"] if hasattr(out, "keys") else out))
         return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
 

@@ -6,10 +6,15 @@ from __future__ import annotations
 import json
 import os
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
-def load_tokenizer(path):
-    """The folder's Hugging Face tokenizer, or None when it ships none."""
-    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+
+def load_tokenizer(path, required: bool = False):
+    """The folder's Hugging Face tokenizer, or None when it ships none (an error if
+    ``required``: a tokenizer folder named by the user)."""
+    if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        if required:
+            raise ValueError(f"tokenizer={path!r}: no tokenizer in that folder (none of {list(TOKENIZER_FILES)})")
         return None
     from transformers import AutoTokenizer
 

@@ -50,6 +50,7 @@ class _InFlight:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str
+    tokenizer: str | None = None  # vLLM's name: a folder with the tokenizer (None: the model's)
     dtype: str = "auto"  # "auto": the checkpoint's (config.json), else float32 | bfloat16 | float16
     # "auto": the folder's weights; "dummy" (vLLM's name): config.json alone, random weights
     # for target and drafter (benchmarks of shapes with no checkpoint at hand).
@@ -116,7 +117,7 @@ class LLMEngine:
         if preloaded is None:
             self.model_cfg, params = load_target(c.model, c.dtype, self.par.placement(sharding),
                                                  load_format=c.load_format)
-            self.tokenizer = load_tokenizer(c.model)
+            self.tokenizer = load_tokenizer(c.tokenizer or c.model, required=c.tokenizer is not None)
             gen_eos = generation_eos(c.model)
         else:
             (self.model_cfg, params), self.tokenizer, gen_eos = preloaded, None, ()

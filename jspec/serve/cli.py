@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 
-from jspec import envs
+from jspec import envs, vllm_args
 
 logger = logging.getLogger("jspec.serve")
 
@@ -16,23 +16,27 @@ logger = logging.getLogger("jspec.serve")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jspec.serve",
                                 description="OpenAI-compatible HTTP server over a jspec engine.")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="HF checkpoint folder, as `vllm serve MODEL` (or --model)")
     p.add_argument("--model", default=None,
                    help="HF checkpoint folder (default: the embedded model family's target, jspec.family)")
+    p.add_argument("--tokenizer", default=None, help="folder of the tokenizer (default: the model's)")
     p.add_argument("--served-model-name", default=None,
                    help="model name clients must use (default: the folder's basename)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     # engine arguments: the jspec.LLM keyword arguments
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: the checkpoint's dtype (config.json)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+                   help="auto: the checkpoint's dtype (config.json); half, float: vLLM's names")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: config.json alone, random weights for the target and the drafter (benchmarks)")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--page-size", "--block-size", type=int, default=16, help="tokens per KV page (vLLM: block size)")
+    p.add_argument("--num-pages", "--num-gpu-blocks-override", type=int, default=None,
+                   help="KV pages (default: from --gpu-memory-utilization)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step, decode rows and prefill chunks together (default: 2048 when mixing)")
     p.add_argument("--max-prefill-chunk", type=int, default=256, help="tokens of one prompt per step")
@@ -50,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps per device call (tokens fed back on the device)")
-    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="read each decode call before dispatching the next (default: dispatch first)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="dispatch each decode call before reading the previous one (--no-async-scheduling: "
+                        "read first)")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="most log-probabilities a request may ask per token (-1: the vocabulary)")
     p.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
@@ -70,12 +75,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-structured-outputs", action="store_true",
                    help="warmup also compiles the steps of batches with structured outputs (JSON schema, "
                         "regex...), which otherwise compile on their first use")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, in place of the tokenizer's")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--uvicorn-log-level", default=None, help="uvicorn's log level (default: --log-level)")
+    for flag in SERVER_NO_EFFECT:
+        p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    # vLLM's engine arguments jspec takes with no effect or at their default only
+    # (jspec/vllm_args.py): present in the namespace only when given.
+    for key, (typ, *_) in {**vllm_args.NO_EFFECT,
+                           **{k: v[1:] for k, v in vllm_args.DEFAULT_ONLY.items()}}.items():
+        names = ["--" + key.replace("_", "-")] + SHORT_FLAGS.get(key, [])
+        if typ is bool:
+            p.add_argument(*names, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=argparse.SUPPRESS)
+        else:
+            p.add_argument(*names, type=typ, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
 
 
+# vLLM's short flags for arguments in jspec/vllm_args.py.
+SHORT_FLAGS = {"quantization": ["-q"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"]}
+# vLLM server flags about its own logging; jspec logs no requests.
+SERVER_NO_EFFECT = ("--disable-log-requests", "--enable-log-requests", "--disable-uvicorn-access-log")
+
+
+def vllm_engine_args(args) -> dict:
+    """The vLLM engine arguments given on the command line, by their keyword names."""
+    keys = set(vllm_args.NO_EFFECT) | set(vllm_args.DEFAULT_ONLY)
+    return {k: v for k, v in vars(args).items() if k in keys}
+
+
 def engine_kwargs(args) -> dict:
-    kw = dict(dtype=args.dtype, load_format=args.load_format, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+    kw = dict(dtype=args.dtype, tokenizer=args.tokenizer, load_format=args.load_format,
+              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               page_size=args.page_size, num_pages=args.num_pages,
               gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
@@ -88,7 +121,19 @@ def engine_kwargs(args) -> dict:
         kw["speculative_config"] = args.speculative_config
     if args.warmup_structured_outputs:
         kw["warmup_structured_outputs"] = True
-    return kw
+    return {**kw, **vllm_engine_args(args)}
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the Jinja template itself (as vLLM reads it)."""
+    import os
+
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template")
 
 
 def log_shapes(engine) -> str:
@@ -101,7 +146,16 @@ def log_shapes(engine) -> str:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+    args.model = args.model or args.model_tag
+    try:
+        chat_template = read_chat_template(args.chat_template) if args.chat_template is not None else None
+        vllm_args.check_supported(vllm_engine_args(args))  # before anything loads
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import prometheus_client
     import uvicorn
@@ -111,8 +165,13 @@ def main(argv=None) -> int:
 
     prometheus_client.disable_created_metrics()
     llm = LLM(args.model, **engine_kwargs(args))
+    if chat_template is not None:
+        if llm.engine.tokenizer is None:
+            parser.error("--chat-template: the model has no tokenizer to apply it with (see --tokenizer)")
+        llm.engine.tokenizer.chat_template = chat_template
     log_shapes(llm.engine)
-    if args.warmup == "on" or (args.warmup == "auto" and _backend() != "cpu"):
+    eager = getattr(args, "enforce_eager", False)  # vLLM's: no graphs captured up front; here no warmup
+    if args.warmup == "on" or (args.warmup == "auto" and not eager and _backend() != "cpu"):
         if hasattr(llm.engine, "warmup"):
             import time
 
@@ -137,7 +196,7 @@ def main(argv=None) -> int:
                 if loop is not None:
                     loop.call_soon_threadsafe(loop.call_later, args.shutdown_timeout, state.loop.abort_all)
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5, access_log=False,
                             timeout_keep_alive=args.keep_alive_timeout)
     Server(config).run()

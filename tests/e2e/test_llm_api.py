@@ -68,5 +68,5 @@ def test_max_model_len_beyond_the_models_positions(tmp_path, monkeypatch):
 def test_llm_takes_engine_config_fields_only():
     """jspec.LLM passes its keyword arguments to EngineConfig (one set of defaults); a name
     EngineConfig does not have is an error naming it, before anything loads."""
-    with pytest.raises(ValueError, match=r"unknown engine argument\(s\) \['max_num_seq'\]"):
+    with pytest.raises(ValueError, match=r"unknown engine argument 'max_num_seq'; did you mean 'max_num_seqs'"):
         jspec.LLM(max_num_seq=4)

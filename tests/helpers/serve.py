@@ -75,11 +75,11 @@ class ServerProcess:
 
 
 def start_server(extra_args: list[str] = (), model: str | None = None, timeout: float = 180.0,
-                 wait: bool = True) -> ServerProcess:
+                 wait: bool = True, engine_args: list[str] = tuple(ENGINE_ARGS)) -> ServerProcess:
     """``python -m jspec.serve`` on a free loopback port; waits for /health unless wait=False
     (then call ``srv.wait_healthy()``)."""
     port = free_port()
-    args = [sys.executable, "-m", "jspec.serve", "--port", str(port), *ENGINE_ARGS, *extra_args]
+    args = [sys.executable, "-m", "jspec.serve", "--port", str(port), *engine_args, *extra_args]
     if model is not None:
         args += ["--model", model]
     fd, log_path = tempfile.mkstemp(prefix="jspec-serve-", suffix=".log")

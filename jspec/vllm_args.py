@@ -1,0 +1,88 @@
+"""vLLM's engine arguments in jspec: one table of those jspec takes under another name,
+takes with no setting of its own, or takes at vLLM's default value only. ``jspec.LLM``
+reads it for keyword arguments and ``python -m jspec.serve`` for flags, so a vLLM user
+keeps their keys and flags: each is honoured, or accepted with one log line saying why it
+changes nothing here, or refused with an error naming the key and the reason.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+
+logger = logging.getLogger("jspec")
+
+# vLLM's name -> EngineConfig's.
+RENAMED = {
+    "block_size": "page_size",
+    "num_gpu_blocks_override": "num_pages",
+}
+
+# vLLM's dtype names for the ones jspec spells otherwise.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+# Arguments with nothing to set in jspec, for the reason given (logged when one is passed).
+# The value is the argparse type of the server's flag (bool: a switch).
+NO_EFFECT = {
+    "trust_remote_code": (bool, "jspec runs no code from a checkpoint: its Llama and Qwen3 models are built in"),
+    "enforce_eager": (bool, "jspec has no eager mode: every step is a compiled XLA program (the server's "
+                            "--enforce-eager skips the up-front compile of all shapes, as --warmup off)"),
+    "disable_log_stats": (bool, "jspec logs no periodic statistics (the server's /metrics has them)"),
+    "swap_space": (float, "a preempted request is recomputed from its tokens, never swapped to host memory"),
+    "max_seq_len_to_capture": (int, "jspec captures no CUDA graphs: each shape bucket is compiled whole"),
+    "disable_custom_all_reduce": (bool, "tensor parallelism's reductions are XLA's collectives"),
+    "distributed_executor_backend": (str, "one process drives every device of the mesh"),
+    "enable_chunked_prefill": (bool, "prompts are always prefilled in chunks (max_prefill_chunk tokens)"),
+}
+
+# Arguments jspec takes at vLLM's default value only: (the default, why no other value).
+DEFAULT_ONLY = {
+    "kv_cache_dtype": ("auto", str, "the KV cache is kept in the model's dtype"),
+    "quantization": (None, str, "jspec loads unquantized weights only"),
+    "pipeline_parallel_size": (1, int, "jspec splits a model by tensor parallelism only (tensor_parallel_size)"),
+    "data_parallel_size": (1, int, "run one jspec server per replica"),
+    "revision": (None, str, "jspec loads local folders; no model hub is reached"),
+    "tokenizer_revision": (None, str, "jspec loads local folders; no model hub is reached"),
+    "download_dir": (None, str, "jspec loads local folders; no model hub is reached"),
+    "tokenizer_mode": ("auto", str, "the tokenizer is the folder's, through transformers' AutoTokenizer"),
+    "cpu_offload_gb": (0, float, "weights stay on the device"),
+    "enable_lora": (False, bool, "jspec serves no LoRA adapters"),
+    "generation_config": ("vllm", str, "jspec takes no sampling defaults from generation_config.json: "
+                                       "set them in SamplingParams (vLLM's 'vllm' value)"),
+}
+
+
+def check_supported(engine_args: dict) -> None:
+    """ValueError naming the first of vLLM's arguments given at a value jspec cannot honour."""
+    for key, value in engine_args.items():
+        if key in DEFAULT_ONLY:
+            default, _, why = DEFAULT_ONLY[key]
+            if value != default and not (default is None and value in ("", "none", "None")):
+                raise ValueError(f"{key}={value!r} is not supported: {why} (only {default!r})")
+
+
+def translate(engine_args: dict, known: set[str]) -> dict:
+    """EngineConfig's keyword arguments for ``engine_args`` given by vLLM's or jspec's names
+    (``known``: EngineConfig's fields). Raises ValueError naming an unknown key (with the
+    nearest known one) or a value jspec cannot honour."""
+    check_supported(engine_args)
+    out = {}
+    for key, value in engine_args.items():
+        if key in RENAMED:
+            name = RENAMED[key]
+            if name in engine_args and engine_args[name] != value:
+                raise ValueError(f"{key}={value!r} (vLLM's name for {name}) contradicts {name}={engine_args[name]!r}")
+            out[name] = value
+        elif key in NO_EFFECT:
+            logger.info("%s=%r has no effect in jspec: %s", key, value, NO_EFFECT[key][1])
+        elif key in known:
+            out[key] = value
+        elif key not in DEFAULT_ONLY:
+            names = sorted(known | set(RENAMED) | set(NO_EFFECT) | set(DEFAULT_ONLY))
+            near = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ValueError(f"unknown engine argument {key!r}{hint} (jspec.EngineConfig takes {sorted(known)}, "
+                             f"and vLLM's {sorted(set(RENAMED) | set(NO_EFFECT) | set(DEFAULT_ONLY))})")
+    if "dtype" in out:
+        out["dtype"] = DTYPE_ALIASES.get(out["dtype"], out["dtype"])
+    return out
