@@ -52,7 +52,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, Seq) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
@@ -88,6 +88,12 @@ class LLM:
                 bar.close()
         return [done[r] for r in rids]
 
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's defaults (generation_config.json's temperature, top_p,
+        top_k, min_p, repetition_penalty, max_new_tokens as max_tokens; EngineConfig.generation_config),
+        what generate and chat use when given none (vLLM's LLM.get_default_sampling_params)."""
+        return SamplingParams(**self.engine.default_sampling)
 
     def get_tokenizer(self):
         """The engine's Hugging Face tokenizer (None for weights loaded without one)."""

@@ -47,8 +47,6 @@ DEFAULT_ONLY = {
     "tokenizer_mode": ("auto", str, "the tokenizer is the folder's, through transformers' AutoTokenizer"),
     "cpu_offload_gb": (0, float, "weights stay on the device"),
     "enable_lora": (False, bool, "jspec serves no LoRA adapters"),
-    "generation_config": ("vllm", str, "jspec takes no sampling defaults from generation_config.json: "
-                                       "set them in SamplingParams (vLLM's 'vllm' value)"),
 }
 
 

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from jspec import envs, parallel
-from jspec.checkpoint.model_files import generation_eos, load_tokenizer
+from jspec.checkpoint.model_files import generation_eos, load_tokenizer, sampling_defaults
 from jspec.checkpoint.target import load_target, resolve_dtype
 from jspec.config import load_model_config
 from jspec.engine.block_manager import BlockManager
@@ -100,6 +100,8 @@ class EngineConfig:
     # which otherwise compile on first use.
     warmup_structured_outputs: bool = False
     tensor_parallel_size: int = 1  # vLLM's name: devices the model is split over (jspec/parallel)
+    # vLLM's: default sampling parameters from "auto" the model's generation_config.json, "vllm" none, or a folder's.
+    generation_config: str = "auto"
 
 
 class LLMEngine:
@@ -114,6 +116,7 @@ class LLMEngine:
         kinds = ", ".join(sorted({str(getattr(d, "device_kind", d)) for d in devices}))
         logger.info("jspec engine on %s (%s x%d), dtype %s", jax.default_backend(), kinds, len(devices), c.dtype)
         self.par = parallel.EngineMesh.create(c.tensor_parallel_size, sharding, preloaded)
+        self.default_sampling = {} if preloaded is not None else sampling_defaults(c.generation_config, c.model)
         if preloaded is None:
             self.model_cfg, params = load_target(c.model, c.dtype, self.par.placement(sharding),
                                                  load_format=c.load_format)

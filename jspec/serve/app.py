@@ -226,9 +226,11 @@ def _sampling_params(state: ServerState, req, chat: bool, n_prompt: int) -> Samp
                        param="messages" if chat else "prompt", code="context_length_exceeded")
     max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+    defaults = getattr(state.engine, "default_sampling", {})  # the model's (generation_config.json)
     if max_tokens is None:
         # OpenAI's defaults: 16 for a completion; a chat completion runs to the context's end.
         max_tokens = max_len - n_prompt if chat else min(16, max_len - n_prompt)
+    max_tokens = min(max_tokens, defaults.get("max_tokens", max_tokens))  # vLLM caps by the model's too
     if max_tokens < 1:
         raise APIError(f"'{param}' must be at least 1, got {max_tokens}", param=param)
     if n_prompt + max_tokens > max_len:
@@ -239,16 +241,17 @@ def _sampling_params(state: ServerState, req, chat: bool, n_prompt: int) -> Samp
     V = state.engine.model_cfg.vocab_size if hasattr(state.engine, "model_cfg") else None
     if req.stop_token_ids and V is not None and any(not 0 <= t < V for t in req.stop_token_ids):
         raise APIError(f"'stop_token_ids' must be token ids in [0, {V})", param="stop_token_ids")
-    kw = dict(max_tokens=max_tokens,
-              temperature=1.0 if req.temperature is None else req.temperature,
-              top_p=1.0 if req.top_p is None else req.top_p,
-              top_k=0 if req.top_k is None else req.top_k,
-              seed=req.seed, ignore_eos=bool(req.ignore_eos),
+
+    def given(k, std=None):  # a field the request leaves out: the model's default, else OpenAI's (vLLM's order)
+        return getattr(req, k) if getattr(req, k) is not None else defaults.get(k, std)
+
+    kw = dict(max_tokens=max_tokens, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
+              top_k=given("top_k", 0), seed=req.seed, ignore_eos=bool(req.ignore_eos),
               stop_token_ids=tuple(req.stop_token_ids) if req.stop_token_ids else None,
               stop=req.stop or None, n=1 if req.n is None else req.n, logit_bias=req.logit_bias,
-              **{k: getattr(req, k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty",
-                                              "min_p", "min_tokens", "bad_words", "allowed_token_ids",
-                                              "include_stop_str_in_output") if getattr(req, k) is not None})
+              **{k: given(k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                                       "min_p", "min_tokens", "bad_words", "allowed_token_ids",
+                                       "include_stop_str_in_output") if given(k) is not None})
     so, so_field = structured_outputs_of(req)
     if so is not None:
         kw["structured_outputs"] = so

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-structured-outputs", action="store_true",
                    help="warmup also compiles the steps of batches with structured outputs (JSON schema, "
                         "regex...), which otherwise compile on their first use")
+    p.add_argument("--generation-config", default="auto",
+                   help="default sampling parameters: auto, the model's generation_config.json; vllm, none; or "
+                        "a folder holding one (a request's own values take precedence)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, in place of the tokenizer's")
     p.add_argument("--log-level", default="info")
@@ -116,7 +119,7 @@ def engine_kwargs(args) -> dict:
               max_num_partial_prefills=args.max_num_partial_prefills,
               num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
               max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, generation_config=args.generation_config)
     if args.speculative_config is not None:
         kw["speculative_config"] = args.speculative_config
     if args.warmup_structured_outputs:
