@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     JSPEC_KERNEL_IMPL: str | None
     JSPEC_ALLOW_LONG_MAX_MODEL_LEN: bool
     JSPEC_CACHE: str
+    JSPEC_COMPILATION_CACHE: bool
     VLLM_API_KEY: str | None
 
 
@@ -37,6 +38,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
         for k in ("JSPEC_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")),
     # Folder of the generated default model (jspec/default_model.py); ~/.cache/jspec if unset.
     "JSPEC_CACHE": lambda: os.environ.get("JSPEC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jspec")),
+    # "0" / "false": jspec.LLM and the server leave jax's persistent compilation cache off
+    # (jspec/compile_cache.py); otherwise compiled steps are kept in $JSPEC_CACHE/xla.
+    "JSPEC_COMPILATION_CACHE": lambda: os.environ.get("JSPEC_COMPILATION_CACHE", "1").strip().lower()
+    not in ("0", "false"),
     # The server's API key when --api-key is not given (vLLM's variable).
     "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY") or None,
 }

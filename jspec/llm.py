@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence as Seq
 
-from jspec import vllm_args
+from jspec import compile_cache, vllm_args
 from jspec.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from jspec.sampling_params import SamplingParams
 
@@ -31,6 +31,7 @@ class LLM:
             model = family.TARGET
         known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
         engine_args = vllm_args.translate(engine_args, known)
+        compile_cache.enable()
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
         self._next_id = 0
 

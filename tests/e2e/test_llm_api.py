@@ -3,6 +3,8 @@ through the model's chat template, LLM.get_tokenizer."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -70,3 +72,45 @@ def test_llm_takes_engine_config_fields_only():
     EngineConfig does not have is an error naming it, before anything loads."""
     with pytest.raises(ValueError, match=r"unknown engine argument 'max_num_seq'; did you mean 'max_num_seqs'"):
         jspec.LLM(max_num_seq=4)
+
+
+_CACHE_PROBE = """
+import json, sys
+import jax, jax.monitoring
+import jspec
+hits = []
+jax.monitoring.register_event_listener(lambda event, **kw: hits.append(event) if event.endswith("/cache_hits") else None)
+jnp_first = jax.jit(lambda x: x + 1)(1)  # a compilation of the caller's before the engine's
+llm = jspec.LLM(sys.argv[1], max_model_len=64, num_pages=16, max_num_seqs=2)
+out = llm.generate([[1, 2, 3]], jspec.SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
+print(json.dumps({"hits": len(hits), "dir": jax.config.jax_compilation_cache_dir, "tokens": list(out)}))
+"""
+
+
+def test_compiled_steps_persist_across_processes(tmp_path):
+    """jspec.LLM turns jax's persistent compilation cache on in $JSPEC_CACHE/xla (vLLM keeps
+    its compiled graphs too): a second process loads the steps the first compiled, with the
+    same outputs, even after a compilation of its own came first; JSPEC_COMPILATION_CACHE=0
+    and a cache the user configured are respected."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers.serve import TINY_MODEL
+
+    def run(**env):
+        base = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+        base.update({"JSPEC_CACHE": str(tmp_path / "jc"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **env})
+        r = subprocess.run([sys.executable, "-c", _CACHE_PROBE, TINY_MODEL], env=base, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first["dir"] == second["dir"] == str(tmp_path / "jc" / "xla")
+    assert os.listdir(first["dir"])
+    assert second["hits"] > first["hits"] and second["tokens"] == first["tokens"]
+    off = run(JSPEC_COMPILATION_CACHE="0", JSPEC_CACHE=str(tmp_path / "off"))
+    assert off["dir"] is None and not (tmp_path / "off" / "xla").exists() and off["tokens"] == first["tokens"]
+    mine = run(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "mine"))
+    assert mine["dir"] == str(tmp_path / "mine") and os.listdir(tmp_path / "mine")
