@@ -141,6 +141,7 @@ def measure_bandwidth(quick: bool) -> dict:
 
 LINEAR_IMPL = "auto"  # --linear-impl: fused small-batch projections ("auto": on GPU) or "reference" (XLA)
 PROFILE_DRAFT = False  # --kernels: also the drafter's proposal alone, by kernel
+LLM_REPS = 1  # --llm-reps: timed runs per figure of the llm / structured sections (their median)
 ATTN_IMPL = "auto"  # --attn-impl: the paged attention kernel ("auto": on GPU / TPU) or "reference" (XLA)
 
 
@@ -497,16 +498,18 @@ def spec_section(args, bw, kind):
     return dict(rows=rows)
 
 
-def llm_run(llm, B, ctx, new, rng, structured=None):
+def llm_run(llm, B, ctx, new, rng, structured=None, reps=None):
     """Seconds of llm.generate for B fresh random prompts of ctx tokens and ``new`` greedy
     tokens each (prefill included), and of the same with 1 new token (prefill alone), under
     the StructuredOutputsParams ``structured`` when given;
-    returns (total_s, prefill_s). Untimed runs of the same shapes come first, until one
-    compiles nothing new: with speculation, rows finish at different steps, so the batch
-    and page-table buckets a run passes through vary from run to run. A timed run that
-    still compiled is timed again."""
+    returns (total_s, prefill_s), each the median of ``reps`` timed runs (LLM_REPS, --llm-reps:
+    with speculation the rows finish at random steps, so one run's tail is a noisy sample).
+    Untimed runs of the same shapes come first, until one compiles nothing new: with
+    speculation, rows finish at different steps, so the batch and page-table buckets a run
+    passes through vary from run to run. A timed run that still compiled is run again."""
     import jspec
 
+    reps = reps or LLM_REPS
     V, r = llm.engine.model_cfg.vocab_size, llm.engine.runner
     prompts = lambda: [[int(t) for t in rng.integers(0, V, ctx)] for _ in range(B)]  # noqa: E731
     times = []
@@ -517,16 +520,22 @@ def llm_run(llm, B, ctx, new, rng, structured=None):
             llm.generate(prompts(), sp)
             if r.num_compilations == c0:
                 break
-        for _ in range(3):
+        ts = []
+        for _ in range(reps + 3):  # up to 3 runs that compiled, timed again
             p, c0 = prompts(), r.num_compilations
             t = time.perf_counter()
             outs = llm.generate(p, sp)
             dt = time.perf_counter() - t
             assert all(len(o.token_ids) == n for o in outs)
             if r.num_compilations == c0:
+                ts.append(dt)
+            else:
+                print(f"  (B={B}: {r.num_compilations - c0} shape(s) compiled inside a timed run: timed again)")
+            if len(ts) == reps:
                 break
-            print(f"  (B={B}: {r.num_compilations - c0} shape(s) compiled inside the timed run: timed again)")
-        times.append(dt)
+        if reps > 1:
+            print(f"  (B={B}, {n} new tokens: runs {', '.join(f'{t:.3f}' for t in ts)} s)")
+        times.append(statistics.median(ts or [dt]))
     return times[0], times[1]
 
 
@@ -751,13 +760,15 @@ def main():
     ap.add_argument("--llm-ctx", type=int, default=512, help="llm section: prompt tokens")
     ap.add_argument("--llm-new", type=int, default=256, help="llm section: generated tokens")
     ap.add_argument("--warm-batch", type=int, default=4, help="warmup section: max_num_seqs")
+    ap.add_argument("--llm-reps", type=int, default=1, help="llm / structured sections: timed runs per figure "
+                    "(their median; each run's time printed when more than one)")
     ap.add_argument("--kernels", action="store_true", help="eagle3/parallel sections: profile one speculative "
                     "step per (batch, K) and print its GPU time by kernel")
     args = ap.parse_args()
     global LINEAR_IMPL, ATTN_IMPL
     LINEAR_IMPL, ATTN_IMPL = args.linear_impl, args.attn_impl
-    global PROFILE_DRAFT
-    PROFILE_DRAFT = args.kernels
+    global PROFILE_DRAFT, LLM_REPS
+    PROFILE_DRAFT, LLM_REPS = args.kernels, args.llm_reps
     info = dict(date=time.strftime("%Y-%m-%d"), jax=jax.__version__, device=str(jax.devices()[0].device_kind),
                 backend=jax.default_backend(), xla_flags=os.environ.get("XLA_FLAGS", ""), linear_impl=LINEAR_IMPL,
                 attn_impl=ATTN_IMPL)
