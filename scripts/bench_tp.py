@@ -13,6 +13,14 @@ measure_bandwidth); a speculative row's bound is the plain bound times the accep
     python scripts/bench_tp.py --model llama-8b --tps 1,2,4,8            # one host, up to 8 GPUs
     python scripts/bench_tp.py --model llama-70b --tps 4,8 --methods eagle3
     python scripts/bench_tp.py --quick --tps 1,2 --cpu-devices 2         # CPU smoke test
+
+--allreduce: first, the latency of one all-reduce as the engine issues it (a bf16 [B, hidden]
+partial sum psum'd over the "tp" axis inside a jitted program, 128 of them chained so that
+each waits for the last; wall clock per all-reduce, and on a GPU the profiler's mean kernel
+time). --profile: the plain engine's decode step at batch 1 by the profiler's kernel records
+(a run of --new tokens minus a run of one), collectives apart from the rest, per device.
+--greedy N: the plain engine's greedy tokens (4 seeded prompts, N new tokens) at each tp
+compared with tp 1's, with the first position where they part.
 Results go to $OUT/bench_tp.json when OUT is set.
 """
 
@@ -23,6 +31,7 @@ import dataclasses
 import gc
 import json
 import os
+import re
 import sys
 import tempfile
 
@@ -40,7 +49,85 @@ def parse(argv=None):
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU)")
     ap.add_argument("--cpu-devices", type=int, default=0, help="virtual CPU devices (set before jax starts)")
+    ap.add_argument("--allreduce", action="store_true", help="all-reduce latency first (module docstring)")
+    ap.add_argument("--allreduce-only", action="store_true", help="the all-reduce latency alone, no engine")
+    ap.add_argument("--profile", action="store_true", help="the batch-1 plain decode step by kernel records")
+    ap.add_argument("--greedy", type=int, default=0, help="new tokens of the greedy comparison across tp (0: off)")
+    ap.add_argument("--dtype", default="bfloat16", help="the weights' dtype (the greedy comparison: float32 too)")
+    ap.add_argument("--label", default="", help="a tag for this run's rows (e.g. the XLA flags it ran with)")
     return ap.parse_args(argv)
+
+
+COLLECTIVE = re.compile(r"nccl|all_?reduce|allreduce|all_?gather|reduce_?scatter|collective|one_?shot", re.I)
+
+
+def allreduce_latency(tp: int, rows: int, hidden: int, chain: int = 128) -> dict:
+    """One all-reduce of a bf16 [rows, hidden] partial sum over the first ``tp`` devices, as
+    the engine's SPMD program issues it (an all-reduce over the "tp" axis inside a jitted
+    program): ``chain`` of them back to back, each on the last one's result."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from bench import timeit
+    from jspec.parallel.mesh import make_mesh
+
+    mesh = make_mesh(tp)
+
+    def body(x):
+        def one(_, y):
+            return jax.lax.psum(y, "tp") * jnp.asarray(1.0 / tp, y.dtype)
+        return jax.lax.fori_loop(0, chain, one, x)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
+    x = jax.device_put(jnp.ones((tp * rows, hidden), jnp.bfloat16), NamedSharding(mesh, P("tp")))
+    wall_us = timeit(lambda: f(x), reps=10) / chain * 1e6
+    out = dict(tp=tp, rows=rows, hidden=hidden, chain=chain, wall_us=wall_us)
+    if jax.default_backend() == "gpu":
+        from gpu_trace import device_times
+
+        t = device_times(f, [(x,)], reps=5)
+        coll = {n: us for n, us in t["kernels_us"].items() if COLLECTIVE.search(n)}
+        # kernel time per all-reduce on one device (every device runs each all-reduce once)
+        out["kernel_us"] = sum(coll.values()) / chain / tp
+        out["kernels"] = sorted(coll)[:4]
+    return out
+
+
+def decode_profile(llm, ctx: int, new: int, rng) -> dict:
+    """The plain decode step at batch 1 by the profiler's kernel records, per device: the
+    GPU time of a greedy run of ``new`` tokens minus that of a run of 1 (its prefill), over
+    the ``new - 1`` decode steps, split into collectives and the rest."""
+    import collections
+    import glob
+    import tempfile
+
+    import jax
+
+    import jspec
+    from gpu_trace import _device_events  # noqa: PLC2701 (the same trace reader)
+
+    V = llm.engine.model_cfg.vocab_size
+    prompt = [[int(t) for t in rng.integers(0, V, ctx)]]
+    per = {}
+    for n in (new, 1):
+        sp = jspec.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        llm.generate(prompt, sp)  # compiled already (llm_run); warm
+        d = tempfile.mkdtemp(prefix="jspec_tp_trace_")
+        with jax.profiler.trace(d):
+            llm.generate(prompt, sp)
+        events = _device_events(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+        c = collections.Counter()
+        for name, ns, _ in events:
+            c["collective" if COLLECTIVE.search(name) else "other"] += ns
+            if COLLECTIVE.search(name):
+                c["n_collective"] += 1
+        per[n] = c
+    ndev, steps = llm.engine.runner.plan.tp, new - 1
+    f = lambda k: (per[new][k] - per[1][k]) / steps / ndev  # noqa: E731
+    return dict(collective_us=f("collective") / 1e3, other_us=f("other") / 1e3,
+                collectives_per_step=(per[new]["n_collective"] - per[1]["n_collective"]) / steps / ndev)
 
 
 def main(argv=None):
@@ -62,18 +149,37 @@ def main(argv=None):
                                     num_heads=64, num_kv_heads=8)
     cfg = TINY if args.quick else {"llama-8b": LLAMA_8B, "qwen3-8b": QWEN3_8B, "llama-70b": llama_70b}[args.model]
     ctx, new = (32, 16) if args.quick else (args.ctx, args.new)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b]
     tps = [int(t) for t in args.tps.split(",")]
     methods = [m for m in args.methods.split(",") if m]
+    print(f"{jax.device_count()} x {jax.devices()[0].device_kind}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+          flush=True)
+    result: dict = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": []}
+    if args.allreduce or args.allreduce_only:
+        result["allreduce"] = []
+        for tp in tps:
+            for B in (1, 32) if tp > 1 else ():
+                r = allreduce_latency(tp, B, cfg.hidden_size)
+                result["allreduce"].append(r)
+                print(f"all-reduce tp={tp} bf16 [{B}, {cfg.hidden_size}]: {r['wall_us']:.1f} us per all-reduce "
+                      f"(wall clock, {r['chain']} chained)"
+                      + (f", {r['kernel_us']:.1f} us kernel time {r['kernels']}" if "kernel_us" in r else ""),
+                      flush=True)
+    if args.allreduce_only:
+        return _write(result)
     bw = measure_bandwidth(args.quick)["best_TBps"] * 1e12  # one device
-    print(f"{jax.device_count()} x {jax.devices()[0].device_kind}, {bw / 1e12:.2f} TB/s per device; "
-          f"{args.model if not args.quick else 'tiny'}, ctx {ctx}, {new} new tokens", flush=True)
-    root, rng, rows = tempfile.mkdtemp(prefix="jspec_bench_tp_"), np.random.default_rng(0), []
-    num_pages = max(batches) * (-(-(ctx + new + 128) // 16) + 2) + 8
-    common = dict(dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches), enable_prefix_caching=False,
+    result["bandwidth_TBps"] = bw / 1e12
+    print(f"{bw / 1e12:.2f} TB/s per device; {args.model if not args.quick else 'tiny'}, ctx {ctx}, "
+          f"{new} new tokens", flush=True)
+    root, rng, rows = tempfile.mkdtemp(prefix="jspec_bench_tp_"), np.random.default_rng(0), result["rows"]
+    num_pages = max(batches + [4]) * (-(-(ctx + new + 128) // 16) + 2) + 8
+    common = dict(dtype=args.dtype, load_format="dummy", max_num_seqs=max(batches + [4]), enable_prefix_caching=False,
                   max_model_len=ctx + new + 96, num_pages=num_pages)
+    greedy_prompts = [[int(t) for t in np.random.default_rng(100 + i).integers(0, cfg.vocab_size, 64)]
+                      for i in range(4)]
+    greedy_ref = None
     for tp in tps:
-        plain_bound = {}
+        plain = {}  # batch -> (tok/s, step s, bound)
         for method in [None] + methods:
             dc = drafter_config(method or "eagle3", cfg, args.quick)
             K = dc.block_size - 1 if method == "dflash" else args.k
@@ -91,7 +197,25 @@ def main(argv=None):
             dev0 = jax.devices()[0]
             wbytes = parallel.device_param_bytes(eng.runner.params)[dev0]
             wbytes -= eng.runner.params["embed_tokens"]["embedding"].nbytes // tp  # gathered rows only
+            dbytes = 0
+            if spec is not None:  # the drafter's bytes on one device, its embeddings gathered
+                dbytes = parallel.device_param_bytes(eng.runner.dparams)[dev0]
+                for path, leaf in jax.tree_util.tree_leaves_with_path(eng.runner.dparams):
+                    if "embed" in jax.tree_util.keystr(path):  # gathered rows, not streamed
+                        dbytes -= leaf.nbytes // (spec["draft_tensor_parallel_size"] if leaf.ndim > 1 else 1)
+                if dc.uses_target_lm_head:
+                    dbytes += cfg.vocab_size * cfg.hidden_size * 2 // tp
             kv_row = 2 * cfg.num_layers * parallel.local_kv_heads(cfg.num_kv_heads, tp) * cfg.head_dim * 2
+            if spec is None and args.greedy:
+                sp = jspec.SamplingParams(temperature=0.0, max_tokens=args.greedy, ignore_eos=True)
+                toks = [o.token_ids for o in llm.generate(greedy_prompts, sp)]
+                greedy_ref = toks if greedy_ref is None else greedy_ref
+                parted = [next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), None)
+                          for t, r in zip(toks, greedy_ref)]
+                result.setdefault("greedy", []).append(dict(tp=tp, first_difference=parted))
+                print(f"tp={tp} greedy, 4 prompts x {args.greedy} tokens: "
+                      + ("same as the first tp" if all(p is None for p in parted)
+                         else f"first difference at {parted}"), flush=True)
             for B in batches:
                 if spec is not None:
                     eng.spec_metrics.__init__()
@@ -100,22 +224,48 @@ def main(argv=None):
                 tok_s = B * (new - 1) / (tot - pf)
                 bound = B / ((wbytes + B * (ctx + new // 2) * kv_row) / bw)
                 tau = eng.spec_metrics.mean_acceptance_length if spec is not None else 1.0
-                if spec is None:
-                    plain_bound[B] = bound
-                bound = plain_bound.get(B, bound) * tau
                 row = dict(tp=tp, method=method or "plain", batch=B, tok_s=tok_s, ms_per_token_step=step_s * 1e3,
                            bound_tok_s=bound, of_bound=tok_s / bound, tau=tau, weight_bytes_per_device=wbytes,
-                           draft_tp=None if spec is None else spec["draft_tensor_parallel_size"])
+                           draft_tp=None if spec is None else spec["draft_tensor_parallel_size"], label=args.label)
+                extra = ""
+                if spec is None:
+                    plain[B] = (tok_s, step_s)
+                    row["tp1_speedup"] = None
+                    base = next((r for r in rows if r["tp"] == 1 and r["method"] == "plain" and r["batch"] == B), None)
+                    if base is not None and tp > 1:
+                        row["tp1_speedup"] = tok_s / base["tok_s"]
+                        extra = f"; {row['tp1_speedup']:.2f}x tp=1"
+                elif B in plain:
+                    # The physical ideal (the GPU speculation issue's): tau * T(1) / (T(1) + the
+                    # drafter's bytes on one device / that device's bandwidth), T(1) the plain
+                    # engine's step at this tp and batch, measured above.
+                    t1 = plain[B][1]
+                    ideal = tau * t1 / (t1 + dbytes / bw)
+                    row.update(speedup=tok_s / plain[B][0], physical_ideal=ideal, drafter_bytes_per_device=dbytes)
+                    extra = (f"; speedup {row['speedup']:.2f}x over plain tp={tp}, physical ideal {ideal:.2f}x "
+                             f"-> {row['speedup'] / ideal:.1%}")
                 rows.append(row)
                 print(f"tp={tp} {row['method']:6s} B={B:3d}: {tok_s:9.1f} tok/s decode ({step_s * 1e3:6.2f} ms per "
                       f"token per row), bound {bound:9.1f} -> {tok_s / bound:5.1%} (tau {tau:.2f}, "
-                      f"{wbytes / 2**30:.2f} GiB weights per device)", flush=True)
+                      f"{wbytes / 2**30:.2f} GiB weights per device){extra}", flush=True)
+            if spec is None and args.profile and jax.default_backend() == "gpu":
+                p = decode_profile(llm, ctx, new, rng)
+                p.update(tp=tp, label=args.label, step_ms=plain[min(batches)][1] * 1e3 if 1 in plain else None)
+                result.setdefault("profile", []).append(p)
+                print(f"tp={tp} plain B=1 decode step by the profiler, per device: {p['collective_us']:.1f} us in "
+                      f"{p['collectives_per_step']:.0f} collectives, {p['other_us']:.1f} us in other kernels "
+                      f"(wall-clock step {p['step_ms']:.3f} ms)", flush=True)
             del llm, eng
             gc.collect()
+    _write(result)
+
+
+def _write(result):
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, "bench_tp.json"), "w") as f:
-            json.dump({"bandwidth_TBps": bw / 1e12, "rows": rows}, f, indent=1)
+        name = "bench_tp" + (f"_{result['label']}" if result["label"] else "") + ".json"
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

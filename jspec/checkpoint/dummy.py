@@ -40,7 +40,9 @@ def dummy_params(specs: list[ParamSpec], dtype, seed: int = 0, sharding=None) ->
             scale, base = (0.1, 1.0) if is_norm else (0.02, 0.0)
             arr = _normal(k, shape=tuple(s.shape), dtype=jnp.dtype(dtype), scale=scale, base=base)
         if isinstance(sharding, Placement):  # tensor parallelism: the leaf's own split
-            arr = sharding.place(arr, s)
+            # The draw is the plain concatenated layout (q|k|v, gate|up), so every tp runs the
+            # same model: greedy outputs compare across tensor-parallel sizes.
+            arr = sharding.from_concatenated(sharding.place(arr, s), s)
         elif sharding is not None:
             arr = jax.device_put(arr, sharding)
         set_path(tree, s.path, arr)

@@ -84,8 +84,8 @@ class Placement:
         return jax.make_array_from_callback(tuple(spec.shape), sharding, part)
 
     def place(self, arr, spec) -> jax.Array:
-        """A leaf already on a device (random weights), onto its sharding. Its rows are
-        taken as already tp-interleaved (any layout of random weights is as good)."""
+        """A leaf already on a device (random weights), onto its sharding, rows as they are
+        (from_concatenated then puts a fused leaf's rows in the tp-interleaved layout)."""
         return jax.device_put(arr, self.sharding(spec))
 
     def from_concatenated(self, arr, spec) -> jax.Array:

@@ -22,9 +22,10 @@ from jspec.ops import plan_kernels, plan_params
 from tests.helpers import parallel as h
 
 
-def _forward(folder, tp):
+def _forward(folder, tp, load_format="auto"):
     mesh = parallel.make_mesh(tp)
-    cfg, params = load_target(folder, "float32", sharding=parallel.Placement(mesh, tp) if mesh else None)
+    cfg, params = load_target(folder, "float32", sharding=parallel.Placement(mesh, tp) if mesh else None,
+                              load_format=load_format)
     plan = plan_kernels(cfg, tp=tp, mesh=mesh)
     params = plan_params(plan, params)
     kv = KVCache.create(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim, jnp.float32,
@@ -164,6 +165,16 @@ def test_orbax_and_dummy_under_tp(tmp_path):
         assert b[k].sharding.is_equivalent_to(a[k].sharding, a[k].ndim), k
         assert d[k].sharding.is_equivalent_to(a[k].sharding, a[k].ndim), k
         np.testing.assert_array_equal(np.asarray(b[k]), np.asarray(a[k]), err_msg=k)
+
+
+def test_dummy_weights_are_one_model_at_every_tp():
+    """load_format="dummy" draws the same model at every tensor-parallel size (its fused
+    q|k|v and gate|up rows put in the tp-interleaved layout), so scripts/bench_tp.py can
+    compare greedy outputs across sizes on random 8B / 70B shapes."""
+    folder, _ = h.target("qwen3")
+    _, _, want = _forward(folder, 1, "dummy")
+    _, _, got = _forward(folder, 4, "dummy")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_server_flag():
