@@ -67,10 +67,10 @@ def allreduce_latency(tp: int, rows: int, hidden: int, chain: int = 128) -> dict
     program): ``chain`` of them back to back, each on the last one's result."""
     import jax
     import jax.numpy as jnp
+    from bench import timeit
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from bench import timeit
     from jspec.parallel.mesh import make_mesh
 
     mesh = make_mesh(tp)
@@ -104,9 +104,9 @@ def decode_profile(llm, ctx: int, new: int, rng) -> dict:
     import tempfile
 
     import jax
+    from gpu_trace import _device_events  # noqa: PLC2701 (the same trace reader)
 
     import jspec
-    from gpu_trace import _device_events  # noqa: PLC2701 (the same trace reader)
 
     V = llm.engine.model_cfg.vocab_size
     prompt = [[int(t) for t in rng.integers(0, V, ctx)]]
