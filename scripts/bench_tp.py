@@ -75,10 +75,10 @@ def allreduce_latency(tp: int, rows: int, hidden: int, chain: int = 128) -> dict
 
     mesh = make_mesh(tp)
 
-    def body(x):
-        def one(_, y):
-            return jax.lax.psum(y, "tp") * jnp.asarray(1.0 / tp, y.dtype)
-        return jax.lax.fori_loop(0, chain, one, x)
+    def body(x):  # unrolled: a loop would add its host-side trip test to every all-reduce
+        for _ in range(chain):
+            x = jax.lax.psum(x, "tp") * jnp.asarray(1.0 / tp, x.dtype)
+        return x
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
     x = jax.device_put(jnp.ones((tp * rows, hidden), jnp.bfloat16), NamedSharding(mesh, P("tp")))
@@ -92,6 +92,7 @@ def allreduce_latency(tp: int, rows: int, hidden: int, chain: int = 128) -> dict
         # kernel time per all-reduce on one device (every device runs each all-reduce once)
         out["kernel_us"] = sum(coll.values()) / chain / tp
         out["kernels"] = sorted(coll)[:4]
+        out["busy_us"] = t["busy_us"] / chain / tp
     return out
 
 
@@ -118,16 +119,22 @@ def decode_profile(llm, ctx: int, new: int, rng) -> dict:
         with jax.profiler.trace(d):
             llm.generate(prompt, sp)
         events = _device_events(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-        c = collections.Counter()
+        c, names = collections.Counter(), collections.Counter()
         for name, ns, _ in events:
             c["collective" if COLLECTIVE.search(name) else "other"] += ns
-            if COLLECTIVE.search(name):
-                c["n_collective"] += 1
+            c["n_collective"] += bool(COLLECTIVE.search(name))
+            c["n_kernels"] += 1
+            names[name] += ns
+        starts = [t0 for _, _, t0 in events]
+        c["span"] = max(t0 + ns for _, ns, t0 in events) - min(starts)
         per[n] = c
+        if n == new:
+            top = [(k[:90], round(v / 1e3 / (new - 1), 1)) for k, v in names.most_common(8)]
     ndev, steps = llm.engine.runner.plan.tp, new - 1
     f = lambda k: (per[new][k] - per[1][k]) / steps / ndev  # noqa: E731
     return dict(collective_us=f("collective") / 1e3, other_us=f("other") / 1e3,
-                collectives_per_step=(per[new]["n_collective"] - per[1]["n_collective"]) / steps / ndev)
+                collectives_per_step=f("n_collective"), kernels_per_step=f("n_kernels"),
+                span_us=(per[new]["span"] - per[1]["span"]) / steps / 1e3, top_kernels_us=top)
 
 
 def main(argv=None):
@@ -254,7 +261,8 @@ def main(argv=None):
                 result.setdefault("profile", []).append(p)
                 print(f"tp={tp} plain B=1 decode step by the profiler, per device: {p['collective_us']:.1f} us in "
                       f"{p['collectives_per_step']:.0f} collectives, {p['other_us']:.1f} us in other kernels "
-                      f"(wall-clock step {p['step_ms']:.3f} ms)", flush=True)
+                      f"({p['kernels_per_step']:.0f} kernels; wall-clock step {p['step_ms']:.3f} ms, trace span "
+                      f"{p['span_us']:.1f} us); top: {p['top_kernels_us']}", flush=True)
             del llm, eng
             gc.collect()
     _write(result)
