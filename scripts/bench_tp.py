@@ -53,6 +53,7 @@ def parse(argv=None):
     ap.add_argument("--allreduce-only", action="store_true", help="the all-reduce latency alone, no engine")
     ap.add_argument("--profile", action="store_true", help="the batch-1 plain decode step by kernel records")
     ap.add_argument("--greedy", type=int, default=0, help="new tokens of the greedy comparison across tp (0: off)")
+    ap.add_argument("--spec-batches", default="", help="batch sizes of the speculative rows (default: --batches)")
     ap.add_argument("--dtype", default="bfloat16", help="the weights' dtype (the greedy comparison: float32 too)")
     ap.add_argument("--label", default="", help="a tag for this run's rows (e.g. the XLA flags it ran with)")
     return ap.parse_args(argv)
@@ -94,6 +95,12 @@ def allreduce_latency(tp: int, rows: int, hidden: int, chain: int = 128) -> dict
         out["kernels"] = sorted(coll)[:4]
         out["busy_us"] = t["busy_us"] / chain / tp
     return out
+
+
+def _gap(logprobs: dict) -> float:
+    """The top-2 logprob gap of one position's {token: Logprob} (the greedy choice's margin)."""
+    top = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
 
 
 def decode_profile(llm, ctx: int, new: int, rng) -> dict:
@@ -159,6 +166,7 @@ def main(argv=None):
     batches = [int(b) for b in args.batches.split(",") if b]
     tps = [int(t) for t in args.tps.split(",")]
     methods = [m for m in args.methods.split(",") if m]
+    spec_batches = [int(b) for b in args.spec_batches.split(",") if b]
     print(f"{jax.device_count()} x {jax.devices()[0].device_kind}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
           flush=True)
     result: dict = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": []}
@@ -214,16 +222,22 @@ def main(argv=None):
                     dbytes += cfg.vocab_size * cfg.hidden_size * 2 // tp
             kv_row = 2 * cfg.num_layers * parallel.local_kv_heads(cfg.num_kv_heads, tp) * cfg.head_dim * 2
             if spec is None and args.greedy:
-                sp = jspec.SamplingParams(temperature=0.0, max_tokens=args.greedy, ignore_eos=True)
-                toks = [o.token_ids for o in llm.generate(greedy_prompts, sp)]
-                greedy_ref = toks if greedy_ref is None else greedy_ref
+                sp = jspec.SamplingParams(temperature=0.0, max_tokens=args.greedy, ignore_eos=True, logprobs=2)
+                outs = [o.outputs[0] for o in llm.generate(greedy_prompts, sp)]
+                toks = [list(o.token_ids) for o in outs]
+                if greedy_ref is None:  # the first tp's tokens, and its top-2 logprob gap at each position
+                    greedy_ref, gaps = toks, [[_gap(lp) for lp in o.logprobs] for o in outs]
                 parted = [next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), None)
                           for t, r in zip(toks, greedy_ref)]
-                result.setdefault("greedy", []).append(dict(tp=tp, first_difference=parted))
-                print(f"tp={tp} greedy, 4 prompts x {args.greedy} tokens: "
+                margin = [None if i is None else gaps[j][i] for j, i in enumerate(parted)]
+                result.setdefault("greedy", []).append(dict(tp=tp, first_difference=parted, top2_gap_there=margin,
+                                                            smallest_gap=min(min(g) for g in gaps)))
+                print(f"tp={tp} greedy, 4 prompts x {args.greedy} tokens ({args.dtype}): "
                       + ("same as the first tp" if all(p is None for p in parted)
-                         else f"first difference at {parted}"), flush=True)
-            for B in batches:
+                         else f"first difference at {parted}; the first tp's top-2 logprob gap there {margin}")
+                      + f" (smallest gap of the first tp's {4 * args.greedy} positions: "
+                        f"{min(min(g) for g in gaps):.2e})", flush=True)
+            for B in batches if spec is None else (spec_batches or batches):
                 if spec is not None:
                     eng.spec_metrics.__init__()
                 tot, pf = llm_run(llm, B, ctx, new, rng)
