@@ -284,15 +284,16 @@ def main(argv=None):
                       f"{p['span_us']:.1f} us); top: {p['top_kernels_us']}", flush=True)
             del llm, eng
             gc.collect()
-    _write(result)
+    return _write(result)
 
 
-def _write(result):
+def _write(result) -> dict:
     out = os.environ.get("OUT")
     if out:
         name = "bench_tp" + (f"_{result['label']}" if result["label"] else "") + ".json"
         with open(os.path.join(out, name), "w") as f:
             json.dump(result, f, indent=1)
+    return result
 
 
 if __name__ == "__main__":
