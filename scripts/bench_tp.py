@@ -100,6 +100,19 @@ def allreduce_latency(tp: int, rows: int, hidden: int, chain: int = 128) -> dict
     return out
 
 
+def streamed_bytes(params) -> int:
+    """Bytes of ``params`` on the first device that a decode step streams: every leaf's shard
+    there but the embeddings' (their rows are gathered, not streamed)."""
+    import jax
+
+    from jspec import parallel
+
+    dev0 = jax.devices()[0]
+    return sum(parallel.device_param_bytes(leaf).get(dev0, 0)
+               for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+               if "embed_tokens" not in jax.tree_util.keystr(path))
+
+
 def _gap(logprobs: dict) -> float:
     """The top-2 logprob gap of one position's {token: Logprob} (the greedy choice's margin)."""
     top = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
@@ -131,8 +144,9 @@ def decode_profile(llm, ctx: int, new: int, rng) -> dict:
         events = _device_events(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
         c, names = collections.Counter(), collections.Counter()
         for name, ns, _ in events:
-            c["collective" if COLLECTIVE.search(name) else "other"] += ns
-            c["n_collective"] += bool(COLLECTIVE.search(name))
+            coll = bool(COLLECTIVE.search(name))
+            c["collective" if coll else "other"] += ns
+            c["n_collective"] += coll
             c["n_kernels"] += 1
             names[name] += ns
         starts = [t0 for _, _, t0 in events]
@@ -156,7 +170,7 @@ def main(argv=None):
     sys.path[:0] = [here, os.path.dirname(here)]  # bench.py's helpers; this checkout's jspec
     import jax
     import numpy as np
-    from bench import LLAMA_8B, QWEN3_8B, TINY, drafter_config, llm_run, measure_bandwidth
+    from bench import LLAMA_8B, QWEN3_8B, TINY, drafter_config, llm_run, measure_bandwidth, physical_ideal
     from bench_llm_folders import write_folders
 
     import jspec
@@ -199,7 +213,7 @@ def main(argv=None):
                       for i in range(4)]
     greedy_ref = None
     for tp in tps:
-        plain = {}  # batch -> (tok/s, step s, bound)
+        plain = {}  # batch -> (tok/s, step s)
         for method in [None] + methods:
             dc = drafter_config(method or "eagle3", cfg, args.quick)
             K = dc.block_size - 1 if method == "dflash" else args.k
@@ -214,15 +228,10 @@ def main(argv=None):
                 print(f"tp={tp} {method or 'plain'}: {e}", flush=True)
                 continue
             eng = llm.engine
-            dev0 = jax.devices()[0]
-            wbytes = parallel.device_param_bytes(eng.runner.params)[dev0]
-            wbytes -= eng.runner.params["embed_tokens"]["embedding"].nbytes // tp  # gathered rows only
+            wbytes = streamed_bytes(eng.runner.params)
             dbytes = 0
-            if spec is not None:  # the drafter's bytes on one device, its embeddings gathered
-                dbytes = parallel.device_param_bytes(eng.runner.dparams)[dev0]
-                for path, leaf in jax.tree_util.tree_leaves_with_path(eng.runner.dparams):
-                    if "embed" in jax.tree_util.keystr(path):  # gathered rows, not streamed
-                        dbytes -= leaf.nbytes // (spec["draft_tensor_parallel_size"] if leaf.ndim > 1 else 1)
+            if spec is not None:  # the drafter's bytes on one device (+ the target's lm_head if it borrows it)
+                dbytes = streamed_bytes(eng.runner.dparams)
                 if dc.uses_target_lm_head:
                     dbytes += cfg.vocab_size * cfg.hidden_size * 2 // tp
             kv_row = 2 * cfg.num_layers * parallel.local_kv_heads(cfg.num_kv_heads, tp) * cfg.head_dim * 2
@@ -235,13 +244,14 @@ def main(argv=None):
                 parted = [next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), None)
                           for t, r in zip(toks, greedy_ref)]
                 margin = [None if i is None else gaps[j][i] for j, i in enumerate(parted)]
+                smallest = min(min(g) for g in gaps)
                 result.setdefault("greedy", []).append(dict(tp=tp, first_difference=parted, top2_gap_there=margin,
-                                                            smallest_gap=min(min(g) for g in gaps)))
+                                                            smallest_gap=smallest))
                 print(f"tp={tp} greedy, 4 prompts x {args.greedy} tokens ({args.dtype}): "
                       + ("same as the first tp" if all(p is None for p in parted)
                          else f"first difference at {parted}; the first tp's top-2 logprob gap there {margin}")
                       + f" (smallest gap of the first tp's {4 * args.greedy} positions: "
-                        f"{min(min(g) for g in gaps):.2e})", flush=True)
+                        f"{smallest:.2e})", flush=True)
             for B in batches if spec is None else (spec_batches or batches):
                 if spec is not None:
                     eng.spec_metrics.__init__()
@@ -262,11 +272,9 @@ def main(argv=None):
                         row["tp1_speedup"] = tok_s / base["tok_s"]
                         extra = f"; {row['tp1_speedup']:.2f}x tp=1"
                 elif B in plain:
-                    # The physical ideal (the GPU speculation issue's): tau * T(1) / (T(1) + the
-                    # drafter's bytes on one device / that device's bandwidth), T(1) the plain
-                    # engine's step at this tp and batch, measured above.
-                    t1 = plain[B][1]
-                    ideal = tau * t1 / (t1 + dbytes / bw)
+                    # The physical ideal with T(1) the plain engine's step at this tp and batch,
+                    # measured above, and the drafter's bytes on one device.
+                    ideal = physical_ideal(tau, plain[B][1], dbytes, bw)
                     row.update(speedup=tok_s / plain[B][0], physical_ideal=ideal, drafter_bytes_per_device=dbytes)
                     extra = (f"; speedup {row['speedup']:.2f}x over plain tp={tp}, physical ideal {ideal:.2f}x "
                              f"-> {row['speedup'] / ideal:.1%}")
@@ -276,12 +284,13 @@ def main(argv=None):
                       f"{wbytes / 2**30:.2f} GiB weights per device){extra}", flush=True)
             if spec is None and args.profile and jax.default_backend() == "gpu":
                 p = decode_profile(llm, ctx, new, rng)
-                p.update(tp=tp, label=args.label, step_ms=plain[min(batches)][1] * 1e3 if 1 in plain else None)
+                p.update(tp=tp, label=args.label, step_ms=plain[1][1] * 1e3 if 1 in plain else None)
                 result.setdefault("profile", []).append(p)
                 print(f"tp={tp} plain B=1 decode step by the profiler, per device: {p['collective_us']:.1f} us in "
                       f"{p['collectives_per_step']:.0f} collectives, {p['other_us']:.1f} us in other kernels "
-                      f"({p['kernels_per_step']:.0f} kernels; wall-clock step {p['step_ms']:.3f} ms, trace span "
-                      f"{p['span_us']:.1f} us); top: {p['top_kernels_us']}", flush=True)
+                      f"({p['kernels_per_step']:.0f} kernels; wall-clock step "
+                      + ("untimed" if p["step_ms"] is None else f"{p['step_ms']:.3f} ms")
+                      + f", trace span {p['span_us']:.1f} us); top: {p['top_kernels_us']}", flush=True)
             del llm, eng
             gc.collect()
     return _write(result)
