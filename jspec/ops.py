@@ -26,6 +26,7 @@ import math
 import os
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 from jspec import envs
@@ -69,11 +70,15 @@ class KernelPlan:
     # Tensor parallelism (jspec/parallel): the degree the fused projections' weights are
     # split over (their outputs tp-interleaved: split_fused), the drafter's degree (1: a
     # replicated drafter; for_drafter) and the mesh (per-shard kernels under shard_map).
-    # tp > 1 runs the projections and the sampler through XLA, which the SPMD partitioner
-    # splits; the paged-attention kernel runs per shard of KV heads (attention).
+    # A decoder layer whose KV heads tp divides runs once per device under shard_map
+    # (per_shard_layer), with the kernels of ``shard_linear`` on each device's weights and
+    # an all-reduce after o_proj and down_proj. Elsewhere (embedding, lm_head, a replicated
+    # KV cache) tp > 1 runs the projections and the sampler through XLA, which the SPMD
+    # partitioner splits, and the paged-attention kernel per shard of KV heads (attention).
     tp: int = 1
     draft_tp: int = 1
     mesh: object = None  # jax.sharding.Mesh | None
+    shard_linear: str = "reference"  # ``linear`` inside a per-shard layer (tp > 1)
     # Threads warmup compiles on (RunnerBase.precompile). On an accelerator compilation is
     # host work that releases the GIL (XLA's passes, LLVM, Triton); XLA:CPU's compiler
     # already spreads one compilation over the cores, so CPU compiles one at a time.
@@ -88,7 +93,8 @@ class KernelPlan:
         """The plan drafters run with: the same attention, projections on XLA. The glue
         kernels were tuned and measured on target layers only, and every drafter figure in
         docs/benchmarks.md was taken with the drafter's projections on XLA."""
-        return dataclasses.replace(self, linear="reference", norm_handoff=False, tp=self.draft_tp)
+        return dataclasses.replace(self, linear="reference", shard_linear="reference", norm_handoff=False,
+                                   tp=self.draft_tp)
 
 
 def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str = "auto",
@@ -97,11 +103,13 @@ def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str 
     """The engine's plan (made once). "auto": JSPEC_KERNEL_IMPL if set (jspec/envs.py),
     else by backend: the jnp references on CPU (Pallas' interpreter runs the kernels there
     for tests, far too slowly to serve with), the GPU / TPU kernels on those backends.
-    ``tp`` > 1 (on ``mesh``): the glue kernels and the rejection kernel give way to XLA,
-    which the SPMD partitioner splits over the mesh (the logits stay sharded by vocabulary)."""
+    ``tp`` > 1 (on ``mesh``): outside per-shard layers the glue kernels and the rejection
+    kernel give way to XLA, which the SPMD partitioner splits over the mesh (the logits stay
+    sharded by vocabulary); inside them (shard_plan) the glue kernels run on each device."""
     backend = backend or jax.default_backend()
     attn, linear, sample = (_resolve(i, name, backend) for i, name in
                             ((attn_impl, "attn_impl"), (linear_impl, "linear_impl"), (sample_impl, "sample_impl")))
+    shard_linear = linear
     if tp > 1:
         linear = sample = "reference"
     handoff = (linear in GPU_IMPLS and not cfg.mlp_bias  # a gate_up bias would be scaled by 1 / rms too
@@ -111,7 +119,8 @@ def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str 
     options = _cpu_xla_options() if backend == "cpu" else ()
     threads = 1 if backend == "cpu" else min(8, os.cpu_count() or 1)
     return KernelPlan(attn=attn, linear=linear, sample=sample, norm_handoff=handoff, in_out_weights=in_out,
-                      xla_options=options, tp=tp, draft_tp=draft_tp, mesh=mesh, compile_threads=threads)
+                      xla_options=options, tp=tp, draft_tp=draft_tp, mesh=mesh, shard_linear=shard_linear,
+                      compile_threads=threads)
 
 
 # XLA:CPU's YNNPACK fusions off: the dots then run on XLA's own (Eigen) path. On the family
@@ -262,18 +271,20 @@ def split_fused(plan: KernelPlan, y, sizes):
     return [y[..., o: o + p].reshape(lead + (n,)) for o, p, n in zip(itertools.accumulate([0] + per), per, sizes)]
 
 
-def mlp(plan: KernelPlan, x, w_gate_up, b_gate_up, w_down, b_down, *, residual=None):
+def mlp(plan: KernelPlan, x, w_gate_up, b_gate_up, w_down, b_down, *, residual=None, out_dtype=None):
     """SwiGLU: [residual +] down(silu(g) * u) with g|u = gate_up(x). x: f[..., H] or
-    Normed; w_gate_up: [2I, H]; w_down: [H, I]; biases [2I] / [H] | None."""
+    Normed; w_gate_up: [2I, H]; w_down: [H, I]; biases [2I] / [H] | None; out_dtype: None
+    (the weights') or float32 (a per-shard layer's partial sums)."""
     if plan.tp > 1:  # gate|up tp-interleaved: g and u split per device, down's input sharded likewise
         gu = linear(plan, x, w_gate_up, b_gate_up)
         g, u = split_fused(plan, gu, (gu.shape[-1] // 2,) * 2)
         return linear(plan, jax.nn.silu(g) * u, w_down, b_down, residual=residual)
     if isinstance(x, Normed) and x.sumsq is not None:  # handed over: see linear_then_norm
         gu = linear(plan, x.scaled, w_gate_up, b_gate_up)
-        return _project(plan, gu, w_down, b_down, prologue="silu_mul", sumsq=x.sumsq, eps=x.eps, residual=residual)
+        return _project(plan, gu, w_down, b_down, prologue="silu_mul", sumsq=x.sumsq, eps=x.eps, residual=residual,
+                        out_dtype=out_dtype)
     gu = linear(plan, x, w_gate_up, b_gate_up)
-    return _project(plan, gu, w_down, b_down, prologue="silu_mul", residual=residual)
+    return _project(plan, gu, w_down, b_down, prologue="silu_mul", residual=residual, out_dtype=out_dtype)
 
 
 def qkv_rope_write(plan: KernelPlan, x, w, b, rope, slot_mapping, k_pages, v_pages, q_norm_w=None, k_norm_w=None,
@@ -360,3 +371,82 @@ def _sharded_attention(plan: KernelPlan, impl: str, q, k_pages, v_pages, meta: A
     return jax.shard_map(local, mesh=plan.mesh, in_specs=(heads, heads, heads, rep, rep, rep, rep), out_specs=heads,
                          check_vma=False)(q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions,
                                           meta.causal)
+
+
+def embed(plan: KernelPlan, table, tokens, *, shards: int):
+    """table[tokens]: table [V, H] whose rows are split over ``shards`` devices of plan.mesh
+    (1: whole on every device), tokens i32[...] -> [..., H]. Ids outside [0, V) are clipped
+    (padding slots may carry any id). Split: each device gathers the rows it holds (zeros
+    for the others' ids) and one all-reduce adds them up, exactly. Through XLA's
+    partitioner the gather all-gathered the whole table instead: 1.98 ms per tp-2 8B
+    decode step on the H200, a third of the step."""
+    if shards == 1 or plan.mesh is None:
+        return jnp.take(table, tokens, axis=0, mode="clip")
+    from jax.sharding import PartitionSpec as P
+
+    def local(rows, ids):
+        n = rows.shape[0]
+        i = jnp.clip(ids, 0, n * shards - 1) - jax.lax.axis_index("tp") * n
+        mine = (i >= 0) & (i < n)
+        x = jnp.take(rows, jnp.where(mine, i, 0), axis=0)
+        return jax.lax.psum(jnp.where(mine[..., None], x, jnp.zeros((), x.dtype)), "tp")
+
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(P("tp", None), P()), out_specs=P(),
+                         check_vma=False)(table, tokens)
+
+
+# ---- decoder layers once per device (tensor parallelism) -------------------------------
+def layer_per_shard(plan: KernelPlan, num_kv_heads: int) -> bool:
+    """Whether a decoder layer runs once per device (per_shard_layer): tensor parallelism
+    whose size divides the KV heads, so each device attends over its own cache heads. A
+    replicated cache (tp a multiple of the KV heads) keeps XLA's partitioned layer.
+
+    Why: through XLA's SPMD partitioner a batch-1 8B layer at tp 2 ran ~17 kernels, its
+    projections on XLA's GEMMs (3.45 ms per step against 2.79, half of tp 1's fused
+    kernels) and 564 kernels per step, launch-bound (H100, docs/benchmarks.md "Tensor
+    parallelism"). Per shard, a device runs tp 1's kernels on its slices of the weights."""
+    return plan.tp > 1 and plan.mesh is not None and num_kv_heads % plan.tp == 0
+
+
+def shard_plan(plan: KernelPlan) -> KernelPlan:
+    """The plan one device runs inside a per-shard layer: its own weights and cache heads,
+    no mesh, the glue kernels back (shard_linear). No RMSNorm hand-over: o_proj's output is
+    a partial sum until the all-reduce."""
+    return dataclasses.replace(plan, tp=1, mesh=None, linear=plan.shard_linear, norm_handoff=False)
+
+
+def weight_partition(plan: KernelPlan, split: str | None, ndim: int):
+    """A projection leaf's PartitionSpec on the "tp" axis: ``split`` "out" (column
+    parallel: q|k|v, gate|up, their biases), "in" (row parallel: o_proj, down_proj) or None
+    (replicated), in the plan's weight layout (weight_shape)."""
+    from jax.sharding import PartitionSpec as P
+
+    if split is None:
+        return P()
+    if ndim == 1:
+        return P("tp")
+    out_axis = 1 if plan.in_out_weights else 0
+    axes = [None, None]
+    axes[out_axis if split == "out" else 1 - out_axis] = "tp"
+    return P(*axes)
+
+
+def reduce_add(y, residual, bias=None):
+    """residual + (sum over the devices of each one's partial y [+ bias]): a row-parallel
+    projection's output (f32 partial sums, rounded once, after the sum, as tp 1 rounds its
+    dot). Inside a per-shard layer only."""
+    y = jax.lax.psum(y, "tp").astype(residual.dtype)
+    return residual + (y if bias is None else y + bias)
+
+
+def per_shard_layer(plan: KernelPlan, fn, weights: dict, splits: dict, x, meta, k_pages, v_pages, rope):
+    """``fn(weights, x, meta, k_pages, v_pages, rope) -> (x, k_pages, v_pages)`` once per
+    device under shard_map: each device gets its block of each weight (``splits[name]``:
+    weight_partition) and of the cache's KV heads; x (the residual stream), the metadata
+    and rope replicated. fn calls reduce_add where a partial sum needs the other devices'."""
+    from jax.sharding import PartitionSpec as P
+
+    heads, rep = P(None, None, "tp", None), P()
+    wspecs = {k: weight_partition(plan, splits.get(k), w.ndim) for k, w in weights.items()}
+    return jax.shard_map(fn, mesh=plan.mesh, in_specs=(wspecs, rep, rep, heads, heads, rep),
+                         out_specs=(rep, heads, heads), check_vma=False)(weights, x, meta, k_pages, v_pages, rope)

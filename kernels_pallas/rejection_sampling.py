@@ -49,7 +49,7 @@ params are host values, else by a lax.cond on the device -- which on GPU reads i
 predicate on the host: ~50 us per call on the H200, half the kernel time at B=64, K=7
 (scripts/bench_rejection.py). Callers that know (filtering="off"/"on") skip it: the engine
 decides it per step on the host (a static jit argument). The kernels have no all-greedy fast
-path for the same reason; the reference impl (the CPU's) has one behind a lax.cond.
+path for the same reason; the reference impl has one behind a lax.cond on the CPU only.
 
 Random numbers: a stateless int32 hash (sampling_utils) keyed on (seed, position, salt):
 u1, u2 per row for the draw and u_i for the accept test, so results do not depend on batch
@@ -423,10 +423,12 @@ def _rejection_sample_jit(target_logits, draft_tokens, num_draft, draft_probs, t
                                            top_k, top_p, seeds, positions,
                                            filtering=filtering)
     rest = (d, num_draft, draft_probs, temperature, seeds, positions, method, synthetic_rates)
-    if impl == "reference":
-        # The reference impl serves the CPU, where a conditional is decided on the device (no
-        # host sync, unlike on a GPU); an all-greedy batch skips the sampling math, ~10% of a
-        # greedy K = 7 verification step of the family. Greedy rows: the lowest argmax.
+    if impl == "reference" and jax.default_backend() == "cpu":
+        # On the CPU a conditional is decided on the device (no host sync, unlike on a GPU); an
+        # all-greedy batch skips the sampling math, ~10% of a greedy K = 7 verification step
+        # of the family. Greedy rows: the lowest argmax. The reference on a GPU (tensor
+        # parallelism: vocabulary-sharded logits) has no conditional: with one, the host
+        # waited for each tp-2 8B decode step's forward before launching the rest (H200).
         def all_greedy(_):
             cand = su.first_argmax(target_logits)
             return _epilogue(cand, jnp.zeros(cand.shape, jnp.float32), *rest)

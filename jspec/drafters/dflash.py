@@ -78,7 +78,7 @@ class DFlashDrafter(DraftVocab, nn.Module):
         kv: KVCache,
         embed_table,  # f[Vt, H]: the target's embeddings
     ):  # -> (normed hidden f[B, bs, H], KVCache)
-        x = embed(embed_table, tokens).astype(self.dtype)
+        x = embed(self.plan, embed_table, tokens, own=False).astype(self.dtype)
         ks, vs = list(kv.k), list(kv.v)
         for i, layer in enumerate(self.layers):
             x, ks[i], vs[i] = layer(x, meta, ks[i], vs[i])

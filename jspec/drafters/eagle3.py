@@ -34,9 +34,11 @@ from jspec.ops import KernelPlan
 _normal = nn.initializers.normal(0.02)
 
 
-def embed(table, tokens):  # table: [V, H], tokens: i32[...] -> [..., H]
-    # clip, not jnp.take's default NaN fill: padding slots may carry any id.
-    return jnp.take(table, tokens, axis=0, mode="clip")
+def embed(plan: KernelPlan, table, tokens, *, own: bool):  # table: [V, H], tokens: i32[...] -> [..., H]
+    """The drafter's embedding of ``tokens`` (ops.embed): its own table, split like its
+    weights (plan.tp), or the target's, split over the whole mesh (the target's tp)."""
+    shards = plan.tp if own else (1 if plan.mesh is None else plan.mesh.size)
+    return ops.embed(plan, table, tokens, shards=shards)
 
 
 def draft_to_target_ids(ids, d2t):  # ids: i32[...] draft ids, d2t: i32[Vd] | None -> i32[...]
@@ -116,7 +118,7 @@ class Eagle3Drafter(DraftVocab, nn.Module):
         table = self.embed_tokens if c.has_own_embeddings else embed_table
         if table is None:
             raise ValueError("this drafter shares the target's embeddings: pass embed_table=[Vt, H]")
-        e = embed(table, tokens).astype(self.dtype)
+        e = embed(self.plan, table, tokens, own=c.has_own_embeddings).astype(self.dtype)
         ks, vs = list(kv.k), list(kv.v)
         x, ks[0], vs[0] = self.layers[0](e, hidden.astype(self.dtype), meta, ks[0], vs[0])
         for i in range(1, c.num_layers):

@@ -103,8 +103,10 @@ class GatedMLP(nn.Module):
     dtype: jnp.dtype = jnp.float32
     plan: KernelPlan = KernelPlan()
 
-    @nn.compact
+    def setup(self):
+        self.gate_up_proj = Linear(2 * self.intermediate, self.hidden, self.use_bias, self.dtype, self.plan)
+        self.down_proj = Linear(self.hidden, self.intermediate, self.use_bias, self.dtype, self.plan)
+
     def __call__(self, x, *, residual=None):  # x: f[..., H] or ops.Normed -> [..., H]
-        gate_up = Linear(2 * self.intermediate, self.hidden, self.use_bias, self.dtype, self.plan, name="gate_up_proj")
-        down = Linear(self.hidden, self.intermediate, self.use_bias, self.dtype, self.plan, name="down_proj")
-        return ops.mlp(self.plan, x, gate_up.weight, gate_up.bias, down.weight, down.bias, residual=residual)
+        g, d = self.gate_up_proj, self.down_proj
+        return ops.mlp(self.plan, x, g.weight, g.bias, d.weight, d.bias, residual=residual)

@@ -18,6 +18,8 @@ Projection weights (``weight``, ``lm_head``) are [in, out] under the CPU plan (o
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from flax import linen as nn
 
@@ -39,7 +41,18 @@ class Attention(nn.Module):
     plan: KernelPlan = KernelPlan()
     in_features: int = 0
 
-    @nn.compact
+    def setup(self):
+        c, plan = self.cfg, self.plan
+        self.qkv_proj = Linear(c.q_size + 2 * c.kv_size, self.in_features or c.hidden_size, c.attention_bias,
+                               self.dtype, plan)
+        self.o_proj = Linear(c.hidden_size, c.q_size, c.attention_bias, self.dtype, plan)
+        if c.qk_norm:
+            self.q_norm = NormWeight(c.head_dim, self.dtype)
+            self.k_norm = NormWeight(c.head_dim, self.dtype)
+
+    def qk_norms(self):  # Qwen3's per-head norm weights [D] ([None, None] without)
+        return (self.q_norm.weight, self.k_norm.weight) if self.cfg.qk_norm else (None, None)
+
     def __call__(self, x, meta: AttentionMetadata, k_pages, v_pages, *, rope=None, residual=None, out_norm=None):
         """x: f[B, Q, in] or ops.Normed (the input norm, applied by the qkv projection);
         rope: (cos, sin) f32[B, Q, D/2] (None: from meta.positions); residual: f[B, Q, H],
@@ -47,20 +60,15 @@ class Attention(nn.Module):
         as ops.Normed(residual + o_proj(.), out_norm). -> (output, k_pages, v_pages)"""
         c, plan = self.cfg, self.plan
         B, Q, _ = x.shape
-        qkv_proj = Linear(c.q_size + 2 * c.kv_size, self.in_features or c.hidden_size, c.attention_bias, self.dtype,
-                          plan, name="qkv_proj")
-        o_proj = Linear(c.hidden_size, c.q_size, c.attention_bias, self.dtype, plan, name="o_proj")
-        qn = kn = None
-        if c.qk_norm:
-            qn = NormWeight(c.head_dim, self.dtype, name="q_norm").weight
-            kn = NormWeight(c.head_dim, self.dtype, name="k_norm").weight
+        qn, kn = self.qk_norms()
         rope = rope if rope is not None else rope_tables(meta.positions, rope_inv_freq(c.rope, c.head_dim))
-        q, k_pages, v_pages = ops.qkv_rope_write(plan, x, qkv_proj.weight, qkv_proj.bias, rope, meta.slot_mapping,
-                                                 k_pages, v_pages, qn, kn, num_heads=c.num_heads, eps=c.rms_norm_eps)
+        q, k_pages, v_pages = ops.qkv_rope_write(plan, x, self.qkv_proj.weight, self.qkv_proj.bias, rope,
+                                                 meta.slot_mapping, k_pages, v_pages, qn, kn, num_heads=c.num_heads,
+                                                 eps=c.rms_norm_eps)
         o = ops.attention(plan, q, k_pages, v_pages, meta, sm_scale=c.head_dim**-0.5).reshape(B, Q, c.q_size)
         if out_norm is None:
-            return o_proj(o, residual=residual), k_pages, v_pages
-        out = ops.linear_then_norm(plan, o, o_proj.weight, o_proj.bias, residual=residual, norm_w=out_norm,
+            return self.o_proj(o, residual=residual), k_pages, v_pages
+        out = ops.linear_then_norm(plan, o, self.o_proj.weight, self.o_proj.bias, residual=residual, norm_w=out_norm,
                                    eps=c.rms_norm_eps)
         return out, k_pages, v_pages
 
@@ -68,22 +76,58 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer: h = x + attn(norm1(x)); out = h + mlp(norm2(h)). Each norm
     goes unapplied (ops.Normed) into the projection after it, and each residual add into the
-    projection before it, so the ops may fuse them into their kernels."""
+    projection before it, so the ops may fuse them into their kernels. Under tensor
+    parallelism (ops.layer_per_shard) the layer runs once per device: _layer_on_shard."""
 
     cfg: ModelConfig
     dtype: jnp.dtype
     plan: KernelPlan = KernelPlan()
 
-    @nn.compact
+    def setup(self):
+        c = self.cfg
+        self.input_layernorm = NormWeight(c.hidden_size, self.dtype)
+        self.post_attention_layernorm = NormWeight(c.hidden_size, self.dtype)
+        self.attn = Attention(c, self.dtype, self.plan)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.plan)
+
     def __call__(self, x, meta, k_pages, v_pages, rope=None):
         c = self.cfg
-        norm1 = NormWeight(c.hidden_size, self.dtype, name="input_layernorm").weight
-        norm2 = NormWeight(c.hidden_size, self.dtype, name="post_attention_layernorm").weight
-        attn = Attention(c, self.dtype, self.plan, name="attn")
-        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.plan, name="mlp")
-        h_normed, k_pages, v_pages = attn(ops.Normed(x, norm1, c.rms_norm_eps), meta, k_pages, v_pages, rope=rope,
-                                          residual=x, out_norm=norm2)  # norm2(h), h = x + attn(norm1(x))
-        return mlp(h_normed, residual=h_normed.x), k_pages, v_pages
+        norm1, norm2 = self.input_layernorm.weight, self.post_attention_layernorm.weight
+        if ops.layer_per_shard(self.plan, c.num_kv_heads):
+            rope = rope if rope is not None else rope_tables(meta.positions, rope_inv_freq(c.rope, c.head_dim))
+            return self._per_shard(x, meta, k_pages, v_pages, rope)
+        h_normed, k_pages, v_pages = self.attn(ops.Normed(x, norm1, c.rms_norm_eps), meta, k_pages, v_pages,
+                                               rope=rope, residual=x, out_norm=norm2)  # norm2(h), h = x + attn(norm1(x))
+        return self.mlp(h_normed, residual=h_normed.x), k_pages, v_pages
+
+    def _per_shard(self, x, meta, k_pages, v_pages, rope):
+        a, m = self.attn, self.mlp
+        q_norm, k_norm = a.qk_norms()
+        weights = dict(norm1=self.input_layernorm.weight, norm2=self.post_attention_layernorm.weight,
+                       qkv=a.qkv_proj.weight, qkv_b=a.qkv_proj.bias, o=a.o_proj.weight, o_b=a.o_proj.bias,
+                       q_norm=q_norm, k_norm=k_norm, gate_up=m.gate_up_proj.weight, gate_up_b=m.gate_up_proj.bias,
+                       down=m.down_proj.weight, down_b=m.down_proj.bias)
+        weights = {k: w for k, w in weights.items() if w is not None}
+        splits = dict(qkv="out", qkv_b="out", o="in", gate_up="out", gate_up_b="out", down="in")
+        fn = functools.partial(_layer_on_shard, self.cfg, ops.shard_plan(self.plan), self.plan.tp)
+        return ops.per_shard_layer(self.plan, fn, weights, splits, x, meta, k_pages, v_pages, rope)
+
+
+def _layer_on_shard(c: ModelConfig, plan: KernelPlan, tp: int, w: dict, x, meta, k_pages, v_pages, rope):
+    """One device's part of a decoder layer (Megatron): q/k/v of its heads (the q|k|v and
+    gate|up weights are tp-interleaved, jspec/parallel/placement.py, so its block is
+    [q_i | k_i | v_i]), attention over its KV heads, o_proj over its heads' columns, and
+    its rows of gate|up and down. o_proj and down_proj give partial sums: all-reduced
+    (ops.reduce_add) before each residual add. ``plan``: ops.shard_plan."""
+    B, Q, _ = x.shape
+    eps, f32 = c.rms_norm_eps, jnp.float32
+    q, k_pages, v_pages = ops.qkv_rope_write(plan, ops.Normed(x, w["norm1"], eps), w["qkv"], w.get("qkv_b"), rope,
+                                             meta.slot_mapping, k_pages, v_pages, w.get("q_norm"), w.get("k_norm"),
+                                             num_heads=c.num_heads // tp, eps=eps)
+    o = ops.attention(plan, q, k_pages, v_pages, meta, sm_scale=c.head_dim**-0.5).reshape(B, Q, -1)
+    h = ops.reduce_add(ops.linear(plan, o, w["o"], out_dtype=f32), x, w.get("o_b"))
+    y = ops.mlp(plan, ops.Normed(h, w["norm2"], eps), w["gate_up"], w.get("gate_up_b"), w["down"], None, out_dtype=f32)
+    return ops.reduce_add(y, h, w.get("down_b")), k_pages, v_pages
 
 
 class Transformer(nn.Module):
@@ -112,7 +156,7 @@ class Transformer(nn.Module):
         for c in aux_layers:
             if not 0 <= c <= L:
                 raise ValueError(f"aux layer index {c} out of range [0, {L}] for a {L}-layer target")
-        x = self.embed_tokens(tokens)
+        x = self.embed(tokens)
         captured = {}
         ks, vs = list(kv.k), list(kv.v)
         rope = rope_tables(meta.positions, rope_inv_freq(self.cfg.rope, self.cfg.head_dim))  # once for all layers
@@ -125,8 +169,8 @@ class Transformer(nn.Module):
         aux = jnp.stack([captured[c] for c in aux_layers], axis=2) if aux_layers else None
         return self.norm(x), aux, KVCache(k=tuple(ks), v=tuple(vs))
 
-    def embed(self, tokens):
-        return self.embed_tokens(tokens)
+    def embed(self, tokens):  # i32[...] -> [..., H]; the table split by vocabulary under tp
+        return ops.embed(self.plan, self.embed_tokens.embedding, tokens, shards=self.plan.tp).astype(self.dtype)
 
     def embedding_table(self):
         """The input embedding [V, H] (the drafters that share the target's embed from it)."""

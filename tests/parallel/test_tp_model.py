@@ -185,3 +185,55 @@ def test_server_flag():
     assert engine_kwargs(build_parser().parse_args([]))["tensor_parallel_size"] == 1
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1, got 0"):
         jspec.LLM(h.target("llama")[0], tensor_parallel_size=0)
+
+
+def test_layer_per_shard_runs_the_glue_kernels(tmp_path, monkeypatch):
+    """A decoder layer under tp 2 (2 KV heads) runs once per device (ops.per_shard_layer)
+    with tp 1's batch-1 kernels on each device's weights (Pallas' interpreter here) and an
+    all-reduce after o_proj and down_proj: a prefill and a decode step give tp 1's logits,
+    and the decode step traced the qkv / fused-linear kernels on the local shapes."""
+    from jspec import ops
+    from kernels_pallas import fused_linear as fl
+    from kernels_pallas import qkv_rope_kv_write as qkv
+
+    # 8 heads of 16 (the attention kernel's smallest), 2 KV heads; intermediate 128: gate|up
+    # and down shards the kernel's power-of-two tiles divide
+    folder = _config_folder(tmp_path, h.target("llama")[0], head_dim=16, intermediate_size=128)
+    seen = []
+    for mod, name in ((fl, "fused_linear_gpu"), (qkv, "qkv_rope_kv_write_gpu")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **kw: seen.append(
+            (_name, kw.get("prologue"), a[1].shape)) or _real(*a, **kw))
+    tokens = np.random.default_rng(1).integers(3, 384, (1, 21))
+
+    def run(tp):
+        mesh = parallel.make_mesh(tp)
+        cfg, params = load_target(folder, "float32", sharding=parallel.Placement(mesh, tp) if mesh else None,
+                                  load_format="dummy")
+        plan = ops.KernelPlan(tp=tp, mesh=mesh, shard_linear="interpret", attn="interpret" if tp > 1 else "reference")
+        assert ops.layer_per_shard(plan, cfg.num_kv_heads) == (tp > 1)
+        kv = KVCache.create(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim, jnp.float32,
+                            parallel.kv_sharding(mesh, cfg.num_kv_heads, tp))
+        model = Transformer(cfg, plan=plan)
+
+        @jax.jit
+        def step(params, kv, toks, meta):
+            hs, _, kv = model.apply({"params": params}, toks, meta, kv)
+            return model.apply({"params": params}, hs, method=Transformer.logits), kv
+
+        prefill, kv = step(params, kv, jnp.asarray(tokens[:, :20], jnp.int32),
+                           AttentionMetadata.for_single_sequence([2, 0], 16, 0, 20, 4))
+        decode, _ = step(params, kv, jnp.asarray(tokens[:, 20:], jnp.int32),
+                         AttentionMetadata.for_single_sequence([2, 0], 16, 20, 1, 4))
+        return np.asarray(prefill), np.asarray(decode)
+
+    want = run(1)
+    assert not seen  # tp 1 here: the reference plan
+    got = run(2)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4 * np.abs(w).max())
+    # per device at the decode step: [q|k|v] of 4 heads + 1 KV head (16 wide), gate|up 2 x 64
+    # rows, down 64 rows (no residual: the partial sums are all-reduced first)
+    assert ("qkv_rope_kv_write_gpu", None, (96, 64)) in seen
+    assert ("fused_linear_gpu", "rmsnorm", (128, 64)) in seen
+    assert ("fused_linear_gpu", "silu_mul", (64, 64)) in seen
