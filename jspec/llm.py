@@ -89,7 +89,6 @@ class LLM:
                 bar.close()
         return [done[r] for r in rids]
 
-
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's defaults (generation_config.json's temperature, top_p,
         top_k, min_p, repetition_penalty, max_new_tokens as max_tokens; EngineConfig.generation_config),

@@ -59,7 +59,9 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
-COLLECTIVE = re.compile(r"nccl|all_?reduce|allreduce|all_?gather|reduce_?scatter|collective|one_?shot", re.I)
+# XLA 0.11.2 names the all-reduce kernels of a shard_map psum "psum_<n>_0_fusion_1", its
+# partitioner's "all_reduce_<n>_0_fusion_1"; NCCL's are "ncclDevKernel_*".
+COLLECTIVE = re.compile(r"nccl|psum|all_?reduce|allreduce|all_?gather|reduce_?scatter|collective|one_?shot", re.I)
 
 
 def allreduce_latency(tp: int, rows: int, hidden: int, chain: int = 128) -> dict:

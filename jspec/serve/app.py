@@ -226,7 +226,7 @@ def _sampling_params(state: ServerState, req, chat: bool, n_prompt: int) -> Samp
                        param="messages" if chat else "prompt", code="context_length_exceeded")
     max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
-    defaults = getattr(state.engine, "default_sampling", {})  # the model's (generation_config.json)
+    defaults = state.engine.default_sampling  # the model's (generation_config.json)
     if max_tokens is None:
         # OpenAI's defaults: 16 for a completion; a chat completion runs to the context's end.
         max_tokens = max_len - n_prompt if chat else min(16, max_len - n_prompt)
@@ -238,20 +238,20 @@ def _sampling_params(state: ServerState, req, chat: bool, n_prompt: int) -> Samp
                        f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, "
                        f"{max_tokens} in the completion). Please reduce the prompt or '{param}'.",
                        param=param, code="context_length_exceeded")
-    V = state.engine.model_cfg.vocab_size if hasattr(state.engine, "model_cfg") else None
-    if req.stop_token_ids and V is not None and any(not 0 <= t < V for t in req.stop_token_ids):
+    V = state.engine.model_cfg.vocab_size
+    if req.stop_token_ids and any(not 0 <= t < V for t in req.stop_token_ids):
         raise APIError(f"'stop_token_ids' must be token ids in [0, {V})", param="stop_token_ids")
 
     def given(k, std=None):  # a field the request leaves out: the model's default, else OpenAI's (vLLM's order)
         return getattr(req, k) if getattr(req, k) is not None else defaults.get(k, std)
 
+    optional = {k: given(k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                                      "min_tokens", "bad_words", "allowed_token_ids", "include_stop_str_in_output")}
     kw = dict(max_tokens=max_tokens, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
               top_k=given("top_k", 0), seed=req.seed, ignore_eos=bool(req.ignore_eos),
               stop_token_ids=tuple(req.stop_token_ids) if req.stop_token_ids else None,
               stop=req.stop or None, n=1 if req.n is None else req.n, logit_bias=req.logit_bias,
-              **{k: given(k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty",
-                                       "min_p", "min_tokens", "bad_words", "allowed_token_ids",
-                                       "include_stop_str_in_output") if given(k) is not None})
+              **{k: v for k, v in optional.items() if v is not None})
     so, so_field = structured_outputs_of(req)
     if so is not None:
         kw["structured_outputs"] = so
