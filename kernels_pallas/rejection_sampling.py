@@ -423,23 +423,31 @@ def _rejection_sample_jit(target_logits, draft_tokens, num_draft, draft_probs, t
                                            top_k, top_p, seeds, positions,
                                            filtering=filtering)
     rest = (d, num_draft, draft_probs, temperature, seeds, positions, method, synthetic_rates)
-    if impl == "reference" and jax.default_backend() == "cpu":
-        # On the CPU a conditional is decided on the device (no host sync, unlike on a GPU); an
-        # all-greedy batch skips the sampling math, ~10% of a greedy K = 7 verification step
-        # of the family. Greedy rows: the lowest argmax. The reference on a GPU (tensor
-        # parallelism: vocabulary-sharded logits) has no conditional: with one, the host
-        # waited for each tp-2 8B decode step's forward before launching the rest (H200).
+    if impl == "reference":
+        def sampled(_):
+            return _epilogue(*_ref_rows(target_logits, draft_probs, d, mode, key, inv_t, thr), *rest)
+
+        if not _conditionals_on_device():
+            return sampled(None)
+
+        # An all-greedy batch skips the sampling math, ~10% of a greedy K = 7 verification
+        # step of the family on the CPU. Greedy rows: the lowest argmax.
         def all_greedy(_):
             cand = su.first_argmax(target_logits)
             return _epilogue(cand, jnp.zeros(cand.shape, jnp.float32), *rest)
-
-        def sampled(_):
-            return _epilogue(*_ref_rows(target_logits, draft_probs, d, mode, key, inv_t, thr), *rest)
 
         return jax.lax.cond(jnp.all(temperature <= 0.0), all_greedy, sampled, None)
     cand, p_d = _kernel_rows(target_logits, draft_probs, d, mode, key, inv_t, thr, impl=impl,
                              bpp=blocks_per_program, num_warps=num_warps, num_stages=num_stages)
     return _epilogue(cand, p_d, *rest)
+
+
+def _conditionals_on_device() -> bool:
+    """Whether a lax.cond is decided on the device: on the CPU. On a GPU the host reads its
+    predicate (a sync per call), so the reference there (tensor parallelism samples
+    vocabulary-sharded logits with it) has no conditional: with one, the host waited for
+    each tp-2 8B decode step's forward before launching the rest (H200, 2026-11-26)."""
+    return jax.default_backend() == "cpu"
 
 
 def host_filtering(temperature, top_k, top_p, v):
