@@ -28,6 +28,7 @@ import os
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from jspec import envs
 from jspec.config import ModelConfig
@@ -361,8 +362,6 @@ def _sharded_attention(plan: KernelPlan, impl: str, q, k_pages, v_pages, meta: A
     """The paged-attention kernel once per device under shard_map: q's heads and the cache's
     KV heads split alike over the "tp" axis (tp divides the KV heads), the metadata
     replicated; no collective (each device's heads attend over its own KV heads)."""
-    from jax.sharding import PartitionSpec as P
-
     heads, rep = P(None, None, "tp", None), P()
 
     def local(q, k, v, table, lens, pos, causal):
@@ -382,8 +381,6 @@ def embed(plan: KernelPlan, table, tokens, *, shards: int):
     decode step on the H200, a third of the step."""
     if shards == 1 or plan.mesh is None:
         return jnp.take(table, tokens, axis=0, mode="clip")
-    from jax.sharding import PartitionSpec as P
-
     def local(rows, ids):
         n = rows.shape[0]
         i = jnp.clip(ids, 0, n * shards - 1) - jax.lax.axis_index("tp") * n
@@ -419,8 +416,6 @@ def weight_partition(plan: KernelPlan, split: str | None, ndim: int):
     """A projection leaf's PartitionSpec on the "tp" axis: ``split`` "out" (column
     parallel: q|k|v, gate|up, their biases), "in" (row parallel: o_proj, down_proj) or None
     (replicated), in the plan's weight layout (weight_shape)."""
-    from jax.sharding import PartitionSpec as P
-
     if split is None:
         return P()
     if ndim == 1:
@@ -444,8 +439,6 @@ def per_shard_layer(plan: KernelPlan, fn, weights: dict, splits: dict, x, meta, 
     device under shard_map: each device gets its block of each weight (``splits[name]``:
     weight_partition) and of the cache's KV heads; x (the residual stream), the metadata
     and rope replicated. fn calls reduce_add where a partial sum needs the other devices'."""
-    from jax.sharding import PartitionSpec as P
-
     heads, rep = P(None, None, "tp", None), P()
     wspecs = {k: weight_partition(plan, splits.get(k), w.ndim) for k, w in weights.items()}
     return jax.shard_map(fn, mesh=plan.mesh, in_specs=(wspecs, rep, rep, heads, heads, rep),
