@@ -16,12 +16,22 @@ if TYPE_CHECKING:
     JSPEC_ALLOW_LONG_MAX_MODEL_LEN: bool
     JSPEC_CACHE: str
     JSPEC_COMPILATION_CACHE: bool
+    JSPEC_COMPILATION_CACHE_MAX_GB: float
     VLLM_API_KEY: str | None
 
 
 def _kernel_impl() -> str | None:
     value = os.environ.get("JSPEC_KERNEL_IMPL", "").strip().lower()
     return value if value and value != "auto" else None
+
+
+def _cache_max_gb() -> float:
+    value = os.environ.get("JSPEC_COMPILATION_CACHE_MAX_GB", "10")
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"JSPEC_COMPILATION_CACHE_MAX_GB must be a number of GiB (<= 0: no limit), "
+                         f"got {value!r}") from None
 
 
 environment_variables: dict[str, Callable[[], Any]] = {
@@ -42,6 +52,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (jspec/compile_cache.py); otherwise compiled steps are kept in $JSPEC_CACHE/xla.
     "JSPEC_COMPILATION_CACHE": lambda: os.environ.get("JSPEC_COMPILATION_CACHE", "1").strip().lower()
     not in ("0", "false"),
+    # The size limit of that cache, GiB (default 10; <= 0: none): the least recently used
+    # entries go first. A cache the user configured keeps its own settings.
+    "JSPEC_COMPILATION_CACHE_MAX_GB": _cache_max_gb,
     # The server's API key when --api-key is not given (vLLM's variable).
     "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY") or None,
 }

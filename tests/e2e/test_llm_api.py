@@ -83,15 +83,17 @@ jax.monitoring.register_event_listener(lambda event, **kw: hits.append(event) if
 jnp_first = jax.jit(lambda x: x + 1)(1)  # a compilation of the caller's before the engine's
 llm = jspec.LLM(sys.argv[1], max_model_len=64, num_pages=16, max_num_seqs=2)
 out = llm.generate([[1, 2, 3]], jspec.SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
-print(json.dumps({"hits": len(hits), "dir": jax.config.jax_compilation_cache_dir, "tokens": list(out)}))
+print(json.dumps({"hits": len(hits), "dir": jax.config.jax_compilation_cache_dir, "tokens": list(out),
+                  "max_size": jax.config.jax_compilation_cache_max_size}))
 """
 
 
 def test_compiled_steps_persist_across_processes(tmp_path):
     """jspec.LLM turns jax's persistent compilation cache on in $JSPEC_CACHE/xla (vLLM keeps
     its compiled graphs too): a second process loads the steps the first compiled, with the
-    same outputs, even after a compilation of its own came first; JSPEC_COMPILATION_CACHE=0
-    and a cache the user configured are respected."""
+    same outputs, even after a compilation of its own came first; the cache keeps under
+    JSPEC_COMPILATION_CACHE_MAX_GB (10 GiB by default); JSPEC_COMPILATION_CACHE=0 and a cache
+    the user configured are respected."""
     import json
     import subprocess
     import sys
@@ -110,6 +112,11 @@ def test_compiled_steps_persist_across_processes(tmp_path):
     assert first["dir"] == second["dir"] == str(tmp_path / "jc" / "xla")
     assert os.listdir(first["dir"])
     assert second["hits"] > first["hits"] and second["tokens"] == first["tokens"]
+    assert first["max_size"] == 10 * 2**30
+    cap = 64 * 1024  # under the tiny model's 246 KB of entries: what does not fit is not kept
+    small = run(JSPEC_COMPILATION_CACHE_MAX_GB=str(cap / 2**30), JSPEC_CACHE=str(tmp_path / "small"))
+    entries = [e for e in os.scandir(small["dir"]) if e.name.endswith("-cache")]
+    assert entries and sum(e.stat().st_size for e in entries) <= cap and small["tokens"] == first["tokens"]
     off = run(JSPEC_COMPILATION_CACHE="0", JSPEC_CACHE=str(tmp_path / "off"))
     assert off["dir"] is None and not (tmp_path / "off" / "xla").exists() and off["tokens"] == first["tokens"]
     mine = run(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "mine"))
