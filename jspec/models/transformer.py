@@ -92,10 +92,10 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x, meta, k_pages, v_pages, rope=None):
         c = self.cfg
-        norm1, norm2 = self.input_layernorm.weight, self.post_attention_layernorm.weight
         if ops.layer_per_shard(self.plan, c.num_kv_heads):
             rope = rope if rope is not None else rope_tables(meta.positions, rope_inv_freq(c.rope, c.head_dim))
             return self._per_shard(x, meta, k_pages, v_pages, rope)
+        norm1, norm2 = self.input_layernorm.weight, self.post_attention_layernorm.weight
         h_normed, k_pages, v_pages = self.attn(ops.Normed(x, norm1, c.rms_norm_eps), meta, k_pages, v_pages,
                                                rope=rope, residual=x, out_norm=norm2)  # norm2(h), h = x + attn(norm1(x))
         return self.mlp(h_normed, residual=h_normed.x), k_pages, v_pages
