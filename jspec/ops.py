@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jspec import envs
 from jspec.config import ModelConfig
 from jspec.kv_cache import AttentionMetadata, MixedMetadata
+from jspec.parallel.mesh import TP_AXIS
 from kernels_pallas import fused_linear as _fl
 from kernels_pallas import paged_attention as _pa
 from kernels_pallas import qkv_rope_kv_write as _qkv
@@ -358,11 +359,15 @@ def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata | M
                                sm_scale=sm_scale, impl=impl)
 
 
+# The paged cache [P, S, KVH, D] and q [B, Q, H, D] split by (KV) head over the mesh.
+_KV_HEADS = P(None, None, TP_AXIS, None)
+
+
 def _sharded_attention(plan: KernelPlan, impl: str, q, k_pages, v_pages, meta: AttentionMetadata, sm_scale: float):
     """The paged-attention kernel once per device under shard_map: q's heads and the cache's
     KV heads split alike over the "tp" axis (tp divides the KV heads), the metadata
     replicated; no collective (each device's heads attend over its own KV heads)."""
-    heads, rep = P(None, None, "tp", None), P()
+    heads, rep = _KV_HEADS, P()
 
     def local(q, k, v, table, lens, pos, causal):
         return _pa.paged_attention(q, k, v, table, lens, pos, causal, sm_scale=sm_scale, impl=impl)
@@ -383,12 +388,12 @@ def embed(plan: KernelPlan, table, tokens, *, shards: int):
         return jnp.take(table, tokens, axis=0, mode="clip")
     def local(rows, ids):
         n = rows.shape[0]
-        i = jnp.clip(ids, 0, n * shards - 1) - jax.lax.axis_index("tp") * n
+        i = jnp.clip(ids, 0, n * shards - 1) - jax.lax.axis_index(TP_AXIS) * n
         mine = (i >= 0) & (i < n)
         x = jnp.take(rows, jnp.where(mine, i, 0), axis=0)
-        return jax.lax.psum(jnp.where(mine[..., None], x, jnp.zeros((), x.dtype)), "tp")
+        return jax.lax.psum(jnp.where(mine[..., None], x, jnp.zeros((), x.dtype)), TP_AXIS)
 
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(P("tp", None), P()), out_specs=P(),
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(P(TP_AXIS, None), P()), out_specs=P(),
                          check_vma=False)(table, tokens)
 
 
@@ -419,10 +424,10 @@ def weight_partition(plan: KernelPlan, split: str | None, ndim: int):
     if split is None:
         return P()
     if ndim == 1:
-        return P("tp")
+        return P(TP_AXIS)
     out_axis = 1 if plan.in_out_weights else 0
     axes = [None, None]
-    axes[out_axis if split == "out" else 1 - out_axis] = "tp"
+    axes[out_axis if split == "out" else 1 - out_axis] = TP_AXIS
     return P(*axes)
 
 
@@ -430,7 +435,7 @@ def reduce_add(y, residual, bias=None):
     """residual + (sum over the devices of each one's partial y [+ bias]): a row-parallel
     projection's output (f32 partial sums, rounded once, after the sum, as tp 1 rounds its
     dot). Inside a per-shard layer only."""
-    y = jax.lax.psum(y, "tp").astype(residual.dtype)
+    y = jax.lax.psum(y, TP_AXIS).astype(residual.dtype)
     return residual + (y if bias is None else y + bias)
 
 
@@ -439,7 +444,7 @@ def per_shard_layer(plan: KernelPlan, fn, weights: dict, splits: dict, x, meta, 
     device under shard_map: each device gets its block of each weight (``splits[name]``:
     weight_partition) and of the cache's KV heads; x (the residual stream), the metadata
     and rope replicated. fn calls reduce_add where a partial sum needs the other devices'."""
-    heads, rep = P(None, None, "tp", None), P()
+    heads, rep = _KV_HEADS, P()
     wspecs = {k: weight_partition(plan, splits.get(k), w.ndim) for k, w in weights.items()}
     return jax.shard_map(fn, mesh=plan.mesh, in_specs=(wspecs, rep, rep, heads, heads, rep),
                          out_specs=(rep, heads, heads), check_vma=False)(weights, x, meta, k_pages, v_pages, rope)
