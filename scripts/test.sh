@@ -19,6 +19,7 @@ if [ "$#" -gt 0 ]; then exec python3 -m pytest -q "$@"; fi
 # start): a shape compiled in one process is loaded, not compiled again, in the next. Most
 # of the suite's time is XLA's CPU compiler (tests/e2e/test_spec_lossless.py: 230 s cold,
 # 45 s with its shapes cached). Fresh per run, so every run still compiles each shape once.
+# --durations: each group prints its slowest tests, to keep the run under its 40 minutes.
 cache_dir=$(mktemp -d)
 trap 'rm -rf "$cache_dir"' EXIT
 export JAX_COMPILATION_CACHE_DIR="$cache_dir" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.1
@@ -32,9 +33,9 @@ for group in "${groups[@]}"; do
   if [ "$group" = tests/e2e ]; then
     # The end-to-end files compile the most step variants: one process each (the e2e
     # folder in one process also died inside XLA's CPU compiler, 2026-11-25).
-    for f in tests/e2e/test_*.py; do python3 -m pytest -q "$f"; done
+    for f in tests/e2e/test_*.py; do python3 -m pytest -q --durations=3 "$f"; done
   else
     # shellcheck disable=SC2086
-    python3 -m pytest -q $group
+    python3 -m pytest -q --durations=10 $group
   fi
 done
