@@ -301,4 +301,3 @@ def test_all_greedy_shortcut_equals_sampled_path(monkeypatch):
     rs._rejection_sample_jit.clear_cache()
     np.testing.assert_array_equal(np.asarray(toks_gpu), np.asarray(toks))
     np.testing.assert_array_equal(np.asarray(n_gpu), np.asarray(n))
-
