@@ -189,7 +189,7 @@ class SpecModelRunner(SpecMixedSteps, RunnerBase):
         )
         if self.with_probs:
             rows = jnp.where(inp.sample, inp.prob_rows, probs_buf.shape[0])  # padding rows: dropped
-            probs_buf = probs_buf.at[rows].set(probs[:, : self.K], mode="drop")  # DFlash may draft > K
+            probs_buf = probs_buf.at[rows].set(probs[:, : self.K], mode="drop")  # the registry allows >= K
         # One int32 block [B, (K+1) + 1 + K]: a single device->host read per step.
         # A prefill step emits one token: padded to K + 1 so read_spec finds the drafts.
         out = jnp.pad(out, ((0, 0), (0, self.K + 1 - out.shape[1])), constant_values=-1)

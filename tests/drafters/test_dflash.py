@@ -92,12 +92,14 @@ def test_propose_drafts(target, drafter):
     kv = create_kv_cache(cfg, NPAGES, PAGE, jnp.float32)
     meta = AttentionMetadata.for_single_sequence(PAGES, PAGE, 0, T, NPAGES)
     pairs = np.asarray(ids[1 : T + 1])[None]  # pair tokens; the bonus one, ids[T], at last_idx = T - 1
-    drafts, probs, _ = dflash_propose(
-        DFlashDrafter(cfg), params, kv,
-        ProposeInputs(jnp.asarray(pairs), jnp.asarray(aux[None]), meta, jnp.asarray([T - 1]),
-                      tparams["embed_tokens"]["embedding"], tparams["lm_head"], jnp.asarray([0]), jnp.asarray([0.0]),
-                      jnp.asarray([True])),
-        with_probs=True,
-    )
+    inputs = ProposeInputs(jnp.asarray(pairs), jnp.asarray(aux[None]), meta, jnp.asarray([T - 1]),
+                           tparams["embed_tokens"]["embedding"], tparams["lm_head"], jnp.asarray([0]),
+                           jnp.asarray([0.0]), jnp.asarray([True]))
+    drafts, probs, _ = dflash_propose(DFlashDrafter(cfg), params, kv, inputs, with_probs=True)
     assert np.asarray(drafts)[0].tolist() == (want + d2t[want]).tolist()
     assert np.asarray(probs).shape == (1, BS - 1, V)
+    # K < block_size - 1: the same (whole, non-causal) block, only its first K drafts.
+    k = BS - 3
+    drafts_k, probs_k, _ = dflash_propose(DFlashDrafter(cfg), params, kv, inputs, num_tokens=k, with_probs=True)
+    assert np.asarray(drafts_k)[0].tolist() == (want + d2t[want]).tolist()[:k]
+    np.testing.assert_allclose(np.asarray(probs_k), np.asarray(probs)[:, :k], rtol=1e-6, atol=1e-7)

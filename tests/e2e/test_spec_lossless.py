@@ -1,7 +1,7 @@
 """Issue 5 must-show: greedy speculative decoding is lossless end to end.
 
 For every drafter method and layout (EAGLE3 speculators + reduced vocab, EAGLE3 original
-layout, PEagle, DFlash speculators and z-lab layouts) and K in {1, 3, 7}: a batch of varied
+layout, PEagle, DFlash speculators and z-lab layouts, DFlash below its block) and K in {1, 3, 7}: a batch of varied
 prompts (lengths 1..50) decoded greedily with speculation equals, token for token, greedy
 decoding without speculation (and without prefix caching), under
   - a page pool too small for the running sequences (preemptions must happen), and
@@ -20,9 +20,11 @@ from tests.helpers import spec_e2e as h
 
 MAX_TOKENS = 16
 PROMPTS = h.varied_prompts(8, 1, 50, seed=0)
+# DFlash with K below block_size - 1: the whole block runs, only K drafts are picked.
+CASES = h.LOSSLESS_CASES + [("dflash8_zlab", 3)]
 
 
-@pytest.mark.parametrize("name,k", h.LOSSLESS_CASES, ids=[f"{n}-K{k}" for n, k in h.LOSSLESS_CASES])
+@pytest.mark.parametrize("name,k", CASES, ids=[f"{n}-K{k}" for n, k in CASES])
 def test_greedy_lossless(name, k):
     want = h.greedy_reference(PROMPTS, MAX_TOKENS)
     llm = h.llm(name, k)
