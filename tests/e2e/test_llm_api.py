@@ -121,3 +121,21 @@ def test_compiled_steps_persist_across_processes(tmp_path):
     assert off["dir"] is None and not (tmp_path / "off" / "xla").exists() and off["tokens"] == first["tokens"]
     mine = run(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "mine"))
     assert mine["dir"] == str(tmp_path / "mine") and os.listdir(tmp_path / "mine")
+
+
+def test_cache_entries_without_access_time_are_repaired(tmp_path):
+    """An entry with no access-time file (written with no size limit, or by a process killed
+    between its two writes) makes jax's LRU cache fail every later write; jspec gives it
+    one when it turns the cache on, after which jax's own cache takes new entries again."""
+    from jax._src.lru_cache import LRUCache
+
+    from jspec.compile_cache import backfill_access_times
+
+    (tmp_path / "old-cache").write_bytes(b"x" * 10)
+    cache = LRUCache(str(tmp_path), max_size=1 << 20)
+    with pytest.raises(FileNotFoundError):
+        cache.put("new", b"y")
+    assert backfill_access_times(str(tmp_path)) == 1 and backfill_access_times(str(tmp_path)) == 0
+    cache.put("new", b"y")
+    assert cache.get("old") == b"x" * 10 and cache.get("new") == b"y"
+    assert backfill_access_times(str(tmp_path / "missing")) == 0
