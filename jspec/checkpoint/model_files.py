@@ -8,6 +8,8 @@ import json
 import logging
 import os
 
+from jspec.config import ConfigError
+
 logger = logging.getLogger("jspec")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -25,14 +27,30 @@ def load_tokenizer(path, required: bool = False):
     return AutoTokenizer.from_pretrained(path)
 
 
+def read_generation_config(folder) -> dict | None:
+    """``folder``'s generation_config.json as a dict; None when the folder has none. A
+    ConfigError naming the file when it is not a JSON object."""
+    fn = os.path.join(folder, "generation_config.json")
+    if not os.path.exists(fn):
+        return None
+    with open(fn) as f:
+        try:
+            cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{fn}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{fn}: a JSON object expected, got {type(cfg).__name__}")
+    return cfg
+
+
 def generation_eos(path) -> tuple[int, ...]:
     """eos_token_id of generation_config.json (chat models stop on more than config.json's)."""
-    fn = os.path.join(path, "generation_config.json")
-    if not os.path.exists(fn):
-        return ()
-    with open(fn) as f:
-        eos = json.load(f).get("eos_token_id")
-    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos = (read_generation_config(path) or {}).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ConfigError(f"{os.path.join(path, 'generation_config.json')}: eos_token_id must be an int or a "
+                          f"list of ints, got {eos!r}")
+    return tuple(ids)
 
 
 # generation_config.json's sampling fields vLLM takes as a model's default sampling
@@ -47,14 +65,13 @@ def sampling_defaults(generation_config: str, model: str) -> dict:
     if generation_config == "vllm":
         return {}
     folder = model if generation_config == "auto" else generation_config
-    fn = os.path.join(folder, "generation_config.json")
-    if not os.path.exists(fn):
+    cfg = read_generation_config(folder)
+    if cfg is None:
         if generation_config == "auto":
             return {}
         raise ValueError(f"generation_config={generation_config!r}: no generation_config.json in that folder "
                          "(or 'auto': the model's, 'vllm': none)")
-    with open(fn) as f:
-        cfg = json.load(f)
+    fn = os.path.join(folder, "generation_config.json")
     out = {k: cfg[k] for k in SAMPLING_FIELDS if cfg.get(k) is not None}
     if "max_new_tokens" in out:
         out["max_tokens"] = out.pop("max_new_tokens")

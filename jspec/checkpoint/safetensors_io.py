@@ -25,7 +25,11 @@ class SafetensorsReader:
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.exists(index):
             with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
+                try:
+                    weight_map = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: no 'weight_map' object")
             self.files = {name: os.path.join(folder, fn) for name, fn in weight_map.items()}

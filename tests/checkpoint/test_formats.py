@@ -131,5 +131,13 @@ def test_bad_paths_and_dtype(tmp_path):
                    "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}, f)
     with pytest.raises(CheckpointError, match="no model.safetensors"):
         load_target(str(tmp_path / "empty"))
+    index = tmp_path / "empty" / "model.safetensors.index.json"
+    index.write_text('{"weight_map": ')
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not valid JSON"):
+        load_target(str(tmp_path / "empty"))
+    index.write_text("[]")
+    with pytest.raises(CheckpointError, match="no 'weight_map' object"):
+        load_target(str(tmp_path / "empty"))
+    index.unlink()
     with pytest.raises(ValueError, match="dtype='int8' is not supported"):
         load_target(str(tmp_path / "empty"), "int8")

@@ -78,3 +78,17 @@ def test_server_requests_take_the_model_defaults(folder):
         r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=12,
                                            extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == MAX_NEW
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"temperature": 0.6,', r"generation_config\.json: not valid JSON"),
+    ("[1, 2]", r"generation_config\.json: a JSON object expected, got list"),
+    ('{"eos_token_id": "</s>"}', r"generation_config\.json: eos_token_id must be an int or a list of ints, got '</s>'"),
+])
+def test_a_bad_generation_config_is_named(tmp_path, text, match):
+    d = str(tmp_path / "model")
+    shutil.copytree(TINY_MODEL, d)
+    with open(os.path.join(d, "generation_config.json"), "w") as f:
+        f.write(text)
+    with pytest.raises(jspec.config.ConfigError, match=match):
+        jspec.LLM(d, **_kw())
