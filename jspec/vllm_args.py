@@ -35,26 +35,30 @@ NO_EFFECT = {
     "enable_chunked_prefill": (bool, "prompts are always prefilled in chunks (max_prefill_chunk tokens)"),
 }
 
-# Arguments jspec takes at vLLM's default value only: (the default, why no other value).
+# Arguments jspec takes at vLLM's default value only: (the flag's type, why no other
+# value, the default), in NO_EFFECT's order with the default last.
 DEFAULT_ONLY = {
-    "kv_cache_dtype": ("auto", str, "the KV cache is kept in the model's dtype"),
-    "quantization": (None, str, "jspec loads unquantized weights only"),
-    "pipeline_parallel_size": (1, int, "jspec splits a model by tensor parallelism only (tensor_parallel_size)"),
-    "data_parallel_size": (1, int, "run one jspec server per replica"),
-    "revision": (None, str, "jspec loads local folders; no model hub is reached"),
-    "tokenizer_revision": (None, str, "jspec loads local folders; no model hub is reached"),
-    "download_dir": (None, str, "jspec loads local folders; no model hub is reached"),
-    "tokenizer_mode": ("auto", str, "the tokenizer is the folder's, through transformers' AutoTokenizer"),
-    "cpu_offload_gb": (0, float, "weights stay on the device"),
-    "enable_lora": (False, bool, "jspec serves no LoRA adapters"),
+    "kv_cache_dtype": (str, "the KV cache is kept in the model's dtype", "auto"),
+    "quantization": (str, "jspec loads unquantized weights only", None),
+    "pipeline_parallel_size": (int, "jspec splits a model by tensor parallelism only (tensor_parallel_size)", 1),
+    "data_parallel_size": (int, "run one jspec server per replica", 1),
+    "revision": (str, "jspec loads local folders; no model hub is reached", None),
+    "tokenizer_revision": (str, "jspec loads local folders; no model hub is reached", None),
+    "download_dir": (str, "jspec loads local folders; no model hub is reached", None),
+    "tokenizer_mode": (str, "the tokenizer is the folder's, through transformers' AutoTokenizer", "auto"),
+    "cpu_offload_gb": (float, "weights stay on the device", 0),
+    "enable_lora": (bool, "jspec serves no LoRA adapters", False),
 }
+
+# The server's flag type of each of vLLM's arguments above (bool: a switch).
+FLAGS = {key: entry[0] for key, entry in {**NO_EFFECT, **DEFAULT_ONLY}.items()}
 
 
 def check_supported(engine_args: dict) -> None:
     """ValueError naming the first of vLLM's arguments given at a value jspec cannot honour."""
     for key, value in engine_args.items():
         if key in DEFAULT_ONLY:
-            default, _, why = DEFAULT_ONLY[key]
+            _, why, default = DEFAULT_ONLY[key]
             if value != default and not (default is None and value in ("", "none", "None")):
                 raise ValueError(f"{key}={value!r} is not supported: {why} (only {default!r})")
 

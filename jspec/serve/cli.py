@@ -86,8 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     # vLLM's engine arguments jspec takes with no effect or at their default only
     # (jspec/vllm_args.py): present in the namespace only when given.
-    for key, (typ, *_) in {**vllm_args.NO_EFFECT,
-                           **{k: v[1:] for k, v in vllm_args.DEFAULT_ONLY.items()}}.items():
+    for key, typ in vllm_args.FLAGS.items():
         names = ["--" + key.replace("_", "-")] + SHORT_FLAGS.get(key, [])
         if typ is bool:
             p.add_argument(*names, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
@@ -105,8 +104,7 @@ SERVER_NO_EFFECT = ("--disable-log-requests", "--enable-log-requests", "--disabl
 
 def vllm_engine_args(args) -> dict:
     """The vLLM engine arguments given on the command line, by their keyword names."""
-    keys = set(vllm_args.NO_EFFECT) | set(vllm_args.DEFAULT_ONLY)
-    return {k: v for k, v in vars(args).items() if k in keys}
+    return {k: v for k, v in vars(args).items() if k in vllm_args.FLAGS}
 
 
 def engine_kwargs(args) -> dict:
