@@ -85,8 +85,11 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(setup):
     for i in range(1, n_p):
         d = want.prompt_logprobs[i]
         assert math.isclose(c.logprobs.token_logprobs[i], d[want.prompt_token_ids[i]].logprob, rel_tol=1e-6)
-    first = next(iter(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, echo=True,
-                                                stream=True, extra_body={"ignore_eos": True})))
+    # Closed here, not left to the garbage collector: a stream collected later, on the test
+    # client's event-loop thread, cannot close its app (PytestUnraisableExceptionWarning).
+    with client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, echo=True,
+                                   stream=True, extra_body={"ignore_eos": True}) as stream:
+        first = next(iter(stream))
     assert first.choices[0].text == PROMPT  # the stream's first chunk is the prompt
 
 
