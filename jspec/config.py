@@ -201,9 +201,18 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
     cfg_path = path if path.endswith(".json") else os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"no config.json at {cfg_path}")
-    with open(cfg_path) as f:
+    return model_config_from_hf(read_json_object(cfg_path))
+
+
+def read_json_object(path: str, error: type[ValueError] = ConfigError) -> dict[str, Any]:
+    """The JSON object in the file ``path``. ``error`` (the caller's kind: a config or a
+    checkpoint) names the file when it is not UTF-8 JSON or holds no object: json's own
+    error names neither the file nor what was expected."""
+    with open(path, encoding="utf-8") as f:
         try:
             d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
-    return model_config_from_hf(d)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise error(f"{path}: a JSON object expected, got {type(d).__name__}")
+    return d

@@ -4,11 +4,10 @@ the model's default sampling parameters, as in vLLM)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
-from jspec.config import ConfigError
+from jspec.config import ConfigError, read_json_object
 
 logger = logging.getLogger("jspec")
 
@@ -27,20 +26,15 @@ def load_tokenizer(path, required: bool = False):
     return AutoTokenizer.from_pretrained(path)
 
 
+def generation_config_path(folder) -> str:
+    return os.path.join(folder, "generation_config.json")
+
+
 def read_generation_config(folder) -> dict | None:
     """``folder``'s generation_config.json as a dict; None when the folder has none. A
     ConfigError naming the file when it is not a JSON object."""
-    fn = os.path.join(folder, "generation_config.json")
-    if not os.path.exists(fn):
-        return None
-    with open(fn) as f:
-        try:
-            cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{fn}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{fn}: a JSON object expected, got {type(cfg).__name__}")
-    return cfg
+    fn = generation_config_path(folder)
+    return read_json_object(fn) if os.path.exists(fn) else None
 
 
 def generation_eos(path) -> tuple[int, ...]:
@@ -48,8 +42,8 @@ def generation_eos(path) -> tuple[int, ...]:
     eos = (read_generation_config(path) or {}).get("eos_token_id")
     ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ConfigError(f"{os.path.join(path, 'generation_config.json')}: eos_token_id must be an int or a "
-                          f"list of ints, got {eos!r}")
+        raise ConfigError(f"{generation_config_path(path)}: eos_token_id must be an int or a list of ints, "
+                          f"got {eos!r}")
     return tuple(ids)
 
 
@@ -71,11 +65,10 @@ def sampling_defaults(generation_config: str, model: str) -> dict:
             return {}
         raise ValueError(f"generation_config={generation_config!r}: no generation_config.json in that folder "
                          "(or 'auto': the model's, 'vllm': none)")
-    fn = os.path.join(folder, "generation_config.json")
     out = {k: cfg[k] for k in SAMPLING_FIELDS if cfg.get(k) is not None}
     if "max_new_tokens" in out:
         out["max_tokens"] = out.pop("max_new_tokens")
     if out:
         logger.warning("default sampling parameters from %s: %s (a request's own values take precedence; "
-                       "generation_config='vllm' ignores them)", fn, out)
+                       "generation_config='vllm' ignores them)", generation_config_path(folder), out)
     return out

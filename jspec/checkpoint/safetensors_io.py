@@ -7,9 +7,10 @@ tensor_sources.py picks this reader or the ``pytorch_model.bin`` one for a folde
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
+
+from jspec.config import read_json_object
 
 
 class CheckpointError(ValueError):
@@ -24,12 +25,7 @@ class SafetensorsReader:
         single = os.path.join(folder, "model.safetensors")
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.exists(index):
-            with open(index) as f:
-                try:
-                    weight_map = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise CheckpointError(f"{index}: not valid JSON ({e})") from None
-            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            weight_map = read_json_object(index, CheckpointError).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: no 'weight_map' object")
             self.files = {name: os.path.join(folder, fn) for name, fn in weight_map.items()}

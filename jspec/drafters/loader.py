@@ -9,13 +9,12 @@ a forward.
 
 from __future__ import annotations
 
-import json
 import os
 
 from jspec.checkpoint.dummy import check_load_format, dummy_params
 from jspec.checkpoint.param_spec import ParamSpec, SpecList, check_specs, load_params, resolve_dtype
 from jspec.checkpoint.tensor_sources import open_tensor_source
-from jspec.config import ConfigError, ModelConfig
+from jspec.config import ConfigError, ModelConfig, read_json_object
 from jspec.drafters.config import FMT_EAGLE3_ORIGINAL, DrafterConfig, detect_format, drafter_config_from_hf
 from jspec.parallel.placement import Placement
 
@@ -96,11 +95,7 @@ def read_drafter_config(path) -> dict:
     cfg_path = os.path.join(os.fspath(path), "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"no config.json at {cfg_path}")
-    with open(cfg_path) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
+    return read_json_object(cfg_path)
 
 
 # The tensors a config.json alone cannot tell about, as load_format="dummy" assumes them:

@@ -14,6 +14,7 @@ import pytest
 from jspec.checkpoint.safetensors_io import CheckpointError
 from jspec.checkpoint.target import flat_params, load_target, save_orbax
 from jspec.config import ConfigError
+from jspec.drafters.loader import read_drafter_config
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.transformer import Transformer
 
@@ -136,8 +137,25 @@ def test_bad_paths_and_dtype(tmp_path):
     with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not valid JSON"):
         load_target(str(tmp_path / "empty"))
     index.write_text("[]")
+    with pytest.raises(CheckpointError, match=r"index\.json: a JSON object expected, got list"):
+        load_target(str(tmp_path / "empty"))
+    index.write_text('{"weight_map": []}')
     with pytest.raises(CheckpointError, match="no 'weight_map' object"):
         load_target(str(tmp_path / "empty"))
     index.unlink()
     with pytest.raises(ValueError, match="dtype='int8' is not supported"):
         load_target(str(tmp_path / "empty"), "int8")
+
+
+@pytest.mark.parametrize("content, match", [
+    (b'{"model_type": "llama",', "not valid JSON"),
+    (b"\xff\xfe\x00garbage", "not valid JSON"),
+    (b'["LlamaForCausalLM"]', "a JSON object expected, got list"),
+])
+def test_a_malformed_config_json_is_named(tmp_path, content, match):
+    """Target and drafter configs alike: a ConfigError naming the file, not json's or an
+    AttributeError from the translation."""
+    (tmp_path / "config.json").write_bytes(content)
+    for load in (load_target, read_drafter_config):
+        with pytest.raises(ConfigError, match=rf"config\.json: {match}"):
+            load(str(tmp_path))
