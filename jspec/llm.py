@@ -42,14 +42,15 @@ class LLM:
         *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for a prompt or a list of prompts (strings or token-id lists).
+        """Generate for a prompt or a list of prompts: strings, token-id lists, or vLLM's
+        prompt dicts (``jspec.TextPrompt`` / ``jspec.TokensPrompt``, with ``cache_salt``).
 
         All requests are validated before any is queued, so one bad prompt raises a
         ValueError and leaves the engine (and requests already in it) untouched. A call that
         fails or is interrupted aborts its unfinished requests before it raises.
         Synchronous: safe to call from inside a running event loop (Jupyter, Colab).
         """
-        if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:

@@ -48,6 +48,8 @@ DEFAULT_ONLY = {
     "tokenizer_mode": (str, "the tokenizer is the folder's, through transformers' AutoTokenizer", "auto"),
     "cpu_offload_gb": (float, "weights stay on the device", 0),
     "enable_lora": (bool, "jspec serves no LoRA adapters", False),
+    "prefix_caching_hash_algo": (str, "the prefix cache's page hashes are sha256 (jspec/engine/block_manager.py)",
+                                 "sha256"),
 }
 
 # The server's flag type of each of vLLM's arguments above (bool: a switch).

@@ -1,8 +1,15 @@
 """Host-side page allocator with ref-counted prefix caching (plain Python).
 
 A page holds ``page_size`` consecutive tokens of one sequence. A *full* page of committed
-tokens gets a hash chained on its parent's (``hash((parent, tokens))``); identical prefixes
-then share pages. Shared or hashed pages are never written again: a sequence only writes at
+tokens gets a hash chained on its parent's: sha256 over the parent page's hash and the
+page's tokens (``chain_hash``); identical prefixes then share pages. A hit is taken on the
+hash alone, so the hash must not collide even for prompts built to make it collide (a
+server's client could otherwise be handed another's KV): Python's 64-bit ``hash`` of a
+tuple is not such a hash, sha256 is (vLLM's default). A request's ``cache_salt`` goes into
+its first page's parent, so only requests with the same salt share pages (vLLM's
+``cache_salt``).
+
+Shared or hashed pages are never written again: a sequence only writes at
 positions >= its ``num_computed``, and hits are capped so that at least one token (and, for
 EAGLE-style drafters, the whole last matched page) is recomputed into a page of its own.
 
@@ -18,9 +25,14 @@ covers that token too, so a hit never hands out drafter KV built for another con
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from jspec.engine.sequence import Sequence
+
+# The parent of an unsalted first page.
+_ROOT = hashlib.sha256(b"jspec prefix cache").digest()
 
 
 class BlockManager:
@@ -31,8 +43,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.extra = 1 if hash_next_token else 0  # tokens past the page that its hash covers
         self.ref = [0] * num_pages
-        self.page_hash: dict[int, int] = {}  # page -> hash (registered full pages)
-        self.hash_page: dict[int, int] = {}  # hash -> page
+        self.page_hash: dict[int, bytes] = {}  # page -> hash (registered full pages)
+        self.hash_page: dict[bytes, int] = {}  # hash -> page
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # stack, page 0 handed out first
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.hits = 0  # pages served from the cache (prefix hits), cumulative
@@ -49,11 +61,17 @@ class BlockManager:
 
     # ---- hashing ----------------------------------------------------------------------
     @staticmethod
-    def chain_hash(parent: int | None, tokens) -> int:
-        return hash((parent, tuple(tokens)))
+    def root_hash(salt: str | None) -> bytes | None:
+        """The parent of a first page: None (the unsalted root) or the salt's own root."""
+        return None if salt is None else hashlib.sha256(_ROOT + salt.encode()).digest()
 
-    def _prompt_hashes(self, tokens: list[int], limit_pages: int) -> list[int]:
-        hashes, parent = [], None
+    @staticmethod
+    def chain_hash(parent: bytes | None, tokens) -> bytes:
+        # Fixed widths (32-byte parent, 8 bytes a token) make the encoding unambiguous.
+        return hashlib.sha256((_ROOT if parent is None else parent) + array("q", tokens).tobytes()).digest()
+
+    def _prompt_hashes(self, tokens: list[int], limit_pages: int, salt: str | None = None) -> list[bytes]:
+        hashes, parent = [], self.root_hash(salt)
         ps = self.page_size
         for i in range(limit_pages):
             parent = self.chain_hash(parent, tokens[i * ps : (i + 1) * ps + self.extra])
@@ -81,7 +99,7 @@ class BlockManager:
             return 0  # prompt logprobs need every prompt position computed (as vLLM)
         tokens = seq.token_ids
         full = (len(tokens) - 1) // self.page_size
-        hashes = self._prompt_hashes(tokens, full)
+        hashes = self._prompt_hashes(tokens, full, seq.cache_salt)
         self.queries += full
         hit = []
         for h in hashes:
@@ -115,11 +133,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         ps = self.page_size
-        tokens = seq.token_ids
-        while (len(seq.block_hashes) + 1) * ps <= num_final and len(tokens) >= (len(seq.block_hashes) + 1) * ps + self.extra:
+        while (len(seq.block_hashes) + 1) * ps <= num_final and seq.num_tokens >= (len(seq.block_hashes) + 1) * ps + self.extra:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = self.chain_hash(parent, tokens[i * ps : (i + 1) * ps + self.extra])
+            parent = seq.block_hashes[-1] if seq.block_hashes else self.root_hash(seq.cache_salt)
+            h = self.chain_hash(parent, seq.tokens_between(i * ps, (i + 1) * ps + self.extra))
             seq.block_hashes.append(h)
             page = seq.pages[i]
             if h not in self.hash_page and page not in self.page_hash:

@@ -30,6 +30,7 @@ from jspec.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jspec.engine.sequence import Sequence, SpecMetrics, Status
 from jspec.engine.stopping import append_tokens
 from jspec.engine.structured import GrammarCompiler, advance, any_grammar
+from jspec.inputs import check_cache_salt, parse_prompt
 from jspec.ops import page_table_widths, plan_kernels, plan_params
 from jspec.sampling_params import SamplingParams
 
@@ -254,10 +255,11 @@ class LLMEngine:
         return list(prompt)
 
     def validate(self, prompt, params) -> list[int]:
-        """Token ids of a valid request; ValueError naming the problem otherwise."""
+        """Token ids of a valid request (the prompt: a string, token ids, or vLLM's TextPrompt
+        or TokensPrompt dict); ValueError naming the problem otherwise."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be jspec.SamplingParams, got {type(params).__name__}")
-        ids = self.tokenize(prompt)
+        ids = self.tokenize(parse_prompt(prompt)[0])
         if not ids:
             raise ValueError("prompt is empty")
         V = self.model_cfg.vocab_size
@@ -272,11 +274,18 @@ class LLMEngine:
         self.grammars.check(params)
         return [int(t) for t in ids]
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams, *, prompt_token_ids=None):
+    def add_request(self, request_id: str, prompt, params: SamplingParams, *, prompt_token_ids=None,
+                    cache_salt: str | None = None):
         """Queue a request. With ``params.n`` > 1 its samples run as n sequences (seeds
-        seed + i, as vLLM) and ``step`` returns one RequestOutput with n ``outputs``."""
+        seed + i, as vLLM) and ``step`` returns one RequestOutput with n ``outputs``.
+        ``cache_salt`` (or a prompt dict's): only requests with the same salt share cached pages."""
         if request_id in self._seqs or request_id in self._groups.children:
             raise ValueError(f"request id {request_id!r} is already in use")
+        prompt, salt = parse_prompt(prompt)
+        cache_salt = check_cache_salt(cache_salt)
+        if salt is not None and cache_salt is not None and salt != cache_salt:
+            raise ValueError(f"cache_salt={cache_salt!r} contradicts the prompt's cache_salt {salt!r}")
+        salt = cache_salt if cache_salt is not None else salt
         ids = prompt_token_ids if prompt_token_ids is not None else self.validate(prompt, params)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be jspec.SamplingParams, got {type(params).__name__}")
@@ -285,13 +294,13 @@ class LLMEngine:
         if params.n > 1:
             for i, cid in enumerate(self._groups.add(request_id, params.n)):
                 seed = None if params.seed is None else (params.seed + i) % 2**63
-                self._add(cid, prompt, dataclasses.replace(params, n=1, seed=seed), ids, bad_words)
+                self._add(cid, prompt, dataclasses.replace(params, n=1, seed=seed), ids, bad_words, salt)
             return
-        self._add(request_id, prompt, params, ids, bad_words)
+        self._add(request_id, prompt, params, ids, bad_words, salt)
 
-    def _add(self, request_id, prompt, params, ids, bad_words):
+    def _add(self, request_id, prompt, params, ids, bad_words, salt):
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
-        seq = Sequence(request_id, ids, params, seed, self._arrivals, bad_words_ids=bad_words)
+        seq = Sequence(request_id, ids, params, seed, self._arrivals, bad_words_ids=bad_words, cache_salt=salt)
         seq.prompt_text = prompt if isinstance(prompt, str) else None
         seq.grammar = self.grammars.matcher(params)
         self.num_prompt_tokens += len(ids)

@@ -69,7 +69,8 @@ class Sequence:
     # Tokens whose K/V sit in the cache (prompt and outputs); the rest are computed next.
     num_computed: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
-    block_hashes: list[int] = dataclasses.field(default_factory=list)  # hashes of full committed blocks
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # hashes of full committed blocks
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache pages
     finish_reason: str | None = None
     num_emitted_reported: int = 0  # tokens already handed out by LLMEngine.step
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)  # proposals for the next step

@@ -288,9 +288,12 @@ async def _serve(state: ServerState, request: Request, chat: bool):
     check_unsupported(req)
     ids = _prompt_ids(state, req, chat)
     params = _sampling_params(state, req, chat, len(ids))
+    if req.cache_salt is not None and not req.cache_salt:
+        raise APIError("'cache_salt' must be a non-empty string", param="cache_salt")
+    prompt = ids if req.cache_salt is None else {"prompt_token_ids": ids, "cache_salt": req.cache_salt}
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
-        stream = await state.loop.add_request(rid, ids, params, len(ids), arrival)
+        stream = await state.loop.add_request(rid, prompt, params, len(ids), arrival)
     except ValueError as e:  # SamplingParamsError names its field
         field = getattr(e, "param", None)
         if field == "structured_outputs":  # the request field the grammar came in

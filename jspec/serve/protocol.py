@@ -84,6 +84,7 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool | None = False  # vLLM extension: token ids in the response
+    cache_salt: str | None = None  # vLLM extension: only requests with the same salt share cached prefixes
     # vLLM extensions (SamplingParams' fields of the same names)
     repetition_penalty: float | None = None
     min_p: float | None = None

@@ -1,5 +1,5 @@
 """jspec.LLM as a vLLM user reaches it: dtype "auto" follows the checkpoint, LLM.chat goes
-through the model's chat template, LLM.get_tokenizer."""
+through the model's chat template, LLM.get_tokenizer, vLLM's prompt dicts and cache_salt."""
 
 from __future__ import annotations
 
@@ -49,6 +49,44 @@ def test_chat_uses_the_chat_template(llm):
     with pytest.raises(ValueError, match="messages"):
         llm.chat([], sp)
     assert np.all([isinstance(t, int) for t in one[0].token_ids])
+
+
+def test_vllm_prompt_dicts(llm):
+    """vLLM's TextPrompt / TokensPrompt give what the string / token ids give; a dict jspec
+    cannot take is a ValueError naming the key, and the call queues none of its prompts."""
+    sp = jspec.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    text = "def main():"
+    ids = list(llm.get_tokenizer().encode(text))
+    want = llm.generate([text], sp)[0]
+    a, b = llm.generate([jspec.TextPrompt(prompt=text), jspec.TokensPrompt(prompt_token_ids=ids)], sp)
+    assert a.token_ids == want.token_ids == b.token_ids
+    assert a.prompt == text and b.prompt is None and b.prompt_token_ids == ids
+    (one,) = llm.generate({"prompt_token_ids": ids, "cache_salt": "s"}, sp)  # a single dict, not a list
+    assert one.token_ids == want.token_ids
+    for bad, match in [({"prompt": text, "multi_modal_data": {"image": None}}, r"\['multi_modal_data'\].*text-only"),
+                       ({"prompt": text, "prompt_token_ids": ids}, "exactly one of 'prompt'"),
+                       ({"prompt_token_ids": ids, "max_tokens": 3}, r"unknown prompt keys \['max_tokens'\]"),
+                       ({"prompt": ids}, "'prompt' must be a string"),
+                       ({"prompt": text, "cache_salt": ""}, "cache_salt must be a non-empty string")]:
+        with pytest.raises(ValueError, match=match):
+            llm.generate([text, bad], sp)
+        assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="contradicts the prompt's cache_salt"):
+        llm.engine.add_request("x", {"prompt": text, "cache_salt": "a"}, sp, cache_salt="b")
+
+
+def test_cache_salt_keeps_cached_prefixes_apart(llm):
+    """vLLM's cache_salt: a prompt reuses cached pages of an earlier one only under the same salt."""
+    blocks = llm.engine.blocks
+    ids = list(range(100, 150))  # three full pages of 16
+    sp = jspec.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    want = llm.generate([{"prompt_token_ids": ids, "cache_salt": "a"}], sp)[0].token_ids
+    hits = blocks.hits
+    assert llm.generate([{"prompt_token_ids": ids, "cache_salt": "b"}], sp)[0].token_ids == want
+    assert llm.generate([ids], sp)[0].token_ids == want
+    assert blocks.hits == hits
+    assert llm.generate([{"prompt_token_ids": ids, "cache_salt": "a"}], sp)[0].token_ids == want
+    assert blocks.hits == hits + 3
 
 
 def test_max_model_len_beyond_the_models_positions(tmp_path, monkeypatch):

@@ -5,8 +5,9 @@ What is pinned down here (module docstring of block_manager.py, docs/architectur
   come back in the order the allocator documents;
 - ensure_slots grows a sequence to hold n slots, or changes nothing and returns False;
 - ref counts: a prefix page shared by two sequences stays allocated until both let go;
-- only *full* pages of *committed* tokens (below num_final) get a hash, chained on the
-  parent page's hash; with hash_next_token the hash also covers the page's next token;
+- only *full* pages of *committed* tokens (below num_final) get a hash, sha256 chained on
+  the parent page's hash; with hash_next_token the hash also covers the page's next token;
+  a request's cache_salt starts its own chain;
 - allocate_prefix attaches the longest hashed prefix, always leaves at least one token to
   compute, and drops the last hit when asked (EAGLE-style drafters);
 - freed hashed pages stay revivable (LRU); allocation takes never-hashed pages first and
@@ -35,7 +36,7 @@ def toks(start, n):
 
 
 def chain_hashes(t, n_pages):
-    """The documented chain: hash((parent, page tokens)), parent None for the first page."""
+    """The chain: chain_hash(parent, page tokens), parent None for an unsalted first page."""
     hs, parent = [], None
     for i in range(n_pages):
         parent = BlockManager.chain_hash(parent, t[i * PS:(i + 1) * PS])
@@ -49,6 +50,50 @@ def run_prefill(bm: BlockManager, seq: Sequence):
     assert bm.ensure_slots(seq, seq.num_tokens)
     seq.num_computed = seq.num_tokens
     bm.commit(seq, seq.num_computed)
+
+
+# ---- hashing -----------------------------------------------------------------------------
+
+
+def test_page_hash_is_sha256_of_the_parent_hash_and_the_tokens():
+    """Computed here independently: sha256(parent's 32 bytes + each token as 8 bytes), the
+    first page's parent a fixed root. A collision-resistant hash, since a hit is taken on the
+    hash alone (a 64-bit hash of a tuple can be made to collide by a crafted prompt)."""
+    import hashlib
+    import struct
+
+    root = hashlib.sha256(b"jspec prefix cache").digest()
+    t = toks(7, 8)
+    h0 = hashlib.sha256(root + struct.pack("=4q", *t[:4])).digest()
+    h1 = hashlib.sha256(h0 + struct.pack("=4q", *t[4:])).digest()
+    assert chain_hashes(t, 2) == [h0, h1]
+    salted = hashlib.sha256(hashlib.sha256(root + b"tenant").digest() + struct.pack("=4q", *t[:4])).digest()
+    assert BlockManager.chain_hash(BlockManager.root_hash("tenant"), t[:4]) == salted
+
+
+def test_cache_salt_isolates_cached_prefixes():
+    """vLLM's cache_salt: a request shares cached pages only with requests of the same salt
+    (no salt being a salt of its own)."""
+    bm = BlockManager(num_pages=32, page_size=PS)
+    t = toks(0, 9)  # two full pages and one token
+
+    def admit(salt, arrival):
+        s = make_seq(t, arrival)
+        s.cache_salt = salt
+        got = bm.allocate_prefix(s, drop_last_hit=False)
+        run_prefill(bm, s)
+        return s, got
+
+    plain, got = admit(None, 0)
+    assert got == 0
+    salted, got = admit("tenant-a", 1)
+    assert got == 0 and not set(salted.pages) & set(plain.pages)
+    again, got = admit("tenant-a", 2)
+    assert got == 2 * PS and again.pages[:2] == salted.pages[:2]
+    other, got = admit("tenant-b", 3)
+    assert got == 0
+    unsalted, got = admit(None, 4)
+    assert got == 2 * PS and unsalted.pages[:2] == plain.pages[:2]
 
 
 # ---- accounting and allocation ----------------------------------------------------------

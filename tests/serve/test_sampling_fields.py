@@ -115,11 +115,36 @@ def test_vllm_extensions_pass_through(setup):
     assert r.choices[0].model_extra["token_ids"] == ref["extra"].token_ids
 
 
+def test_cache_salt_keeps_cached_prefixes_apart(setup):
+    """vLLM's cache_salt (completions and chat): a request reuses cached prompt pages only
+    under the same salt."""
+    client, http, _ = setup
+    blocks = http.app.state.jspec.engine.blocks
+    prompt = list(range(200, 240))  # two full pages of 16
+    texts = []
+
+    def run(salt, chat=False):
+        before = blocks.hits
+        extra = {"ignore_eos": True} | ({"cache_salt": salt} if salt else {})
+        if chat:
+            r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a b c d " * 12}],
+                                               max_tokens=3, temperature=0, extra_body=extra)
+            texts.append(r.choices[0].message.content)
+        else:
+            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, extra_body=extra)
+            texts.append(r.choices[0].text)
+        return blocks.hits - before
+
+    assert run("a") == 0 and run("b") == 0 and run(None) == 0 and run("a") == 2
+    assert len(set(texts)) == 1
+    assert run("c", chat=True) == 0 and run("d", chat=True) == 0 and run("c", chat=True) > 0
+
+
 @pytest.mark.parametrize("kw, param", [
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"extra_body": {"min_p": 2}}, "min_p"),
     ({"n": 0}, "n"), ({"logprobs": 99}, "logprobs"), ({"extra_body": {"allowed_token_ids": [10**6]}}, "allowed_token_ids"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"), ({"logit_bias": {"abc": 1}}, "logit_bias"),
-    ({"n": 2, "temperature": 0}, "n"),
+    ({"n": 2, "temperature": 0}, "n"), ({"extra_body": {"cache_salt": ""}}, "cache_salt"),
 ])
 def test_bad_values_are_400_naming_the_field(setup, kw, param):
     client, _, _ = setup
