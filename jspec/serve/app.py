@@ -19,16 +19,18 @@ from jspec.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    check_model,
     check_unsupported,
     parse_request,
     structured_outputs_of,
 )
 from jspec.serve.responses import Ctx, complete_response, stream_response
+from jspec.serve.tokenization import add_tokenization_routes, chat_prompt_ids
 
 logger = logging.getLogger("jspec.serve")
 
 KNOWN_HANDLERS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                  "/v1/debug/engine"}  # /v1/models/{id} counts as /v1/models
+                  "/v1/debug/engine", "/tokenize", "/detokenize"}  # /v1/models/{id} counts as /v1/models
 
 
 class ServerState:
@@ -96,9 +98,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != state.model_name:
-            raise APIError(f"The model `{model_id}` does not exist. This server serves `{state.model_name}`.",
-                           404, param="model", code="model_not_found")
+        check_model(model_id, state.model_name)
         return model_card()
 
     @app.get("/metrics")
@@ -118,6 +118,7 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     async def chat_completions(request: Request):
         return await _serve(state, request, chat=True)
 
+    add_tokenization_routes(app, state)
     return app
 
 
@@ -180,42 +181,25 @@ class _SSEResponse(StreamingResponse):
 
 
 # ------------------------------------------------------------------------------ requests
-def _prompt_ids(state: ServerState, req, chat: bool) -> list[int]:
+def _prompt_ids(state: ServerState, req, chat: bool) -> list[list[int]]:
+    """The token ids of each prompt: a chat's one, or a completion's (a string or token ids,
+    or a batch of either: OpenAI's prompt arrays)."""
     eng = state.engine
     if chat:
-        tok = eng.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise APIError("This model has no chat template; use /v1/completions", param="messages")
-        msgs = [m.model_dump(exclude_none=True) for m in req.messages]
-        for m in msgs:
-            if isinstance(m.get("content"), list):  # OpenAI content parts: keep the text ones
-                parts = m["content"]
-                if any(p.get("type") != "text" for p in parts):
-                    raise APIError("Only text content parts are supported", param="messages")
-                m["content"] = "".join(p.get("text", "") for p in parts)
-        extra = {k: v for k, v in (req.chat_template_kwargs or {}).items()
-                 if k not in {"tokenize", "add_generation_prompt", "return_dict", "conversation",
-                              "return_tensors", "padding", "truncation"}}
-        try:
-            ids = tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt is not False,
-                                          tokenize=True, **extra)
-        except Exception as e:
-            raise APIError(f"Could not apply the chat template: {e}", param="messages") from None
-        if hasattr(ids, "keys") and "input_ids" in ids:
-            ids = ids["input_ids"]
-        return list(ids)
+        return [chat_prompt_ids(eng.tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt is not False,
+                                continue_final_message=bool(req.continue_final_message),
+                                chat_template_kwargs=req.chat_template_kwargs)]
     p = req.prompt
-    if isinstance(p, list) and p and not isinstance(p[0], int):
-        if len(p) != 1:
-            raise APIError("Batched prompts are not supported; send one prompt per request",
-                           param="prompt")
-        p = p[0]
-    if isinstance(p, (str, list)) and len(p) == 0:
-        raise APIError("The prompt is empty", param="prompt")
-    try:
-        return eng.tokenize(p)
-    except ValueError as e:
-        raise APIError(str(e), param="prompt") from None
+    batch = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+    out = []
+    for one in batch:
+        if isinstance(one, (str, list)) and len(one) == 0:
+            raise APIError("The prompt is empty", param="prompt")
+        try:
+            out.append(eng.tokenize(one))
+        except ValueError as e:
+            raise APIError(str(e), param="prompt") from None
+    return out
 
 
 def _sampling_params(state: ServerState, req, chat: bool, n_prompt: int) -> SamplingParams:
@@ -282,33 +266,43 @@ async def _serve(state: ServerState, request: Request, chat: bool):
     req, ignored = parse_request(raw, ChatCompletionRequest if chat else CompletionRequest)
     if ignored:
         logger.warning("ignoring unknown request fields: %s", ", ".join(ignored))
-    if req.model is not None and req.model != state.model_name:
-        raise APIError(f"The model `{req.model}` does not exist. This server serves "
-                       f"`{state.model_name}`.", 404, param="model", code="model_not_found")
+    check_model(req.model, state.model_name)
     check_unsupported(req)
-    ids = _prompt_ids(state, req, chat)
-    params = _sampling_params(state, req, chat, len(ids))
+    prompts = _prompt_ids(state, req, chat)
+    params = [_sampling_params(state, req, chat, len(ids)) for ids in prompts]
     if req.cache_salt is not None and not req.cache_salt:
         raise APIError("'cache_salt' must be a non-empty string", param="cache_salt")
-    prompt = ids if req.cache_salt is None else {"prompt_token_ids": ids, "cache_salt": req.cache_salt}
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    # A batch of prompts runs as one engine request each; choice i * n + j is prompt i's j-th (as vLLM).
+    rids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+    streams = []
     try:
-        stream = await state.loop.add_request(rid, prompt, params, len(ids), arrival)
-    except ValueError as e:  # SamplingParamsError names its field
-        field = getattr(e, "param", None)
+        for r, ids, sp in zip(rids, prompts, params):
+            prompt = ids if req.cache_salt is None else {"prompt_token_ids": ids, "cache_salt": req.cache_salt}
+            streams.append(await state.loop.add_request(r, prompt, sp, len(ids), arrival))
+    except BaseException as e:
+        for r in rids[:len(streams)]:  # the batch's prompts already queued
+            state.loop.abort(r)
+        if not isinstance(e, ValueError):
+            raise
+        field = getattr(e, "param", None)  # SamplingParamsError names its field
         if field == "structured_outputs":  # the request field the grammar came in
             field = structured_outputs_of(req)[1]
         raise APIError(str(e), param=_param(field, chat)) from None
-    prompt_text = None
+    texts = [None] * len(prompts)
     if not chat and getattr(req, "echo", False):
-        p = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) else req.prompt
-        prompt_text = p if isinstance(p, str) else (state.engine.tokenizer.decode(ids) if state.engine.tokenizer else "")
-    ctx = Ctx(state, req, chat, rid, ids, params, prompt_text)
+        p = req.prompt
+        given = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+        tok = state.engine.tokenizer
+        texts = [p if isinstance(p, str) else (tok.decode(ids) if tok else "") for p, ids in zip(given, prompts)]
+    n = params[0].n
+    ctxs = [Ctx(state, req, chat, r, ids, sp, text, index_base=i * n, response_id=rid)
+            for i, (r, ids, sp, text) in enumerate(zip(rids, prompts, params, texts))]
     if req.stream:
-        return _SSEResponse(stream_response(ctx, stream), media_type="text/event-stream",
+        return _SSEResponse(stream_response(ctxs, streams), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
-                            on_close=lambda: None if stream.finished else state.loop.abort(rid))
-    return await complete_response(ctx, stream, request)
+                            on_close=lambda: [state.loop.abort(c.rid) for c, s in zip(ctxs, streams) if not s.finished])
+    return await complete_response(ctxs, streams, request)
 
 
 def _param(field: str | None, chat: bool) -> str:

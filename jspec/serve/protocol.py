@@ -124,6 +124,36 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension
     add_generation_prompt: bool | None = True  # vLLM extension
+    continue_final_message: bool | None = False  # vLLM extension: the last message is continued, not answered
+
+
+class TokenizeCompletionRequest(_Strict):  # vLLM's /tokenize
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Strict):  # vLLM's /tokenize with messages
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Strict):  # vLLM's /detokenize
+    model: str | None = None
+    tokens: list[int]
+
+
+def check_model(model: str | None, served: str) -> None:
+    """404 for a request that names a model other than the one served."""
+    if model is not None and model != served:
+        raise APIError(f"The model `{model}` does not exist. This server serves `{served}`.", 404, param="model",
+                       code="model_not_found")
 
 
 def parse_request(raw: bytes, cls: type[_Strict]) -> tuple[_Strict, list[str]]:

@@ -1,7 +1,9 @@
-"""OpenAI response bodies of one request: its ``n`` choices (one per sample), streamed as
-SSE chunks or returned whole, with ``logprobs`` in OpenAI's shapes (completions:
-tokens / token_logprobs / top_logprobs / text_offset; chat: content[{token, logprob,
-bytes, top_logprobs}]) and ``echo`` (completions: the prompt, and its logprobs, first).
+"""OpenAI response bodies of one request: its ``n`` choices (one per sample) for each of its
+prompts (a completion's prompt array runs as one engine request per prompt, one ``Ctx``
+each; choice i * n + j is prompt i's j-th sample, as vLLM numbers them), streamed as SSE
+chunks or returned whole, with ``logprobs`` in OpenAI's shapes (completions: tokens /
+token_logprobs / top_logprobs / text_offset; chat: content[{token, logprob, bytes,
+top_logprobs}]) and ``echo`` (completions: the prompt, and its logprobs, first).
 
 Stop strings end a request in the engine (SamplingParams.stop, min_tokens respected), which
 also cuts the final text; here each choice holds back the last len(longest stop) - 1
@@ -37,16 +39,23 @@ class Choice:
         self.n_lp = 0  # logprob entries already sent
         self.offset = 0  # text offset of the next token (completions' text_offset)
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM)
+        self.prompt_ids_sent = False  # return_token_ids: a completion choice's prompt ids go out once
 
 
 class Ctx:
-    def __init__(self, state, req, chat, rid, prompt_ids, params, prompt_text: str | None):
+    """One prompt's engine request (``rid``) and its choices, numbered from ``index_base``,
+    in a response whose id is ``response_id``."""
+
+    def __init__(self, state, req, chat, rid, prompt_ids, params, prompt_text: str | None, index_base: int = 0,
+                 response_id: str | None = None):
         self.state, self.req, self.chat, self.rid = state, req, chat, rid
+        self.response_id = response_id or rid
         self.prompt_ids = prompt_ids
         tok = state.engine.tokenizer
         self.tokenizer = tok
         hold = max((len(s) for s in params.stop_strings), default=1) - 1
-        self.choices = [Choice(i, tok, hold) for i in range(params.n)]
+        self.choices = [Choice(index_base + i, tok, hold) for i in range(params.n)]
         self.created = int(time.time())
         self.logprobs = params.logprobs  # top-N per token, or None
         self.echo = bool(getattr(req, "echo", False)) and not chat
@@ -68,7 +77,7 @@ class Ctx:
         return u
 
     def chunk(self, choices, usage=None):
-        d = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+        d = {"id": self.response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
              "created": self.created, "model": self.state.model_name, "choices": choices}
         if usage is not None:
             d["usage"] = usage
@@ -111,14 +120,36 @@ class Ctx:
         return self.prompt_text or "", lp
 
     def choice_delta(self, c: Choice, text, finish_reason, role=False, token_ids=None, logprobs=None):
+        stop_reason = c.stop_reason if finish_reason else None
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-            d = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            d = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                 "stop_reason": stop_reason}
         else:
-            d = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            d = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                 "stop_reason": stop_reason}
+            if self.req.return_token_ids and not c.prompt_ids_sent:
+                d["prompt_token_ids"], c.prompt_ids_sent = self.prompt_ids, True
         if self.req.return_token_ids and token_ids is not None:
             d["token_ids"] = token_ids
         return d
+
+
+def batch_usage(ctxs: list[Ctx]) -> dict:
+    """The usage of a response over all its prompts (their speculative counters summed)."""
+    if len(ctxs) == 1:
+        return ctxs[0].usage()
+    us = [c.usage() for c in ctxs]
+    out = {k: sum(u[k] for u in us) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    spec = [u["speculative_decoding"] for u in us if "speculative_decoding" in u]
+    if spec:
+        m = {k: sum(d[k] for d in spec) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+        width = max(len(d["accepted_per_position"]) for d in spec)
+        m["accepted_per_position"] = [sum(d["accepted_per_position"][i] for d in spec
+                                          if i < len(d["accepted_per_position"])) for i in range(width)]
+        m["mean_acceptance_length"] = 1 + m["num_accepted_tokens"] / m["num_drafts"] if m["num_drafts"] else 0.0
+        out["speculative_decoding"] = m
+    return out
 
 
 def _merge_lp(a, b):
@@ -152,16 +183,46 @@ async def next_updates(ctx: Ctx, stream: RequestStream):
         if o is not None and o.logprobs is not None:
             lps, c.n_lp = o.logprobs[c.n_lp:], len(o.logprobs)
         c.finish_reason = fin
+        if fin is not None and o is not None:
+            c.stop_reason = o.stop_reason
         updates.append((c, delta, new_ids, lps, fin is not None))
     if out.finished:
         stream.finished = True
     return updates
 
 
-async def stream_response(ctx: Ctx, stream: RequestStream):
-    opts = ctx.req.stream_options
-    include_usage = bool(opts and opts.include_usage)
-    continuous = bool(opts and opts.continuous_usage_stats and include_usage)
+async def _merged(gens):
+    """The items of several async generators as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(g):
+        try:
+            async for x in g:
+                await queue.put(x)
+        except Exception as e:  # handed to the consumer
+            await queue.put(e)
+        finally:
+            await queue.put(end)
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in gens]
+    try:
+        ended = 0
+        while ended < len(tasks):
+            x = await queue.get()
+            if x is end:
+                ended += 1
+            elif isinstance(x, Exception):
+                raise x
+            else:
+                yield x
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _prompt_chunks(ctx: Ctx, stream: RequestStream, continuous: bool):
+    """One prompt's chunks: its choices' first deltas, then each update until it finishes."""
     try:
         for c in ctx.choices:
             if ctx.chat:
@@ -181,18 +242,31 @@ async def stream_response(ctx: Ctx, stream: RequestStream):
                     if delta or fin or lp or (ctx.req.return_token_ids and new_ids):
                         yield ctx.chunk([ctx.choice_delta(c, delta, c.finish_reason, token_ids=new_ids, logprobs=lp)],
                                         ctx.usage() if continuous else None)
-        if include_usage:
-            yield ctx.chunk([], ctx.usage())
-        yield "data: [DONE]\n\n"
     finally:
         if not stream.finished:  # client went away (or the server is cancelling us)
             ctx.state.loop.abort(ctx.rid)
 
 
-async def complete_response(ctx: Ctx, stream: RequestStream, request: Request):
-    lps = {c.index: [] for c in ctx.choices}
+async def stream_response(ctxs: list[Ctx], streams: list[RequestStream]):
+    opts = ctxs[0].req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.continuous_usage_stats and include_usage)
+    gens = [_prompt_chunks(ctx, stream, continuous) for ctx, stream in zip(ctxs, streams)]
+    chunks = gens[0] if len(gens) == 1 else _merged(gens)
+    try:
+        async for chunk in chunks:
+            yield chunk
+        if include_usage:
+            yield ctxs[0].chunk([], batch_usage(ctxs))
+        yield "data: [DONE]\n\n"
+    finally:  # closed early (the client went away): the prompts' own finally blocks abort them now
+        await chunks.aclose()
 
-    async def collect():
+
+async def complete_response(ctxs: list[Ctx], streams: list[RequestStream], request: Request):
+    lps = {c.index: [] for ctx in ctxs for c in ctx.choices}
+
+    async def collect(ctx, stream):
         while not stream.finished:
             for c, _, _, new, _ in await next_updates(ctx, stream):
                 lps[c.index] += new
@@ -203,7 +277,7 @@ async def complete_response(ctx: Ctx, stream: RequestStream, request: Request):
             if msg["type"] == "http.disconnect":
                 return
 
-    task = asyncio.ensure_future(collect())
+    task = asyncio.ensure_future(asyncio.gather(*(collect(ctx, stream) for ctx, stream in zip(ctxs, streams))))
     watch = asyncio.ensure_future(disconnected())
     try:
         done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -211,25 +285,32 @@ async def complete_response(ctx: Ctx, stream: RequestStream, request: Request):
         watch.cancel()
         if not task.done():
             task.cancel()
-            ctx.state.loop.abort(ctx.rid)
+            for ctx, stream in zip(ctxs, streams):
+                if not stream.finished:
+                    ctx.state.loop.abort(ctx.rid)
     if task not in done:  # client disconnected; nobody reads the answer
         return Response(status_code=499)
     task.result()
     choices = []
-    for c in ctx.choices:
-        text, lp = ("", None) if not ctx.echo else ctx.echo_prefix(c)
-        lp = _merge_lp(lp, ctx.logprobs_obj(c, c.token_ids, lps[c.index]))
-        text += c.detok.sent
-        if ctx.chat:
-            d = {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                 "finish_reason": c.finish_reason}
-        else:
-            d = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
-        if ctx.req.return_token_ids:
-            d["token_ids"] = c.token_ids
-        choices.append(d)
-    body = {"id": ctx.rid, "object": "chat.completion" if ctx.chat else "text_completion",
-            "created": ctx.created, "model": ctx.state.model_name, "choices": choices, "usage": ctx.usage()}
-    if ctx.req.return_token_ids:
+    for ctx in ctxs:
+        for c in ctx.choices:
+            text, lp = ("", None) if not ctx.echo else ctx.echo_prefix(c)
+            lp = _merge_lp(lp, ctx.logprobs_obj(c, c.token_ids, lps[c.index]))
+            text += c.detok.sent
+            if ctx.chat:
+                d = {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            else:
+                d = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                     "stop_reason": c.stop_reason}
+            if ctx.req.return_token_ids:
+                d["token_ids"] = c.token_ids
+                if not ctx.chat:
+                    d["prompt_token_ids"] = ctx.prompt_ids
+            choices.append(d)
+    ctx = ctxs[0]
+    body = {"id": ctx.response_id, "object": "chat.completion" if ctx.chat else "text_completion",
+            "created": ctx.created, "model": ctx.state.model_name, "choices": choices, "usage": batch_usage(ctxs)}
+    if ctx.req.return_token_ids and ctx.chat:
         body["prompt_token_ids"] = ctx.prompt_ids
     return JSONResponse(body)

@@ -1,6 +1,7 @@
 """The request surface vLLM users bring, on the app in-process (starlette's TestClient):
---api-key, /v1/models/{id}, OpenAI's max_tokens default for completions, and a stop-string
-finish counted as a finished request ("stop") in /metrics, its latency included."""
+--api-key, /v1/models/{id}, OpenAI's max_tokens default for completions, a stop-string
+finish counted as a finished request ("stop") in /metrics, its latency included, and vLLM's
+/tokenize and /detokenize against the model's HF tokenizer."""
 
 from __future__ import annotations
 
@@ -109,3 +110,44 @@ def test_api_key_from_vllm_env(monkeypatch):
     assert envs.VLLM_API_KEY == "k"
     monkeypatch.delenv("VLLM_API_KEY")
     assert envs.VLLM_API_KEY is None
+
+
+def _hf_chat_ids(tok, msgs, **kw):
+    ids = tok.apply_chat_template(msgs, tokenize=True, **kw)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_tokenize_and_detokenize(client, llm):
+    tok = llm.get_tokenizer()
+    text = "The quick brown fox"
+    r = client.post("/tokenize", json={"model": "tiny", "prompt": text, "return_token_strs": True}).json()
+    want = list(tok(text)["input_ids"])
+    assert r == {"count": len(want), "max_model_len": llm.engine.max_model_len, "tokens": want,
+                 "token_strs": tok.convert_ids_to_tokens(want)}
+    done = client.post("/v1/completions", headers=AUTH, json={"prompt": text, "max_tokens": 1}).json()
+    assert done["usage"]["prompt_tokens"] == r["count"]  # what a completion of that prompt reads
+    r = client.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert r["tokens"] == list(tok(text, add_special_tokens=False)["input_ids"]) and r["token_strs"] is None
+
+    msgs = [{"role": "user", "content": "Hi there"}]
+    r = client.post("/tokenize", json={"messages": msgs}).json()
+    assert r["tokens"] == _hf_chat_ids(tok, msgs, add_generation_prompt=True)
+    done = client.post("/v1/chat/completions", headers=AUTH, json={"messages": msgs, "max_tokens": 1}).json()
+    assert done["usage"]["prompt_tokens"] == r["count"]
+    prefill = msgs + [{"role": "assistant", "content": "Hello, I am"}]
+    body = {"messages": prefill, "add_generation_prompt": False, "continue_final_message": True}
+    want = _hf_chat_ids(tok, prefill, continue_final_message=True)
+    assert client.post("/tokenize", json=body).json()["tokens"] == want
+    done = client.post("/v1/chat/completions", headers=AUTH, json=body | {"max_tokens": 1}).json()
+    assert done["usage"]["prompt_tokens"] == len(want)
+    r = client.post("/tokenize", json={"messages": prefill, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+    ids = list(tok(text)["input_ids"])
+    assert client.post("/detokenize", json={"tokens": ids}).json() == {"prompt": tok.decode(ids)}
+    r = client.post("/detokenize", json={"tokens": [1, 10**7]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = client.post("/tokenize", json={"model": "other", "prompt": text})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = client.post("/tokenize", json={"prompt": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"

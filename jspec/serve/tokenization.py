@@ -1,0 +1,88 @@
+"""The prompt's token ids of a chat (shared by /v1/chat/completions and /tokenize), and vLLM's
+tokenization routes: ``POST /tokenize`` (a completion prompt or chat messages -> count,
+max_model_len, tokens, token_strs) and ``POST /detokenize`` (tokens -> prompt)."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import Request
+
+from jspec.serve.protocol import (
+    APIError,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    check_model,
+    parse_request,
+)
+
+# apply_chat_template's own arguments, which chat_template_kwargs must not override
+_RESERVED = {"tokenize", "add_generation_prompt", "continue_final_message", "return_dict", "conversation",
+             "return_tensors", "padding", "truncation"}
+
+
+def chat_prompt_ids(tok, messages, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
+    """The token ids of ``messages`` (ChatMessage models) through the tokenizer's chat
+    template; ``add_special_tokens`` adds the tokenizer's own (a BOS) on top of the template's."""
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise APIError("This model has no chat template; use /v1/completions", param="messages")
+    if add_generation_prompt and continue_final_message:
+        raise APIError("'continue_final_message' needs 'add_generation_prompt': false", param="continue_final_message")
+    msgs = [m.model_dump(exclude_none=True) for m in messages]
+    for m in msgs:
+        if isinstance(m.get("content"), list):  # OpenAI content parts: keep the text ones
+            parts = m["content"]
+            if any(p.get("type") != "text" for p in parts):
+                raise APIError("Only text content parts are supported", param="messages")
+            m["content"] = "".join(p.get("text", "") for p in parts)
+    extra = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _RESERVED}
+    kw = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, **extra)
+    try:
+        if add_special_tokens:
+            return list(tok(tok.apply_chat_template(msgs, tokenize=False, **kw), add_special_tokens=True)["input_ids"])
+        ids = tok.apply_chat_template(msgs, tokenize=True, **kw)
+    except Exception as e:
+        raise APIError(f"Could not apply the chat template: {e}", param="messages") from None
+    if hasattr(ids, "keys") and "input_ids" in ids:
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def add_tokenization_routes(app, state) -> None:
+    def tokenizer():
+        if state.engine.tokenizer is None:
+            raise APIError("This model has no tokenizer")
+        return state.engine.tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None  # parse_request names the problem
+        chat = isinstance(body, dict) and "messages" in body
+        req, _ = parse_request(raw, TokenizeChatRequest if chat else TokenizeCompletionRequest)
+        check_model(req.model, state.model_name)
+        tok = tokenizer()
+        if chat:
+            ids = chat_prompt_ids(tok, req.messages, add_generation_prompt=req.add_generation_prompt,
+                                  continue_final_message=req.continue_final_message,
+                                  chat_template_kwargs=req.chat_template_kwargs,
+                                  add_special_tokens=req.add_special_tokens)
+        else:
+            ids = list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+        return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids,
+                "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req, _ = parse_request(await request.body(), DetokenizeRequest)
+        check_model(req.model, state.model_name)
+        vocab = state.engine.model_cfg.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"token ids {bad[:8]} are not in the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": tokenizer().decode(req.tokens)}
