@@ -26,6 +26,7 @@ from jspec.serve.protocol import (
 )
 from jspec.serve.responses import Ctx, complete_response, stream_response
 from jspec.serve.tokenization import add_tokenization_routes, chat_prompt_ids
+from jspec.serve.tools import tool_choice, tool_schema
 
 logger = logging.getLogger("jspec.serve")
 
@@ -181,14 +182,15 @@ class _SSEResponse(StreamingResponse):
 
 
 # ------------------------------------------------------------------------------ requests
-def _prompt_ids(state: ServerState, req, chat: bool) -> list[list[int]]:
-    """The token ids of each prompt: a chat's one, or a completion's (a string or token ids,
-    or a batch of either: OpenAI's prompt arrays)."""
+def _prompt_ids(state: ServerState, req, chat: bool, tool: str | None) -> list[list[int]]:
+    """The token ids of each prompt: a chat's one (the tools, if any, given to its template),
+    or a completion's (a string or token ids, or a batch of either: OpenAI's prompt arrays)."""
     eng = state.engine
     if chat:
         return [chat_prompt_ids(eng.tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt is not False,
                                 continue_final_message=bool(req.continue_final_message),
-                                chat_template_kwargs=req.chat_template_kwargs)]
+                                chat_template_kwargs=req.chat_template_kwargs,
+                                tools=req.tools if tool is not None else None)]
     p = req.prompt
     batch = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
     out = []
@@ -202,7 +204,13 @@ def _prompt_ids(state: ServerState, req, chat: bool) -> list[list[int]]:
     return out
 
 
-def _sampling_params(state: ServerState, req, chat: bool, n_prompt: int) -> SamplingParams:
+def _grammar_sources(req, tool: str | None):
+    """structured_outputs_of with a forced tool choice's grammar counted among the sources."""
+    schema = tool_schema(req, tool)
+    return structured_outputs_of(req, None if schema is None else ({"json": schema}, "tool_choice"))
+
+
+def _sampling_params(state: ServerState, req, chat: bool, n_prompt: int, tool: str | None) -> SamplingParams:
     max_len = state.engine.max_model_len
     if n_prompt >= max_len:
         raise APIError(f"This model's maximum context length is {max_len} tokens. However, your "
@@ -236,7 +244,7 @@ def _sampling_params(state: ServerState, req, chat: bool, n_prompt: int) -> Samp
               stop_token_ids=tuple(req.stop_token_ids) if req.stop_token_ids else None,
               stop=req.stop or None, n=1 if req.n is None else req.n, logit_bias=req.logit_bias,
               **{k: v for k, v in optional.items() if v is not None})
-    so, so_field = structured_outputs_of(req)
+    so, so_field = _grammar_sources(req, tool)
     if so is not None:
         kw["structured_outputs"] = so
     if chat:
@@ -268,8 +276,9 @@ async def _serve(state: ServerState, request: Request, chat: bool):
         logger.warning("ignoring unknown request fields: %s", ", ".join(ignored))
     check_model(req.model, state.model_name)
     check_unsupported(req)
-    prompts = _prompt_ids(state, req, chat)
-    params = [_sampling_params(state, req, chat, len(ids)) for ids in prompts]
+    tool = tool_choice(req) if chat else None
+    prompts = _prompt_ids(state, req, chat, tool)
+    params = [_sampling_params(state, req, chat, len(ids), tool) for ids in prompts]
     if req.cache_salt is not None and not req.cache_salt:
         raise APIError("'cache_salt' must be a non-empty string", param="cache_salt")
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -287,7 +296,7 @@ async def _serve(state: ServerState, request: Request, chat: bool):
             raise
         field = getattr(e, "param", None)  # SamplingParamsError names its field
         if field == "structured_outputs":  # the request field the grammar came in
-            field = structured_outputs_of(req)[1]
+            field = _grammar_sources(req, tool)[1]
         raise APIError(str(e), param=_param(field, chat)) from None
     texts = [None] * len(prompts)
     if not chat and getattr(req, "echo", False):
@@ -296,7 +305,7 @@ async def _serve(state: ServerState, request: Request, chat: bool):
         tok = state.engine.tokenizer
         texts = [p if isinstance(p, str) else (tok.decode(ids) if tok else "") for p, ids in zip(given, prompts)]
     n = params[0].n
-    ctxs = [Ctx(state, req, chat, r, ids, sp, text, index_base=i * n, response_id=rid)
+    ctxs = [Ctx(state, req, chat, r, ids, sp, text, index_base=i * n, response_id=rid, tool=tool)
             for i, (r, ids, sp, text) in enumerate(zip(rids, prompts, params, texts))]
     if req.stream:
         return _SSEResponse(stream_response(ctxs, streams), media_type="text/event-stream",

@@ -9,7 +9,7 @@ Validation policy (documented for clients):
   optional fields all the time and clients send them; refusing them would break clients for
   no safety gain.
 * Known fields whose non-default values we do not implement (``suffix``, ``best_of``,
-  tools, a ``response_format`` other than text / json_object / json_schema) are rejected
+  a ``response_format`` other than text / json_object / json_schema) are rejected
   with 400 rather than silently ignored: ignoring them would change results. The sampling fields (``n``, penalties, ``logit_bias``,
   ``logprobs`` / ``top_logprobs``, ``echo``, and vLLM's extensions ``repetition_penalty``,
   ``min_p``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``,
@@ -142,6 +142,7 @@ class TokenizeChatRequest(_Strict):  # vLLM's /tokenize with messages
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
 
 
 class DetokenizeRequest(_Strict):  # vLLM's /detokenize
@@ -201,16 +202,14 @@ def check_unsupported(req: _Strict) -> None:
             bad("suffix", "not implemented")
         if req.best_of not in (None, 1):
             bad("best_of", "only 1")
-    else:
-        if req.tools:
-            bad("tools", "tool calling is not implemented")
     if req.response_format and req.response_format.get("type") not in (None, "text", "json_object", "json_schema"):
         bad("response_format", "its type must be text, json_object or json_schema")
 
 
-def structured_outputs_of(req: _Strict) -> tuple[dict | None, str | None]:
-    """(StructuredOutputsParams' fields, the request field they came from), or (None, None)."""
-    given = []
+def structured_outputs_of(req: _Strict, tool: tuple[dict, str] | None = None) -> tuple[dict | None, str | None]:
+    """(StructuredOutputsParams' fields, the request field they came from), or (None, None).
+    ``tool``: the grammar a forced tool choice gives (jspec/serve/tools.py), and its field."""
+    given = [tool] if tool is not None else []
     rf = req.response_format
     if rf and rf.get("type") == "json_object":
         given.append(({"json_object": True}, "response_format"))

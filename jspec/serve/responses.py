@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from jspec.serve.engine_loop import RequestStream
 from jspec.serve.protocol import APIError
 from jspec.serve.text import Detokenizer
+from jspec.serve.tools import new_call_id, tool_calls
 
 
 def _lp(x: float) -> float:
@@ -41,6 +42,8 @@ class Choice:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM)
         self.prompt_ids_sent = False  # return_token_ids: a completion choice's prompt ids go out once
+        self.tool_call_id = new_call_id()  # its (first) tool call's id, when a tool choice forces one
+        self.tool_started = False  # a named tool call's id and name went out (streaming)
 
 
 class Ctx:
@@ -48,8 +51,9 @@ class Ctx:
     in a response whose id is ``response_id``."""
 
     def __init__(self, state, req, chat, rid, prompt_ids, params, prompt_text: str | None, index_base: int = 0,
-                 response_id: str | None = None):
+                 response_id: str | None = None, tool: str | None = None):
         self.state, self.req, self.chat, self.rid = state, req, chat, rid
+        self.tool = tool if tool != "none" else None  # "required" or a function name: replies are tool calls
         self.response_id = response_id or rid
         self.prompt_ids = prompt_ids
         tok = state.engine.tokenizer
@@ -122,7 +126,12 @@ class Ctx:
     def choice_delta(self, c: Choice, text, finish_reason, role=False, token_ids=None, logprobs=None):
         stop_reason = c.stop_reason if finish_reason else None
         if self.chat:
-            delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            if role:
+                delta = {"role": "assistant", "content": "" if self.tool is None else None}
+            elif self.tool is not None:
+                delta = self._tool_delta(c, text, finish_reason)
+            else:
+                delta = {"content": text} if text else {}
             d = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                  "stop_reason": stop_reason}
         else:
@@ -133,6 +142,32 @@ class Ctx:
         if self.req.return_token_ids and token_ids is not None:
             d["token_ids"] = token_ids
         return d
+
+
+    def _tool_delta(self, c: Choice, text: str, finish_reason) -> dict:
+        """A streamed tool call: a named one's arguments as they come (its id and name
+        first); "required"'s calls whole once the reply ends (its JSON is parsed then)."""
+        if self.tool != "required":
+            if not text and c.tool_started:
+                return {}
+            call = {"index": 0, "function": {"arguments": text}}
+            if not c.tool_started:
+                call = {"index": 0, "id": c.tool_call_id, "type": "function",
+                        "function": {"name": self.tool, "arguments": text}}
+                c.tool_started = True
+            return {"tool_calls": [call]}
+        if not finish_reason:
+            return {}
+        calls = tool_calls(self.tool, c.detok.sent, c.tool_call_id)
+        if calls is None:
+            return {"content": c.detok.sent}
+        return {"tool_calls": [dict(call, index=i) for i, call in enumerate(calls)]}
+
+    def message(self, c: Choice, text: str) -> dict:
+        calls = tool_calls(self.tool, text, c.tool_call_id) if self.tool is not None else None
+        if calls is None:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": None, "tool_calls": calls}
 
 
 def batch_usage(ctxs: list[Ctx]) -> dict:
@@ -236,10 +271,11 @@ async def _prompt_chunks(ctx: Ctx, stream: RequestStream, continuous: bool):
             except APIError as e:
                 yield "data: " + json.dumps(e.body()) + "\n\n"
                 break
+            held = ctx.tool == "required"  # its text goes out as tool calls when it ends
             for c, delta, new_ids, lps, fin in updates:
                 if delta or fin or new_ids:
                     lp = ctx.logprobs_obj(c, new_ids, lps) if lps else None
-                    if delta or fin or lp or (ctx.req.return_token_ids and new_ids):
+                    if (delta and not held) or fin or lp or (ctx.req.return_token_ids and new_ids):
                         yield ctx.chunk([ctx.choice_delta(c, delta, c.finish_reason, token_ids=new_ids, logprobs=lp)],
                                         ctx.usage() if continuous else None)
     finally:
@@ -298,7 +334,7 @@ async def complete_response(ctxs: list[Ctx], streams: list[RequestStream], reque
             lp = _merge_lp(lp, ctx.logprobs_obj(c, c.token_ids, lps[c.index]))
             text += c.detok.sent
             if ctx.chat:
-                d = {"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                d = {"index": c.index, "message": ctx.message(c, text), "logprobs": lp,
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             else:
                 d = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,

@@ -19,13 +19,15 @@ from jspec.serve.protocol import (
 
 # apply_chat_template's own arguments, which chat_template_kwargs must not override
 _RESERVED = {"tokenize", "add_generation_prompt", "continue_final_message", "return_dict", "conversation",
-             "return_tensors", "padding", "truncation"}
+             "return_tensors", "padding", "truncation", "tools"}
 
 
 def chat_prompt_ids(tok, messages, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
+                    chat_template_kwargs: dict | None = None, add_special_tokens: bool = False,
+                    tools: list | None = None) -> list[int]:
     """The token ids of ``messages`` (ChatMessage models) through the tokenizer's chat
-    template; ``add_special_tokens`` adds the tokenizer's own (a BOS) on top of the template's."""
+    template, which is given ``tools`` (OpenAI's tool dicts) when there are any;
+    ``add_special_tokens`` adds the tokenizer's own (a BOS) on top of the template's."""
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError("This model has no chat template; use /v1/completions", param="messages")
     if add_generation_prompt and continue_final_message:
@@ -39,6 +41,8 @@ def chat_prompt_ids(tok, messages, *, add_generation_prompt: bool = True, contin
             m["content"] = "".join(p.get("text", "") for p in parts)
     extra = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _RESERVED}
     kw = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, **extra)
+    if tools:
+        kw["tools"] = tools
     try:
         if add_special_tokens:
             return list(tok(tok.apply_chat_template(msgs, tokenize=False, **kw), add_special_tokens=True)["input_ids"])
@@ -71,7 +75,7 @@ def add_tokenization_routes(app, state) -> None:
             ids = chat_prompt_ids(tok, req.messages, add_generation_prompt=req.add_generation_prompt,
                                   continue_final_message=req.continue_final_message,
                                   chat_template_kwargs=req.chat_template_kwargs,
-                                  add_special_tokens=req.add_special_tokens)
+                                  add_special_tokens=req.add_special_tokens, tools=req.tools)
         else:
             ids = list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
         return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids,

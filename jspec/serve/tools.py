@@ -1,0 +1,80 @@
+"""OpenAI function calling without a parser of the model's own tool-call format: vLLM's named
+and "required" tool choice. The tools go to the chat template; structured outputs constrain
+the reply to the named function's parameters, or to a JSON array of {name, parameters} for
+"required"; the reply comes back as the message's ``tool_calls``. "auto" (the default when
+tools are given) would need such a parser, which jspec does not have: it is a 400 naming
+tool_choice, as on vLLM without --enable-auto-tool-choice. "none" leaves the reply as text.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from jspec.serve.protocol import APIError
+
+
+def tool_choice(req) -> str | None:
+    """The chat request's tool choice: None (no tools), "none", "required", or the name of
+    the function it names. A 400 naming the field for malformed tools or an unknown name."""
+    tools, choice = getattr(req, "tools", None), getattr(req, "tool_choice", None)
+    if not tools:
+        if choice not in (None, "none"):
+            raise APIError("'tool_choice' needs 'tools'", param="tool_choice")
+        return None
+    names = []
+    for t in tools:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not isinstance(fn.get("parameters", {}), dict):
+            raise APIError("each tool must be {'type': 'function', 'function': {'name': str, 'parameters': "
+                           "{JSON schema}}}", param="tools")
+        names.append(fn["name"])
+    if choice is None or choice == "auto":
+        raise APIError('tool_choice "auto" (the default with tools) needs a parser of the model\'s tool-call '
+                       'format, which jspec does not have: use "required", a named function '
+                       '({"type": "function", "function": {"name": ...}}) or "none"', param="tool_choice")
+    if choice in ("none", "required"):
+        return choice
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(fn, dict) or choice.get("type") != "function" or fn.get("name") not in names:
+        raise APIError(f"'tool_choice' must be \"none\", \"required\" or {{'type': 'function', 'function': "
+                       f"{{'name': one of {names}}}}}, got {choice!r}", param="tool_choice")
+    return fn["name"]
+
+
+def tool_schema(req, choice: str | None) -> dict | None:
+    """The JSON schema the reply is held to: the named function's parameters, or for
+    "required" an array of one or more {name, parameters} of any tool (vLLM's, with no other
+    keys in an item: a model let to add keys may never close the array)."""
+    if choice in (None, "none"):
+        return None
+    fns = [t["function"] for t in req.tools]
+    params = {fn["name"]: fn.get("parameters") or {"type": "object"} for fn in fns}
+    if choice != "required":
+        return params[choice]
+    return {"type": "array", "minItems": 1,
+            "items": {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                                  "parameters": p},
+                                 "required": ["name", "parameters"], "additionalProperties": False}
+                                for name, p in params.items()]}}
+
+
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def tool_calls(choice: str, text: str, call_id: str) -> list[dict] | None:
+    """The reply as OpenAI tool calls; None when it is not one (a reply cut by max_tokens
+    before its JSON closed stays text)."""
+    if choice != "required":
+        return [{"id": call_id, "type": "function", "function": {"name": choice, "arguments": text}}]
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and "name" in c for c in calls):
+        return None
+    return [{"id": call_id if i == 0 else new_call_id(), "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c.get("parameters", {}), ensure_ascii=False)}}
+            for i, c in enumerate(calls)]

@@ -1,0 +1,146 @@
+"""OpenAI function calling on /v1/chat/completions, the parser-free kinds vLLM has (named and
+"required" tool choice, through structured outputs), on the tiny default model through the
+official openai client: the reply as tool_calls, whole and streamed, equal to jspec.LLM's
+output under the same schema written out here; "none" answers in text; "auto" and malformed
+tools are a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+import jspec
+from tests.helpers.serve import ENGINE_KWARGS
+from tests.helpers.structured import valid
+
+WEATHER = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["unit", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+# vLLM's "required" schema: one or more {name, parameters} of any tool (and no other keys)
+REQUIRED = {"type": "array", "minItems": 1, "items": {"anyOf": [
+    {"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                      "parameters": t["function"]["parameters"]},
+     "required": ["name", "parameters"], "additionalProperties": False} for t in TOOLS]}}
+MSGS = [{"role": "user", "content": "Weather in Paris for three days?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}  # a random model writes whitespace if let
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from starlette.testclient import TestClient
+
+    from jspec.serve.app import create_app
+
+    llm = jspec.LLM(**ENGINE_KWARGS)
+    ids = llm.get_tokenizer().apply_chat_template(MSGS, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def run(schema, **kw):
+        so = None if schema is None else jspec.StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        return llm.generate([ids], jspec.SamplingParams(temperature=0, max_tokens=70, structured_outputs=so, **kw))[0]
+
+    # The random model adds array items for as long as it may; a bias on "]" closes the array
+    # after the first item (the grammar allows "]" nowhere else).
+    close = llm.get_tokenizer().convert_tokens_to_ids("]")
+    ref = {"named": run(WEATHER), "required": run(REQUIRED), "closed": run(REQUIRED, logit_bias={close: 100.0}),
+           "close": close, "none": run(None), "n_prompt": len(ids)}
+    with TestClient(create_app(llm.engine, "tiny")) as http:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http), ref
+
+
+def ask(client, stream=False, **kw):
+    return client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, max_tokens=70, temperature=0,
+                                          stream=stream, extra_body=COMPACT, **kw)
+
+
+def test_named_tool_call_whole_and_streamed(setup):
+    client, ref = setup
+    r = ask(client, tool_choice=NAMED)
+    c = r.choices[0]
+    assert r.usage.prompt_tokens == ref["n_prompt"]  # the tools went through the template as jspec.LLM's did
+    assert c.message.content is None and len(c.message.tool_calls) == 1
+    call = c.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    assert call.function.arguments == ref["named"].text
+    assert c.finish_reason == "stop" and valid(call.function.arguments, WEATHER), call.function.arguments
+    deltas = [d for chunk in ask(client, stream=True, tool_choice=NAMED) for ch in chunk.choices
+              for d in (ch.delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and deltas[0].type == "function"
+    assert all(d.id is None and d.function.name is None and d.index == 0 for d in deltas[1:])
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
+
+
+def test_required_tool_calls_whole_and_streamed(setup):
+    client, ref = setup
+    want = ref["closed"]
+    assert want.finish_reason == "stop"
+    kw = dict(tool_choice="required", logit_bias={str(ref["close"]): 100})
+    c = ask(client, **kw).choices[0]
+    items = json.loads(want.text)
+    assert c.message.content is None and len(items) >= 1
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == \
+        [(i["name"], i["parameters"]) for i in items]
+    assert len({t.id for t in c.message.tool_calls}) == len(items)
+    streamed = [d for chunk in ask(client, stream=True, **kw) for ch in chunk.choices for d in (ch.delta.tool_calls or [])]
+    assert [(d.index, d.function.name, d.function.arguments) for d in streamed] == \
+        [(i, t.function.name, t.function.arguments) for i, t in enumerate(c.message.tool_calls)]
+
+
+def test_required_cut_by_max_tokens_stays_text(setup):
+    """No array closed within max_tokens: nothing to parse into calls, the text comes back."""
+    client, ref = setup
+    want = ref["required"]
+    assert want.finish_reason == "length"
+    c = ask(client, tool_choice="required").choices[0]
+    assert c.finish_reason == "length" and c.message.tool_calls is None and c.message.content == want.text
+    chunks = [ch.delta for chunk in ask(client, stream=True, tool_choice="required") for ch in chunk.choices]
+    assert not any(d.tool_calls for d in chunks) and "".join(d.content or "" for d in chunks) == want.text
+
+
+def test_tool_choice_none_answers_in_text(setup):
+    client, ref = setup
+    c = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice="none", max_tokens=70,
+                                       temperature=0).choices[0]
+    assert c.message.tool_calls is None and c.message.content == ref["none"].text
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"tools": TOOLS}, "tool_choice"),  # "auto", the default with tools
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"parameters": WEATHER}}], "tool_choice": "required"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_tool_requests_are_400_naming_the_field(setup, kw, param):
+    client, _ = setup
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, **kw)
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_the_tools_reach_the_chat_template():
+    """A template that renders the tools (as tool-calling models' do) sees them, as it does
+    through transformers' apply_chat_template."""
+    from transformers import AutoTokenizer
+
+    from jspec.serve.protocol import ChatMessage
+    from jspec.serve.tokenization import chat_prompt_ids
+    from tests.helpers.serve import TINY_MODEL
+
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL)
+    tok.chat_template = ("{% for t in tools or [] %}tool {{ t['function']['name'] }}\n{% endfor %}"
+                         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    msgs = [ChatMessage(**m) for m in MSGS]
+    with_tools = chat_prompt_ids(tok, msgs, tools=TOOLS)
+    want = tok.apply_chat_template(MSGS, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    assert with_tools == list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert len(with_tools) > len(chat_prompt_ids(tok, msgs))
+    assert "tool get_time" in tok.decode(with_tools)
