@@ -106,13 +106,17 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or
         a list of conversations, through the model's chat template, or ``chat_template``
-        (a Jinja string) in its place, with ``chat_template_kwargs`` passed to it (vLLM's LLM.chat)."""
+        (a Jinja string) in its place, with ``chat_template_kwargs`` and ``tools`` (OpenAI's
+        tool dicts) passed to it; ``continue_final_message`` continues the last message
+        instead of answering it (vLLM's LLM.chat)."""
         tok = self.engine.tokenizer
         if tok is None or not (chat_template or getattr(tok, "chat_template", None)):
             raise ValueError("this model has no tokenizer with a chat template: LLM.chat needs one "
@@ -123,6 +127,7 @@ class LLM:
         ids = []
         for conv in convs:
             out = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt, tokenize=True,
+                                          continue_final_message=continue_final_message, tools=tools,
                                           chat_template=chat_template, **(chat_template_kwargs or {}))
             ids.append(list(out["input_ids"] if hasattr(out, "keys") else out))
         return self.generate(ids, sampling_params, use_tqdm=use_tqdm)

@@ -143,7 +143,6 @@ class Ctx:
             d["token_ids"] = token_ids
         return d
 
-
     def _tool_delta(self, c: Choice, text: str, finish_reason) -> dict:
         """A streamed tool call: a named one's arguments as they come (its id and name
         first); "required"'s calls whole once the reply ends (its JSON is parsed then)."""

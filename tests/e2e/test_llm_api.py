@@ -51,6 +51,23 @@ def test_chat_uses_the_chat_template(llm):
     assert np.all([isinstance(t, int) for t in one[0].token_ids])
 
 
+def test_chat_continues_a_message_and_passes_tools(llm):
+    """vLLM's LLM.chat arguments: continue_final_message, tools (a template that renders tools
+    sees them), as transformers' apply_chat_template takes them."""
+    tok = llm.get_tokenizer()
+    sp = jspec.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    conv = [{"role": "user", "content": "Write a loop"}, {"role": "assistant", "content": "for i in"}]
+    ids = tok.apply_chat_template(conv, continue_final_message=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    out = llm.chat(conv, sp, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt_token_ids == ids and out.token_ids == llm.generate([ids], sp)[0].token_ids
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    template = "{% for t in tools or [] %}tool {{ t['function']['name'] }}\n{% endfor %}{{ messages[0]['content'] }}"
+    with_tools = llm.chat(conv[:1], sp, chat_template=template, tools=tools)[0].prompt_token_ids
+    assert tok.decode(with_tools).endswith("tool get_time\nWrite a loop")
+    assert len(llm.chat(conv[:1], sp, chat_template=template)[0].prompt_token_ids) < len(with_tools)
+
+
 def test_vllm_prompt_dicts(llm):
     """vLLM's TextPrompt / TokensPrompt give what the string / token ids give; a dict jspec
     cannot take is a ValueError naming the key, and the call queues none of its prompts."""
