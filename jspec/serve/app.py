@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -284,16 +285,18 @@ async def _serve(state: ServerState, request: Request, chat: bool):
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     # A batch of prompts runs as one engine request each; choice i * n + j is prompt i's j-th (as vLLM).
     rids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-    streams = []
-    try:
-        for r, ids, sp in zip(rids, prompts, params):
-            prompt = ids if req.cache_salt is None else {"prompt_token_ids": ids, "cache_salt": req.cache_salt}
-            streams.append(await state.loop.add_request(r, prompt, sp, len(ids), arrival))
-    except BaseException as e:
-        for r in rids[:len(streams)]:  # the batch's prompts already queued
-            state.loop.abort(r)
+    salt = {} if req.cache_salt is None else {"cache_salt": req.cache_salt}
+    # All queued at once (one engine step admits them together), all aborted if one is refused.
+    added = await asyncio.gather(*(state.loop.add_request(r, {"prompt_token_ids": ids, **salt}, sp, len(ids), arrival)
+                                   for r, ids, sp in zip(rids, prompts, params)), return_exceptions=True)
+    streams = [a for a in added if not isinstance(a, BaseException)]
+    if len(streams) < len(added):
+        for r, a in zip(rids, added):
+            if not isinstance(a, BaseException):
+                state.loop.abort(r)
+        e = next(a for a in added if isinstance(a, BaseException))
         if not isinstance(e, ValueError):
-            raise
+            raise e
         field = getattr(e, "param", None)  # SamplingParamsError names its field
         if field == "structured_outputs":  # the request field the grammar came in
             field = _grammar_sources(req, tool)[1]
