@@ -53,6 +53,7 @@ class RequestOutput:
     metrics: dict
     outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)  # n samples (vLLM's field)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None for the first prompt token
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served (None until admitted)
 
     @property
     def new_token_ids(self) -> list[int]:  # set by LLMEngine.step for streaming (outputs[0])
@@ -90,7 +91,8 @@ def merge_samples(request_id: str, parts: list[RequestOutput]) -> RequestOutput:
         metrics["mean_acceptance_length"] = (1 + metrics["num_accepted_tokens"] / metrics["num_drafts"]
                                              if metrics["num_drafts"] else 0.0)
     out = RequestOutput(request_id, first.prompt, first.prompt_token_ids, list(outs[0].token_ids), outs[0].text,
-                        all(p.finished for p in parts), outs[0].finish_reason, metrics, outs, first.prompt_logprobs)
+                        all(p.finished for p in parts), outs[0].finish_reason, metrics, outs, first.prompt_logprobs,
+                        first.num_cached_tokens)
     out._new = list(outs[0].new_token_ids)
     return out
 
@@ -115,7 +117,7 @@ def make_output(seq, new: list[int], tokenizer) -> RequestOutput:
     if seq.params.prompt_logprobs is not None:
         prompt_lp = [None] + [seq.prompt_logprobs.get(i) for i in range(1, len(seq.prompt_token_ids))]
     out = RequestOutput(seq.request_id, seq.prompt_text, seq.prompt_token_ids, comp.token_ids, text, finished,
-                        seq.finish_reason, seq.metrics.as_dict(), [comp], prompt_lp)
+                        seq.finish_reason, seq.metrics.as_dict(), [comp], prompt_lp, seq.num_cached_tokens)
     out._new = new
     return out
 

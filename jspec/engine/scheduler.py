@@ -100,7 +100,7 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            self.blocks.allocate_prefix(seq, self.cfg.drop_last_prefix_hit)
+            cached = self.blocks.allocate_prefix(seq, self.cfg.drop_last_prefix_hit)
             need = self.blocks.pages_needed(seq, seq.num_tokens + self.cfg.lookahead)
             headroom = len(self.running)
             if need + headroom > self.blocks.num_free_pages and self.running:
@@ -113,6 +113,8 @@ class Scheduler:
                 break
             budget -= min(seq.num_tokens - seq.num_computed, self.cfg.max_prefill_chunk)
             self.waiting.popleft()
+            if seq.num_cached_tokens is None:  # a preempted sequence's re-admission does not count (vLLM)
+                seq.num_cached_tokens = cached
             seq.status = Status.RUNNING
             self.running.append(seq)
 

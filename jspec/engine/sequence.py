@@ -71,6 +71,7 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # hashes of full committed blocks
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache pages
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache at its first admission
     finish_reason: str | None = None
     num_emitted_reported: int = 0  # tokens already handed out by LLMEngine.step
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)  # proposals for the next step

@@ -43,14 +43,18 @@ class ServerState:
         self.loop = EngineLoop(engine, metrics)
         self.draining = False
         self.created = int(time.time())
+        self.prompt_tokens_details = False  # usage reports the prompt tokens the prefix cache served
 
 
-def create_app(engine, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+def create_app(engine, served_model_name: str | None = None, api_key: str | None = None,
+               enable_prompt_tokens_details: bool = False) -> FastAPI:
     """The app over a (synchronous) engine; the engine thread starts with the app's lifespan.
     With ``api_key`` every /v1 route wants ``Authorization: Bearer <api_key>`` (vLLM's
-    --api-key); /health and /metrics stay open."""
+    --api-key); /health and /metrics stay open. ``enable_prompt_tokens_details``: usage
+    carries prompt_tokens_details.cached_tokens (vLLM's flag)."""
     name = served_model_name or engine.model_name
     state = ServerState(engine, name, Metrics(name))
+    state.prompt_tokens_details = enable_prompt_tokens_details
 
     async def lifespan(app):
         state.loop.start()

@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-structured-outputs", action="store_true",
                    help="warmup also compiles the steps of batches with structured outputs (JSON schema, "
                         "regex...), which otherwise compile on their first use")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage reports prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served")
     p.add_argument("--generation-config", default="auto",
                    help="default sampling parameters: auto, the model's generation_config.json; vllm, none; or "
                         "a folder holding one (a request's own values take precedence)")
@@ -179,7 +181,8 @@ def main(argv=None) -> int:
             t = time.monotonic()
             llm.engine.warmup()
             logger.info("warmup: compiled all shape buckets in %.1fs", time.monotonic() - t)
-    app = create_app(llm.engine, args.served_model_name, api_key=args.api_key or envs.VLLM_API_KEY)
+    app = create_app(llm.engine, args.served_model_name, api_key=args.api_key or envs.VLLM_API_KEY,
+                     enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     state = app.state.jspec
     logger.info("serving %s on http://%s:%d (max_model_len=%d, %d KV pages)", state.model_name,
                 args.host, args.port, llm.engine.max_model_len, llm.engine.num_pages)

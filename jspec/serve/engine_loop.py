@@ -36,6 +36,7 @@ class Output:
     metrics: dict | None = None  # the request's speculative counters (RequestOutput.metrics)
     outputs: list | None = None  # RequestOutput.outputs: per sample (n), made for this step alone
     prompt_logprobs: list | None = None
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served
 
 
 class RequestStream:
@@ -235,7 +236,7 @@ class EngineLoop:
             n_prompt = len(o.prompt_token_ids) if o.prompt_token_ids is not None else st.num_prompt_tokens
             out = Output(ids, n_prompt, bool(o.finished), o.finish_reason if o.finished else None,
                          metrics=dict(o.metrics) if o.metrics else None, outputs=list(o.outputs),
-                         prompt_logprobs=o.prompt_logprobs)
+                         prompt_logprobs=o.prompt_logprobs, num_cached_tokens=o.num_cached_tokens)
             if o.finished:
                 del self._reqs[o.request_id]
                 if m is not None:

@@ -66,6 +66,7 @@ class Ctx:
         self.prompt_text = prompt_text
         self.prompt_logprobs = None  # the engine's, when echo asks for them
         self.spec_metrics: dict | None = None  # the request's speculative counters, when speculating
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache served
 
     @property
     def token_ids(self) -> list[int]:
@@ -74,6 +75,8 @@ class Ctx:
     def usage(self):
         n = sum(len(c.token_ids) for c in self.choices)
         u = {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n, "total_tokens": len(self.prompt_ids) + n}
+        if self.state.prompt_tokens_details:
+            u["prompt_tokens_details"] = {"cached_tokens": self.num_cached_tokens}
         if self.spec_metrics is not None:
             # jspec's extension (OpenAI clients keep unknown usage fields): this request's
             # drafts, accepted tokens, acceptance per draft position and mean acceptance length.
@@ -175,6 +178,8 @@ def batch_usage(ctxs: list[Ctx]) -> dict:
         return ctxs[0].usage()
     us = [c.usage() for c in ctxs]
     out = {k: sum(u[k] for u in us) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    if "prompt_tokens_details" in us[0]:
+        out["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in us)}
     spec = [u["speculative_decoding"] for u in us if "speculative_decoding" in u]
     if spec:
         m = {k: sum(d[k] for d in spec) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
@@ -203,6 +208,8 @@ async def next_updates(ctx: Ctx, stream: RequestStream):
         ctx.spec_metrics = out.metrics  # the engine loop's copy, made on the engine thread
     if out.prompt_logprobs is not None:
         ctx.prompt_logprobs = out.prompt_logprobs
+    if out.num_cached_tokens is not None:
+        ctx.num_cached_tokens = out.num_cached_tokens
     updates = []
     for i, c in enumerate(ctx.choices):
         if c.finish_reason is not None:

@@ -97,13 +97,16 @@ def test_cache_salt_keeps_cached_prefixes_apart(llm):
     blocks = llm.engine.blocks
     ids = list(range(100, 150))  # three full pages of 16
     sp = jspec.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    want = llm.generate([{"prompt_token_ids": ids, "cache_salt": "a"}], sp)[0].token_ids
+    first = llm.generate([{"prompt_token_ids": ids, "cache_salt": "a"}], sp)[0]
+    want = first.token_ids
     hits = blocks.hits
-    assert llm.generate([{"prompt_token_ids": ids, "cache_salt": "b"}], sp)[0].token_ids == want
-    assert llm.generate([ids], sp)[0].token_ids == want
-    assert blocks.hits == hits
-    assert llm.generate([{"prompt_token_ids": ids, "cache_salt": "a"}], sp)[0].token_ids == want
-    assert blocks.hits == hits + 3
+    other = llm.generate([{"prompt_token_ids": ids, "cache_salt": "b"}], sp)[0]
+    plain = llm.generate([ids], sp)[0]
+    assert other.token_ids == plain.token_ids == want
+    assert blocks.hits == hits and first.num_cached_tokens == other.num_cached_tokens == plain.num_cached_tokens == 0
+    again = llm.generate([{"prompt_token_ids": ids, "cache_salt": "a"}], sp)[0]
+    assert again.token_ids == want and blocks.hits == hits + 3
+    assert again.num_cached_tokens == 3 * 16  # vLLM's RequestOutput.num_cached_tokens
 
 
 def test_max_model_len_beyond_the_models_positions(tmp_path, monkeypatch):

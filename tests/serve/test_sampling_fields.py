@@ -140,6 +140,27 @@ def test_cache_salt_keeps_cached_prefixes_apart(setup):
     assert run("c", chat=True) == 0 and run("d", chat=True) == 0 and run("c", chat=True) > 0
 
 
+def test_prompt_tokens_details_report_cached_tokens(setup):
+    """vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens, the
+    prompt tokens the prefix cache served (off by default, as in vLLM)."""
+    client, http, _ = setup
+    prompt = list(range(250, 290))  # two full pages of 16, then 8 tokens
+
+    def usage():
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0).usage
+
+    assert usage().prompt_tokens_details is None
+    state = http.app.state.jspec
+    state.prompt_tokens_details = True
+    try:
+        again = usage()
+        assert again.prompt_tokens == 40 and again.prompt_tokens_details.cached_tokens == 32
+        prompt[0] += 1  # another first page: nothing cached
+        assert usage().prompt_tokens_details.cached_tokens == 0
+    finally:
+        state.prompt_tokens_details = False
+
+
 @pytest.mark.parametrize("kw, param", [
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"extra_body": {"min_p": 2}}, "min_p"),
     ({"n": 0}, "n"), ({"logprobs": 99}, "logprobs"), ({"extra_body": {"allowed_token_ids": [10**6]}}, "allowed_token_ids"),
