@@ -191,11 +191,20 @@ def _prompt_ids(state: ServerState, req, chat: bool, tool: str | None) -> list[l
     """The token ids of each prompt: a chat's one (the tools, if any, given to its template),
     or a completion's (a string or token ids, or a batch of either: OpenAI's prompt arrays)."""
     eng = state.engine
+    k = req.truncate_prompt_tokens  # vLLM's: only the last k tokens of each prompt
+    if k is not None and not (k == -1 or k >= 1):
+        raise APIError(f"'truncate_prompt_tokens' must be -1 (max_model_len) or >= 1, got {k}",
+                       param="truncate_prompt_tokens")
+    k = eng.max_model_len if k == -1 else k
     if chat:
-        return [chat_prompt_ids(eng.tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt is not False,
-                                continue_final_message=bool(req.continue_final_message),
-                                chat_template_kwargs=req.chat_template_kwargs,
-                                tools=req.tools if tool is not None else None)]
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        if req.chat_template is not None:
+            template_kwargs["chat_template"] = req.chat_template
+        ids = chat_prompt_ids(eng.tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt is not False,
+                              continue_final_message=bool(req.continue_final_message),
+                              chat_template_kwargs=template_kwargs, add_special_tokens=bool(req.add_special_tokens),
+                              tools=req.tools if tool is not None else None)
+        return [ids[-k:] if k else ids]
     p = req.prompt
     batch = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
     out = []
@@ -203,9 +212,13 @@ def _prompt_ids(state: ServerState, req, chat: bool, tool: str | None) -> list[l
         if isinstance(one, (str, list)) and len(one) == 0:
             raise APIError("The prompt is empty", param="prompt")
         try:
-            out.append(eng.tokenize(one))
+            if isinstance(one, str) and req.add_special_tokens is False and eng.tokenizer is not None:
+                ids = list(eng.tokenizer(one, add_special_tokens=False)["input_ids"])
+            else:
+                ids = eng.tokenize(one)
         except ValueError as e:
             raise APIError(str(e), param="prompt") from None
+        out.append(ids[-k:] if k else ids)
     return out
 
 
@@ -244,6 +257,8 @@ def _sampling_params(state: ServerState, req, chat: bool, n_prompt: int, tool: s
 
     optional = {k: given(k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
                                       "min_tokens", "bad_words", "allowed_token_ids", "include_stop_str_in_output")}
+    if req.skip_special_tokens is not None:
+        optional["skip_special_tokens"] = req.skip_special_tokens
     kw = dict(max_tokens=max_tokens, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
               top_k=given("top_k", 0), seed=req.seed, ignore_eos=bool(req.ignore_eos),
               stop_token_ids=tuple(req.stop_token_ids) if req.stop_token_ids else None,

@@ -9,11 +9,17 @@ Validation policy (documented for clients):
   optional fields all the time and clients send them; refusing them would break clients for
   no safety gain.
 * Known fields whose non-default values we do not implement (``suffix``, ``best_of``,
-  a ``response_format`` other than text / json_object / json_schema) are rejected
-  with 400 rather than silently ignored: ignoring them would change results. The sampling fields (``n``, penalties, ``logit_bias``,
-  ``logprobs`` / ``top_logprobs``, ``echo``, and vLLM's extensions ``repetition_penalty``,
-  ``min_p``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``,
-  ``include_stop_str_in_output``) map to jspec.SamplingParams, whose checks give the 400s.
+  vLLM's ``use_beam_search`` and ``priority``, a ``response_format`` other than text /
+  json_object / json_schema, ``tool_choice`` "auto") are rejected with 400 rather than
+  silently ignored: ignoring them would change results. The sampling fields (``n``,
+  penalties, ``logit_bias``, ``logprobs`` / ``top_logprobs``, ``echo``, and vLLM's extensions
+  ``repetition_penalty``, ``min_p``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``,
+  ``include_stop_str_in_output``, ``skip_special_tokens``) map to jspec.SamplingParams, whose
+  checks give the 400s; vLLM's prompt fields (``add_special_tokens``,
+  ``truncate_prompt_tokens``, ``chat_template``, ``continue_final_message``, ``cache_salt``)
+  shape the prompt's token ids.
+* Function calling (jspec/serve/tools.py): ``tools`` with ``tool_choice`` "none",
+  "required" or a named function; ``parallel_tool_calls``.
 * Structured outputs: ``response_format`` (``json_object``, ``json_schema``), vLLM's
   ``structured_outputs`` object (json, regex, choice, grammar, json_object,
   disable_any_whitespace) and its older ``guided_json`` / ``guided_regex`` /
@@ -85,6 +91,11 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool | None = False  # vLLM extension: token ids in the response
     cache_salt: str | None = None  # vLLM extension: only requests with the same salt share cached prefixes
+    skip_special_tokens: bool | None = None  # vLLM extension: special tokens left out of the text
+    add_special_tokens: bool | None = None  # vLLM extension: the tokenizer's own (a BOS) added to the prompt
+    truncate_prompt_tokens: int | None = None  # vLLM extension: only the prompt's last k tokens (-1: max_model_len)
+    use_beam_search: bool | None = None  # vLLM extension: refused when true
+    priority: int | None = None  # vLLM extension: refused when not 0 (no priority scheduling)
     # vLLM extensions (SamplingParams' fields of the same names)
     repetition_penalty: float | None = None
     min_p: float | None = None
@@ -125,6 +136,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension
     add_generation_prompt: bool | None = True  # vLLM extension
     continue_final_message: bool | None = False  # vLLM extension: the last message is continued, not answered
+    chat_template: str | None = None  # vLLM extension: a Jinja template in place of the tokenizer's
+    parallel_tool_calls: bool | None = None  # false: "required" makes exactly one tool call
 
 
 class TokenizeCompletionRequest(_Strict):  # vLLM's /tokenize
@@ -202,6 +215,10 @@ def check_unsupported(req: _Strict) -> None:
             bad("suffix", "not implemented")
         if req.best_of not in (None, 1):
             bad("best_of", "only 1")
+    if req.use_beam_search:
+        bad("use_beam_search", "beam search is not implemented")
+    if req.priority:
+        bad("priority", "requests are scheduled first come, first served: only 0")
     if req.response_format and req.response_format.get("type") not in (None, "text", "json_object", "json_schema"):
         bad("response_format", "its type must be text, json_object or json_schema")
 

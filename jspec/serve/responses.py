@@ -33,9 +33,9 @@ def _lp(x: float) -> float:
 class Choice:
     """One sample's state as it streams."""
 
-    def __init__(self, index: int, tokenizer, hold: int):
+    def __init__(self, index: int, tokenizer, hold: int, skip_special_tokens: bool = True):
         self.index = index
-        self.detok = Detokenizer(tokenizer, hold=hold)
+        self.detok = Detokenizer(tokenizer, hold=hold, skip_special_tokens=skip_special_tokens)
         self.token_ids: list[int] = []
         self.n_lp = 0  # logprob entries already sent
         self.offset = 0  # text offset of the next token (completions' text_offset)
@@ -59,7 +59,7 @@ class Ctx:
         tok = state.engine.tokenizer
         self.tokenizer = tok
         hold = max((len(s) for s in params.stop_strings), default=1) - 1
-        self.choices = [Choice(index_base + i, tok, hold) for i in range(params.n)]
+        self.choices = [Choice(index_base + i, tok, hold, params.skip_special_tokens) for i in range(params.n)]
         self.created = int(time.time())
         self.logprobs = params.logprobs  # top-N per token, or None
         self.echo = bool(getattr(req, "echo", False)) and not chat

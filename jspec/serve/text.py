@@ -13,10 +13,12 @@ class Detokenizer:
     (Full re-decode is O(n) per step; fine for the lengths served here.)
     """
 
-    def __init__(self, tokenizer, stop: list[str] | None = None, hold: int | None = None):
+    def __init__(self, tokenizer, stop: list[str] | None = None, hold: int | None = None,
+                 skip_special_tokens: bool = True):
         """``hold``: characters held back (default: for ``stop``). The server passes no
         ``stop`` (the engine stops on them, and cuts the final text) but holds back for them."""
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or []) if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1 if hold is None else hold
         self.sent = ""
@@ -26,7 +28,7 @@ class Detokenizer:
     def decode(self, ids) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, token_ids, finished: bool, final_text: str | None = None) -> str:
         """The new text; ``final_text``: the whole text when finished, as the engine cut it."""

@@ -53,7 +53,8 @@ def tool_schema(req, choice: str | None) -> dict | None:
     params = {fn["name"]: fn.get("parameters") or {"type": "object"} for fn in fns}
     if choice != "required":
         return params[choice]
-    return {"type": "array", "minItems": 1,
+    one = {"maxItems": 1} if getattr(req, "parallel_tool_calls", None) is False else {}
+    return {"type": "array", "minItems": 1, **one,
             "items": {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
                                                                   "parameters": p},
                                  "required": ["name", "parameters"], "additionalProperties": False}

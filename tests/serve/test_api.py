@@ -19,7 +19,15 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def client(llm):
+def stop_ref(llm):
+    """Generated before the server starts: its engine thread steps the same engine, and two
+    threads stepping one engine race (a test that generated beside it hung under load)."""
+    return llm.generate(["The quick brown fox"], jspec.SamplingParams(temperature=0, max_tokens=24,
+                                                                     ignore_eos=True))[0].text
+
+
+@pytest.fixture(scope="module")
+def client(llm, stop_ref):
     from starlette.testclient import TestClient
 
     from jspec.serve.app import create_app
@@ -58,9 +66,8 @@ def test_completion_max_tokens_defaults_to_16(client):
     assert body["usage"]["total_tokens"] == 128, body["usage"]
 
 
-def test_stop_string_finish_counts_as_stop(client, llm):
-    out = llm.generate(["The quick brown fox"], jspec.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    text = out[0].text
+def test_stop_string_finish_counts_as_stop(client, stop_ref):
+    text = stop_ref
     stop = next(text[i:i + 2] for i in range(2, len(text) - 2) if text[i:i + 2].strip() and text[i:i + 2] not in text[:i])
     m0 = client.get("/metrics").text
     r = client.post("/v1/completions", headers=AUTH, json={
@@ -151,3 +158,4 @@ def test_tokenize_and_detokenize(client, llm):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = client.post("/tokenize", json={"prompt": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+

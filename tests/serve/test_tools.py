@@ -50,7 +50,7 @@ def setup():
     # after the first item (the grammar allows "]" nowhere else).
     close = llm.get_tokenizer().convert_tokens_to_ids("]")
     ref = {"named": run(WEATHER), "required": run(REQUIRED), "closed": run(REQUIRED, logit_bias={close: 100.0}),
-           "close": close, "none": run(None), "n_prompt": len(ids)}
+           "one": run(REQUIRED | {"maxItems": 1}), "close": close, "none": run(None), "n_prompt": len(ids)}
     with TestClient(create_app(llm.engine, "tiny")) as http:
         yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http), ref
 
@@ -102,6 +102,17 @@ def test_required_cut_by_max_tokens_stays_text(setup):
     assert c.finish_reason == "length" and c.message.tool_calls is None and c.message.content == want.text
     chunks = [ch.delta for chunk in ask(client, stream=True, tool_choice="required") for ch in chunk.choices]
     assert not any(d.tool_calls for d in chunks) and "".join(d.content or "" for d in chunks) == want.text
+
+
+def test_required_without_parallel_calls_makes_one(setup):
+    """OpenAI's parallel_tool_calls: false holds "required" to exactly one call."""
+    client, ref = setup
+    want = ref["one"]
+    assert want.finish_reason == "stop" and len(json.loads(want.text)) == 1
+    c = ask(client, tool_choice="required", parallel_tool_calls=False).choices[0]
+    (item,) = json.loads(want.text)
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == \
+        [(item["name"], item["parameters"])]
 
 
 def test_tool_choice_none_answers_in_text(setup):
