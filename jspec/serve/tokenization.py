@@ -28,8 +28,9 @@ def chat_prompt_ids(tok, messages, *, add_generation_prompt: bool = True, contin
     """The token ids of ``messages`` (ChatMessage models) through the tokenizer's chat
     template, which is given ``tools`` (OpenAI's tool dicts) when there are any;
     ``add_special_tokens`` adds the tokenizer's own (a BOS) on top of the template's."""
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise APIError("This model has no chat template; use /v1/completions", param="messages")
+    if tok is None or not (getattr(tok, "chat_template", None) or (chat_template_kwargs or {}).get("chat_template")):
+        raise APIError("This model has no chat template; use /v1/completions (or send 'chat_template')",
+                       param="messages")
     if add_generation_prompt and continue_final_message:
         raise APIError("'continue_final_message' needs 'add_generation_prompt': false", param="continue_final_message")
     msgs = [m.model_dump(exclude_none=True) for m in messages]
