@@ -243,11 +243,13 @@ class LLMEngine:
     def num_free_pages(self) -> int:
         return self.blocks.num_free_pages
 
-    def tokenize(self, prompt) -> list[int]:
+    def tokenize(self, prompt, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids: a string through the tokenizer (with its special tokens, a
+        BOS, unless ``add_special_tokens`` is False), token ids as they are."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt is a string but the model folder has no tokenizer; pass token ids")
-            return list(self.tokenizer.encode(prompt))
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         if isinstance(prompt, np.ndarray):
             prompt = prompt.tolist()
         if not isinstance(prompt, (list, tuple)):

@@ -70,16 +70,12 @@ class RequestOutput:
     _new: list = dataclasses.field(default_factory=list, repr=False)
 
 
-def merge_samples(request_id: str, parts: list[RequestOutput]) -> RequestOutput:
-    """One RequestOutput of an n > 1 request from its samples' latest outputs (in index
-    order): finished when every sample is; metrics summed."""
-    first = next((p for p in parts if p.prompt_token_ids), parts[0])
-    outs = [p.outputs[0] for p in parts]
-    for i, o in enumerate(outs):
-        o.index = i
+def sum_metrics(parts: list[dict]) -> dict:
+    """Several requests' (or samples') speculative counters (SpecMetrics.as_dict) as one: counts
+    and per-position lists summed, the mean acceptance length recomputed from the sums."""
     metrics = {}
-    for p in parts:
-        for k, v in p.metrics.items():
+    for m in parts:
+        for k, v in m.items():
             if isinstance(v, list):
                 cur = metrics.setdefault(k, [])
                 cur.extend([0] * (len(v) - len(cur)))
@@ -90,6 +86,17 @@ def merge_samples(request_id: str, parts: list[RequestOutput]) -> RequestOutput:
     if "num_drafts" in metrics:
         metrics["mean_acceptance_length"] = (1 + metrics["num_accepted_tokens"] / metrics["num_drafts"]
                                              if metrics["num_drafts"] else 0.0)
+    return metrics
+
+
+def merge_samples(request_id: str, parts: list[RequestOutput]) -> RequestOutput:
+    """One RequestOutput of an n > 1 request from its samples' latest outputs (in index
+    order): finished when every sample is; metrics summed."""
+    first = next((p for p in parts if p.prompt_token_ids), parts[0])
+    outs = [p.outputs[0] for p in parts]
+    for i, o in enumerate(outs):
+        o.index = i
+    metrics = sum_metrics([p.metrics for p in parts])
     out = RequestOutput(request_id, first.prompt, first.prompt_token_ids, list(outs[0].token_ids), outs[0].text,
                         all(p.finished for p in parts), outs[0].finish_reason, metrics, outs, first.prompt_logprobs,
                         first.num_cached_tokens)

@@ -212,10 +212,7 @@ def _prompt_ids(state: ServerState, req, chat: bool, tool: str | None) -> list[l
         if isinstance(one, (str, list)) and len(one) == 0:
             raise APIError("The prompt is empty", param="prompt")
         try:
-            if isinstance(one, str) and req.add_special_tokens is False and eng.tokenizer is not None:
-                ids = list(eng.tokenizer(one, add_special_tokens=False)["input_ids"])
-            else:
-                ids = eng.tokenize(one)
+            ids = eng.tokenize(one, add_special_tokens=req.add_special_tokens is not False)
         except ValueError as e:
             raise APIError(str(e), param="prompt") from None
         out.append(ids[-k:] if k else ids)
@@ -296,11 +293,11 @@ async def _serve(state: ServerState, request: Request, chat: bool):
         logger.warning("ignoring unknown request fields: %s", ", ".join(ignored))
     check_model(req.model, state.model_name)
     check_unsupported(req)
+    if req.cache_salt is not None and not req.cache_salt:
+        raise APIError("'cache_salt' must be a non-empty string", param="cache_salt")
     tool = tool_choice(req) if chat else None
     prompts = _prompt_ids(state, req, chat, tool)
     params = [_sampling_params(state, req, chat, len(ids), tool) for ids in prompts]
-    if req.cache_salt is not None and not req.cache_salt:
-        raise APIError("'cache_salt' must be a non-empty string", param="cache_salt")
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     # A batch of prompts runs as one engine request each; choice i * n + j is prompt i's j-th (as vLLM).
     rids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]

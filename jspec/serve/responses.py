@@ -20,6 +20,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from jspec.engine.outputs import sum_metrics
 from jspec.serve.engine_loop import RequestStream
 from jspec.serve.protocol import APIError
 from jspec.serve.text import Detokenizer
@@ -182,12 +183,7 @@ def batch_usage(ctxs: list[Ctx]) -> dict:
         out["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in us)}
     spec = [u["speculative_decoding"] for u in us if "speculative_decoding" in u]
     if spec:
-        m = {k: sum(d[k] for d in spec) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-        width = max(len(d["accepted_per_position"]) for d in spec)
-        m["accepted_per_position"] = [sum(d["accepted_per_position"][i] for d in spec
-                                          if i < len(d["accepted_per_position"])) for i in range(width)]
-        m["mean_acceptance_length"] = 1 + m["num_accepted_tokens"] / m["num_drafts"] if m["num_drafts"] else 0.0
-        out["speculative_decoding"] = m
+        out["speculative_decoding"] = sum_metrics(spec)
     return out
 
 

@@ -78,7 +78,7 @@ def add_tokenization_routes(app, state) -> None:
                                   chat_template_kwargs=req.chat_template_kwargs,
                                   add_special_tokens=req.add_special_tokens, tools=req.tools)
         else:
-            ids = list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+            ids = state.engine.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
