@@ -7,13 +7,13 @@
     #    JSPEC_COMMIT names the commit checked where the tree has no .git, or a stale one: the
     #    lent machine's copy kept the session's first commit; the report's code digest, which
     #    `--digest` prints at any checkout, says which code ran):
-    JSPEC_COMMIT=<hash> python scripts/gpu_check.py --ckpts .gpu_check --no-perf --md $OUT/gpu_check.md
-    JSPEC_COMMIT=<hash> python scripts/gpu_check.py --ckpts .gpu_check --perf-only --md $OUT/gpu_check.md
-    # On an H200 the lines take 7.5 to 9.5 minutes, the table one more (2026-11-26: 456 and
-    # 556 s on two machines; the report is rewritten after every line). If a call's limit cuts the
-    # lines short, carry the report back and go on in a second call with --resume (it keeps
-    # the report's passing lines and runs the rest), then --perf-only on a copy of it, which
-    # rewrites only the table's section: cp docs/gpu_check.md $OUT/ && ... --perf-only
+    JSPEC_COMMIT=<hash> python scripts/gpu_check.py --ckpts .gpu_check --md $OUT/gpu_check.md
+    # The lines run in worker processes, their groups side by side (they are mostly
+    # compilation, on the host's cores); then the performance table, alone. The report is
+    # rewritten after every line. If a call's limit cuts the lines short, carry the report
+    # back and go on in a second call with --resume (it keeps the report's passing lines and
+    # runs the rest). --no-perf leaves the table out; --perf-only rewrites only the table's
+    # section of an existing report: cp docs/gpu_check.md $OUT/ && ... --perf-only
 
 Run it whenever jspec/ or kernels_pallas/ change, and commit its docs/gpu_check.md with
 the change (overwritten each run). Each line passes or fails on its own:
@@ -53,8 +53,11 @@ import numpy as np
 # This process shares the device with the server it starts (the serve line): without this,
 # its XLA client would hold 75% of the device and the server would size its KV page pool
 # from memory it cannot have.
-_prealloc_was_set = "XLA_PYTHON_CLIENT_PREALLOCATE" in os.environ
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# Its workers (below) share the device the same way; the marker tells them that the user
+# had not set it, so that the server still gets XLA's default.
+if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    os.environ["_GPU_CHECK_PREALLOC_UNSET"] = "1"
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -116,10 +119,20 @@ def use_checkpoints(folder: str):
 
 
 class Report:
-    def __init__(self, only: str = "", md: str | None = None):
-        self.lines: list[tuple[str, bool, str]] = []
-        self.only = only
-        self.md = md  # rewritten after every line: a run cut short by a time limit keeps what it checked
+    """The lines' results in the table's order, whichever worker reports first; the report at
+    ``md`` is rewritten after every line, so a run cut short by a time limit keeps what it
+    checked."""
+
+    def __init__(self, names: list[str], md: str | None = None):
+        self.names = names
+        self.results: dict[str, tuple[bool, str]] = {}
+        self.md = md
+        self.device = "unknown"
+        self.jax = "unknown"
+
+    @property
+    def lines(self) -> list[tuple[str, bool, str]]:
+        return [(n, *self.results[n]) for n in self.names if n in self.results]
 
     def resume(self, path: str):
         """--resume: keep the passing lines of an earlier run's report at ``path`` (cut short
@@ -131,26 +144,27 @@ class Report:
         if not commit or commit.group(1) != _commit():
             sys.exit(f"--resume: {path} is of commit {commit and commit.group(1)}, this tree is {_commit()}")
         for m in re.finditer(r"^\| (.+?) \| pass \| (.*) \|$", text, re.M):
-            self.lines.append((m.group(1), True, m.group(2)))
+            self.results[m.group(1)] = (True, m.group(2))
 
-    def check(self, name: str, fn):
-        if self.only and not re.search(self.only, name):
-            return
-        if any(n == name for n, _, _ in self.lines):  # run by the report this one resumes
-            return
-        t = time.perf_counter()
-        try:
-            detail = fn() or ""
-            ok = True
-        except Exception as e:  # a failed line is reported, the others still run
-            ok, detail = False, f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-        detail = f"{detail} ({time.perf_counter() - t:.1f} s)"
-        gc.collect()  # engines of this line (reference cycles) give their device memory back
-        self.lines.append((name, ok, detail))
+    def record(self, name: str, ok: bool, detail: str):
+        self.results[name] = (ok, detail)
         print(f"[{'PASS' if ok else 'FAIL'}] {name}: {detail}", flush=True)
         if self.md:
             write_md(self.md, self, [])
+
+
+def run_line(fn) -> tuple[bool, str]:
+    """One line in this process: (passed, detail with its time). A failed line is reported
+    with its exception; the worker's other lines still run."""
+    t = time.perf_counter()
+    try:
+        detail = fn() or ""
+        ok = True
+    except Exception as e:
+        ok, detail = False, f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    gc.collect()  # engines of this line (reference cycles) give their device memory back
+    return ok, f"{detail} ({time.perf_counter() - t:.1f} s)"
 
 
 def _on_gpu_kernels(eng):
@@ -330,9 +344,9 @@ def structured(method: str) -> str:
     prompts = [f"# config {i}\nsettings = " for i in range(len(sch))]
     sp = [jspec.SamplingParams(temperature=0, max_tokens=120, structured_outputs=jspec.StructuredOutputsParams(
         json=s, disable_any_whitespace=True)) for s in sch]
-    kw = dict(dtype="float32", max_num_seqs=8, max_model_len=256)
+    # A fixed page pool (the pool line checks one sized from memory): this line runs beside others.
+    kw = dict(dtype="float32", max_num_seqs=8, max_model_len=256, num_pages=512)
     want = [o.outputs[0].text for o in jspec.LLM(**kw).generate(prompts, sp)]
-    gc.collect()  # the plain engine's pool goes back (reference cycles): the next one sizes its own from memory
     llm = jspec.LLM(speculative_config={"method": method}, **kw)
     _on_gpu_kernels(llm.engine)
     outs = llm.generate(prompts, sp)
@@ -447,7 +461,7 @@ def warmup(name: str, k: int) -> str:
 def _server_env() -> dict:
     """The server runs as it would alone: XLA's default preallocation, not this process's."""
     env = dict(os.environ)
-    if env.get("XLA_PYTHON_CLIENT_PREALLOCATE") == "false" and not _prealloc_was_set:
+    if env.pop("_GPU_CHECK_PREALLOC_UNSET", None):
         del env["XLA_PYTHON_CLIENT_PREALLOCATE"]
     return env
 
@@ -594,14 +608,12 @@ def code_digest() -> str:
 
 
 def write_md(path: str, report: Report, perf_lines: list[str]):
-    import jax
-
     commit = _commit()
     passed = sum(ok for _, ok, _ in report.lines)
     lines = ["# GPU check", "",
              "Written by `scripts/gpu_check.py` (see its docstring for how to run it); overwritten each run.", "",
              f"- commit: {commit}", f"- code digest (`--digest`): {code_digest()}", f"- date: {datetime.date.today().isoformat()}",
-             f"- device: {jax.devices()[0].device_kind} ({jax.default_backend()})", f"- jax: {jax.__version__}",
+             f"- device: {report.device}", f"- jax: {report.jax}",
              f"- result: {passed} of {len(report.lines)} lines pass", "",
              "| check | result | detail |", "| --- | --- | --- |"]
     lines += [f"| {n} | {'pass' if ok else '**FAIL**'} | {d.replace('|', '/')} |" for n, ok, d in report.lines]
@@ -632,6 +644,121 @@ _ckpts = ""
 _cpu_smoke = False
 
 
+# ---- the lines, and who runs them -------------------------------------------------------
+# Each line runs in a worker process of its group; the groups run side by side (the lines are
+# mostly compilation, on the host's cores, and their engines are small), except ALONE, which
+# runs first with the device to itself (it sizes a page pool from free memory). A group keeps
+# together the lines that share engines (tests/helpers/spec_e2e.py caches them per process).
+# The server of the serve line preallocates XLA's default 75% of the device: the others hold
+# fixed small page pools and allocate on demand.
+ALONE = "pool"
+
+
+def line_table(refs) -> list[tuple[str, str, object]]:
+    """(group, name, check) for every line, in the report's order."""
+    t = [("serve", "python -m jspec.serve with a drafter answers a completion", lambda: serve("eagle3", 3)),
+         (ALONE, "the page pool sized from memory is allocated and runs: the family, float32", pool_from_memory)]
+    groups = {"eagle3": "eagle3", "eagle3_full": "eagle3_more", "eagle3_orig": "eagle3_more", "peagle": "peagle",
+              "dflash4": "dflash", "dflash8_zlab": "dflash"}
+    for name, k, what in DRAFTERS:
+        for dtype in ("float32", "bfloat16"):
+            t.append((groups[name], f"spec greedy == plain greedy: {what}, K={k}, {dtype}",
+                      lambda name=name, k=k, dtype=dtype: lossless(name, k, dtype)))
+    for name, k in (("eagle3", 3), ("dflash4", 3)):
+        t.append((groups[name], f"penalties, logit_bias, logprobs: spec greedy == plain greedy: {name}, K={k}, float32",
+                  lambda name=name, k=k: processors(name, k)))
+    for m in ("eagle3", "dflash"):
+        t.append((f"structured_{m}", "structured outputs (16 JSON schemas): spec greedy == plain greedy, all valid: "
+                  f"family {m}, float32", lambda m=m: structured(m)))
+    for name, k, g in ((None, None, "eagle3_more"), ("eagle3", 3, "eagle3"), ("dflash8_zlab", 7, "dflash")):
+        t.append((g, f"mixed steps: greedy == unmixed plain greedy: {name or 'plain'}, float32",
+                  lambda name=name, k=k: mixed(name, k)))
+    t.append(("eagle3", "a step that fails on the device after its call: the engine serves on: eagle3, K=3, float32",
+              lambda: failed_step("eagle3", 3)))
+    t.append(("peagle", "head_dim 24 runs on the XLA path == transformers", lambda: fallback(refs)))
+    for method, probs, what in (("standard", False, "greedy + sampled rows, no draft probs"),
+                                ("standard", True, "probabilistic, with draft probs"),
+                                ("synthetic", False, "synthetic acceptance")):
+        t.append(("peagle", f"rejection kernel == reference: {what}",
+                  lambda method=method, probs=probs: rejection(method, probs)))
+    t.append(("eagle3", "LLMEngine.warmup() with a drafter (EAGLE3)", lambda: warmup("eagle3", 3)))
+    t.append(("dflash", "LLMEngine.warmup() with a drafter (DFlash)", lambda: warmup("dflash4", 3)))
+    return t
+
+
+_workers: list = []  # their processes, stopped with this one (a device call's time limit)
+
+
+def _stop_workers(signum, frame):
+    for p in _workers:
+        if p.poll() is None:
+            p.terminate()
+    sys.exit(128 + signum)
+
+
+MARK = "@@gpu_check "  # a worker's results on its stdout, one JSON object a line
+
+
+def _emit(obj: dict):
+    print(MARK + json.dumps(obj), flush=True)
+
+
+def _check_backend():
+    import jax
+
+    if jax.default_backend() != "gpu" and not _cpu_smoke:
+        sys.exit(f"gpu_check needs a GPU; jax's backend is {jax.default_backend()!r}")
+
+
+def worker(group: str, names: list[str], perf_steps: int):
+    """--worker: run ``names`` of ``group`` (or the performance table) in this process and
+    report each on stdout."""
+    import jax
+
+    _check_backend()
+    _emit({"device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})", "jax": jax.__version__})
+    if group == "perf":
+        return _emit({"perf": perf_table(perf(perf_steps))})
+    refs = use_checkpoints(_ckpts)
+    for g, name, fn in line_table(refs):
+        if g == group and name in names:
+            ok, detail = run_line(fn)
+            _emit({"name": name, "ok": ok, "detail": detail})
+
+
+def spawn(group: str, names: list[str], args, rep: Report | None, lock) -> dict:
+    """Run a worker process for ``group``; relay its output (each line prefixed with the
+    group) and record its results. Lines it never reported (it died) are failures. Returns
+    its last non-line message (the performance table's)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", group, "--ckpts", _ckpts,
+           "--perf-steps", str(args.perf_steps)] + (["--cpu"] if _cpu_smoke else [])
+    env = {**os.environ, "_GPU_CHECK_LINES": json.dumps(names)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+    _workers.append(proc)
+    last, seen = {}, set()
+    for ln in proc.stdout:
+        if not ln.startswith(MARK):
+            print(f"[{group}] {ln}", end="", flush=True)
+            continue
+        msg = json.loads(ln[len(MARK):])
+        with lock:
+            if "name" in msg and rep is not None:
+                seen.add(msg["name"])
+                rep.record(msg["name"], msg["ok"], msg["detail"])
+            elif "device" in msg and rep is not None:
+                rep.device, rep.jax = msg["device"], msg["jax"]
+            else:
+                last = msg
+    rc = proc.wait()
+    with lock:
+        for name in names:
+            if name not in seen and rep is not None:
+                rep.record(name, False, f"its worker ({group}) exited with code {rc} before reporting it")
+    if group == "perf" and "perf" not in last:
+        raise RuntimeError(f"the performance table's worker exited with code {rc}")
+    return last
+
+
 def main():
     global _ckpts, _cpu_smoke
     ap = argparse.ArgumentParser()
@@ -645,61 +772,58 @@ def main():
     ap.add_argument("--resume", action="store_true", help="keep the passing lines of the report at --md (a "
                     "run of this commit cut short by a time limit) and run only the others")
     ap.add_argument("--only", default="", help="run only the lines matching this regex (debugging)")
+    ap.add_argument("--workers", type=int, default=8, help="worker processes at once (1: one group at a time)")
     ap.add_argument("--cpu", action="store_true", help="smoke-test this script on CPU (jnp references, no perf)")
     ap.add_argument("--digest", action="store_true", help="print this checkout's code digest (a report's header) and exit")
+    ap.add_argument("--worker", metavar="GROUP", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.digest:
         return print(code_digest())
     if args.build:
         return build(args.build)
-    import jax
-
     _cpu_smoke = args.cpu
-    if jax.default_backend() != "gpu" and not _cpu_smoke:
-        sys.exit(f"gpu_check needs a GPU; jax's backend is {jax.default_backend()!r}")
+    _ckpts = os.path.abspath(args.ckpts)
+    if args.worker:
+        return worker(args.worker, json.loads(os.environ.get("_GPU_CHECK_LINES", "[]")), args.perf_steps)
     if args.perf_only:
+        _check_backend()
         if not os.path.exists(args.md):
             sys.exit(f"--perf-only rewrites an existing report; {args.md} does not exist")
         lines = perf_table(perf(args.perf_steps))
         print("\n".join(lines), flush=True)
         return replace_perf(args.md, lines)
-    _ckpts = os.path.abspath(args.ckpts)
-    refs = use_checkpoints(_ckpts)
-    rep = Report(args.only, args.md)
+    # This process touches no device: the workers do, and the serve line's server sizes its
+    # page pool from what the device has.
+    import signal
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    signal.signal(signal.SIGTERM, _stop_workers)
+
+    table = [(g, n) for g, n, _ in line_table(use_checkpoints(_ckpts))]
+    rep = Report([n for _, n in table], args.md)
     if args.resume and os.path.exists(args.md):
         rep.resume(args.md)
-    # First, while this process holds no device memory: the server sizes its KV pool from the
-    # memory it sees, and on an 80 GB card it ran out beside this process's engines.
-    rep.check("python -m jspec.serve with a drafter answers a completion", lambda: serve("eagle3", 3))
-    rep.check("the page pool sized from memory is allocated and runs: the family, float32", pool_from_memory)
-    for name, k, what in DRAFTERS:
-        for dtype in ("float32", "bfloat16"):
-            rep.check(f"spec greedy == plain greedy: {what}, K={k}, {dtype}", lambda name=name, k=k, dtype=dtype: lossless(name, k, dtype))
-    for name, k in (("eagle3", 3), ("dflash4", 3)):
-        rep.check(f"penalties, logit_bias, logprobs: spec greedy == plain greedy: {name}, K={k}, float32",
-                  lambda name=name, k=k: processors(name, k))
-    for m in ("eagle3", "dflash"):
-        rep.check(f"structured outputs (16 JSON schemas): spec greedy == plain greedy, all valid: family {m}, float32",
-                  lambda m=m: structured(m))
-    for name, k in ((None, None), ("eagle3", 3), ("dflash8_zlab", 7)):
-        rep.check(f"mixed steps: greedy == unmixed plain greedy: {name or 'plain'}, float32",
-                  lambda name=name, k=k: mixed(name, k))
-    rep.check("a step that fails on the device after its call: the engine serves on: eagle3, K=3, float32",
-              lambda: failed_step("eagle3", 3))
-    rep.check("head_dim 24 runs on the XLA path == transformers", lambda: fallback(refs))
-    for method, probs, what in (("standard", False, "greedy + sampled rows, no draft probs"),
-                                ("standard", True, "probabilistic, with draft probs"),
-                                ("synthetic", False, "synthetic acceptance")):
-        rep.check(f"rejection kernel == reference: {what}", lambda method=method, probs=probs: rejection(method, probs))
-    rep.check("LLMEngine.warmup() with a drafter (EAGLE3)", lambda: warmup("eagle3", 3))
-    rep.check("LLMEngine.warmup() with a drafter (DFlash)", lambda: warmup("dflash4", 3))
+    todo: dict[str, list[str]] = {}
+    for g, n in table:
+        if (not args.only or re.search(args.only, n)) and n not in rep.results:
+            todo.setdefault(g, []).append(n)
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+    if ALONE in todo:
+        spawn(ALONE, todo.pop(ALONE), args, rep, lock)
+    with ThreadPoolExecutor(max(1, args.workers)) as pool:
+        for job in [pool.submit(spawn, g, names, args, rep, lock) for g, names in todo.items()]:
+            job.result()
+    print(f"lines done in {time.perf_counter() - t0:.0f} s", flush=True)
     perf_lines = []
     if not (args.no_perf or _cpu_smoke):
-        try:
-            perf_lines = perf_table(perf(args.perf_steps))
+        try:  # alone on the device, in a process of its own
+            perf_lines = spawn("perf", [], args, None, lock)["perf"]
         except Exception as e:
             traceback.print_exc()
-            rep.lines.append(("quick performance table", False, f"{type(e).__name__}: {e}"))
+            rep.results["quick performance table"] = (False, f"{type(e).__name__}: {e}")
+            rep.names.append("quick performance table")
         print("\n".join(perf_lines), flush=True)
     write_md(args.md, rep, perf_lines)
     print(f"wrote {args.md}")
