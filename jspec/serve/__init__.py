@@ -11,7 +11,9 @@ signal-driven graceful shutdown. The engine itself is synchronous and runs on on
 (engine_loop.EngineLoop); the asyncio side only parses, validates, detokenizes and streams.
 
 Layout: cli.py (arguments, uvicorn), app.py (routes), protocol.py (request models, errors),
-engine_loop.py (the engine thread), text.py (incremental detokenizer), metrics.py.
+engine_loop.py (the engine thread), responses.py (response bodies, SSE), text.py
+(incremental detokenizer), tools.py (function calling), tool_parsers.py and reasoning.py
+(vLLM's --tool-call-parser and --reasoning-parser, applied by chat_reply.py), metrics.py.
 """
 
 from jspec.serve.app import create_app

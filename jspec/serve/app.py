@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jspec.sampling_params import SamplingParams, SamplingParamsError
+from jspec.serve.chat_reply import ReplyParsers
 from jspec.serve.engine_loop import EngineLoop
 from jspec.serve.metrics import Metrics
 from jspec.serve.protocol import (
@@ -25,8 +26,10 @@ from jspec.serve.protocol import (
     parse_request,
     structured_outputs_of,
 )
+from jspec.serve.reasoning import REASONING_PARSERS, reasoning_parser
 from jspec.serve.responses import Ctx, complete_response, stream_response
 from jspec.serve.tokenization import add_tokenization_routes, chat_prompt_ids
+from jspec.serve.tool_parsers import TOOL_PARSERS
 from jspec.serve.tools import tool_choice, tool_schema
 
 logger = logging.getLogger("jspec.serve")
@@ -44,17 +47,36 @@ class ServerState:
         self.draining = False
         self.created = int(time.time())
         self.prompt_tokens_details = False  # usage reports the prompt tokens the prefix cache served
+        self.tool_parser = None  # the tool-call parser that serves tool_choice "auto", if it is served
+        self.reasoning_parser: str | None = None  # the reasoning parser's name, if replies are parsed for it
+
+
+def check_parsers(enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+    """vLLM's rules for its parser flags: a ValueError naming the flag and its choices."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser {tool_call_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError(f"--enable-auto-tool-choice requires --tool-call-parser (one of {', '.join(TOOL_PARSERS)})")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser {reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}")
 
 
 def create_app(engine, served_model_name: str | None = None, api_key: str | None = None,
-               enable_prompt_tokens_details: bool = False) -> FastAPI:
+               enable_prompt_tokens_details: bool = False, enable_auto_tool_choice: bool = False,
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The app over a (synchronous) engine; the engine thread starts with the app's lifespan.
     With ``api_key`` every /v1 route wants ``Authorization: Bearer <api_key>`` (vLLM's
     --api-key); /health and /metrics stay open. ``enable_prompt_tokens_details``: usage
-    carries prompt_tokens_details.cached_tokens (vLLM's flag)."""
+    carries prompt_tokens_details.cached_tokens (vLLM's flag). ``enable_auto_tool_choice``
+    with ``tool_call_parser`` serves tool_choice "auto" (jspec/serve/tool_parsers.py);
+    ``reasoning_parser`` puts a reasoning model's thinking in the message's ``reasoning``
+    (jspec/serve/reasoning.py): vLLM's flags of the same names."""
+    check_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     name = served_model_name or engine.model_name
     state = ServerState(engine, name, Metrics(name))
     state.prompt_tokens_details = enable_prompt_tokens_details
+    state.tool_parser = TOOL_PARSERS[tool_call_parser] if enable_auto_tool_choice else None
+    state.reasoning_parser = reasoning_parser
 
     async def lifespan(app):
         state.loop.start()
@@ -295,7 +317,7 @@ async def _serve(state: ServerState, request: Request, chat: bool):
     check_unsupported(req)
     if req.cache_salt is not None and not req.cache_salt:
         raise APIError("'cache_salt' must be a non-empty string", param="cache_salt")
-    tool = tool_choice(req) if chat else None
+    tool = tool_choice(req, auto=state.tool_parser is not None) if chat else None
     prompts = _prompt_ids(state, req, chat, tool)
     params = [_sampling_params(state, req, chat, len(ids), tool) for ids in prompts]
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -324,13 +346,25 @@ async def _serve(state: ServerState, request: Request, chat: bool):
         tok = state.engine.tokenizer
         texts = [p if isinstance(p, str) else (tok.decode(ids) if tok else "") for p, ids in zip(given, prompts)]
     n = params[0].n
-    ctxs = [Ctx(state, req, chat, r, ids, sp, text, index_base=i * n, response_id=rid, tool=tool)
+    parsers = _reply_parsers(state, req, tool, params[0]) if chat else None
+    ctxs = [Ctx(state, req, chat, r, ids, sp, text, index_base=i * n, response_id=rid, tool=tool, parsers=parsers)
             for i, (r, ids, sp, text) in enumerate(zip(rids, prompts, params, texts))]
     if req.stream:
         return _SSEResponse(stream_response(ctxs, streams), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
                             on_close=lambda: [state.loop.abort(c.rid) for c, s in zip(ctxs, streams) if not s.finished])
     return await complete_response(ctxs, streams, request)
+
+
+def _reply_parsers(state: ServerState, req, tool: str | None, params: SamplingParams) -> ReplyParsers | None:
+    """The parsers a chat reply goes through: reasoning (unless a named or "required" tool
+    choice holds the reply to its JSON), then tool calls for tool_choice "auto"."""
+    reasoning = None
+    if state.reasoning_parser is not None and tool in (None, "none", "auto"):
+        reasoning = reasoning_parser(state.reasoning_parser, req.chat_template_kwargs,
+                                     constrained=params.structured_outputs is not None)
+    tools = state.tool_parser if tool == "auto" else None
+    return None if reasoning is None and tools is None else ReplyParsers(reasoning, tools)
 
 
 def _param(field: str | None, chat: bool) -> str:

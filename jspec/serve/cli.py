@@ -9,6 +9,8 @@ import logging
 import sys
 
 from jspec import envs, vllm_args
+from jspec.serve.reasoning import REASONING_PARSERS
+from jspec.serve.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("jspec.serve")
 
@@ -82,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "a folder holding one (a request's own values take precedence)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, in place of the tokenizer's")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto" (the default with tools): the model writes its calls in its own '
+                        "format, --tool-call-parser reads them back as tool_calls")
+    p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS), default=None,
+                   help="the model's tool-call format: hermes (<tool_call> JSON: Qwen 2.5 / Qwen3, Hermes), "
+                        "llama3_json (Llama 3.1 / 3.2 JSON calls)")
+    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                   help="put a reasoning model's <think>...</think> in the message's reasoning field: qwen3, "
+                        "deepseek_r1")
     p.add_argument("--log-level", default="info")
     p.add_argument("--uvicorn-log-level", default=None, help="uvicorn's log level (default: --log-level)")
     for flag in SERVER_NO_EFFECT:
@@ -157,9 +168,16 @@ def main(argv=None) -> int:
     try:
         chat_template = read_chat_template(args.chat_template) if args.chat_template is not None else None
         vllm_args.check_supported(vllm_engine_args(args))  # before anything loads
+        from jspec.serve.app import check_parsers
+
+        check_parsers(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
+        # vLLM takes the parser alone too (it reads no reply then): accepted, with a word why
+        logger.warning('--tool-call-parser %s without --enable-auto-tool-choice: tool_choice "auto" stays refused',
+                       args.tool_call_parser)
     import prometheus_client
     import uvicorn
 
@@ -182,7 +200,9 @@ def main(argv=None) -> int:
             llm.engine.warmup()
             logger.info("warmup: compiled all shape buckets in %.1fs", time.monotonic() - t)
     app = create_app(llm.engine, args.served_model_name, api_key=args.api_key or envs.VLLM_API_KEY,
-                     enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                     enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                     reasoning_parser=args.reasoning_parser)
     state = app.state.jspec
     logger.info("serving %s on http://%s:%d (max_model_len=%d, %d KV pages)", state.model_name,
                 args.host, args.port, llm.engine.max_model_len, llm.engine.num_pages)

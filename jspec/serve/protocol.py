@@ -10,7 +10,8 @@ Validation policy (documented for clients):
   no safety gain.
 * Known fields whose non-default values we do not implement (``suffix``, ``best_of``,
   vLLM's ``use_beam_search`` and ``priority``, a ``response_format`` other than text /
-  json_object / json_schema, ``tool_choice`` "auto") are rejected with 400 rather than
+  json_object / json_schema, ``tool_choice`` "auto" without --enable-auto-tool-choice) are
+  rejected with 400 rather than
   silently ignored: ignoring them would change results. The sampling fields (``n``,
   penalties, ``logit_bias``, ``logprobs`` / ``top_logprobs``, ``echo``, and vLLM's extensions
   ``repetition_penalty``, ``min_p``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``,
@@ -19,7 +20,9 @@ Validation policy (documented for clients):
   ``truncate_prompt_tokens``, ``chat_template``, ``continue_final_message``, ``cache_salt``)
   shape the prompt's token ids.
 * Function calling (jspec/serve/tools.py): ``tools`` with ``tool_choice`` "none",
-  "required" or a named function; ``parallel_tool_calls``.
+  "required" or a named function; ``parallel_tool_calls``; "auto" on a server with
+  --enable-auto-tool-choice --tool-call-parser (jspec/serve/tool_parsers.py). With
+  --reasoning-parser, vLLM's ``include_reasoning`` (false: the reasoning is left out).
 * Structured outputs: ``response_format`` (``json_object``, ``json_schema``), vLLM's
   ``structured_outputs`` object (json, regex, choice, grammar, json_object,
   disable_any_whitespace) and its older ``guided_json`` / ``guided_regex`` /
@@ -138,6 +141,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool | None = False  # vLLM extension: the last message is continued, not answered
     chat_template: str | None = None  # vLLM extension: a Jinja template in place of the tokenizer's
     parallel_tool_calls: bool | None = None  # false: "required" makes exactly one tool call
+    include_reasoning: bool | None = True  # vLLM extension: false leaves the reasoning parser's reasoning out
 
 
 class TokenizeCompletionRequest(_Strict):  # vLLM's /tokenize

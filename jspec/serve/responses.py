@@ -5,6 +5,10 @@ chunks or returned whole, with ``logprobs`` in OpenAI's shapes (completions: tok
 token_logprobs / top_logprobs / text_offset; chat: content[{token, logprob, bytes,
 top_logprobs}]) and ``echo`` (completions: the prompt, and its logprobs, first).
 
+A chat choice's reply goes through the server's parsers when it has them
+(jspec/serve/chat_reply.py): reasoning, and tool calls for tool_choice "auto", whole in the
+message or as delta messages of ``reasoning`` / ``content`` / ``tool_calls``.
+
 Stop strings end a request in the engine (SamplingParams.stop, min_tokens respected), which
 also cuts the final text; here each choice holds back the last len(longest stop) - 1
 characters while it streams, so text that a stop string will cut is never sent.
@@ -21,6 +25,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from jspec.engine.outputs import sum_metrics
+from jspec.serve.chat_reply import ReplyParsers, StreamedReply
 from jspec.serve.engine_loop import RequestStream
 from jspec.serve.protocol import APIError
 from jspec.serve.text import Detokenizer
@@ -45,6 +50,8 @@ class Choice:
         self.prompt_ids_sent = False  # return_token_ids: a completion choice's prompt ids go out once
         self.tool_call_id = new_call_id()  # its (first) tool call's id, when a tool choice forces one
         self.tool_started = False  # a named tool call's id and name went out (streaming)
+        self.reply: StreamedReply | None = None  # what its stream sent, when parsers read the reply
+        self.tools_called = False  # its reply made "required" or "auto" tool calls: finish_reason "tool_calls"
 
 
 class Ctx:
@@ -52,15 +59,23 @@ class Ctx:
     in a response whose id is ``response_id``."""
 
     def __init__(self, state, req, chat, rid, prompt_ids, params, prompt_text: str | None, index_base: int = 0,
-                 response_id: str | None = None, tool: str | None = None):
+                 response_id: str | None = None, tool: str | None = None, parsers: ReplyParsers | None = None):
         self.state, self.req, self.chat, self.rid = state, req, chat, rid
-        self.tool = tool if tool != "none" else None  # "required" or a function name: replies are tool calls
+        # "required" or a function name: replies are tool calls ("auto": the parsers find them)
+        self.tool = tool if tool not in ("none", "auto") else None
+        self.parsers = parsers  # reasoning and tool-call parsers a chat reply goes through
+        # the message has a "reasoning" field (None when there is none), as vLLM's with a reasoning parser
+        self.reasoning_field = chat and state.reasoning_parser is not None
+        self.include_reasoning = getattr(req, "include_reasoning", None) is not False  # vLLM's request field
         self.response_id = response_id or rid
         self.prompt_ids = prompt_ids
         tok = state.engine.tokenizer
         self.tokenizer = tok
         hold = max((len(s) for s in params.stop_strings), default=1) - 1
         self.choices = [Choice(index_base + i, tok, hold, params.skip_special_tokens) for i in range(params.n)]
+        if parsers is not None:
+            for c in self.choices:
+                c.reply = StreamedReply(parsers, new_call_id)
         self.created = int(time.time())
         self.logprobs = params.logprobs  # top-N per token, or None
         self.echo = bool(getattr(req, "echo", False)) and not chat
@@ -127,19 +142,34 @@ class Ctx:
             lp = self.logprobs_obj(c, self.prompt_ids, list(self.prompt_logprobs or [None] * len(self.prompt_ids)))
         return self.prompt_text or "", lp
 
-    def choice_delta(self, c: Choice, text, finish_reason, role=False, token_ids=None, logprobs=None):
+    def role_delta(self) -> dict:
+        return {"role": "assistant", "content": "" if self.tool is None else None}
+
+    def chat_delta(self, c: Choice, text: str, finished: bool) -> dict:
+        """A chat choice's delta message for its new ``text``: content, or what the tool
+        choice or the parsers make of the reply so far."""
+        if self.tool is not None:
+            return self._tool_delta(c, text, finished)
+        if c.reply is not None:
+            delta = c.reply.delta(c.detok.sent, finished)
+            c.tools_called = c.reply.called
+            if not self.include_reasoning:
+                delta.pop("reasoning", None)
+            return delta
+        return {"content": text} if text else {}
+
+    def finish_reason(self, c: Choice) -> str | None:
+        """OpenAI's: "tool_calls" for a reply that stopped after "required" or "auto" calls."""
+        return "tool_calls" if c.finish_reason == "stop" and c.tools_called else c.finish_reason
+
+    def choice_delta(self, c: Choice, delta, finish_reason, token_ids=None, logprobs=None):
+        """A streamed choice: ``delta`` is a chat choice's delta message, a completion's text."""
         stop_reason = c.stop_reason if finish_reason else None
         if self.chat:
-            if role:
-                delta = {"role": "assistant", "content": "" if self.tool is None else None}
-            elif self.tool is not None:
-                delta = self._tool_delta(c, text, finish_reason)
-            else:
-                delta = {"content": text} if text else {}
             d = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                  "stop_reason": stop_reason}
         else:
-            d = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            d = {"index": c.index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                  "stop_reason": stop_reason}
             if self.req.return_token_ids and not c.prompt_ids_sent:
                 d["prompt_token_ids"], c.prompt_ids_sent = self.prompt_ids, True
@@ -147,7 +177,7 @@ class Ctx:
             d["token_ids"] = token_ids
         return d
 
-    def _tool_delta(self, c: Choice, text: str, finish_reason) -> dict:
+    def _tool_delta(self, c: Choice, text: str, finished: bool) -> dict:
         """A streamed tool call: a named one's arguments as they come (its id and name
         first); "required"'s calls whole once the reply ends (its JSON is parsed then)."""
         if self.tool != "required":
@@ -159,18 +189,31 @@ class Ctx:
                         "function": {"name": self.tool, "arguments": text}}
                 c.tool_started = True
             return {"tool_calls": [call]}
-        if not finish_reason:
+        if not finished:
             return {}
         calls = tool_calls(self.tool, c.detok.sent, c.tool_call_id)
         if calls is None:
             return {"content": c.detok.sent}
+        c.tools_called = True
         return {"tool_calls": [dict(call, index=i) for i, call in enumerate(calls)]}
 
     def message(self, c: Choice, text: str) -> dict:
-        calls = tool_calls(self.tool, text, c.tool_call_id) if self.tool is not None else None
-        if calls is None:
-            return {"role": "assistant", "content": text}
-        return {"role": "assistant", "content": None, "tool_calls": calls}
+        reasoning = {"reasoning": None} if self.reasoning_field else {}
+        if self.tool is not None:
+            calls = tool_calls(self.tool, text, c.tool_call_id)
+            if calls is None:
+                return {"role": "assistant", "content": text, **reasoning}
+            c.tools_called = self.tool == "required"  # a named call finishes with "stop" (OpenAI's, vLLM's)
+            return {"role": "assistant", "content": None, **reasoning, "tool_calls": calls}
+        if self.parsers is None:
+            return {"role": "assistant", "content": text, **reasoning}
+        thought, content, calls = self.parsers.message(text, new_call_id)
+        if self.reasoning_field:
+            reasoning["reasoning"] = thought if self.include_reasoning else None
+        m = {"role": "assistant", "content": content, **reasoning}
+        if calls:
+            m["tool_calls"], c.tools_called = calls, True
+        return m
 
 
 def batch_usage(ctxs: list[Ctx]) -> dict:
@@ -263,7 +306,7 @@ async def _prompt_chunks(ctx: Ctx, stream: RequestStream, continuous: bool):
     try:
         for c in ctx.choices:
             if ctx.chat:
-                yield ctx.chunk([ctx.choice_delta(c, "", None, role=True)])
+                yield ctx.chunk([ctx.choice_delta(c, ctx.role_delta(), None)])
             elif ctx.echo:
                 text, lp = ctx.echo_prefix(c)
                 yield ctx.chunk([ctx.choice_delta(c, text, None, logprobs=lp)])
@@ -273,13 +316,14 @@ async def _prompt_chunks(ctx: Ctx, stream: RequestStream, continuous: bool):
             except APIError as e:
                 yield "data: " + json.dumps(e.body()) + "\n\n"
                 break
-            held = ctx.tool == "required"  # its text goes out as tool calls when it ends
             for c, delta, new_ids, lps, fin in updates:
                 if delta or fin or new_ids:
                     lp = ctx.logprobs_obj(c, new_ids, lps) if lps else None
-                    if (delta and not held) or fin or lp or (ctx.req.return_token_ids and new_ids):
-                        yield ctx.chunk([ctx.choice_delta(c, delta, c.finish_reason, token_ids=new_ids, logprobs=lp)],
-                                        ctx.usage() if continuous else None)
+                    if ctx.chat:
+                        delta = ctx.chat_delta(c, delta, fin)  # a delta message, maybe empty (held back)
+                    if delta or fin or lp or (ctx.req.return_token_ids and new_ids):
+                        yield ctx.chunk([ctx.choice_delta(c, delta, ctx.finish_reason(c), token_ids=new_ids,
+                                                          logprobs=lp)], ctx.usage() if continuous else None)
     finally:
         if not stream.finished:  # client went away (or the server is cancelling us)
             ctx.state.loop.abort(ctx.rid)
@@ -337,7 +381,7 @@ async def complete_response(ctxs: list[Ctx], streams: list[RequestStream], reque
             text += c.detok.sent
             if ctx.chat:
                 d = {"index": c.index, "message": ctx.message(c, text), "logprobs": lp,
-                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                     "finish_reason": ctx.finish_reason(c), "stop_reason": c.stop_reason}
             else:
                 d = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                      "stop_reason": c.stop_reason}

@@ -1,9 +1,11 @@
-"""OpenAI function calling without a parser of the model's own tool-call format: vLLM's named
-and "required" tool choice. The tools go to the chat template; structured outputs constrain
-the reply to the named function's parameters, or to a JSON array of {name, parameters} for
-"required"; the reply comes back as the message's ``tool_calls``. "auto" (the default when
-tools are given) would need such a parser, which jspec does not have: it is a 400 naming
-tool_choice, as on vLLM without --enable-auto-tool-choice. "none" leaves the reply as text.
+"""OpenAI function calling. Named and "required" tool choice need no parser of the model's
+tool-call format (vLLM's, the same): the tools go to the chat template; structured outputs
+constrain the reply to the named function's parameters, or to a JSON array of {name,
+parameters} for "required"; the reply comes back as the message's ``tool_calls``. "auto"
+(the default when tools are given) lets the model write calls in its own format, which the
+server's --tool-call-parser reads back (jspec/serve/tool_parsers.py); without
+--enable-auto-tool-choice it is a 400 naming tool_choice, as on vLLM. "none" leaves the
+reply as text.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import uuid
 from jspec.serve.protocol import APIError
 
 
-def tool_choice(req) -> str | None:
-    """The chat request's tool choice: None (no tools), "none", "required", or the name of
-    the function it names. A 400 naming the field for malformed tools or an unknown name."""
+def tool_choice(req, auto: bool = False) -> str | None:
+    """The chat request's tool choice: None (no tools), "none", "required", "auto" (only
+    when the server parses tool calls: ``auto``), or the name of the function it names. A
+    400 naming the field for malformed tools or an unknown name."""
     tools, choice = getattr(req, "tools", None), getattr(req, "tool_choice", None)
     if not tools:
         if choice not in (None, "none"):
@@ -31,9 +34,12 @@ def tool_choice(req) -> str | None:
                            "{JSON schema}}}", param="tools")
         names.append(fn["name"])
     if choice is None or choice == "auto":
-        raise APIError('tool_choice "auto" (the default with tools) needs a parser of the model\'s tool-call '
-                       'format, which jspec does not have: use "required", a named function '
-                       '({"type": "function", "function": {"name": ...}}) or "none"', param="tool_choice")
+        if auto:
+            return "auto"
+        raise APIError('tool_choice "auto" (the default with tools) requires the server to run with '
+                       '--enable-auto-tool-choice and --tool-call-parser (hermes or llama3_json); without them '
+                       'use "required", a named function ({"type": "function", "function": {"name": ...}}) '
+                       'or "none"', param="tool_choice")
     if choice in ("none", "required"):
         return choice
     fn = choice.get("function") if isinstance(choice, dict) else None
@@ -47,7 +53,7 @@ def tool_schema(req, choice: str | None) -> dict | None:
     """The JSON schema the reply is held to: the named function's parameters, or for
     "required" an array of one or more {name, parameters} of any tool (vLLM's, with no other
     keys in an item: a model let to add keys may never close the array)."""
-    if choice in (None, "none"):
+    if choice in (None, "none", "auto"):
         return None
     fns = [t["function"] for t in req.tools]
     params = {fn["name"]: fn.get("parameters") or {"type": "object"} for fn in fns}

@@ -1,7 +1,8 @@
 """OpenAI function calling on /v1/chat/completions, the parser-free kinds vLLM has (named and
 "required" tool choice, through structured outputs), on the tiny default model through the
 official openai client: the reply as tool_calls, whole and streamed, equal to jspec.LLM's
-output under the same schema written out here; "none" answers in text; "auto" and malformed
+output under the same schema written out here; "none" answers in text; "auto" (on a server
+without --enable-auto-tool-choice: tests/serve/test_auto_tools.py has one) and malformed
 tools are a 400 naming the field."""
 
 from __future__ import annotations
@@ -84,11 +85,13 @@ def test_required_tool_calls_whole_and_streamed(setup):
     kw = dict(tool_choice="required", logit_bias={str(ref["close"]): 100})
     c = ask(client, **kw).choices[0]
     items = json.loads(want.text)
-    assert c.message.content is None and len(items) >= 1
+    assert c.message.content is None and len(items) >= 1 and c.finish_reason == "tool_calls"  # OpenAI's, vLLM's
     assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == \
         [(i["name"], i["parameters"]) for i in items]
     assert len({t.id for t in c.message.tool_calls}) == len(items)
-    streamed = [d for chunk in ask(client, stream=True, **kw) for ch in chunk.choices for d in (ch.delta.tool_calls or [])]
+    chunks = list(ask(client, stream=True, **kw))
+    streamed = [d for chunk in chunks for ch in chunk.choices for d in (ch.delta.tool_calls or [])]
+    assert [ch.finish_reason for chunk in chunks for ch in chunk.choices if ch.finish_reason] == ["tool_calls"]
     assert [(d.index, d.function.name, d.function.arguments) for d in streamed] == \
         [(i, t.function.name, t.function.arguments) for i, t in enumerate(c.message.tool_calls)]
 
@@ -135,6 +138,8 @@ def test_bad_tool_requests_are_400_naming_the_field(setup, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, **kw)
     assert e.value.body["param"] == param, e.value.body
+    if kw.get("tool_choice", "auto") == "auto":
+        assert "--enable-auto-tool-choice and --tool-call-parser" in e.value.body["message"]
 
 
 def test_the_tools_reach_the_chat_template():
