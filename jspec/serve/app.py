@@ -364,7 +364,9 @@ def _reply_parsers(state: ServerState, req, tool: str | None, params: SamplingPa
         reasoning = reasoning_parser(state.reasoning_parser, req.chat_template_kwargs,
                                      constrained=params.structured_outputs is not None)
     tools = state.tool_parser if tool == "auto" else None
-    return None if reasoning is None and tools is None else ReplyParsers(reasoning, tools)
+    if reasoning is None and tools is None:
+        return None
+    return ReplyParsers(reasoning, tools, one_call=getattr(req, "parallel_tool_calls", None) is False)
 
 
 def _param(field: str | None, chat: bool) -> str:

@@ -34,6 +34,7 @@ class ReplyParsers:
 
     reasoning: ReasoningParser | None
     tools: Callable[[str, bool], ToolReading] | None  # a tool_parsers.TOOL_PARSERS function, for "auto"
+    one_call: bool = False  # parallel_tool_calls false: the first call only (vLLM drops the others)
 
     def read(self, text: str, final: bool) -> Reading:
         reasoning, content = self.reasoning.split(text, final) if self.reasoning else (None, text)
@@ -49,7 +50,8 @@ class ReplyParsers:
                     content = content.rstrip()
         if self.reasoning is not None and not content:
             content = None  # vLLM: a reasoning reply's empty content is None
-        return Reading(reasoning or None, content, [c for c in calls if c.name is not None])
+        calls = [c for c in calls if c.name is not None]
+        return Reading(reasoning or None, content, calls[:1] if self.one_call else calls)
 
     def message(self, text: str, new_id) -> tuple[str | None, str | None, list[dict]]:
         """(reasoning, content, OpenAI tool_calls) of the whole reply; ``new_id()`` names each call."""

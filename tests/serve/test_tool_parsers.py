@@ -173,3 +173,8 @@ def test_json_prefix_scan():
     for bad in ['{"a": 01}', '{"a": tru}', '{a: 1}', '{"a" 1}', '{"a": 1,}', '{"a": "x\ny"}', '{"a": NaN}',
                 '{"a": 1.}', '{"a": .5}', '[1]', '{"a": "\\x"}', '{"a": -}', '{"a": 1 2}']:
         assert scan_object(bad).state == "invalid", bad
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    one = ReplyParsers(None, TOOL_PARSERS["hermes"], one_call=True)
+    check(one, CALL + "\n" + CALL.replace("Paris", "Oslo"), (None, None, [PARIS]))
