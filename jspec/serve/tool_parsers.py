@@ -56,8 +56,8 @@ def tag_overlap(text: str, tag: str) -> int:
 
 def _call(s: str, key: int, args_keys: tuple[str, ...], whole: bool) -> Call | None:
     """The call written as the JSON object in ``s`` (nothing else around it but whitespace
-    once ``whole``), or None when it is no call. ``args_keys``: the member holding the
-    arguments, first found first (vLLM's order)."""
+    once ``whole``), or None when it is no call. ``args_keys``: the members that may hold
+    the arguments, the first present taken (vLLM's order)."""
     sc = scan_object(s)
     if sc.state == "invalid" or (sc.state == "partial" and whole):
         return None
@@ -84,7 +84,7 @@ def parse_hermes(text: str, final: bool) -> Reading:
     content, calls, pos = [], [], 0
 
     def gap(piece: str):  # whitespace between or after calls is no content (vLLM drops all text there)
-        if piece.strip() or not calls or pos == 0:
+        if piece.strip() or not calls:
             content.append(piece)
 
     while True:
@@ -131,7 +131,7 @@ def parse_llama3_json(text: str, final: bool) -> Reading:
             call = _call(text[i:], i, ("arguments", "parameters"), whole=False)
             if call is None:
                 return Reading(text if not calls else text[i:], calls)
-            return Reading("", calls + [Call(call.key, call.name, call.arguments)])
+            return Reading("", calls + [call])
         call = None if sc.state != "complete" else _call(text[i:sc.end], i, ("arguments", "parameters"), whole=True)
         if call is None:
             return Reading(text if not calls else text[i:], calls)

@@ -109,12 +109,14 @@ def test_cli_flags(capsys):
 
 def test_server_started_the_vllm_way(tmp_path):
     """`python -m jspec.serve MODEL` with vLLM's flags serves the model: the chat reply
-    under --chat-template is LLM.chat's under the same template."""
+    under --chat-template is LLM.chat's under the same template; tool_choice "auto" is
+    served under --enable-auto-tool-choice --tool-call-parser hermes."""
     tpl = tmp_path / "chat.jinja"
     tpl.write_text(TEMPLATE)
     args = [TINY_MODEL, "--max-num-seqs", "16", "--max-model-len", "128", "--block-size", "16", "--dtype", "float",
             "--trust-remote-code", "--enforce-eager", "--disable-log-requests", "--kv-cache-dtype", "auto",
-            "--chat-template", str(tpl), "--uvicorn-log-level", "warning"]
+            "--chat-template", str(tpl), "--uvicorn-log-level", "warning", "--enable-auto-tool-choice",
+            "--tool-call-parser", "hermes"]
     srv = start_server(engine_args=args)
     try:
         r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60,
@@ -124,6 +126,13 @@ def test_server_started_the_vllm_way(tmp_path):
         llm = jspec.LLM(**ENGINE_KWARGS)
         want = llm.chat(CHAT, jspec.SamplingParams(temperature=0.0, max_tokens=6), chat_template=TEMPLATE)[0]
         assert got == want.outputs[0].text
+        call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60,
+                       json={"messages": CHAT, "tools": tools, "max_tokens": 50, "temperature": 0,
+                             "structured_outputs": {"choice": [call]}})  # the tiny model writes the call
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
         assert "trust_remote_code=True has no effect in jspec" in srv.log()
     finally:
         assert srv.stop() == 0
