@@ -1,6 +1,6 @@
 """Parsers of a reasoning model's thinking (vLLM's --reasoning-parser): the reply's
 ``<think>...</think>`` part goes to the message's ``reasoning`` field (current vLLM's name;
-vLLM before 0.16 also sent it as ``reasoning_content``), the rest is its content.
+older vLLM sent ``reasoning_content``), the rest is its content.
 
 - ``deepseek_r1``: the chat template may put ``<think>`` in the prompt, so a reply is
   reasoning from its start (after a ``<think>`` of its own, if it writes one) to
