@@ -29,7 +29,7 @@ from jspec.serve.protocol import (
 from jspec.serve.reasoning import REASONING_PARSERS, reasoning_parser
 from jspec.serve.responses import Ctx, complete_response, stream_response
 from jspec.serve.tokenization import add_tokenization_routes, chat_prompt_ids
-from jspec.serve.tool_parsers import TOOL_PARSERS
+from jspec.serve.tool_parsers import TOOL_PARSERS, parse_required
 from jspec.serve.tools import tool_choice, tool_schema
 
 logger = logging.getLogger("jspec.serve")
@@ -358,12 +358,13 @@ async def _serve(state: ServerState, request: Request, chat: bool):
 
 def _reply_parsers(state: ServerState, req, tool: str | None, params: SamplingParams) -> ReplyParsers | None:
     """The parsers a chat reply goes through: reasoning (unless a named or "required" tool
-    choice holds the reply to its JSON), then tool calls for tool_choice "auto"."""
+    choice holds the reply to its JSON), then tool calls: the server's parser for
+    tool_choice "auto", the JSON array of "required"."""
     reasoning = None
     if state.reasoning_parser is not None and tool in (None, "none", "auto"):
         reasoning = reasoning_parser(state.reasoning_parser, req.chat_template_kwargs,
                                      constrained=params.structured_outputs is not None)
-    tools = state.tool_parser if tool == "auto" else None
+    tools = {"auto": state.tool_parser, "required": parse_required}.get(tool)
     if reasoning is None and tools is None:
         return None
     return ReplyParsers(reasoning, tools, one_call=getattr(req, "parallel_tool_calls", None) is False)

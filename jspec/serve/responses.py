@@ -29,7 +29,7 @@ from jspec.serve.chat_reply import ReplyParsers, StreamedReply
 from jspec.serve.engine_loop import RequestStream
 from jspec.serve.protocol import APIError
 from jspec.serve.text import Detokenizer
-from jspec.serve.tools import new_call_id, tool_calls
+from jspec.serve.tools import new_call_id
 
 
 def _lp(x: float) -> float:
@@ -48,7 +48,7 @@ class Choice:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM)
         self.prompt_ids_sent = False  # return_token_ids: a completion choice's prompt ids go out once
-        self.tool_call_id = new_call_id()  # its (first) tool call's id, when a tool choice forces one
+        self.tool_call_id = new_call_id()  # its tool call's id, when a tool choice names the function
         self.tool_started = False  # a named tool call's id and name went out (streaming)
         self.reply: StreamedReply | None = None  # what its stream sent, when parsers read the reply
         self.tools_called = False  # its reply made "required" or "auto" tool calls: finish_reason "tool_calls"
@@ -61,8 +61,8 @@ class Ctx:
     def __init__(self, state, req, chat, rid, prompt_ids, params, prompt_text: str | None, index_base: int = 0,
                  response_id: str | None = None, tool: str | None = None, parsers: ReplyParsers | None = None):
         self.state, self.req, self.chat, self.rid = state, req, chat, rid
-        # "required" or a function name: replies are tool calls ("auto": the parsers find them)
-        self.tool = tool if tool not in ("none", "auto") else None
+        # a function's name: the reply is its arguments ("required", "auto": the parsers find the calls)
+        self.tool = tool if tool not in ("none", "auto", "required") else None
         self.parsers = parsers  # reasoning and tool-call parsers a chat reply goes through
         # the message has a "reasoning" field (None when there is none), as vLLM's with a reasoning parser
         self.reasoning_field = chat and state.reasoning_parser is not None
@@ -178,33 +178,21 @@ class Ctx:
         return d
 
     def _tool_delta(self, c: Choice, text: str, finished: bool) -> dict:
-        """A streamed tool call: a named one's arguments as they come (its id and name
-        first); "required"'s calls whole once the reply ends (its JSON is parsed then)."""
-        if self.tool != "required":
-            if not text and c.tool_started:
-                return {}
-            call = {"index": 0, "function": {"arguments": text}}
-            if not c.tool_started:
-                call = {"index": 0, "id": c.tool_call_id, "type": "function",
-                        "function": {"name": self.tool, "arguments": text}}
-                c.tool_started = True
-            return {"tool_calls": [call]}
-        if not finished:
+        """A streamed named tool call: its arguments as they come (its id and name first)."""
+        if not text and c.tool_started:
             return {}
-        calls = tool_calls(self.tool, c.detok.sent, c.tool_call_id)
-        if calls is None:
-            return {"content": c.detok.sent}
-        c.tools_called = True
-        return {"tool_calls": [dict(call, index=i) for i, call in enumerate(calls)]}
+        call = {"index": 0, "function": {"arguments": text}}
+        if not c.tool_started:
+            call = {"index": 0, "id": c.tool_call_id, "type": "function",
+                    "function": {"name": self.tool, "arguments": text}}
+            c.tool_started = True
+        return {"tool_calls": [call]}
 
     def message(self, c: Choice, text: str) -> dict:
         reasoning = {"reasoning": None} if self.reasoning_field else {}
-        if self.tool is not None:
-            calls = tool_calls(self.tool, text, c.tool_call_id)
-            if calls is None:
-                return {"role": "assistant", "content": text, **reasoning}
-            c.tools_called = self.tool == "required"  # a named call finishes with "stop" (OpenAI's, vLLM's)
-            return {"role": "assistant", "content": None, **reasoning, "tool_calls": calls}
+        if self.tool is not None:  # a named call finishes with "stop" (OpenAI's, vLLM's)
+            call = {"id": c.tool_call_id, "type": "function", "function": {"name": self.tool, "arguments": text}}
+            return {"role": "assistant", "content": None, **reasoning, "tool_calls": [call]}
         if self.parsers is None:
             return {"role": "assistant", "content": text, **reasoning}
         thought, content, calls = self.parsers.message(text, new_call_id)

@@ -147,4 +147,37 @@ def parse_llama3_json(text: str, final: bool) -> Reading:
         i = j
 
 
+def parse_required(text: str, final: bool) -> Reading:
+    """tool_choice "required": the reply is a JSON array of ``{"name": ..., "parameters":
+    {...}}`` (the grammar of jspec/serve/tools.py ``tool_schema`` holds it to that), read as
+    it streams, so each call goes out as it is written (vLLM streams these the same way).
+    A reply cut by max_tokens keeps its whole calls and the unfinished rest is content (the
+    stream sent that call's name and arguments so far, as for a broken "auto" call); cut
+    before its first whole call, all of it is content."""
+    i = len(text) - len(text.lstrip())
+    if i == len(text) or text[i] != "[":
+        return Reading(text if final or i < len(text) else "", [])
+    calls: list[Call] = []
+    i += 1
+    while True:
+        i += len(text[i:]) - len(text[i:].lstrip())
+        if i == len(text):  # a reply cut before any whole call stays text, as it was
+            return Reading("" if calls or not final else text, calls)
+        if text[i] == "]":  # the array's end (the grammar allows nothing after it)
+            return Reading(text[i + 1:].strip(), calls)
+        if text[i] == ",":
+            i += 1
+            continue
+        sc = scan_object(text, i)
+        whole = sc.state == "complete"
+        call = None if sc.state == "invalid" else _call(text[i:sc.end] if whole else text[i:], i, ("parameters",),
+                                                         whole=whole or final)
+        if call is None:
+            return Reading(text[i:] if calls else text, calls)
+        calls.append(call)
+        if not whole:
+            return Reading("", calls)
+        i = sc.end
+
+
 TOOL_PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}

@@ -10,7 +10,6 @@ reply as text.
 
 from __future__ import annotations
 
-import json
 import uuid
 
 from jspec.serve.protocol import APIError
@@ -69,19 +68,3 @@ def tool_schema(req, choice: str | None) -> dict | None:
 
 def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
-def tool_calls(choice: str, text: str, call_id: str) -> list[dict] | None:
-    """The reply as OpenAI tool calls; None when it is not one (a reply cut by max_tokens
-    before its JSON closed stays text)."""
-    if choice != "required":
-        return [{"id": call_id, "type": "function", "function": {"name": choice, "arguments": text}}]
-    try:
-        calls = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(calls, list) or not all(isinstance(c, dict) and "name" in c for c in calls):
-        return None
-    return [{"id": call_id if i == 0 else new_call_id(), "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c.get("parameters", {}), ensure_ascii=False)}}
-            for i, c in enumerate(calls)]

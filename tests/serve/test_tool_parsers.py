@@ -14,7 +14,7 @@ import pytest
 from jspec.serve.chat_reply import ReplyParsers, StreamedReply
 from jspec.serve.json_prefix import scan_object
 from jspec.serve.reasoning import reasoning_parser
-from jspec.serve.tool_parsers import TOOL_PARSERS
+from jspec.serve.tool_parsers import TOOL_PARSERS, parse_required
 
 _ids = itertools.count()
 
@@ -128,6 +128,28 @@ def test_hermes_call_broken_after_its_name(bad, args):
 ])
 def test_llama3_json(text, want):
     check(LLAMA, text, want, splits=0 if text.endswith("1") else 60)  # a cut call's stream had sent it
+
+
+REQUIRED = ReplyParsers(None, parse_required)
+
+
+@pytest.mark.parametrize("text, want", [
+    ('[{"name":"get_weather","parameters":{"city":"Paris","days":3}}]', (None, None, [PARIS])),
+    ('[{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}, {"parameters": {}, "name": "t"}]',
+     (None, None, [PARIS, ("t", {})])),
+    ('[{"name":"get_weather","parameters":{"city":"Paris","days":3}},{"name":"t","par',  # cut by max_tokens
+     (None, '{"name":"t","par', [PARIS])),
+    ('[{"name":"get_weather","parameters":{"city":"Paris","days":3}},', (None, None, [PARIS])),
+    ('[{"name":"t","parameters":{"a":', (None, '[{"name":"t","parameters":{"a":', [])),  # no whole call: text
+    ("[", (None, "[", [])),
+])
+def test_required(text, want):
+    """tool_choice "required"'s JSON array: each call streamed as it is written."""
+    cut_in_call = text.endswith(("par", ":"))  # the stream sent the cut call's name (or will not: random splits)
+    assert whole(REQUIRED, text) == want
+    rng = random.Random(text)
+    for _ in range(0 if cut_in_call else 60):
+        assert streamed(REQUIRED, text, rng) == (want[0], want[1] or None, want[2])
 
 
 QWEN3 = ReplyParsers(reasoning_parser("qwen3", None, constrained=False), None)

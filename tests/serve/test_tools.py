@@ -57,8 +57,9 @@ def setup():
 
 
 def ask(client, stream=False, **kw):
-    return client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, max_tokens=70, temperature=0,
-                                          stream=stream, extra_body=COMPACT, **kw)
+    kw = {"max_tokens": 70, "temperature": 0, **kw}
+    return client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, stream=stream, extra_body=COMPACT,
+                                          **kw)
 
 
 def test_named_tool_call_whole_and_streamed(setup):
@@ -78,6 +79,38 @@ def test_named_tool_call_whole_and_streamed(setup):
     assert "".join(d.function.arguments for d in deltas) == call.function.arguments
 
 
+def _streamed_calls(chunks) -> list[tuple[str, str, str]]:
+    """(id, name, arguments) of each streamed call: its first delta has the id and name,
+    every delta of its index a piece of the arguments."""
+    calls: dict[int, list] = {}
+    for chunk in chunks:
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                if d.index not in calls:
+                    assert d.id and d.type == "function" and d.function.name, d
+                    calls[d.index] = [d.id, d.function.name, ""]
+                else:
+                    assert d.id is None and d.function.name is None, d
+                calls[d.index][2] += d.function.arguments or ""
+    assert sorted(calls) == list(range(len(calls)))
+    return [tuple(calls[i]) for i in range(len(calls))]
+
+
+def _whole_items(text: str) -> tuple[list, str]:
+    """The array items of ``text`` written whole, and the text after the last of them (the
+    reference: the standard library's JSON decoder, item by item)."""
+    dec, items, i = json.JSONDecoder(), [], 1
+    while True:
+        while i < len(text) and text[i] in " ,":
+            i += 1
+        try:
+            item, j = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return items, text[i:]
+        items.append(item)
+        i = j
+
+
 def test_required_tool_calls_whole_and_streamed(setup):
     client, ref = setup
     want = ref["closed"]
@@ -90,21 +123,37 @@ def test_required_tool_calls_whole_and_streamed(setup):
         [(i["name"], i["parameters"]) for i in items]
     assert len({t.id for t in c.message.tool_calls}) == len(items)
     chunks = list(ask(client, stream=True, **kw))
-    streamed = [d for chunk in chunks for ch in chunk.choices for d in (ch.delta.tool_calls or [])]
     assert [ch.finish_reason for chunk in chunks for ch in chunk.choices if ch.finish_reason] == ["tool_calls"]
-    assert [(d.index, d.function.name, d.function.arguments) for d in streamed] == \
-        [(i, t.function.name, t.function.arguments) for i, t in enumerate(c.message.tool_calls)]
+    streamed = _streamed_calls(chunks)
+    assert [(name, json.loads(args)) for _, name, args in streamed] == [(i["name"], i["parameters"]) for i in items]
+    # each call goes out as it is written, not whole at the end (vLLM streams "required" so)
+    pieces = [d for chunk in chunks for ch in chunk.choices for d in (ch.delta.tool_calls or [])]
+    assert len(pieces) > len(items), pieces
 
 
-def test_required_cut_by_max_tokens_stays_text(setup):
-    """No array closed within max_tokens: nothing to parse into calls, the text comes back."""
+def test_required_cut_by_max_tokens_keeps_whole_calls(setup):
+    """An array not closed within max_tokens: its whole calls come back as tool_calls, the
+    unfinished rest as content; streamed, the same calls go out as they are written."""
     client, ref = setup
     want = ref["required"]
     assert want.finish_reason == "length"
+    items, rest = _whole_items(want.text)
+    assert items and rest, want.text  # the random model wrote calls, and max_tokens cut the next one
     c = ask(client, tool_choice="required").choices[0]
-    assert c.finish_reason == "length" and c.message.tool_calls is None and c.message.content == want.text
-    chunks = [ch.delta for chunk in ask(client, stream=True, tool_choice="required") for ch in chunk.choices]
-    assert not any(d.tool_calls for d in chunks) and "".join(d.content or "" for d in chunks) == want.text
+    assert c.finish_reason == "length" and c.message.content == rest
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == \
+        [(i["name"], i["parameters"]) for i in items]
+    streamed = _streamed_calls(ask(client, stream=True, tool_choice="required"))
+    assert [(name, json.loads(args)) for _, name, args in streamed[:len(items)]] == \
+        [(i["name"], i["parameters"]) for i in items]
+    assert len(streamed) <= len(items) + 1  # and the cut call's name and arguments so far, if its name was whole
+
+
+def test_required_cut_before_a_whole_call_stays_text(setup):
+    """Cut before its first call is whole: nothing to parse into calls, the text comes back."""
+    client, _ = setup
+    c = ask(client, tool_choice="required", max_tokens=3).choices[0]
+    assert c.finish_reason == "length" and c.message.tool_calls is None and c.message.content.startswith("[")
 
 
 def test_required_without_parallel_calls_makes_one(setup):
