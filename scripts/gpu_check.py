@@ -145,6 +145,9 @@ class Report:
             sys.exit(f"--resume: {path} is of commit {commit and commit.group(1)}, this tree is {_commit()}")
         for m in re.finditer(r"^\| (.+?) \| pass \| (.*) \|$", text, re.M):
             self.results[m.group(1)] = (True, m.group(2))
+        for key in ("device", "jax"):  # until this run's workers say
+            if m := re.search(rf"^- {key}: (.+)$", text, re.M):
+                setattr(self, key, m.group(1))
 
     def record(self, name: str, ok: bool, detail: str):
         self.results[name] = (ok, detail)
