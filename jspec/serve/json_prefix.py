@@ -88,10 +88,27 @@ def _value(s: str, i: int) -> int:
     raise _Bad
 
 
-def _object(s: str, i: int, members: dict | None) -> int:
-    i = _ws(s, i + 1)
+def _more(s: str, i: int) -> int:
+    """The index of the next character after whitespace; the text must go on there."""
+    i = _ws(s, i)
     if i == len(s):
         raise _End
+    return i
+
+
+def _after(s: str, i: int, close: str) -> tuple[int, bool]:
+    """After a member or an item of a container that ``close`` ends: (the index past the
+    close, True) or (the next member's or item's, False)."""
+    i = _more(s, i)
+    if s[i] == close:
+        return i + 1, True
+    if s[i] != ",":
+        raise _Bad
+    return _more(s, i + 1), False
+
+
+def _object(s: str, i: int, members: dict | None) -> int:
+    i = _more(s, i + 1)
     if s[i] == "}":
         return i + 1
     while True:
@@ -99,48 +116,28 @@ def _object(s: str, i: int, members: dict | None) -> int:
             raise _Bad
         k = _string(s, i)
         key = json.loads(s[i:k])
-        i = _ws(s, k)
-        if i == len(s):
-            raise _End
+        i = _more(s, k)
         if s[i] != ":":
             raise _Bad
-        i = _ws(s, i + 1)
-        if i == len(s):
-            raise _End
+        i = _more(s, i + 1)
         if members is not None:
             members[key] = (i, None)
         end = _value(s, i)
         if members is not None:
             members[key] = (i, end)
-        i = _ws(s, end)
-        if i == len(s):
-            raise _End
-        if s[i] == "}":
-            return i + 1
-        if s[i] != ",":
-            raise _Bad
-        i = _ws(s, i + 1)
-        if i == len(s):
-            raise _End
+        i, done = _after(s, end, "}")
+        if done:
+            return i
 
 
 def _array(s: str, i: int) -> int:
-    i = _ws(s, i + 1)
-    if i == len(s):
-        raise _End
+    i = _more(s, i + 1)
     if s[i] == "]":
         return i + 1
     while True:
-        i = _ws(s, _value(s, i))
-        if i == len(s):
-            raise _End
-        if s[i] == "]":
-            return i + 1
-        if s[i] != ",":
-            raise _Bad
-        i = _ws(s, i + 1)
-        if i == len(s):
-            raise _End
+        i, done = _after(s, _value(s, i), "]")
+        if done:
+            return i
 
 
 def _string(s: str, i: int) -> int:
