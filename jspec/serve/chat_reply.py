@@ -42,11 +42,12 @@ class ReplyParsers:
         if self.tools is not None and content is not None:
             r = self.tools(content, final)
             content, calls = r.content, r.calls
-            if any(c.name for c in calls) or not final:
+            named = any(c.name for c in calls)
+            if named or not final:
                 # beside calls only text counts; while streaming, trailing whitespace may
-                # still turn out to be beside a call
+                # still turn out to be beside a call (once one is, the text is the reply's)
                 content = content if content.strip() else None
-                if not final and content is not None:
+                if not final and not named and content is not None:
                     content = content.rstrip()
         if self.reasoning is not None and not content:
             content = None  # vLLM: a reasoning reply's empty content is None

@@ -40,6 +40,8 @@ def chat_prompt_ids(tok, messages, *, add_generation_prompt: bool = True, contin
             if any(p.get("type") != "text" for p in parts):
                 raise APIError("Only text content parts are supported", param="messages")
             m["content"] = "".join(p.get("text", "") for p in parts)
+        if isinstance(m.get("tool_calls"), list):
+            m["tool_calls"] = [_decoded_arguments(c) for c in m["tool_calls"]]
     extra = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _RESERVED}
     kw = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, **extra)
     if tools:
@@ -53,6 +55,19 @@ def chat_prompt_ids(tok, messages, *, add_generation_prompt: bool = True, contin
     if hasattr(ids, "keys") and "input_ids" in ids:
         ids = ids["input_ids"]
     return list(ids)
+
+
+def _decoded_arguments(call):
+    """An assistant message's tool call with its arguments as a mapping: templates index them
+    so (vLLM decodes OpenAI's JSON string for them the same way)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except json.JSONDecodeError:
+        raise APIError("a tool call's 'arguments' must be JSON", param="messages") from None
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 def add_tokenization_routes(app, state) -> None:
