@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -17,6 +18,8 @@ from jspec.sampling_params import SamplingParams, SamplingParamsError
 from jspec.serve.chat_reply import ReplyParsers
 from jspec.serve.engine_loop import EngineLoop
 from jspec.serve.metrics import Metrics
+from jspec.serve.openai_responses import ResponsesRequest, chat_request, responses_error
+from jspec.serve.openai_responses_output import new_id, respond
 from jspec.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -27,14 +30,14 @@ from jspec.serve.protocol import (
     structured_outputs_of,
 )
 from jspec.serve.reasoning import REASONING_PARSERS, reasoning_parser
-from jspec.serve.responses import Ctx, complete_response, stream_response
+from jspec.serve.responses import Ctx, SSEResponse, complete_response, stream_response
 from jspec.serve.tokenization import add_tokenization_routes, chat_prompt_ids
 from jspec.serve.tool_parsers import TOOL_PARSERS, parse_required
 from jspec.serve.tools import tool_choice, tool_schema
 
 logger = logging.getLogger("jspec.serve")
 
-KNOWN_HANDLERS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+KNOWN_HANDLERS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
                   "/v1/debug/engine", "/tokenize", "/detokenize"}  # /v1/models/{id} counts as /v1/models
 
 
@@ -146,6 +149,17 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     async def chat_completions(request: Request):
         return await _serve(state, request, chat=True)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        """OpenAI's Responses API, run as the chat request it amounts to."""
+        arrival = time.monotonic()
+        req = await read_request(state, request, ResponsesRequest)
+        try:
+            sub = await submit(state, chat_request(req), True, arrival, rid=new_id("resp"))
+        except APIError as e:
+            raise responses_error(e) from None
+        return await respond(req, sub, request)
+
     add_tokenization_routes(app, state)
     return app
 
@@ -191,21 +205,6 @@ class _CountRequests:
             if path.startswith("/v1/models/"):
                 path = "/v1/models"
             self.metrics.http(path if path in KNOWN_HANDLERS else "other", scope.get("method", ""), status)
-
-
-class _SSEResponse(StreamingResponse):
-    """A streaming response that aborts its request however the response ends (disconnect,
-    cancellation, or a generator that never started)."""
-
-    def __init__(self, *a, on_close, **kw):
-        super().__init__(*a, **kw)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
 
 
 # ------------------------------------------------------------------------------ requests
@@ -305,14 +304,47 @@ def _sampling_params(state: ServerState, req, chat: bool, n_prompt: int, tool: s
         raise APIError(str(e), param=so_field if e.param == "structured_outputs" else _param(e.param, chat)) from None
 
 
-async def _serve(state: ServerState, request: Request, chat: bool):
-    arrival = time.monotonic()
+async def read_request(state: ServerState, request: Request, cls):
+    """The request body as ``cls`` (a 503 while the server drains); unknown fields are logged."""
     if state.draining:
         raise APIError("The server is shutting down", 503)
-    raw = await request.body()
-    req, ignored = parse_request(raw, ChatCompletionRequest if chat else CompletionRequest)
+    req, ignored = parse_request(await request.body(), cls)
     if ignored:
         logger.warning("ignoring unknown request fields: %s", ", ".join(ignored))
+    return req
+
+
+async def _serve(state: ServerState, request: Request, chat: bool):
+    arrival = time.monotonic()
+    req = await read_request(state, request, ChatCompletionRequest if chat else CompletionRequest)
+    sub = await submit(state, req, chat, arrival)
+    if req.stream:
+        return SSEResponse(stream_response(sub.ctxs, sub.streams), media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache", "X-Request-Id": sub.rid},
+                           on_close=lambda: sub.abort_unfinished(state))
+    return await complete_response(sub.ctxs, sub.streams, request)
+
+
+@dataclasses.dataclass
+class Submitted:
+    """A request the engine took: its id, one Ctx and stream per prompt, their sampling params."""
+
+    rid: str
+    ctxs: list[Ctx]
+    streams: list
+    params: list[SamplingParams]
+
+    def abort_unfinished(self, state: ServerState) -> None:
+        for c, s in zip(self.ctxs, self.streams):
+            if not s.finished:
+                state.loop.abort(c.rid)
+
+
+async def submit(state: ServerState, req, chat: bool, arrival: float, rid: str | None = None) -> Submitted:
+    """Validate a (chat) completion request, build its prompts and sampling params, and queue
+    it on the engine: shared by /v1/completions, /v1/chat/completions and /v1/responses
+    (which reads its request into a chat request). ``rid``: the response id (default: the
+    route's own prefix)."""
     check_model(req.model, state.model_name)
     check_unsupported(req)
     if req.cache_salt is not None and not req.cache_salt:
@@ -320,7 +352,7 @@ async def _serve(state: ServerState, request: Request, chat: bool):
     tool = tool_choice(req, auto=state.tool_parser is not None) if chat else None
     prompts = _prompt_ids(state, req, chat, tool)
     params = [_sampling_params(state, req, chat, len(ids), tool) for ids in prompts]
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    rid = rid or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     # A batch of prompts runs as one engine request each; choice i * n + j is prompt i's j-th (as vLLM).
     rids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     salt = {} if req.cache_salt is None else {"cache_salt": req.cache_salt}
@@ -349,11 +381,7 @@ async def _serve(state: ServerState, request: Request, chat: bool):
     parsers = _reply_parsers(state, req, tool, params[0]) if chat else None
     ctxs = [Ctx(state, req, chat, r, ids, sp, text, index_base=i * n, response_id=rid, tool=tool, parsers=parsers)
             for i, (r, ids, sp, text) in enumerate(zip(rids, prompts, params, texts))]
-    if req.stream:
-        return _SSEResponse(stream_response(ctxs, streams), media_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
-                            on_close=lambda: [state.loop.abort(c.rid) for c, s in zip(ctxs, streams) if not s.finished])
-    return await complete_response(ctxs, streams, request)
+    return Submitted(rid, ctxs, streams, params)
 
 
 def _reply_parsers(state: ServerState, req, tool: str | None, params: SamplingParams) -> ReplyParsers | None:

@@ -22,7 +22,7 @@ import math
 import time
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jspec.engine.outputs import sum_metrics
 from jspec.serve.chat_reply import ReplyParsers, StreamedReply
@@ -30,6 +30,21 @@ from jspec.serve.engine_loop import RequestStream
 from jspec.serve.protocol import APIError
 from jspec.serve.text import Detokenizer
 from jspec.serve.tools import new_call_id
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that aborts its request however the response ends (disconnect,
+    cancellation, or a generator that never started)."""
+
+    def __init__(self, *a, on_close, **kw):
+        super().__init__(*a, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 def _lp(x: float) -> float:
@@ -333,7 +348,9 @@ async def stream_response(ctxs: list[Ctx], streams: list[RequestStream]):
         await chunks.aclose()
 
 
-async def complete_response(ctxs: list[Ctx], streams: list[RequestStream], request: Request):
+async def run_to_end(ctxs: list[Ctx], streams: list[RequestStream], request: Request) -> dict | None:
+    """Wait for the requests to finish; their logprob entries by choice index, or None when
+    the client went away first (the requests are then aborted)."""
     lps = {c.index: [] for ctx in ctxs for c in ctx.choices}
 
     async def collect(ctx, stream):
@@ -359,8 +376,15 @@ async def complete_response(ctxs: list[Ctx], streams: list[RequestStream], reque
                 if not stream.finished:
                     ctx.state.loop.abort(ctx.rid)
     if task not in done:  # client disconnected; nobody reads the answer
-        return Response(status_code=499)
+        return None
     task.result()
+    return lps
+
+
+async def complete_response(ctxs: list[Ctx], streams: list[RequestStream], request: Request):
+    lps = await run_to_end(ctxs, streams, request)
+    if lps is None:
+        return Response(status_code=499)
     choices = []
     for ctx in ctxs:
         for c in ctx.choices:
