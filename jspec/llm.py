@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 
 from jspec import compile_cache, vllm_args
 from jspec.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from jspec.metrics_reader import engine_metrics
 from jspec.sampling_params import SamplingParams
 
 
@@ -99,6 +100,21 @@ class LLM:
     def get_tokenizer(self):
         """The engine's Hugging Face tokenizer (None for weights loaded without one)."""
         return self.engine.tokenizer
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine."""
+        return self.engine
+
+    def get_metrics(self) -> list:
+        """The engine's counters and gauges as vLLM's ``LLM.get_metrics()`` gives them
+        (jspec/metrics_reader.py: Counter, Gauge, Vector), speculative decoding's included."""
+        return engine_metrics(self.engine)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, as vLLM's (benchmarks call it between runs): False while a
+        request is unfinished."""
+        return self.engine.reset_prefix_cache()
 
     def chat(
         self,

@@ -49,6 +49,10 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.hits = 0  # pages served from the cache (prefix hits), cumulative
         self.queries = 0  # full prompt pages looked up, cumulative
+        # the same in tokens, as vLLM counts its prefix-cache metrics: a lookup's prompt
+        # tokens, and the tokens its hit served
+        self.hit_tokens = 0
+        self.query_tokens = 0
 
     # ---- accounting -------------------------------------------------------------------
     @property
@@ -101,6 +105,7 @@ class BlockManager:
         full = (len(tokens) - 1) // self.page_size
         hashes = self._prompt_hashes(tokens, full, seq.cache_salt)
         self.queries += full
+        self.query_tokens += len(tokens)
         hit = []
         for h in hashes:
             page = self.hash_page.get(h)
@@ -117,6 +122,7 @@ class BlockManager:
             seq.block_hashes.append(h)
         self.hits += len(hit)
         seq.num_computed = len(hit) * self.page_size
+        self.hit_tokens += seq.num_computed
         return seq.num_computed
 
     def ensure_slots(self, seq: Sequence, num_slots: int) -> bool:

@@ -331,6 +331,15 @@ class LLMEngine:
     def _async(self) -> bool:
         return self.config.async_scheduling
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (vLLM's reset_prefix_cache): False, with nothing changed,
+        while a request holds pages."""
+        if any(self.blocks.ref):
+            logger.warning("the prefix cache was not reset: requests still hold pages")
+            return False
+        self.blocks.forget_cached_pages()
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
@@ -501,6 +510,8 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hits": self.blocks.hits,
             "prefix_cache_queries": self.blocks.queries,
+            "prefix_cache_hit_tokens": self.blocks.hit_tokens,
+            "prefix_cache_query_tokens": self.blocks.query_tokens,
             "num_free_pages": self.num_free_pages,
             "num_pages": self.num_pages,
             "num_compilations": self.runner.num_compilations,

@@ -286,8 +286,8 @@ class EngineLoop:
                            ("num_drafts", m.spec_drafts), ("num_draft_tokens", m.spec_draft_tokens),
                            ("num_accepted_tokens", m.spec_accepted),
                            ("num_preemptions", m.preemptions),
-                           ("prefix_cache_queries", m.prefix_queries),
-                           ("prefix_cache_hits", m.prefix_hits)):
+                           ("prefix_cache_query_tokens", m.prefix_queries),
+                           ("prefix_cache_hit_tokens", m.prefix_hits)):
                 d = s.get(key, 0) - p.get(key, 0)
                 if d > 0:
                     c.inc(d)

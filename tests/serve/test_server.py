@@ -314,6 +314,9 @@ def test_metrics_parse_and_move(server, client):
     assert d("vllm:time_to_first_token_seconds_count") == 3
     assert d("vllm:e2e_request_latency_seconds_count") == 3
     assert d("vllm:request_prompt_tokens_sum") == sum(u.prompt_tokens for u in usage)
+    # vLLM counts the prefix cache in tokens: every prompt token is looked up once here
+    assert d("vllm:prefix_cache_queries_total") == sum(u.prompt_tokens for u in usage)
+    assert d("vllm:prefix_cache_hits_total") % ENGINE_KWARGS["page_size"] == 0
     assert d("jspec:http_requests_total", handler="/v1/completions", method="POST", status="200") == 2
     assert metric(m1, "vllm:num_requests_running") == 0 and metric(m1, "vllm:num_requests_waiting") == 0
 
