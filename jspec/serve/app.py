@@ -10,10 +10,12 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jspec import __version__
 from jspec.sampling_params import SamplingParams, SamplingParamsError
 from jspec.serve.chat_reply import ReplyParsers
 from jspec.serve.engine_loop import EngineLoop
@@ -38,15 +40,18 @@ from jspec.serve.tools import tool_choice, tool_schema
 logger = logging.getLogger("jspec.serve")
 
 KNOWN_HANDLERS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
-                  "/v1/debug/engine", "/tokenize", "/detokenize"}  # /v1/models/{id} counts as /v1/models
+                  "/v1/debug/engine", "/tokenize", "/detokenize", "/ping", "/version"}  # /v1/models/{id} counts as /v1/models
 
 
 class ServerState:
-    def __init__(self, engine, served_model_name: str | None, metrics: Metrics):
+    def __init__(self, engine, served_model_name: str | list[str] | None):
         self.engine = engine
-        self.model_name = served_model_name or engine.model_name
-        self.metrics = metrics
-        self.loop = EngineLoop(engine, metrics)
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+        # requests may name any of them; responses and metrics carry the first (vLLM's)
+        self.model_names = names or [engine.model_name]
+        self.model_name = self.model_names[0]
+        self.metrics = Metrics(self.model_name)
+        self.loop = EngineLoop(engine, self.metrics)
         self.draining = False
         self.created = int(time.time())
         self.prompt_tokens_details = False  # usage reports the prompt tokens the prefix cache served
@@ -64,19 +69,33 @@ def check_parsers(enable_auto_tool_choice: bool, tool_call_parser: str | None, r
         raise ValueError(f"--reasoning-parser {reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}")
 
 
-def create_app(engine, served_model_name: str | None = None, api_key: str | None = None,
+@dataclasses.dataclass(frozen=True)
+class HTTPOptions:
+    """The app's HTTP setup from vLLM's flags: CORS (every origin, method and header by
+    default, as vLLM) and the API docs pages (TLS and --root-path are uvicorn's)."""
+
+    allowed_origins: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    docs: bool = True
+
+
+def create_app(engine, served_model_name: str | list[str] | None = None, api_key: str | None = None,
                enable_prompt_tokens_details: bool = False, enable_auto_tool_choice: bool = False,
-               tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+               http: HTTPOptions | None = None) -> FastAPI:
     """The app over a (synchronous) engine; the engine thread starts with the app's lifespan.
     With ``api_key`` every /v1 route wants ``Authorization: Bearer <api_key>`` (vLLM's
     --api-key); /health and /metrics stay open. ``enable_prompt_tokens_details``: usage
     carries prompt_tokens_details.cached_tokens (vLLM's flag). ``enable_auto_tool_choice``
     with ``tool_call_parser`` serves tool_choice "auto" (jspec/serve/tool_parsers.py);
     ``reasoning_parser`` puts a reasoning model's thinking in the message's ``reasoning``
-    (jspec/serve/reasoning.py): vLLM's flags of the same names."""
+    (jspec/serve/reasoning.py): vLLM's flags of the same names. ``http``: CORS and the rest
+    of the HTTP setup (HTTPOptions' defaults: vLLM's)."""
     check_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
-    name = served_model_name or engine.model_name
-    state = ServerState(engine, name, Metrics(name))
+    http = http or HTTPOptions()
+    state = ServerState(engine, served_model_name)
     state.prompt_tokens_details = enable_prompt_tokens_details
     state.tool_parser = TOOL_PARSERS[tool_call_parser] if enable_auto_tool_choice else None
     state.reasoning_parser = reasoning_parser
@@ -86,7 +105,8 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
         yield
         state.loop.stop()
 
-    app = FastAPI(title="jspec", lifespan=lifespan)
+    docs = {} if http.docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}
+    app = FastAPI(title="jspec", lifespan=lifespan, **docs)
     app.state.jspec = state
 
     @app.exception_handler(APIError)
@@ -109,6 +129,10 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
     if api_key:
         app.add_middleware(_RequireKey, key=api_key)
     app.add_middleware(_CountRequests, metrics=state.metrics)
+    # outermost: a browser's preflight is answered before the key is asked for, and a 401
+    # carries the CORS headers the browser needs to show it
+    app.add_middleware(CORSMiddleware, allow_origins=http.allowed_origins, allow_methods=http.allowed_methods,
+                       allow_headers=http.allowed_headers, allow_credentials=http.allow_credentials)
 
     @app.get("/health")
     async def health():
@@ -118,19 +142,27 @@ def create_app(engine, served_model_name: str | None = None, api_key: str | None
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
-    def model_card():
-        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "jspec",
+    # SageMaker's health check, which vLLM serves as /health
+    app.add_api_route("/ping", health, methods=["GET"], operation_id="ping_get")
+    app.add_api_route("/ping", health, methods=["POST"], operation_id="ping_post")
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    def model_card(name: str):
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "jspec",
                 "root": getattr(engine, "config", None) and engine.config.model,
                 "max_model_len": engine.max_model_len}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(n) for n in state.model_names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        check_model(model_id, state.model_name)
-        return model_card()
+        check_model(model_id, state.model_names)
+        return model_card(model_id)
 
     @app.get("/metrics")
     async def metrics():
@@ -345,7 +377,7 @@ async def submit(state: ServerState, req, chat: bool, arrival: float, rid: str |
     it on the engine: shared by /v1/completions, /v1/chat/completions and /v1/responses
     (which reads its request into a chat request). ``rid``: the response id (default: the
     route's own prefix)."""
-    check_model(req.model, state.model_name)
+    check_model(req.model, state.model_names)
     check_unsupported(req)
     if req.cache_salt is not None and not req.cache_salt:
         raise APIError("'cache_salt' must be a non-empty string", param="cache_salt")

@@ -23,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="HF checkpoint folder (default: the embedded model family's target, jspec.family)")
     p.add_argument("--tokenizer", default=None, help="folder of the tokenizer (default: the model's)")
-    p.add_argument("--served-model-name", default=None,
-                   help="model name clients must use (default: the folder's basename)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model names clients may use, the first in responses (default: the folder's basename)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     # engine arguments: the jspec.LLM keyword arguments
@@ -93,10 +93,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                    help="put a reasoning model's <think>...</think> in the message's reasoning field: qwen3, "
                         "deepseek_r1")
+    # The HTTP server as vLLM's flags set it up: CORS (every origin by default, as vLLM),
+    # TLS, a path prefix behind a proxy (uvicorn's root_path), the API docs pages.
+    p.add_argument("--allowed-origins", type=json.loads, default=["*"], help="CORS: allowed origins (JSON list)")
+    p.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS: allowed methods (JSON list)")
+    p.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS: allowed headers (JSON list)")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    p.add_argument("--ssl-keyfile", default=None, help="TLS: the key file")
+    p.add_argument("--ssl-certfile", default=None, help="TLS: the certificate file")
+    p.add_argument("--ssl-ca-certs", default=None, help="TLS: the CA certificates file")
+    p.add_argument("--ssl-cert-reqs", type=int, default=0, help="TLS: whether a client certificate is required "
+                   "(the ssl module's CERT_NONE 0, CERT_OPTIONAL 1, CERT_REQUIRED 2)")
+    p.add_argument("--root-path", default=None, help="the path prefix a proxy serves the API under")
+    p.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
     p.add_argument("--log-level", default="info")
     p.add_argument("--uvicorn-log-level", default=None, help="uvicorn's log level (default: --log-level)")
     for flag in SERVER_NO_EFFECT:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    for flag, typ in SERVER_NO_EFFECT_VALUES.items():
+        p.add_argument(flag, type=typ, default=None, help=argparse.SUPPRESS)
     # vLLM's engine arguments jspec takes with no effect or at their default only
     # (jspec/vllm_args.py): present in the namespace only when given.
     for key, typ in vllm_args.FLAGS.items():
@@ -113,6 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
 SHORT_FLAGS = {"quantization": ["-q"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"]}
 # vLLM server flags about its own logging; jspec logs no requests.
 SERVER_NO_EFFECT = ("--disable-log-requests", "--enable-log-requests", "--disable-uvicorn-access-log")
+# ... and those of its request logging that take a value
+SERVER_NO_EFFECT_VALUES = {"--max-log-len": int}
+
+
+def http_options(args):
+    from jspec.serve.app import HTTPOptions
+
+    return HTTPOptions(allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                       allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                       docs=not args.disable_fastapi_docs)
 
 
 def vllm_engine_args(args) -> dict:
@@ -202,7 +227,7 @@ def main(argv=None) -> int:
     app = create_app(llm.engine, args.served_model_name, api_key=args.api_key or envs.VLLM_API_KEY,
                      enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                      enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                     reasoning_parser=args.reasoning_parser)
+                     reasoning_parser=args.reasoning_parser, http=http_options(args))
     state = app.state.jspec
     logger.info("serving %s on http://%s:%d (max_model_len=%d, %d KV pages)", state.model_name,
                 args.host, args.port, llm.engine.max_model_len, llm.engine.num_pages)
@@ -222,7 +247,9 @@ def main(argv=None) -> int:
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5, access_log=False,
-                            timeout_keep_alive=args.keep_alive_timeout)
+                            timeout_keep_alive=args.keep_alive_timeout, ssl_keyfile=args.ssl_keyfile,
+                            ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                            ssl_cert_reqs=args.ssl_cert_reqs, root_path=args.root_path or "")
     Server(config).run()
     return 0
 

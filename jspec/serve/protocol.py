@@ -167,11 +167,11 @@ class DetokenizeRequest(_Strict):  # vLLM's /detokenize
     tokens: list[int]
 
 
-def check_model(model: str | None, served: str) -> None:
-    """404 for a request that names a model other than the one served."""
-    if model is not None and model != served:
-        raise APIError(f"The model `{model}` does not exist. This server serves `{served}`.", 404, param="model",
-                       code="model_not_found")
+def check_model(model: str | None, served: list[str]) -> None:
+    """404 for a request that names a model other than those served (--served-model-name)."""
+    if model is not None and model not in served:
+        raise APIError(f"The model `{model}` does not exist. This server serves `{'`, `'.join(served)}`.", 404,
+                       param="model", code="model_not_found")
 
 
 def parse_request(raw: bytes, cls: type[_Strict]) -> tuple[_Strict, list[str]]:

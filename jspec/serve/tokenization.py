@@ -85,7 +85,7 @@ def add_tokenization_routes(app, state) -> None:
             body = None  # parse_request names the problem
         chat = isinstance(body, dict) and "messages" in body
         req, _ = parse_request(raw, TokenizeChatRequest if chat else TokenizeCompletionRequest)
-        check_model(req.model, state.model_name)
+        check_model(req.model, state.model_names)
         tok = tokenizer()
         if chat:
             ids = chat_prompt_ids(tok, req.messages, add_generation_prompt=req.add_generation_prompt,
@@ -100,7 +100,7 @@ def add_tokenization_routes(app, state) -> None:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         req, _ = parse_request(await request.body(), DetokenizeRequest)
-        check_model(req.model, state.model_name)
+        check_model(req.model, state.model_names)
         vocab = state.engine.model_cfg.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
