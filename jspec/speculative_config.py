@@ -16,12 +16,18 @@ Keys (vLLM names and meanings):
   "probabilistic" (drafts sampled from q, which the drafter passes to the verifier).
 - draft_tensor_parallel_size: None (the target's tensor_parallel_size), 1 (the drafter
   replicated on every device of the target's mesh) or the target's (sharded as the target).
-Unknown keys raise ValueError naming the key.
+- max_model_len: no draft past this position (vLLM's draft max_model_len), besides the
+  drafter's own max_position_embeddings and the target's max_model_len.
+vLLM's other keys are taken as jspec/vllm_args.py takes its engine arguments: accepted with
+one log line saying why they change nothing (NO_EFFECT), or only at vLLM's default
+(DEFAULT_ONLY). Unknown keys raise ValueError naming the key; a method jspec does not have
+(vLLM's "ngram", "medusa", "draft_model", ...) is named before its own keys are.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
 
@@ -32,7 +38,23 @@ from kernels_pallas.synthetic import (
     validate_unconditional,
 )
 
+logger = logging.getLogger("jspec")
+
 METHODS = ("eagle3", "peagle", "dflash")
+# vLLM's keys with nothing to set here, and why (logged when given)
+NO_EFFECT = {
+    "disable_padded_drafter_batch": "the drafter runs inside the verification step's one program, over its rows",
+    "enforce_eager": "jspec has no eager mode: the drafter is compiled with the step",
+    "disable_log_stats": "the speculative counters are always kept (LLM.get_metrics, the server's /metrics)",
+}
+# vLLM's keys taken at their default only: (the default, why no other value)
+DEFAULT_ONLY = {
+    "quantization": (None, "the drafter's weights are loaded unquantized"),
+    "revision": (None, "jspec loads local folders; no model hub is reached"),
+    "code_revision": (None, "jspec runs no code from a checkpoint"),
+    "speculative_token_tree": (None, "jspec drafts one chain of tokens, not a tree"),
+    "disable_by_batch_size": (None, "jspec speculates at every batch size"),
+}
 REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
@@ -53,8 +75,12 @@ class SpeculativeConfig:
     synthetic_acceptance_length: float | None = None
     draft_sample_method: str = "greedy"
     draft_tensor_parallel_size: int | None = None
+    max_model_len: int | None = None
 
     def __post_init__(self):
+        m = self.max_model_len
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"speculative_config 'max_model_len' must be an int >= 1, got {m!r}")
         dtp = self.draft_tensor_parallel_size
         if dtp is not None and (isinstance(dtp, bool) or not isinstance(dtp, int) or dtp < 1):
             raise ValueError(f"speculative_config 'draft_tensor_parallel_size' must be an int >= 1, got {dtp!r}")
@@ -108,6 +134,14 @@ class SpeculativeConfig:
     def from_dict(cls, d: dict[str, Any] | None) -> SpeculativeConfig:
         """Builds from vLLM's `speculative_config` dict; unknown keys raise ValueError."""
         d = dict(d or {})
+        if d.get("method") is not None and d["method"] not in METHODS:
+            raise ValueError(f"speculative_config 'method' must be one of {METHODS} or None, got {d['method']!r}")
+        for key in [k for k in d if k in NO_EFFECT]:
+            logger.info("speculative_config %s=%r has no effect in jspec: %s", key, d.pop(key), NO_EFFECT[key])
+        for key in [k for k in d if k in DEFAULT_ONLY]:
+            default, why = DEFAULT_ONLY[key]
+            if (value := d.pop(key)) != default:
+                raise ValueError(f"speculative_config {key}={value!r} is not supported: {why} (only {default!r})")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 
 import jax
@@ -166,6 +167,8 @@ class LLMEngine:
             self.spec = self.spec.resolved(K)
             self.K = K
             self.lookahead = drafter.lookahead(K)
+            # no draft past the drafter's trained positions, nor speculative_config's max_model_len
+            self.draft_max_len = min(self.dcfg.max_position_embeddings, self.spec.max_model_len or math.inf)
         else:
             drafter = None
             self.K = 0
@@ -441,7 +444,7 @@ class LLMEngine:
         position num_tokens - 1 + j: verification of n drafts may emit n + 1 tokens, which
         must stay within max_model_len, and no draft goes past the drafter's own
         max_position_embeddings (vLLM's guard: its positions were never trained)."""
-        room = min(self.max_model_len - num_tokens - 1, self.dcfg.max_position_embeddings - num_tokens)
+        room = min(self.max_model_len - num_tokens - 1, self.draft_max_len - num_tokens)
         return max(0, min(self.K, room))
 
     def _run(self, sched) -> list[tuple[list[int], int, np.ndarray | None]]:

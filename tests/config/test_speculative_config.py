@@ -38,8 +38,31 @@ def test_resolved_fills_k_and_validates():
         SpeculativeConfig(method="eagle3", num_speculative_tokens=3).resolved(4)
 
 
+def test_vllm_keys_taken_logged_or_refused(caplog):
+    """vLLM's other speculative_config keys: max_model_len is honoured, the keys with nothing
+    to set here are logged with the reason, those jspec takes at vLLM's default only are
+    refused at any other value, naming the key."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="jspec"):
+        c = SpeculativeConfig.from_dict({"method": "eagle3", "model": "m", "max_model_len": 2048,
+                                         "disable_padded_drafter_batch": True, "quantization": None,
+                                         "revision": None, "speculative_token_tree": None})
+    assert c.max_model_len == 2048
+    assert "disable_padded_drafter_batch=True has no effect in jspec" in caplog.text
+    for key, value, why in [("quantization", "fp8", "unquantized"), ("revision", "main", "no model hub"),
+                            ("speculative_token_tree", "[(0,), (1,)]", "not a tree"),
+                            ("disable_by_batch_size", 4, "every batch size")]:
+        with pytest.raises(ValueError, match=f"speculative_config {key}=.* is not supported: .*{why}"):
+            SpeculativeConfig.from_dict({"method": "eagle3", key: value})
+    # a method jspec lacks is named before its own keys are (vLLM's n-gram method)
+    with pytest.raises(ValueError, match="'method' must be one of .* got 'ngram'"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+
+
 @pytest.mark.parametrize("d, match", [
     ({"method": "eagle3", "bogus_key": 1}, "bogus_key"),
+    ({"method": "eagle3", "max_model_len": 0}, "max_model_len"),
     ({"method": "medusa"}, "method"),
     ({"method": "eagle3", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "eagle3", "rejection_sample_method": "strict"}, "rejection_sample_method"),

@@ -50,23 +50,28 @@ def test_async_spec_matches_sync(name, k, extra):
     assert len(r3) >= 4 and r3 == h.greedy_reference([p3], 30)[0][: len(r3)]
 
 
-def test_no_draft_past_the_drafters_positions(tmp_path):
-    """A drafter trained on 24 positions proposes no draft at position 24 or later (vLLM
-    guards this too); the output stays the target's greedy output."""
+@pytest.mark.parametrize("limit_by", ["drafter config", "speculative_config"])
+def test_no_draft_past_the_drafters_positions(tmp_path, limit_by):
+    """A drafter trained on 24 positions, or held to 24 by speculative_config's max_model_len
+    (vLLM's draft max_model_len), proposes no draft at position 24 or later (vLLM guards
+    this too); the output stays the target's greedy output."""
     import json
     import shutil
 
-    src = h.drafter("eagle3")
-    folder = str(tmp_path / "eagle3_short")
-    shutil.copytree(src, folder)
-    cfg = json.load(open(f"{folder}/config.json"))
-    cfg["transformer_layer_config"]["max_position_embeddings"] = 24
-    json.dump(cfg, open(f"{folder}/config.json", "w"))
+    folder = h.drafter("eagle3")
+    spec = {"method": "eagle3", "num_speculative_tokens": 3}
+    if limit_by == "drafter config":
+        folder = str(tmp_path / "eagle3_short")
+        shutil.copytree(h.drafter("eagle3"), folder)
+        cfg = json.load(open(f"{folder}/config.json"))
+        cfg["transformer_layer_config"]["max_position_embeddings"] = 24
+        json.dump(cfg, open(f"{folder}/config.json", "w"))
+    else:
+        spec["max_model_len"] = 24
     folder_t, _ = h.target()
-    llm = jspec.LLM(folder_t, speculative_config={"method": "eagle3", "model": folder, "num_speculative_tokens": 3},
-                    **{**h.ENGINE_KW, "num_pages": 12})
+    llm = jspec.LLM(folder_t, speculative_config={**spec, "model": folder}, **{**h.ENGINE_KW, "num_pages": 12})
     eng = llm.engine
-    assert eng.dcfg.max_position_embeddings == 24
+    assert eng.draft_max_len == 24
     prompt = h.varied_prompts(1, 5, 5, seed=4)[0]
     eng.add_request("r", prompt, jspec.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     drafted_late = False
