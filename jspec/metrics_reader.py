@@ -53,30 +53,37 @@ class Histogram(Metric):
     buckets: dict[str, int]
 
 
+# The engine's cumulative counters, each exported under vLLM's name by ``engine_metrics`` and
+# by the server's /metrics (jspec/serve/metrics.py): (name, LLMEngine.stats() key, help).
+ENGINE_COUNTERS = (
+    ("vllm:num_preemptions", "num_preemptions", "Preemptions (KV pages ran out)."),
+    ("vllm:prefix_cache_queries", "prefix_cache_query_tokens", "Prefix-cache lookups (tokens)."),
+    ("vllm:prefix_cache_hits", "prefix_cache_hit_tokens", "Prefix-cache hits (tokens)."),
+    ("vllm:prompt_tokens", "num_prompt_tokens", "Prefill tokens processed."),
+    ("vllm:generation_tokens", "num_generation_tokens", "Tokens generated."),
+)
+SPEC_COUNTERS = (
+    ("vllm:spec_decode_num_drafts", "num_drafts", "Draft proposals."),
+    ("vllm:spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens proposed."),
+    ("vllm:spec_decode_num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted."),
+)
+
+
 def engine_metrics(engine) -> list[Metric]:
     """The snapshot of an ``LLMEngine``'s counters and gauges."""
     s = engine.stats()
     labels = {"model_name": engine.model_name, "engine": "0"}
-
-    def counter(name: str, key: str) -> Counter:
-        return Counter(name, dict(labels), int(s[key]))
 
     pages = s["num_pages"]
     out: list[Metric] = [
         Gauge("vllm:num_requests_running", dict(labels), float(s["num_running"])),
         Gauge("vllm:num_requests_waiting", dict(labels), float(s["num_waiting"])),
         Gauge("vllm:kv_cache_usage_perc", dict(labels), 1.0 - s["num_free_pages"] / pages if pages else 0.0),
-        counter("vllm:num_preemptions", "num_preemptions"),
-        counter("vllm:prompt_tokens", "num_prompt_tokens"),
-        counter("vllm:generation_tokens", "num_generation_tokens"),
-        counter("vllm:prefix_cache_queries", "prefix_cache_query_tokens"),  # tokens, as vLLM's
-        counter("vllm:prefix_cache_hits", "prefix_cache_hit_tokens"),
     ]
+    counters = ENGINE_COUNTERS + (SPEC_COUNTERS if engine.K else ())
+    out += [Counter(name, dict(labels), int(s[key])) for name, key, _ in counters]
     if engine.K:
         per_pos = list(s["accepted_per_position"])
-        out += [counter("vllm:spec_decode_num_drafts", "num_drafts"),
-                counter("vllm:spec_decode_num_draft_tokens", "num_draft_tokens"),
-                counter("vllm:spec_decode_num_accepted_tokens", "num_accepted_tokens"),
-                Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels),
-                       [int(v) for v in per_pos] + [0] * (engine.K - len(per_pos)))]
+        out.append(Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels),
+                          [int(v) for v in per_pos] + [0] * (engine.K - len(per_pos))))
     return out

@@ -47,14 +47,18 @@ class BlockManager:
         self.hash_page: dict[bytes, int] = {}  # hash -> page
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # stack, page 0 handed out first
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self.hits = 0  # pages served from the cache (prefix hits), cumulative
         self.queries = 0  # full prompt pages looked up, cumulative
-        # the same in tokens, as vLLM counts its prefix-cache metrics: a lookup's prompt
-        # tokens, and the tokens its hit served
-        self.hit_tokens = 0
+        # in tokens, as vLLM counts its prefix-cache metrics: the lookups' prompt tokens, and
+        # the tokens their hits served (whole pages: ``hits`` counts them)
         self.query_tokens = 0
+        self.hit_tokens = 0
 
     # ---- accounting -------------------------------------------------------------------
+    @property
+    def hits(self) -> int:
+        """Pages served from the cache (prefix hits), cumulative."""
+        return self.hit_tokens // self.page_size
+
     @property
     def num_free_pages(self) -> int:
         return len(self._free) + len(self._evictable)
@@ -120,7 +124,6 @@ class BlockManager:
             self.ref[page] += 1
             seq.pages.append(page)
             seq.block_hashes.append(h)
-        self.hits += len(hit)
         seq.num_computed = len(hit) * self.page_size
         self.hit_tokens += seq.num_computed
         return seq.num_computed

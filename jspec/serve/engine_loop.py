@@ -281,13 +281,7 @@ class EngineLoop:
             m.active_streams.set(len(self._reqs))
             m.num_compilations.set(s.get("num_compilations", 0))
             p = self._prev_stats
-            for key, c in (("num_prompt_tokens", m.prompt_tokens),
-                           ("num_generation_tokens", m.generation_tokens),
-                           ("num_drafts", m.spec_drafts), ("num_draft_tokens", m.spec_draft_tokens),
-                           ("num_accepted_tokens", m.spec_accepted),
-                           ("num_preemptions", m.preemptions),
-                           ("prefix_cache_query_tokens", m.prefix_queries),
-                           ("prefix_cache_hit_tokens", m.prefix_hits)):
+            for key, c in m.engine_counters.items():
                 d = s.get(key, 0) - p.get(key, 0)
                 if d > 0:
                     c.inc(d)

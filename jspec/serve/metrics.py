@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from jspec.metrics_reader import ENGINE_COUNTERS, SPEC_COUNTERS
+
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 E2E_BUCKETS = [0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
@@ -43,12 +45,11 @@ class Metrics:
         self.active_streams = gauge("jspec:num_active_requests",
                                     "Requests the server is tracking (added, not finished).")
         self.num_compilations = gauge("jspec:num_compilations", "Jitted step shapes compiled so far.")
-        self.preemptions = counter("vllm:num_preemptions", "Preemptions (KV pages ran out).").labels(model_name)
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix-cache lookups (tokens).").labels(model_name)
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits (tokens).").labels(model_name)
-        # tokens and requests
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.").labels(model_name)
-        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.").labels(model_name)
+        # the engine's own counters (LLMEngine.stats() key -> counter), speculative decoding's
+        # (vLLM v1 names) included: the table LLM.get_metrics reads too
+        self.engine_counters = {key: counter(name, doc).labels(model_name)
+                                for name, key, doc in ENGINE_COUNTERS + SPEC_COUNTERS}
+        # requests
         self._success = counter("vllm:request_success", "Finished requests, by finish reason.",
                                 ["finished_reason"])
         self.rejected = counter("jspec:request_rejected",
@@ -64,10 +65,6 @@ class Metrics:
                                       TOKEN_BUCKETS)
         self.req_gen_tokens = hist("vllm:request_generation_tokens", "Generated tokens per request.",
                                    TOKEN_BUCKETS)
-        # speculative decoding (vLLM v1 names)
-        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Draft proposals.").labels(model_name)
-        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.").labels(model_name)
-        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.").labels(model_name)
         self._spec_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                      "Accepted draft tokens by position in the draft.", ["position"])
         for reason in ("stop", "length", "abort"):
