@@ -27,18 +27,16 @@ one log line saying why they change nothing (NO_EFFECT), or only at vLLM's defau
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from typing import Any
 
+from jspec import vllm_args
 from kernels_pallas.synthetic import (
     conditional_rates,
     synthetic_rates_from_length,
     validate_synthetic,
     validate_unconditional,
 )
-
-logger = logging.getLogger("jspec")
 
 METHODS = ("eagle3", "peagle", "dflash")
 # vLLM's keys with nothing to set here, and why (logged when given)
@@ -65,6 +63,11 @@ __all__ = [
 ]
 
 
+def _check_method(method) -> None:
+    if method is not None and method not in METHODS:
+        raise ValueError(f"speculative_config 'method' must be one of {METHODS} or None, got {method!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     method: str | None = None
@@ -84,8 +87,7 @@ class SpeculativeConfig:
         dtp = self.draft_tensor_parallel_size
         if dtp is not None and (isinstance(dtp, bool) or not isinstance(dtp, int) or dtp < 1):
             raise ValueError(f"speculative_config 'draft_tensor_parallel_size' must be an int >= 1, got {dtp!r}")
-        if self.method is not None and self.method not in METHODS:
-            raise ValueError(f"speculative_config 'method' must be one of {METHODS} or None, got {self.method!r}")
+        _check_method(self.method)
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"speculative_config 'model' must be a string, got {self.model!r}")
         k = self.num_speculative_tokens
@@ -134,14 +136,12 @@ class SpeculativeConfig:
     def from_dict(cls, d: dict[str, Any] | None) -> SpeculativeConfig:
         """Builds from vLLM's `speculative_config` dict; unknown keys raise ValueError."""
         d = dict(d or {})
-        if d.get("method") is not None and d["method"] not in METHODS:
-            raise ValueError(f"speculative_config 'method' must be one of {METHODS} or None, got {d['method']!r}")
+        _check_method(d.get("method"))  # before its keys: vLLM's methods have keys of their own
         for key in [k for k in d if k in NO_EFFECT]:
-            logger.info("speculative_config %s=%r has no effect in jspec: %s", key, d.pop(key), NO_EFFECT[key])
+            vllm_args.note_no_effect(key, d.pop(key), NO_EFFECT[key], where="speculative_config ")
         for key in [k for k in d if k in DEFAULT_ONLY]:
             default, why = DEFAULT_ONLY[key]
-            if (value := d.pop(key)) != default:
-                raise ValueError(f"speculative_config {key}={value!r} is not supported: {why} (only {default!r})")
+            vllm_args.check_default(key, d.pop(key), default, why, where="speculative_config ")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:

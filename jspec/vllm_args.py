@@ -56,13 +56,25 @@ DEFAULT_ONLY = {
 FLAGS = {key: entry[0] for key, entry in {**NO_EFFECT, **DEFAULT_ONLY}.items()}
 
 
+def note_no_effect(key: str, value, why: str, where: str = "") -> None:
+    """The log line of a vLLM argument taken with nothing to set (``where``: the dict it
+    came in, e.g. "speculative_config ")."""
+    logger.info("%s%s=%r has no effect in jspec: %s", where, key, value, why)
+
+
+def check_default(key: str, value, default, why: str, where: str = "") -> None:
+    """ValueError naming a vLLM argument jspec takes at its default only, given another value."""
+    if value != default:
+        raise ValueError(f"{where}{key}={value!r} is not supported: {why} (only {default!r})")
+
+
 def check_supported(engine_args: dict) -> None:
     """ValueError naming the first of vLLM's arguments given at a value jspec cannot honour."""
     for key, value in engine_args.items():
         if key in DEFAULT_ONLY:
             _, why, default = DEFAULT_ONLY[key]
-            if value != default and not (default is None and value in ("", "none", "None")):
-                raise ValueError(f"{key}={value!r} is not supported: {why} (only {default!r})")
+            if not (default is None and value in ("", "none", "None")):  # a server flag's spelling of None
+                check_default(key, value, default, why)
 
 
 def translate(engine_args: dict, known: set[str]) -> dict:
@@ -78,7 +90,7 @@ def translate(engine_args: dict, known: set[str]) -> dict:
                 raise ValueError(f"{key}={value!r} (vLLM's name for {name}) contradicts {name}={engine_args[name]!r}")
             out[name] = value
         elif key in NO_EFFECT:
-            logger.info("%s=%r has no effect in jspec: %s", key, value, NO_EFFECT[key][1])
+            note_no_effect(key, value, NO_EFFECT[key][1])
         elif key in known:
             out[key] = value
         elif key not in DEFAULT_ONLY:
