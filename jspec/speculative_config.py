@@ -1,10 +1,16 @@
 """SpeculativeConfig: the `speculative_config` dict of vLLM, validated when built.
 
 Keys (vLLM names and meanings):
-- method: "eagle3" | "peagle" | "dflash" | None (no speculation).
-- model: drafter checkpoint path / HF id.
+- method: "eagle3" | "peagle" | "dflash" | "ngram" | None (no speculation). "ngram" (vLLM's
+  prompt lookup; its "[ngram]" and "ngram_gpu" are the same here) drafts the tokens that
+  followed the earliest earlier occurrence of the sequence's last n tokens, with no
+  model (jspec/drafters/ngram.py).
+- model: drafter checkpoint path / HF id (none with "ngram").
 - num_speculative_tokens: K >= 1; None means "take it from the drafter checkpoint", then
-  call `resolved(K)` to fill it in and validate what depends on K.
+  call `resolved(K)` to fill it in and validate what depends on K ("ngram" has none: K is
+  required).
+- prompt_lookup_min / prompt_lookup_max: "ngram" only, the n-gram lengths matched (vLLM's
+  defaults: both 5 when neither is given, else the one given for both).
 - rejection_sample_method: "standard" (Leviathan rejection sampling, lossless) or
   "synthetic" (accept decisions forced at chosen rates, for benchmarking).
 - synthetic_acceptance_rates: K unconditional rates, entry i = P(first i+1 drafts
@@ -21,7 +27,7 @@ Keys (vLLM names and meanings):
 vLLM's other keys are taken as jspec/vllm_args.py takes its engine arguments: accepted with
 one log line saying why they change nothing (NO_EFFECT), or only at vLLM's default
 (DEFAULT_ONLY). Unknown keys raise ValueError naming the key; a method jspec does not have
-(vLLM's "ngram", "medusa", "draft_model", ...) is named before its own keys are.
+(vLLM's "suffix", "medusa", "draft_model", ...) is named before its own keys are.
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ from kernels_pallas.synthetic import (
     validate_unconditional,
 )
 
-METHODS = ("eagle3", "peagle", "dflash")
+METHODS = ("eagle3", "peagle", "dflash", "ngram")
+# vLLM's other names of the n-gram method: its CPU proposer's old spelling and its GPU one
+NGRAM_ALIASES = ("[ngram]", "ngram_gpu")
 # vLLM's keys with nothing to set here, and why (logged when given)
 NO_EFFECT = {
     "disable_padded_drafter_batch": "the drafter runs inside the verification step's one program, over its rows",
@@ -64,7 +72,7 @@ __all__ = [
 
 
 def _check_method(method) -> None:
-    if method is not None and method not in METHODS:
+    if method is not None and method not in METHODS + NGRAM_ALIASES:
         raise ValueError(f"speculative_config 'method' must be one of {METHODS} or None, got {method!r}")
 
 
@@ -79,8 +87,11 @@ class SpeculativeConfig:
     draft_sample_method: str = "greedy"
     draft_tensor_parallel_size: int | None = None
     max_model_len: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
 
     def __post_init__(self):
+        self._check_ngram()
         m = self.max_model_len
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"speculative_config 'max_model_len' must be an int >= 1, got {m!r}")
@@ -131,6 +142,36 @@ class SpeculativeConfig:
             validate_unconditional(rates, len(rates))
         elif length < 1.0:
             raise ValueError(f"synthetic_acceptance_length must be >= 1, got {length}")
+
+    def _check_ngram(self):
+        """vLLM's n-gram spellings as "ngram", its prompt_lookup defaults, and their checks."""
+        if self.method is None and self.model in ("ngram", "[ngram]"):  # vLLM's older way to ask for it
+            object.__setattr__(self, "method", "ngram")
+        if self.method in NGRAM_ALIASES:
+            object.__setattr__(self, "method", "ngram")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if self.method != "ngram":
+            for key, val in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if val is not None:
+                    raise ValueError(f"speculative_config {key!r} is only valid with method 'ngram' "
+                                     f"(got method={self.method!r})")
+            return
+        if self.model in ("ngram", "[ngram]"):
+            object.__setattr__(self, "model", None)
+        if self.model is not None:
+            raise ValueError(f"speculative_config 'model' has no use with method 'ngram' (it drafts from the "
+                             f"sequence's own tokens), got {self.model!r}")
+        if self.num_speculative_tokens is None:
+            raise ValueError("speculative_config 'num_speculative_tokens' is required with method 'ngram' "
+                             "(there is no drafter checkpoint to take it from)")
+        for key, val in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+                raise ValueError(f"speculative_config {key!r} must be an int >= 1, got {val!r}")
+        lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
+        if lo > hi:
+            raise ValueError(f"speculative_config 'prompt_lookup_min'={lo} must be <= 'prompt_lookup_max'={hi}")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SpeculativeConfig:

@@ -17,7 +17,8 @@
 
 Run it whenever jspec/ or kernels_pallas/ change, and commit its docs/gpu_check.md with
 the change (overwritten each run). Each line passes or fails on its own:
-  - speculative greedy == plain greedy on the GPU kernels, every drafter method and layout,
+  - speculative greedy == plain greedy on the GPU kernels, every drafter method and layout
+    (and the n-gram method, which has no checkpoint),
     float32 and bfloat16, prefix caching on and a page pool small enough to preempt (the
     tiny target of tests/helpers/spec_e2e.py, whose drafters agree with it through a
     planted feature, so acceptance is well above 1). float32: every token equal. bfloat16:
@@ -667,13 +668,17 @@ def line_table(refs) -> list[tuple[str, str, object]]:
         for dtype in ("float32", "bfloat16"):
             t.append((groups[name], f"spec greedy == plain greedy: {what}, K={k}, {dtype}",
                       lambda name=name, k=k, dtype=dtype: lossless(name, k, dtype)))
+    for dtype in ("float32", "bfloat16"):  # no checkpoint: the drafts come from the sequence
+        t.append(("peagle", f"spec greedy == plain greedy: n-gram (prompt lookup 1..3), K=3, {dtype}",
+                  lambda dtype=dtype: lossless("ngram", 3, dtype)))
     for name, k in (("eagle3", 3), ("dflash4", 3)):
         t.append((groups[name], f"penalties, logit_bias, logprobs: spec greedy == plain greedy: {name}, K={k}, float32",
                   lambda name=name, k=k: processors(name, k)))
     for m in ("eagle3", "dflash"):
         t.append((f"structured_{m}", "structured outputs (16 JSON schemas): spec greedy == plain greedy, all valid: "
                   f"family {m}, float32", lambda m=m: structured(m)))
-    for name, k, g in ((None, None, "eagle3_more"), ("eagle3", 3, "eagle3"), ("dflash8_zlab", 7, "dflash")):
+    for name, k, g in ((None, None, "eagle3_more"), ("eagle3", 3, "eagle3"), ("dflash8_zlab", 7, "dflash"),
+                       ("ngram", 3, "peagle")):
         t.append((g, f"mixed steps: greedy == unmixed plain greedy: {name or 'plain'}, float32",
                   lambda name=name, k=k: mixed(name, k)))
     t.append(("eagle3", "a step that fails on the device after its call: the engine serves on: eagle3, K=3, float32",

@@ -41,7 +41,7 @@ _FLAT_DRAFTER_KEYS = {
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-    method: str  # "eagle3" | "peagle" | "dflash"
+    method: str  # "eagle3" | "peagle" | "dflash" | "ngram" (no checkpoint: ngram.ngram_config)
     source_format: str  # FMT_*: which weight layout the loader reads
     family: str  # "llama" | "qwen3": decoder-layer flavour (qwen3 has q_norm/k_norm)
     hidden_size: int
@@ -67,6 +67,8 @@ class DrafterConfig:
     attention_bias: bool
     mlp_bias: bool
     max_position_embeddings: int  # the drafter's own positions: no draft is proposed at or past it
+    prompt_lookup_min: int | None = None  # "ngram" (jspec/drafters/ngram.py): the n-gram lengths matched
+    prompt_lookup_max: int | None = None
 
     @property
     def num_aux(self) -> int:

@@ -6,6 +6,8 @@ A ``Drafter`` holds the Flax module (static under jit) and answers:
       -> (drafts i32[B, >= K], probs f32[B, >= K, Vt] | None, KVCache)   (jspec/drafters/propose.py)
   lookahead(K)        slots it writes past the step's last verified token (the scheduler
                       reserves them before the step runs)
+  create_cache(...)   its cache over the target's page ids: a KVCache, or the n-gram
+                      method's TokenHistory
   reads_next_token    its KV at position p is built from the token at p + 1 (EAGLE-style): prefix
                       hashes must cover the token after a page, and the last hit page is recomputed
                       so its target hidden states exist
@@ -23,17 +25,18 @@ import flax.linen as nn
 
 from jspec.drafters.config import DrafterConfig
 from jspec.drafters.dflash import DFlashDrafter
-from jspec.drafters.eagle3 import Eagle3Drafter
+from jspec.drafters.eagle3 import Eagle3Drafter, create_kv_cache
+from jspec.drafters.ngram import NgramProposer, TokenHistory, ngram_propose
 from jspec.drafters.propose import ProposeInputs, dflash_propose, eagle3_propose, peagle_propose
 from jspec.kv_cache import KVCache
 
 
 @dataclasses.dataclass(frozen=True)
 class Drafter:
-    module: nn.Module  # the drafter's Flax module (hashable: a static part of the jitted step)
+    module: nn.Module | NgramProposer  # the drafter's Flax module (hashable: a static part of the jitted step)
     propose_fn: Callable  # (module, params, kv, ProposeInputs, *, num_tokens, with_probs) -> ...
     reads_next_token: bool
-    block_lookahead: bool  # writes a whole block (bonus + drafts) past the last token, not K - 1 + 1
+    writes_ahead: str  # past the last token: "k" (K - 1 + 1 slots), "block" (bonus + drafts), "none"
     label: str  # the method's name in messages ("DFlash")
 
     @property
@@ -45,23 +48,31 @@ class Drafter:
 
     def lookahead(self, K: int) -> int:
         # EAGLE3 / PEagle write K - 1 positions past the bonus pair (K counting the bonus
-        # pair's own slot); DFlash writes its block_size positions from the bonus on.
-        return self.cfg.block_size if self.block_lookahead else K
+        # pair's own slot); DFlash writes its block_size positions from the bonus on; the
+        # n-gram history only the verified pairs' own slots.
+        return {"k": K, "block": self.cfg.block_size, "none": 0}[self.writes_ahead]
+
+    def create_cache(self, num_pages: int, page_size: int, dtype, sharding=None):
+        if self.cfg.method == "ngram":
+            return TokenHistory.create(num_pages, page_size, sharding)
+        return create_kv_cache(self.cfg, num_pages, page_size, dtype, sharding)
 
     def check_num_tokens(self, K: int):
         c = self.cfg
-        if self.block_lookahead and K > c.block_size - 1:
+        if self.writes_ahead == "block" and K > c.block_size - 1:
             raise ValueError(
                 f"speculative_config.num_speculative_tokens={K} exceeds the {self.label} block's "
                 f"{c.block_size - 1} drafts (block_size={c.block_size})"
             )
 
 
-# method -> (module class, propose function, reads the next token, block lookahead, label)
-REGISTRY: dict[str, tuple[type[nn.Module], Callable, bool, bool, str]] = {
-    "eagle3": (Eagle3Drafter, eagle3_propose, True, False, "EAGLE3"),
-    "peagle": (Eagle3Drafter, peagle_propose, True, False, "PEagle"),  # PEagle lives in Eagle3Drafter (mask_hidden)
-    "dflash": (DFlashDrafter, dflash_propose, False, True, "DFlash"),
+# method -> (module class, propose function, reads the next token, writes ahead, label)
+REGISTRY: dict[str, tuple[type, Callable, bool, str, str]] = {
+    "eagle3": (Eagle3Drafter, eagle3_propose, True, "k", "EAGLE3"),
+    "peagle": (Eagle3Drafter, peagle_propose, True, "k", "PEagle"),  # PEagle lives in Eagle3Drafter (mask_hidden)
+    "dflash": (DFlashDrafter, dflash_propose, False, "block", "DFlash"),
+    # the history at p holds the token at p + 1, as EAGLE's KV is built from it
+    "ngram": (NgramProposer, ngram_propose, True, "none", "n-gram"),
 }
 
 
@@ -69,6 +80,6 @@ def make_drafter(cfg: DrafterConfig, *, dtype=None, plan=None) -> Drafter:
     """The Drafter for ``cfg.method``; an unknown method is a ValueError naming the known ones."""
     if cfg.method not in REGISTRY:
         raise ValueError(f"drafter method {cfg.method!r} is not supported (known: {sorted(REGISTRY)})")
-    cls, fn, reads_next, block, label = REGISTRY[cfg.method]
+    cls, fn, reads_next, ahead, label = REGISTRY[cfg.method]
     kw = {k: v for k, v in (("dtype", dtype), ("plan", plan)) if v is not None}
-    return Drafter(cls(cfg, **kw), fn, reads_next, block, label)
+    return Drafter(cls(cfg, **kw), fn, reads_next, ahead, label)

@@ -53,9 +53,10 @@ def _allocate(c, mc, dcfg, par, num_pages: int, dtype):
                         par.kv_sharding(mc.num_kv_heads))
     if dcfg is None:
         return kv, None
-    from jspec.drafters import create_kv_cache
+    from jspec.drafters.registry import make_drafter
 
-    return kv, create_kv_cache(dcfg, num_pages, c.page_size, dtype, par.kv_sharding(dcfg.num_kv_heads, draft=True))
+    sharding = par.kv_sharding(dcfg.num_kv_heads, draft=True)
+    return kv, make_drafter(dcfg).create_cache(num_pages, c.page_size, dtype, sharding)
 
 
 def pages_from_memory(c, mc, dcfg, par, pages_per_seq: int) -> int:
@@ -70,6 +71,7 @@ def pages_from_memory(c, mc, dcfg, par, pages_per_seq: int) -> int:
     itemsize = np.dtype(resolve_dtype(c.dtype)).itemsize
     # K and V of every target layer, and of every drafter layer (its own cache over the same
     # page ids) when speculating; per device (tensor parallel: kv_heads / tp where sharded).
+    # (The n-gram method has no layers; its 4-byte token per slot is left out.)
     layers = [(mc.num_layers, par.local_kv_heads(mc.num_kv_heads), mc.head_dim)]
     if dcfg is not None:
         layers.append((dcfg.num_layers, par.local_kv_heads(dcfg.num_kv_heads, draft=True), dcfg.head_dim))

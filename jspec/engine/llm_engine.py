@@ -151,7 +151,11 @@ class LLMEngine:
             from jspec.drafters.registry import make_drafter
 
             self.par.draft_tp = parallel.resolve_draft_tp(self.spec.draft_tensor_parallel_size, self.par.tp)
-            if preloaded_drafter is not None:
+            if self.spec.method == "ngram":  # no checkpoint: drafts from the sequence's own tokens
+                from jspec.drafters.ngram import ngram_config
+
+                self.dcfg, dparams = ngram_config(mc, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max), {}
+            elif preloaded_drafter is not None:
                 self.dcfg, dparams = preloaded_drafter
             else:
                 self.dcfg, dparams = load_drafter(self.spec.model, mc, c.dtype, self.par.placement(sharding, True),
@@ -231,7 +235,7 @@ class LLMEngine:
         spec = d if isinstance(d, SpeculativeConfig) else SpeculativeConfig.from_dict(d)
         if not spec.enabled:
             return None
-        if not spec.model:  # a method alone: the embedded family's drafter (a clear error for other targets)
+        if not spec.model and spec.method != "ngram":  # the embedded family's drafter (else a clear error)
             from jspec import family
 
             spec = dataclasses.replace(spec, model=family.drafter_for(model, spec.method))

@@ -109,7 +109,8 @@ class SpecMixedSteps:
             {"params": params}, tokens, MixedMetadata((d.meta, p.meta)), kv, aux_layers=self.aux_layers
         )
         hd, hp = h[0, :nd].reshape(Bd, Qd, -1), h[0, nd:].reshape(Bp, Qp, -1)
-        aux_d, aux_p = aux[0, :nd].reshape(Bd, Qd, -1), aux[0, nd:].reshape(Bp, Qp, -1)
+        aux_d, aux_p = (None, None) if aux is None else (aux[0, :nd].reshape(Bd, Qd, -1),
+                                                          aux[0, nd:].reshape(Bp, Qp, -1))
         last_p = hp[jnp.arange(Bp), jnp.maximum(p.q_lens - 1, 0)]
         logits = self._lm(params, jnp.concatenate([hd.reshape(nd, -1), last_p], axis=0))  # one GEMM
         dkv, probs_buf, out_d = self._verify_and_propose(

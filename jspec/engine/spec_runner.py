@@ -180,7 +180,7 @@ class SpecModelRunner(SpecMixedSteps, RunnerBase):
                           logits, raw, h):
         """The drafter over the step's pairs i32[B, Q], then the step's one packed output."""
         B, Q = pairs.shape
-        aux = aux.reshape(B, Q, -1)
+        aux = None if aux is None else aux.reshape(B, Q, -1)  # None: a drafter without aux layers (n-gram)
         draft_temp = s.temperature if self.with_probs else jnp.zeros_like(s.temperature)
         embed, lm_head = self.embedding_table(params), self.lm_head_weight(params)
         drafts, probs, dkv = self.drafter.propose(

@@ -55,9 +55,37 @@ def test_vllm_keys_taken_logged_or_refused(caplog):
                             ("disable_by_batch_size", 4, "every batch size")]:
         with pytest.raises(ValueError, match=f"speculative_config {key}=.* is not supported: .*{why}"):
             SpeculativeConfig.from_dict({"method": "eagle3", key: value})
-    # a method jspec lacks is named before its own keys are (vLLM's n-gram method)
-    with pytest.raises(ValueError, match="'method' must be one of .* got 'ngram'"):
-        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    # a method jspec lacks is named before its own keys are (vLLM's suffix decoding)
+    with pytest.raises(ValueError, match="'method' must be one of .* got 'suffix'"):
+        SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 3,
+                                     "suffix_decoding_max_tree_depth": 24})
+
+
+@pytest.mark.parametrize("d, lookup", [
+    ({"method": "ngram", "num_speculative_tokens": 3}, (5, 5)),  # vLLM's defaults
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}, (4, 4)),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}, (2, 2)),
+    ({"method": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}, (1, 3)),
+    ({"method": "ngram_gpu", "num_speculative_tokens": 3}, (5, 5)),
+    ({"model": "[ngram]", "num_speculative_tokens": 3}, (5, 5)),  # vLLM's older spelling, no method
+])
+def test_ngram_spellings_and_lookup_defaults_are_vllms(d, lookup):
+    c = SpeculativeConfig.from_dict(d)
+    assert (c.method, c.model, c.num_speculative_tokens) == ("ngram", None, 3)
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == lookup
+
+
+@pytest.mark.parametrize("d, match", [
+    ({"method": "ngram"}, "'num_speculative_tokens' is required with method 'ngram'"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "'prompt_lookup_min'=4 must be <= 'prompt_lookup_max'=2"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 0}, "'prompt_lookup_max' must be an int >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "model": "/ckpt/eagle3"}, "'model' has no use with method 'ngram'"),
+    ({"method": "eagle3", "prompt_lookup_max": 3}, "'prompt_lookup_max' is only valid with method 'ngram'"),
+])
+def test_ngram_errors_name_the_key(d, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_dict(d)
 
 
 @pytest.mark.parametrize("d, match", [

@@ -38,6 +38,7 @@ WIDE = dict(max_num_seqs=64, max_model_len=24, max_num_batched_tokens=512, num_p
 # verifier's uniforms are keyed on (request seed, position), not on the drafter.)
 CASES = [
     ("eagle3_orig", 3, "greedy", {}),
+    ("ngram", 3, "greedy", {}),  # drafts from the sequence's own tokens, verified as one-hot q
     ("eagle3_soft", 3, "probabilistic", WIDE),
     ("peagle_soft", 3, "probabilistic", WIDE),
     ("dflash4_soft", 3, "probabilistic", WIDE),
@@ -72,6 +73,6 @@ def test_first_verified_tokens_follow_target(name, k, method, kw):
         assert p_wrong < 1e-6, report[-1]
     # Both verification paths produced the tested tokens.
     rate0 = d["accepted_per_position"][0] / d["num_drafts"]
-    assert 0.1 < rate0 < 0.9, d
+    assert (0.05 if name == "ngram" else 0.1) < rate0 < 0.9, d  # n-gram: ~120 of ~1300 first drafts accepted
     print(f"{name} {method}: first-draft acceptance {rate0:.3f}, mean acceptance length "
           f"{d['mean_acceptance_length']:.3f}; " + "; ".join(report))

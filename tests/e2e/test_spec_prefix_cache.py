@@ -26,14 +26,15 @@ import pytest
 import jspec
 from tests.helpers import spec_e2e as h
 
-CASES = [("eagle3_orig", 3), ("peagle", 3), ("dflash4", 3), ("dflash8_zlab", 7)]
+CASES = [("eagle3_orig", 3), ("peagle", 3), ("dflash4", 3), ("dflash8_zlab", 7), ("ngram", 3)]
 MAX_TOKENS = 6
 SP = jspec.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def _caches(eng):
     r = eng.runner
-    return r.kv.k + r.kv.v + r.dkv.k + r.dkv.v  # target layers first, then drafter layers
+    d = r.dkv  # a KVCache, or the n-gram method's TokenHistory
+    return r.kv.k + r.kv.v + (d.k + d.v if hasattr(d, "k") else (d.tokens,))  # target layers first
 
 
 def _snapshot(eng, pages):
@@ -101,7 +102,8 @@ def test_shared_prefix_pages_untouched_and_outputs_exact(name, k):
             assert all(o[16] != first[16] for o in others[group])
             assert blocks.hits == hits_before
     d = h.stats_delta(before, eng.stats())
-    assert d["mean_acceptance_length"] > 1.3, d
+    # (n-gram drafts of 6-token outputs after random prompts rarely match: accepted still)
+    assert d["mean_acceptance_length"] > (1.05 if name == "ngram" else 1.3), d
     print(f"{name} K={k}: hits {blocks.hits - hits0}, pages still cached {len(still)}/{len(registered)}, "
           f"mean acceptance length {d['mean_acceptance_length']:.3f}")
 
@@ -112,6 +114,7 @@ def test_shared_prefix_pages_untouched_and_outputs_exact(name, k):
     pytest.param("eagle3_orig", 3),
     pytest.param("peagle", 3),
     ("dflash4", 3),
+    ("ngram", 3),  # its history at the prompt's positions
 ])
 def test_cache_hit_gives_the_drafter_kv_of_an_uncached_run(name, k):
     rng = np.random.default_rng(11)

@@ -99,6 +99,8 @@ def drafter(kind: str, name: str) -> str:
 def spec_config(kind: str, name: str | None, **extra) -> dict | None:
     if name is None:
         return None
+    if name == "ngram":  # no checkpoint; the token history replicated on every device
+        return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     return {"method": DRAFTERS[name], "model": drafter(kind, name), **extra}
 
 

@@ -193,11 +193,15 @@ def drafter(name: str) -> str:
 
 METHOD = {"eagle3": "eagle3", "eagle3_full": "eagle3", "eagle3_orig": "eagle3", "eagle3_soft": "eagle3",
           "peagle": "peagle",
-          "peagle_soft": "peagle", "dflash4": "dflash", "dflash4_soft": "dflash", "dflash8_zlab": "dflash"}
+          "peagle_soft": "peagle", "dflash4": "dflash", "dflash4_soft": "dflash", "dflash8_zlab": "dflash",
+          "ngram": "ngram"}
 
 
 def spec_config(name: str, k: int | None = None, **extra) -> dict:
-    d = {"method": METHOD[name], "model": drafter(name)}
+    # "ngram": vLLM's prompt lookup, no checkpoint; n-grams of 1..3 tokens (the tiny vocabulary
+    # repeats short ones)
+    d = ({"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3} if name == "ngram"
+         else {"method": METHOD[name], "model": drafter(name)})
     if k is not None:
         d["num_speculative_tokens"] = k
     d.update(extra)
@@ -247,7 +251,7 @@ def greedy_reference(prompts, max_tokens: int) -> list[list[int]]:
 
 # The speculative engines the lossless and prefix-cache tests share (name, K).
 LOSSLESS_CASES = [("eagle3", 1), ("eagle3_orig", 3), ("eagle3", 7), ("peagle", 3), ("peagle", 7),
-                  ("dflash4", 3), ("dflash8_zlab", 7)]
+                  ("dflash4", 3), ("dflash8_zlab", 7), ("ngram", 3)]
 
 
 def sample_trials(eng, prompt, n_trials: int, n_tokens: int) -> np.ndarray:

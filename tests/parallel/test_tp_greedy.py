@@ -2,7 +2,7 @@
 
 On 8 virtual CPU devices, for a Llama and a Qwen3 target (tests/helpers/parallel.py):
 greedy outputs at tp 2, 4 and 8 equal tp 1's, plain and with every drafter (EAGLE3, PEagle,
-DFlash; sharded as the target, and replicated: draft_tensor_parallel_size 1), and seeded
+DFlash; sharded as the target, and replicated: draft_tensor_parallel_size 1; n-gram at tp 2), and seeded
 temperature-1 outputs are identical across tp too.
 
 The sharded matmuls sum in another order (o_proj, down_proj and the vocabulary reductions
@@ -45,7 +45,7 @@ def test_plain_greedy_and_seeded_across_tp(kind):
 # (target, drafter, tp, draft_tp): every drafter at tp 2 and 4 on both targets; at tp 4 one
 # drafter per target replicated (draft_tensor_parallel_size 1).
 SPEC_CASES = [(k, d, tp, 1 if tp == 4 and d == r else None) for k, r in (("llama", "peagle"), ("qwen3", "dflash"))
-              for d in ("eagle3", "peagle", "dflash") for tp in (2, 4)]
+              for d in ("eagle3", "peagle", "dflash") for tp in (2, 4)] + [("llama", "ngram", 2, None)]
 
 
 # Llama + EAGLE3 at tp 2 runs with async scheduling (chained verification steps), one row at
