@@ -559,7 +559,8 @@ def llm_section(args, bw):
 
     ctx, new = (64, 32) if args.quick else (args.llm_ctx, args.llm_new)
     batches = [int(b) for b in args.spec_batches.split(",")] if not args.quick else [1, 2]
-    plan = {"eagle3": [(3, [2.5, 3.5]), (7, [3.5, 5.0])], "peagle": [(7, [3.5])], "dflash": [(15, [4.24, 6.5])]}
+    plan = {"eagle3": [(3, [2.5, 3.5]), (7, [3.5, 5.0])], "peagle": [(7, [3.5])], "dflash": [(15, [4.24, 6.5])],
+            "ngram": [(3, [2.5, 3.5]), (7, [3.5, 5.0])]}  # ngram: no drafter weights, its ideal is tau
     ks = {int(k) for k in args.ks.split(",")} if args.ks else None
     rows, root = [], tempfile.mkdtemp(prefix="jspec_bench_llm_")
     rng = np.random.default_rng(0)
@@ -570,8 +571,8 @@ def llm_section(args, bw):
                   max_model_len=ctx + new + 64, num_pages=num_pages, linear_impl=LINEAR_IMPL, attn_impl=ATTN_IMPL)
     plain_cache = {}
     for kind in args.methods.split(","):
-        cfg = TINY if args.quick else (LLAMA_8B if kind == "eagle3" else QWEN3_8B)
-        dc = drafter_config(kind, cfg, args.quick)
+        cfg = TINY if args.quick else (LLAMA_8B if kind in ("eagle3", "ngram") else QWEN3_8B)
+        dc = drafter_config("eagle3" if kind == "ngram" else kind, cfg, args.quick)  # ngram: the target folder only
         tdir, ddir = write_folders(root, cfg, dc, 3)
         if cfg.family not in plain_cache:  # plain decode of this target, per batch
             llm = jspec.LLM(tdir, **common)
@@ -586,12 +587,13 @@ def llm_section(args, bw):
         for K, lengths in plan[kind]:
             if ks is not None and K not in ks:
                 continue
-            spec = {"method": kind, "model": ddir, "num_speculative_tokens": K,
+            spec = {"method": kind, **({} if kind == "ngram" else {"model": ddir}), "num_speculative_tokens": K,
                     "rejection_sample_method": "synthetic", "synthetic_acceptance_length": lengths[0]}
             llm = jspec.LLM(tdir, speculative_config=spec, **{**common, "max_model_len": ctx + new + 64 + 2 * (K + 1)})
             eng = llm.engine
             dbytes = drafter_stream_bytes(cfg, eng.dcfg, eng.runner.dparams)
-            assert {s.path for s in drafter_param_spec(eng.dcfg)}  # the dummy tree follows the spec
+            if kind != "ngram":
+                assert {s.path for s in drafter_param_spec(eng.dcfg)}  # the dummy tree follows the spec
             for length in lengths:
                 eng.runner.synthetic_rates = jnp.asarray(
                     conditional_rates(synthetic_rates_from_length(length, K)), jnp.float32)
