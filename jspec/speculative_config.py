@@ -1,11 +1,14 @@
 """SpeculativeConfig: the `speculative_config` dict of vLLM, validated when built.
 
 Keys (vLLM names and meanings):
-- method: "eagle3" | "peagle" | "dflash" | "ngram" | None (no speculation). "ngram" (vLLM's
+- method: "eagle3" | "peagle" | "dflash" | "ngram" | "draft_model" | None (no speculation). "ngram" (vLLM's
   prompt lookup; its "[ngram]" and "ngram_gpu" are the same here) drafts the tokens that
   followed the earliest earlier occurrence of the sequence's last n tokens, with no
   model (jspec/drafters/ngram.py).
-- model: drafter checkpoint path / HF id (none with "ngram").
+- model: drafter checkpoint path / HF id (none with "ngram"; with "draft_model" an ordinary
+  Llama / Qwen3 folder of the target's vocabulary, jspec/drafters/draft_model.py). Given
+  without a method, the engine reads the method off the checkpoint, as vLLM does: a drafter
+  layout's, else "draft_model".
 - num_speculative_tokens: K >= 1; None means "take it from the drafter checkpoint", then
   call `resolved(K)` to fill it in and validate what depends on K ("ngram" has none: K is
   required).
@@ -44,7 +47,7 @@ from kernels_pallas.synthetic import (
     validate_unconditional,
 )
 
-METHODS = ("eagle3", "peagle", "dflash", "ngram")
+METHODS = ("eagle3", "peagle", "dflash", "ngram", "draft_model")
 # vLLM's other names of the n-gram method: its CPU proposer's old spelling and its GPU one
 NGRAM_ALIASES = ("[ngram]", "ngram_gpu")
 # vLLM's keys with nothing to set here, and why (logged when given)

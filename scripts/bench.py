@@ -56,6 +56,11 @@ QWEN3_8B = dataclasses.replace(
     LLAMA_8B, family="qwen3", vocab_size=151936, intermediate_size=12288, num_layers=36, qk_norm=True,
     rope=RopeConfig(1000000.0), rms_norm_eps=1e-6,
 )
+# Llama-3.2-1B's shape: the draft model of the "draft_model" rows (tied embeddings)
+LLAMA_1B = dataclasses.replace(
+    LLAMA_8B, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+    tie_word_embeddings=True, rope=RopeConfig(500000.0, "llama3", 32.0, 1.0, 4.0, 8192),
+)
 TINY = dataclasses.replace(
     LLAMA_8B, vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=6, num_heads=4,
     num_kv_heads=2, head_dim=32,
@@ -428,8 +433,9 @@ def drafter_config(kind, cfg, quick):
 def drafter_stream_bytes(cfg, dc, dparams) -> int:
     """Bytes a drafter streams per speculative step at small batch: its own weights, plus
     the target's lm_head when it borrows it (DFlash without its own head); embeddings
-    are gathered, not streamed."""
-    n = weight_bytes(dparams, skip=("embed_tokens",))
+    are gathered, not streamed (but a draft model's tied table is its lm_head too)."""
+    tied = dc.draft_model is not None and dc.draft_model.tie_word_embeddings
+    n = weight_bytes(dparams, skip=() if tied else ("embed_tokens",))
     if dc.uses_target_lm_head:
         n += cfg.vocab_size * cfg.hidden_size * 2  # bf16
     return n
@@ -551,7 +557,7 @@ def llm_section(args, bw):
     / bandwidth), T(1) the plain engine's decode time per step at that batch."""
     import tempfile
 
-    from bench_llm_folders import write_folders
+    from bench_llm_folders import write_folders, write_target_folder
 
     import jspec
     from jspec.drafters.loader import drafter_param_spec
@@ -560,7 +566,8 @@ def llm_section(args, bw):
     ctx, new = (64, 32) if args.quick else (args.llm_ctx, args.llm_new)
     batches = [int(b) for b in args.spec_batches.split(",")] if not args.quick else [1, 2]
     plan = {"eagle3": [(3, [2.5, 3.5]), (7, [3.5, 5.0])], "peagle": [(7, [3.5])], "dflash": [(15, [4.24, 6.5])],
-            "ngram": [(3, [2.5, 3.5]), (7, [3.5, 5.0])]}  # ngram: no drafter weights, its ideal is tau
+            "ngram": [(3, [2.5, 3.5]), (7, [3.5, 5.0])],  # ngram: no drafter weights, its ideal is tau
+            "draft_model": [(3, [2.5, 3.5])]}  # Llama-3.2-1B's shape drafting for Llama-3.1-8B's
     ks = {int(k) for k in args.ks.split(",")} if args.ks else None
     rows, root = [], tempfile.mkdtemp(prefix="jspec_bench_llm_")
     rng = np.random.default_rng(0)
@@ -571,9 +578,13 @@ def llm_section(args, bw):
                   max_model_len=ctx + new + 64, num_pages=num_pages, linear_impl=LINEAR_IMPL, attn_impl=ATTN_IMPL)
     plain_cache = {}
     for kind in args.methods.split(","):
-        cfg = TINY if args.quick else (LLAMA_8B if kind in ("eagle3", "ngram") else QWEN3_8B)
-        dc = drafter_config("eagle3" if kind == "ngram" else kind, cfg, args.quick)  # ngram: the target folder only
+        cfg = TINY if args.quick else (LLAMA_8B if kind in ("eagle3", "ngram", "draft_model") else QWEN3_8B)
+        # ngram / draft_model: the target folder only from here
+        dc = drafter_config("eagle3" if kind in ("ngram", "draft_model") else kind, cfg, args.quick)
         tdir, ddir = write_folders(root, cfg, dc, 3)
+        if kind == "draft_model":
+            ddir = write_target_folder(os.path.join(root, "draft-model"),
+                                       dataclasses.replace(TINY, num_layers=2) if args.quick else LLAMA_1B)
         if cfg.family not in plain_cache:  # plain decode of this target, per batch
             llm = jspec.LLM(tdir, **common)
             plain_cache[cfg.family] = {}
@@ -592,7 +603,7 @@ def llm_section(args, bw):
             llm = jspec.LLM(tdir, speculative_config=spec, **{**common, "max_model_len": ctx + new + 64 + 2 * (K + 1)})
             eng = llm.engine
             dbytes = drafter_stream_bytes(cfg, eng.dcfg, eng.runner.dparams)
-            if kind != "ngram":
+            if kind not in ("ngram", "draft_model"):
                 assert {s.path for s in drafter_param_spec(eng.dcfg)}  # the dummy tree follows the spec
             for length in lengths:
                 eng.runner.synthetic_rates = jnp.asarray(

@@ -68,6 +68,14 @@ def _llama3_rope(r) -> dict:
             "original_max_position_embeddings": r.original_max_position_embeddings}
 
 
+def write_target_folder(folder: str, cfg: ModelConfig) -> str:
+    """``folder`` holding only the config.json of target shape ``cfg`` (e.g. a draft model's)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(target_config_json(cfg), f, indent=1)
+    return folder
+
+
 def write_folders(root: str, cfg: ModelConfig, dc: DrafterConfig, K: int) -> tuple[str, str]:
     """(target folder, drafter folder) under ``root``, each holding only its config.json."""
     from jspec.drafters.config import detect_format, drafter_config_from_hf

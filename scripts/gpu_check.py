@@ -18,7 +18,7 @@
 Run it whenever jspec/ or kernels_pallas/ change, and commit its docs/gpu_check.md with
 the change (overwritten each run). Each line passes or fails on its own:
   - speculative greedy == plain greedy on the GPU kernels, every drafter method and layout
-    (and the n-gram method, which has no checkpoint),
+    (a draft model, and the n-gram method, which has no checkpoint),
     float32 and bfloat16, prefix caching on and a page pool small enough to preempt (the
     tiny target of tests/helpers/spec_e2e.py, whose drafters agree with it through a
     planted feature, so acceptance is well above 1). float32: every token equal. bfloat16:
@@ -74,6 +74,7 @@ DRAFTERS = [
     ("peagle", 7, "PEagle speculators"),
     ("dflash4", 3, "DFlash speculators"),
     ("dflash8_zlab", 7, "DFlash z-lab layout"),
+    ("draft_llama", 3, "a draft model (2-layer Llama, method draft_model)"),
 ]
 MAX_TOKENS = 16
 NEAR_TIE_ULPS = 4  # bfloat16 lines: a divergence passes only where float32 puts the two tokens this close
@@ -663,7 +664,7 @@ def line_table(refs) -> list[tuple[str, str, object]]:
     t = [("serve", "python -m jspec.serve with a drafter answers a completion", lambda: serve("eagle3", 3)),
          (ALONE, "the page pool sized from memory is allocated and runs: the family, float32", pool_from_memory)]
     groups = {"eagle3": "eagle3", "eagle3_full": "eagle3_more", "eagle3_orig": "eagle3_more", "peagle": "peagle",
-              "dflash4": "dflash", "dflash8_zlab": "dflash"}
+              "dflash4": "dflash", "dflash8_zlab": "dflash", "draft_llama": "draft_model"}
     for name, k, what in DRAFTERS:
         for dtype in ("float32", "bfloat16"):
             t.append((groups[name], f"spec greedy == plain greedy: {what}, K={k}, {dtype}",
@@ -678,7 +679,7 @@ def line_table(refs) -> list[tuple[str, str, object]]:
         t.append((f"structured_{m}", "structured outputs (16 JSON schemas): spec greedy == plain greedy, all valid: "
                   f"family {m}, float32", lambda m=m: structured(m)))
     for name, k, g in ((None, None, "eagle3_more"), ("eagle3", 3, "eagle3"), ("dflash8_zlab", 7, "dflash"),
-                       ("ngram", 3, "peagle")):
+                       ("ngram", 3, "peagle"), ("draft_llama", 3, "draft_model")):
         t.append((g, f"mixed steps: greedy == unmixed plain greedy: {name or 'plain'}, float32",
                   lambda name=name, k=k: mixed(name, k)))
     t.append(("eagle3", "a step that fails on the device after its call: the engine serves on: eagle3, K=3, float32",

@@ -41,7 +41,7 @@ _FLAT_DRAFTER_KEYS = {
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-    method: str  # "eagle3" | "peagle" | "dflash" | "ngram" (no checkpoint: ngram.ngram_config)
+    method: str  # "eagle3" | "peagle" | "dflash" | "ngram" (ngram.ngram_config) | "draft_model" (draft_model.py)
     source_format: str  # FMT_*: which weight layout the loader reads
     family: str  # "llama" | "qwen3": decoder-layer flavour (qwen3 has q_norm/k_norm)
     hidden_size: int
@@ -69,6 +69,7 @@ class DrafterConfig:
     max_position_embeddings: int  # the drafter's own positions: no draft is proposed at or past it
     prompt_lookup_min: int | None = None  # "ngram" (jspec/drafters/ngram.py): the n-gram lengths matched
     prompt_lookup_max: int | None = None
+    draft_model: ModelConfig | None = None  # "draft_model" (jspec/drafters/draft_model.py): the whole model's config
 
     @property
     def num_aux(self) -> int:

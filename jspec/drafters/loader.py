@@ -91,6 +91,21 @@ def drafter_param_spec(c: DrafterConfig) -> list[ParamSpec]:
     return specs
 
 
+def infer_method(path) -> str:
+    """vLLM's speculative method for a checkpoint given without one: a drafter layout's
+    (detect_format), else "draft_model" (an ordinary LLM, checked when it loads)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"speculative_config 'model' {path!r} is not a directory")
+    d = read_drafter_config(path)
+    try:
+        return detect_format(d)[0]
+    except ConfigError:
+        if "speculators_model_type" in d or any("Draft" in a or "Eagle" in a for a in d.get("architectures") or []):
+            raise  # a drafter layout jspec does not read: its own error
+        return "draft_model"
+
+
 def read_drafter_config(path) -> dict:
     cfg_path = os.path.join(os.fspath(path), "config.json")
     if not os.path.exists(cfg_path):

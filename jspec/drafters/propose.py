@@ -25,6 +25,8 @@ What the engine passes (all shapes padded to its buckets):
                           kernels_pallas.sampling_utils.sample_from_probs keyed on
                           (seed, draft position, SALT_DRAFT).
   active   bool[B]        rows that draft (padding rows write nothing).
+  first    i32[B]         the step's first input token (at positions[:, 0]): a draft model's
+                          KV at p is built from the token at p, not p + 1.
 Returned: drafts i32[B, K] (target vocab ids), probs f32[B, K, Vt] (the draft distribution
 over the target vocab: one-hot at the draft for greedy rows), and the updated drafter KV.
 
@@ -58,6 +60,7 @@ class ProposeInputs:
     seeds: jax.Array  # i32[B]
     temperature: jax.Array  # f32[B]    0: greedy drafts
     active: jax.Array  # bool[B]        rows that draft (padding rows write nothing)
+    first: jax.Array | None = None  # i32[B]  the step's first token, at meta.positions[:, 0] (draft models)
 
 
 def slots_for(page_table, positions, valid, page_size: int, num_pages: int):

@@ -25,6 +25,7 @@ import flax.linen as nn
 
 from jspec.drafters.config import DrafterConfig
 from jspec.drafters.dflash import DFlashDrafter
+from jspec.drafters.draft_model import DraftModel, draft_model_propose
 from jspec.drafters.eagle3 import Eagle3Drafter, create_kv_cache
 from jspec.drafters.ngram import NgramProposer, TokenHistory, ngram_propose
 from jspec.drafters.propose import ProposeInputs, dflash_propose, eagle3_propose, peagle_propose
@@ -36,7 +37,7 @@ class Drafter:
     module: nn.Module | NgramProposer  # the drafter's Flax module (hashable: a static part of the jitted step)
     propose_fn: Callable  # (module, params, kv, ProposeInputs, *, num_tokens, with_probs) -> ...
     reads_next_token: bool
-    writes_ahead: str  # past the last token: "k" (K - 1 + 1 slots), "block" (bonus + drafts), "none"
+    writes_ahead: str  # past the last token: "k" (K - 1 + 1 slots), "k+1", "block" (bonus + drafts), "none"
     label: str  # the method's name in messages ("DFlash")
 
     @property
@@ -48,9 +49,9 @@ class Drafter:
 
     def lookahead(self, K: int) -> int:
         # EAGLE3 / PEagle write K - 1 positions past the bonus pair (K counting the bonus
-        # pair's own slot); DFlash writes its block_size positions from the bonus on; the
-        # n-gram history only the verified pairs' own slots.
-        return {"k": K, "block": self.cfg.block_size, "none": 0}[self.writes_ahead]
+        # pair's own slot); a draft model K past it; DFlash writes its block_size positions
+        # from the bonus on; the n-gram history only the verified pairs' own slots.
+        return {"k": K, "k+1": K + 1, "block": self.cfg.block_size, "none": 0}[self.writes_ahead]
 
     def create_cache(self, num_pages: int, page_size: int, dtype, sharding=None):
         if self.cfg.method == "ngram":
@@ -73,6 +74,8 @@ REGISTRY: dict[str, tuple[type, Callable, bool, str, str]] = {
     "dflash": (DFlashDrafter, dflash_propose, False, "block", "DFlash"),
     # the history at p holds the token at p + 1, as EAGLE's KV is built from it
     "ngram": (NgramProposer, ngram_propose, True, "none", "n-gram"),
+    # a whole LLM: its KV at p from the token at p, written up to K past the bonus pair
+    "draft_model": (DraftModel, draft_model_propose, False, "k+1", "draft model"),
 }
 
 

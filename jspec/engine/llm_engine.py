@@ -157,6 +157,11 @@ class LLMEngine:
                 self.dcfg, dparams = ngram_config(mc, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max), {}
             elif preloaded_drafter is not None:
                 self.dcfg, dparams = preloaded_drafter
+            elif self.spec.method == "draft_model":  # an ordinary Llama / Qwen3 folder
+                from jspec.drafters.draft_model import load_draft_model
+
+                self.dcfg, dparams = load_draft_model(self.spec.model, mc, c.dtype,
+                                                      self.par.placement(sharding, True), load_format=c.load_format)
             else:
                 self.dcfg, dparams = load_drafter(self.spec.model, mc, c.dtype, self.par.placement(sharding, True),
                                                   load_format=c.load_format)
@@ -166,6 +171,9 @@ class LLMEngine:
                     f"{self.spec.model!r} is a {self.dcfg.method!r} drafter"
                 )
             K = self.spec.num_speculative_tokens or self.dcfg.num_speculative_tokens
+            if K is None:  # a draft model's config.json has no proposal length
+                raise ValueError(f"speculative_config 'num_speculative_tokens' is required: the checkpoint at "
+                                 f"{self.spec.model!r} does not give one")
             drafter = make_drafter(self.dcfg)
             drafter.check_num_tokens(K)
             self.spec = self.spec.resolved(K)
@@ -233,8 +241,14 @@ class LLMEngine:
         from jspec.speculative_config import SpeculativeConfig
 
         spec = d if isinstance(d, SpeculativeConfig) else SpeculativeConfig.from_dict(d)
+        if spec.method is None and spec.model:  # vLLM infers the method from the checkpoint
+            from jspec.drafters.loader import infer_method
+
+            spec = dataclasses.replace(spec, method=infer_method(spec.model))
         if not spec.enabled:
             return None
+        if spec.method == "draft_model" and not spec.model:
+            raise ValueError("speculative_config method 'draft_model' needs 'model': the draft model's folder")
         if not spec.model and spec.method != "ngram":  # the embedded family's drafter (else a clear error)
             from jspec import family
 

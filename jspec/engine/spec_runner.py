@@ -157,7 +157,7 @@ class SpecModelRunner(SpecMixedSteps, RunnerBase):
         at_last = jnp.arange(Q)[None, :] == last_idx[:, None]
         pairs = jnp.where(at_last & inp.sample[:, None], out[:, :1], inp.pair_next)
         return self._propose_and_pack(params, dparams, dkv, probs_buf, pairs, aux, b.meta, last_idx, inp, b,
-                                      out, n_emit, logits, raw, h)
+                                      out, n_emit, logits, raw, h, b.tokens[:, 0])
 
     def _verify_and_propose(self, params, dparams, dkv, probs_buf, synthetic_rates, logits, aux, tokens, meta,
                             inp, s, filtering, h):
@@ -174,17 +174,19 @@ class SpecModelRunner(SpecMixedSteps, RunnerBase):
         )
         pairs = jnp.maximum(out, 0)  # [B, K+1] == [B, Q]
         return self._propose_and_pack(params, dparams, dkv, probs_buf, pairs, aux, meta, n_emit - 1, inp, s,
-                                      out, n_emit, logits, raw, h)
+                                      out, n_emit, logits, raw, h, tokens[:, 0])
 
     def _propose_and_pack(self, params, dparams, dkv, probs_buf, pairs, aux, meta, last_idx, inp, s, out, n_emit,
-                          logits, raw, h):
-        """The drafter over the step's pairs i32[B, Q], then the step's one packed output."""
+                          logits, raw, h, first):
+        """The drafter over the step's pairs i32[B, Q] (``first`` i32[B]: the step's first
+        token), then the step's one packed output."""
         B, Q = pairs.shape
         aux = None if aux is None else aux.reshape(B, Q, -1)  # None: a drafter without aux layers (n-gram)
         draft_temp = s.temperature if self.with_probs else jnp.zeros_like(s.temperature)
         embed, lm_head = self.embedding_table(params), self.lm_head_weight(params)
         drafts, probs, dkv = self.drafter.propose(
-            dparams, dkv, ProposeInputs(pairs, aux, meta, last_idx, embed, lm_head, s.seeds, draft_temp, inp.sample),
+            dparams, dkv,
+            ProposeInputs(pairs, aux, meta, last_idx, embed, lm_head, s.seeds, draft_temp, inp.sample, first),
             num_tokens=self.K, with_probs=self.with_probs,
         )
         if self.with_probs:

@@ -49,5 +49,5 @@ def test_num_tokens_beyond_a_dflash_block_is_an_error_naming_it():
 
 def test_unknown_method_is_an_error_naming_the_known_ones():
     cfg = dataclasses.replace(_family_cfg("eagle3"), method="medusa")
-    with pytest.raises(ValueError, match=r"'medusa' is not supported \(known: \['dflash', 'eagle3', 'ngram', 'peagle'\]\)"):
+    with pytest.raises(ValueError, match=r"'medusa' is not supported \(known: \['dflash', 'draft_model', 'eagle3', 'ngram', 'peagle'\]\)"):
         make_drafter(cfg)

@@ -16,7 +16,7 @@ from tests.helpers import spec_e2e as h
 from tests.helpers.engine import drive
 
 CASES = [("eagle3", 3, {"draft_sample_method": "probabilistic"}), ("peagle", 3, {}), ("dflash4", 3, {}),
-         ("ngram", 3, {})]
+         ("ngram", 3, {}), ("draft_llama", 3, {"draft_sample_method": "probabilistic"})]
 KW = dict(max_num_seqs=2, max_model_len=56, num_pages=12)
 
 

@@ -39,6 +39,7 @@ WIDE = dict(max_num_seqs=64, max_model_len=24, max_num_batched_tokens=512, num_p
 CASES = [
     ("eagle3_orig", 3, "greedy", {}),
     ("ngram", 3, "greedy", {}),  # drafts from the sequence's own tokens, verified as one-hot q
+    ("draft_llama", 3, "greedy", {}),  # a 2-layer Llama of the same vocabulary (method "draft_model")
     ("eagle3_soft", 3, "probabilistic", WIDE),
     ("peagle_soft", 3, "probabilistic", WIDE),
     ("dflash4_soft", 3, "probabilistic", WIDE),

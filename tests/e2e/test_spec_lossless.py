@@ -81,3 +81,17 @@ def test_error_paths(tmp_path):
         jspec.LLM(folder, speculative_config={"method": "eagle3"})
     with pytest.raises(ValueError, match="exceeds the DFlash block"):
         jspec.LLM(folder, speculative_config={"method": "dflash", "model": h.drafter("dflash4"), "num_speculative_tokens": 4})
+
+
+def test_method_read_off_the_checkpoint_as_vllm_does():
+    """speculative_config with a model and no method: the drafter layout's method, else
+    "draft_model" (an ordinary LLM); "draft_model" without a model names what it needs."""
+    folder, _ = h.target()
+    for name, method in (("eagle3", "eagle3"), ("dflash4", "dflash"), ("draft_llama", "draft_model")):
+        llm = jspec.LLM(folder, speculative_config={"model": h.drafter(name), "num_speculative_tokens": 2},
+                        **h.ENGINE_KW)
+        assert llm.engine.spec.method == method and llm.engine.dcfg.method == method
+    with pytest.raises(ValueError, match="'num_speculative_tokens' is required: the checkpoint at .* does not give"):
+        jspec.LLM(folder, speculative_config={"model": h.drafter("draft_llama")})
+    with pytest.raises(ValueError, match="method 'draft_model' needs 'model'"):
+        jspec.LLM(folder, speculative_config={"method": "draft_model", "num_speculative_tokens": 3})

@@ -7,7 +7,8 @@ KV cache is sharded at tp 2 and replicated at tp 4 and 8), vocabulary 64, interm
 (untied: a tied table would carry the planted boost into the residual stream; the tied
 lm_head is covered by tests/parallel/test_tp_model.py on tests/helpers/targets.py's target)
 and over each, EAGLE3 (reduced draft vocabulary + d2t), PEagle (own embeddings, mask_hidden)
-and DFlash (block 4, reduced vocabulary, own lm_head) drafters of 4 heads. The targets carry
+and DFlash (block 4, reduced vocabulary, own lm_head) drafters of 4 heads, and a Qwen3 of the
+same shape as an ordinary draft model ("draft_model"). The targets carry
 spec_e2e's planted feature (its docstring) so drafts are accepted: acceptance is not the
 point here, but it exercises the accept paths of the sharded step.
 """
@@ -34,10 +35,10 @@ def _root() -> str:
     return e2e._root()
 
 
-def build_target(kind: str):
+def build_target(kind: str, seed: int = 0, boost: float = A_TARGET):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     kw = dict(vocab_size=V, hidden_size=H, intermediate_size=96, num_hidden_layers=L, num_attention_heads=HEADS,
               num_key_value_heads=KVH, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
     if kind == "llama":
@@ -48,7 +49,7 @@ def build_target(kind: str):
         fill_random(m, scale=0.15)
         m.model.embed_tokens.weight[:, e2e.F] = e2e.C_EMBED
         e2e._carry_feature(m.model.layers, hide=True)
-        m.lm_head.weight[e2e.X, e2e.F] += A_TARGET
+        m.lm_head.weight[e2e.X, e2e.F] += boost
     return m
 
 
@@ -70,6 +71,10 @@ def drafter(kind: str, name: str) -> str:
         return _CACHE[key]
     _, hf = target(kind)
     folder = os.path.join(_root(), f"tp_{kind}_{name}")
+    if name == "draft_model":  # the planted feature, boosted as the drafters' (drafts X nearly always)
+        build_target("qwen3", seed=5, boost=e2e.B_DRAFT).save_pretrained(folder)
+        _CACHE[key] = folder
+        return folder
     cfg = lambda method, layers, k, **kw: speculators_config(method, "llama" if method != "dflash" else "qwen3",  # noqa: E731
                                                               layers, k, vocab=V, hidden=H, **kw)
     if name == "eagle3":
@@ -101,6 +106,8 @@ def spec_config(kind: str, name: str | None, **extra) -> dict | None:
         return None
     if name == "ngram":  # no checkpoint; the token history replicated on every device
         return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    if name == "draft_model":  # an ordinary Qwen3 of the same vocabulary and 8 heads, sharded as the target
+        return {"method": "draft_model", "model": drafter(kind, name), "num_speculative_tokens": 3}
     return {"method": DRAFTERS[name], "model": drafter(kind, name), **extra}
 
 

@@ -9,6 +9,8 @@ once per session with transformers / speculators ``save_pretrained``:
   peagle        speculators PEagle, 2 layers, full vocab, own embeddings, mask_hidden
   dflash4       speculators DFlash, block_size 4 (K = 3), reduced vocab + own lm_head
   dflash8_zlab  a block_size 8 (K = 7) DFlash converted to z-lab's DFlashDraftModel layout
+  draft_llama   an ordinary 2-layer Llama of the same vocabulary (method "draft_model")
+and the n-gram method ("ngram"), which has no checkpoint.
 
 Engineered agreement (why acceptance is not ~0 with random weights)
 ------------------------------------------------------------------
@@ -67,12 +69,13 @@ def _root() -> str:
     return _CACHE["root"]
 
 
-def build_target(seed: int = 0, scale: float = 0.15):
-    """The tiny Llama target (torch module, eval) with the planted feature."""
+def build_target(seed: int = 0, scale: float = 0.15, num_layers: int = L, boost: float = A_TARGET):
+    """The tiny Llama target (torch module, eval) with the planted feature (also, with fewer
+    layers and a stronger boost, the draft model of method "draft_model")."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=96, num_hidden_layers=L,
+    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=96, num_hidden_layers=num_layers,
                       num_attention_heads=HEADS, num_key_value_heads=KVH, head_dim=HD,
                       max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     m = LlamaForCausalLM(cfg).eval()
@@ -80,7 +83,7 @@ def build_target(seed: int = 0, scale: float = 0.15):
         fill_random(m, scale=scale)
         m.model.embed_tokens.weight[:, F] = C_EMBED
         _carry_feature(m.model.layers, hide=True)
-        m.lm_head.weight[X, F] += A_TARGET
+        m.lm_head.weight[X, F] += boost
     return m
 
 
@@ -185,6 +188,8 @@ def drafter(name: str) -> str:
             speculators_dflash_to_zlab(tmp, folder)
         else:
             model.save_pretrained(folder)
+    elif name == "draft_llama":  # an ordinary 2-layer Llama of the target's vocabulary ("draft_model")
+        build_target(seed=9, num_layers=2, boost=B_DRAFT).save_pretrained(folder)
     else:
         raise KeyError(name)
     _CACHE[key] = folder
@@ -194,7 +199,7 @@ def drafter(name: str) -> str:
 METHOD = {"eagle3": "eagle3", "eagle3_full": "eagle3", "eagle3_orig": "eagle3", "eagle3_soft": "eagle3",
           "peagle": "peagle",
           "peagle_soft": "peagle", "dflash4": "dflash", "dflash4_soft": "dflash", "dflash8_zlab": "dflash",
-          "ngram": "ngram"}
+          "ngram": "ngram", "draft_llama": "draft_model"}
 
 
 def spec_config(name: str, k: int | None = None, **extra) -> dict:
@@ -251,7 +256,7 @@ def greedy_reference(prompts, max_tokens: int) -> list[list[int]]:
 
 # The speculative engines the lossless and prefix-cache tests share (name, K).
 LOSSLESS_CASES = [("eagle3", 1), ("eagle3_orig", 3), ("eagle3", 7), ("peagle", 3), ("peagle", 7),
-                  ("dflash4", 3), ("dflash8_zlab", 7), ("ngram", 3)]
+                  ("dflash4", 3), ("dflash8_zlab", 7), ("ngram", 3), ("draft_llama", 3)]
 
 
 def sample_trials(eng, prompt, n_trials: int, n_tokens: int) -> np.ndarray:

@@ -45,7 +45,8 @@ def test_plain_greedy_and_seeded_across_tp(kind):
 # (target, drafter, tp, draft_tp): every drafter at tp 2 and 4 on both targets; at tp 4 one
 # drafter per target replicated (draft_tensor_parallel_size 1).
 SPEC_CASES = [(k, d, tp, 1 if tp == 4 and d == r else None) for k, r in (("llama", "peagle"), ("qwen3", "dflash"))
-              for d in ("eagle3", "peagle", "dflash") for tp in (2, 4)] + [("llama", "ngram", 2, None)]
+              for d in ("eagle3", "peagle", "dflash") for tp in (2, 4)] + [("llama", "ngram", 2, None),
+                                                                         ("llama", "draft_model", 2, None)]
 
 
 # Llama + EAGLE3 at tp 2 runs with async scheduling (chained verification steps), one row at
