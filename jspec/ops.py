@@ -98,6 +98,13 @@ class KernelPlan:
         return dataclasses.replace(self, linear="reference", shard_linear="reference", norm_handoff=False,
                                    tp=self.draft_tp)
 
+    def for_draft_model(self, cfg: ModelConfig) -> KernelPlan:
+        """The plan of a draft model (an ordinary Llama / Qwen3 of shape ``cfg``): a target's,
+        the glue kernels included, its norm handoff decided by its own shapes, at the
+        drafter's tensor-parallel degree (a replicated one, under a tp > 1 target, on XLA)."""
+        linear = self.linear if self.draft_tp == self.tp else "reference"
+        return dataclasses.replace(self, linear=linear, norm_handoff=_norm_handoff(linear, cfg), tp=self.draft_tp)
+
 
 def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str = "auto",
                  sample_impl: str = "auto", backend: str | None = None, tp: int = 1, draft_tp: int = 1,
@@ -114,9 +121,7 @@ def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str 
     shard_linear = linear
     if tp > 1:
         linear = sample = "reference"
-    handoff = (linear in GPU_IMPLS and not cfg.mlp_bias  # a gate_up bias would be scaled by 1 / rms too
-               and _linear_kernel_takes((cfg.hidden_size, cfg.q_size))
-               and _linear_kernel_takes((cfg.hidden_size, cfg.intermediate_size)))
+    handoff = _norm_handoff(linear, cfg)
     in_out = backend == "cpu" and linear not in GPU_IMPLS  # the GPU kernels read [out, in] weights
     options = _cpu_xla_options() if backend == "cpu" else ()
     threads = 1 if backend == "cpu" else min(8, os.cpu_count() or 1)
@@ -197,6 +202,13 @@ class Normed:
 
 
 # ---- decisions (static shapes) ---------------------------------------------------------
+def _norm_handoff(linear: str, cfg: ModelConfig) -> bool:
+    """Whether one-row o_proj hands the post-attention norm to down_proj: both take the kernel."""
+    return (linear in GPU_IMPLS and not cfg.mlp_bias  # a gate_up bias would be scaled by 1 / rms too
+            and _linear_kernel_takes((cfg.hidden_size, cfg.q_size))
+            and _linear_kernel_takes((cfg.hidden_size, cfg.intermediate_size)))
+
+
 def _linear_kernel_takes(w_shape) -> bool:
     return w_shape[0] <= MAX_KERNEL_FEATURES and _fl.supports(1, w_shape)
 

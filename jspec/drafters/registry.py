@@ -80,9 +80,13 @@ REGISTRY: dict[str, tuple[type, Callable, bool, str, str]] = {
 
 
 def make_drafter(cfg: DrafterConfig, *, dtype=None, plan=None) -> Drafter:
-    """The Drafter for ``cfg.method``; an unknown method is a ValueError naming the known ones."""
+    """The Drafter for ``cfg.method``; an unknown method is a ValueError naming the known ones.
+    ``plan``: the engine's KernelPlan; drafters run with ``plan.for_drafter()``, a draft
+    model as a target does (``for_draft_model``)."""
     if cfg.method not in REGISTRY:
         raise ValueError(f"drafter method {cfg.method!r} is not supported (known: {sorted(REGISTRY)})")
     cls, fn, reads_next, ahead, label = REGISTRY[cfg.method]
+    if plan is not None:
+        plan = plan.for_draft_model(cfg.draft_model) if cfg.draft_model is not None else plan.for_drafter()
     kw = {k: v for k, v in (("dtype", dtype), ("plan", plan)) if v is not None}
     return Drafter(cls(cfg, **kw), fn, reads_next, ahead, label)

@@ -101,7 +101,7 @@ class SpecModelRunner(SpecMixedSteps, RunnerBase):
         self.dcfg = dcfg
         self.dparams = dparams
         self.dkv = dkv
-        self.drafter = make_drafter(dcfg, dtype=dtype, plan=plan.for_drafter())
+        self.drafter = make_drafter(dcfg, dtype=dtype, plan=plan)
         self.aux_layers = tuple(dcfg.aux_layer_ids)
         self.with_probs = spec.draft_sample_method == "probabilistic"
         V = cfg.vocab_size

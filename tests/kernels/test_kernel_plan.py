@@ -86,6 +86,17 @@ def test_drafter_plan_keeps_attention_and_runs_projections_on_xla():
     hash(d)  # a static module attribute: hashable
 
 
+def test_a_draft_model_runs_the_targets_kernels_at_the_drafters_tp():
+    small = dataclasses.replace(LLAMA, hidden_size=2048, intermediate_size=8192, num_heads=32, head_dim=64)
+    d = plan_kernels(LLAMA, backend="gpu").for_draft_model(small)
+    assert (d.attn, d.linear, d.sample, d.norm_handoff, d.tp) == ("gpu", "gpu", "gpu", True, 1)
+    assert not plan_kernels(LLAMA, backend="gpu").for_draft_model(dataclasses.replace(small, mlp_bias=True)).norm_handoff
+    # a replicated draft model under a tp-2 target: XLA projections, tp 1
+    r = dataclasses.replace(plan_kernels(LLAMA, backend="gpu"), tp=2, draft_tp=1).for_draft_model(small)
+    assert (r.linear, r.norm_handoff, r.tp) == ("reference", False, 1)
+    hash(d)
+
+
 def _forward_calls(cfg, plan, B, Q, dtype=jnp.bfloat16):
     """Kernel names in the lowered forward + logits of ``cfg`` under ``plan``, for cuda."""
     P, S, W = 8, 16, 2
