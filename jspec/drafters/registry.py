@@ -34,7 +34,7 @@ from jspec.kv_cache import KVCache
 
 @dataclasses.dataclass(frozen=True)
 class Drafter:
-    module: nn.Module | NgramProposer  # the drafter's Flax module (hashable: a static part of the jitted step)
+    module: nn.Module | NgramProposer | DraftModel  # hashable: a static part of the jitted step
     propose_fn: Callable  # (module, params, kv, ProposeInputs, *, num_tokens, with_probs) -> ...
     reads_next_token: bool
     writes_ahead: str  # past the last token: "k" (K - 1 + 1 slots), "k+1", "block" (bonus + drafts), "none"

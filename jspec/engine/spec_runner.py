@@ -181,7 +181,7 @@ class SpecModelRunner(SpecMixedSteps, RunnerBase):
         """The drafter over the step's pairs i32[B, Q] (``first`` i32[B]: the step's first
         token), then the step's one packed output."""
         B, Q = pairs.shape
-        aux = None if aux is None else aux.reshape(B, Q, -1)  # None: a drafter without aux layers (n-gram)
+        aux = None if aux is None else aux.reshape(B, Q, -1)  # None: no aux layers (n-gram, a draft model)
         draft_temp = s.temperature if self.with_probs else jnp.zeros_like(s.temperature)
         embed, lm_head = self.embedding_table(params), self.lm_head_weight(params)
         drafts, probs, dkv = self.drafter.propose(
