@@ -105,9 +105,9 @@ def spec_config(kind: str, name: str | None, **extra) -> dict | None:
     if name is None:
         return None
     if name == "ngram":  # no checkpoint; the token history replicated on every device
-        return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, **extra}
     if name == "draft_model":  # an ordinary Qwen3 of the same vocabulary and 8 heads, sharded as the target
-        return {"method": "draft_model", "model": drafter(kind, name), "num_speculative_tokens": 3}
+        return {"method": "draft_model", "model": drafter(kind, name), "num_speculative_tokens": 3, **extra}
     return {"method": DRAFTERS[name], "model": drafter(kind, name), **extra}
 
 

@@ -46,7 +46,8 @@ def test_plain_greedy_and_seeded_across_tp(kind):
 # drafter per target replicated (draft_tensor_parallel_size 1).
 SPEC_CASES = [(k, d, tp, 1 if tp == 4 and d == r else None) for k, r in (("llama", "peagle"), ("qwen3", "dflash"))
               for d in ("eagle3", "peagle", "dflash") for tp in (2, 4)] + [("llama", "ngram", 2, None),
-                                                                         ("llama", "draft_model", 2, None)]
+                                                                         ("llama", "draft_model", 2, None),
+                                                                         ("llama", "draft_model", 4, 1)]
 
 
 # Llama + EAGLE3 at tp 2 runs with async scheduling (chained verification steps), one row at
