@@ -48,9 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="devices the model is split over (Megatron-style, one mesh; the drafter: "
                         "speculative_config's draft_tensor_parallel_size, 1 or the same)")
     p.add_argument("--speculative-config", type=json.loads, default=None,
-                   help='JSON: method eagle3 | peagle | dflash, the drafter folder, e.g. '
-                        '\'{"method": "eagle3", "model": "path/to/drafter", "num_speculative_tokens": 3}\'; a method alone '
-                        'takes the embedded family\'s drafter when the target is the family\'s')
+                   help='JSON, vLLM\'s keys: method eagle3 | peagle | dflash | draft_model | ngram, the drafter '
+                        'folder, e.g. \'{"method": "eagle3", "model": "path/to/drafter", "num_speculative_tokens": 3}\' '
+                        'or \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'; a model alone '
+                        'gets its checkpoint\'s method; a method alone takes the embedded family\'s drafter when the '
+                        'target is the family\'s')
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1 routes (default: $VLLM_API_KEY, else no key)")
     p.add_argument("--seed", type=int, default=0)
