@@ -30,7 +30,7 @@ Keys (vLLM names and meanings):
 vLLM's other keys are taken as jspec/vllm_args.py takes its engine arguments: accepted with
 one log line saying why they change nothing (NO_EFFECT), or only at vLLM's default
 (DEFAULT_ONLY). Unknown keys raise ValueError naming the key; a method jspec does not have
-(vLLM's "suffix", "medusa", "draft_model", ...) is named before its own keys are.
+(vLLM's "suffix", "medusa", "mtp", ...) is named before its own keys are.
 """
 
 from __future__ import annotations
@@ -104,6 +104,8 @@ class SpeculativeConfig:
         _check_method(self.method)
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"speculative_config 'model' must be a string, got {self.model!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config method 'draft_model' needs 'model': the draft model's folder")
         k = self.num_speculative_tokens
         if k is not None:
             if isinstance(k, bool) or not isinstance(k, int) or k < 1:

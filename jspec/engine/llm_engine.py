@@ -247,8 +247,6 @@ class LLMEngine:
             spec = dataclasses.replace(spec, method=infer_method(spec.model))
         if not spec.enabled:
             return None
-        if spec.method == "draft_model" and not spec.model:
-            raise ValueError("speculative_config method 'draft_model' needs 'model': the draft model's folder")
         if not spec.model and spec.method != "ngram":  # the embedded family's drafter (else a clear error)
             from jspec import family
 
