@@ -147,24 +147,15 @@ class LLMEngine:
                              f"max_logprobs an integer >= -1 (got {c.max_logprobs!r})")
         self.spec = self._spec_config(c.speculative_config, c.model)
         if self.spec is not None:
-            from jspec.drafters import load_drafter
-            from jspec.drafters.registry import make_drafter
+            from jspec.drafters.registry import make_drafter, method_of
 
             self.par.draft_tp = parallel.resolve_draft_tp(self.spec.draft_tensor_parallel_size, self.par.tp)
-            if self.spec.method == "ngram":  # no checkpoint: drafts from the sequence's own tokens
-                from jspec.drafters.ngram import ngram_config
-
-                self.dcfg, dparams = ngram_config(mc, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max), {}
-            elif preloaded_drafter is not None:
+            method = method_of(self.spec.method)
+            if preloaded_drafter is not None and method.needs_model:
                 self.dcfg, dparams = preloaded_drafter
-            elif self.spec.method == "draft_model":  # an ordinary Llama / Qwen3 folder
-                from jspec.drafters.draft_model import load_draft_model
-
-                self.dcfg, dparams = load_draft_model(self.spec.model, mc, c.dtype,
-                                                      self.par.placement(sharding, True), load_format=c.load_format)
             else:
-                self.dcfg, dparams = load_drafter(self.spec.model, mc, c.dtype, self.par.placement(sharding, True),
-                                                  load_format=c.load_format)
+                self.dcfg, dparams = method.load(self.spec, mc, c.dtype, self.par.placement(sharding, True),
+                                                 c.load_format)
             if self.dcfg.method != self.spec.method:
                 raise ValueError(
                     f"speculative_config.method={self.spec.method!r} but the checkpoint at "
@@ -247,7 +238,9 @@ class LLMEngine:
             spec = dataclasses.replace(spec, method=infer_method(spec.model))
         if not spec.enabled:
             return None
-        if not spec.model and spec.method != "ngram":  # the embedded family's drafter (else a clear error)
+        from jspec.drafters.registry import method_of
+
+        if not spec.model and method_of(spec.method).needs_model:  # the embedded family's drafter (else a clear error)
             from jspec import family
 
             spec = dataclasses.replace(spec, model=family.drafter_for(model, spec.method))
