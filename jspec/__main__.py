@@ -9,7 +9,7 @@ of each), so a change in the machine's load between them does not decide the rat
 Greedy by default, so the two outputs must be equal.
 
   python -m jspec                      # DFlash
-  python -m jspec --method eagle3      # or peagle
+  python -m jspec --method eagle3      # or peagle, or ngram (vLLM's prompt lookup: no drafter)
   python -m jspec --no-spec            # plain decoding only
   python -m jspec --model PATH --speculative-config '{"method": "eagle3", "model": "DRAFTER"}'
 """
@@ -60,8 +60,9 @@ def _take_turns(llms, prompts, sp, rounds: int):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m jspec", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF model folder (default: the family's target)")
-    ap.add_argument("--method", default=family.DEFAULT_METHOD, choices=family.METHODS,
-                    help="the family drafter to speculate with")
+    ap.add_argument("--method", default=family.DEFAULT_METHOD, choices=family.METHODS + ("ngram",),
+                    help="the family drafter to speculate with, or ngram (vLLM's prompt lookup: K=3, n-grams of "
+                         "1 to 3 tokens)")
     ap.add_argument("--speculative-config", default=None, help="JSON, vLLM's keys; overrides --method")
     ap.add_argument("--no-spec", action="store_true", help="plain decoding only")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -80,6 +81,8 @@ def main(argv=None):
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jspec.engine").setLevel(logging.INFO)  # the backend and devices the engine runs on
     spec = json.loads(args.speculative_config) if args.speculative_config else {"method": args.method}
+    if spec == {"method": "ngram"}:  # vLLM requires K; its default n-grams (5 tokens) rarely recur in short code
+        spec.update(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
     kw = dict(dtype=args.dtype, max_model_len=512, max_num_seqs=args.max_num_seqs)
     sp = jspec.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     n_tokens = lambda outs: sum(len(o.token_ids) for o in outs)  # noqa: E731

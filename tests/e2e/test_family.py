@@ -143,3 +143,17 @@ def test_sampled_tokens_follow_the_target_at_temperature_1(method):
         p_wrong, _ = chi2_pvalue(counts, torch.softmax(logits / 0.7, -1).numpy()[inverse.reshape(-1)].sum(0))
         assert p > 1e-3, (method, j, p, df)
         assert p_wrong < 1e-6, (method, j, p_wrong)
+
+
+def test_the_main_job_prints_its_report_with_ngram(capsys):
+    """``python -m jspec --method ngram``: vLLM's prompt lookup on the family's target, no
+    drafter; the report the README promises (acceptance, speedup, greedy equality)."""
+    from jspec.__main__ import main
+
+    main(["--method", "ngram", "--max-tokens", "24", "--rounds", "1", "a = [1, 2, 3]\na = [1, 2, 3]\na = [1,"])
+    out = capsys.readouterr().out
+    assert "speculative decoding, ngram K=3" in out
+    assert "mean acceptance length: " in out and "speedup over plain decoding: " in out
+    assert "greedy outputs equal to plain decoding: 1 of 1" in out
+    length = float(out.split("mean acceptance length: ")[1].split()[0])
+    assert length > 1.0  # the prompt repeats itself: the lookup finds it
