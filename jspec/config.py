@@ -13,12 +13,14 @@ import json
 import os
 from typing import Any
 
-# architecture name -> model family. Only decoder-only Llama 3.x / Qwen3 shapes.
+# architecture name -> model family. Only decoder-only Llama 3.x / Qwen3 shapes (Qwen3's
+# mixture-of-experts models, Qwen3-30B-A3B and the like, are the qwen3 family with experts).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3",
 }
-SUPPORTED_MODEL_TYPES = {"llama", "qwen3"}
+SUPPORTED_MODEL_TYPES = {"llama", "qwen3", "qwen3_moe"}
 
 # Keys that carry no meaning for inference here (metadata, training-only knobs, tokens
 # handled by the tokenizer / engine). Accepted and ignored.
@@ -32,7 +34,7 @@ _IGNORED_KEYS = {
     "tie_encoder_decoder", "problem_type", "finetuning_task", "prefix", "task_specific_params",
     "torchscript", "use_bfloat16", "tf_legacy_loss", "pruned_heads", "cross_attention_hidden_size",
     "decoder_start_token_id", "sep_token_id", "architectures_version", "hidden_dropout",
-    "embd_pdrop", "resid_pdrop",
+    "embd_pdrop", "resid_pdrop", "router_aux_loss_coef", "output_router_logits",
 }
 # Keys that we read (below).
 _READ_KEYS = {
@@ -40,7 +42,12 @@ _READ_KEYS = {
     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
     "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "attention_bias",
     "mlp_bias", "eos_token_id", "max_position_embeddings",
+    # Qwen3 MoE (transformers 5 writes num_experts as num_local_experts)
+    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "decoder_sparse_step", "mlp_only_layers",
 }
+_MOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+             "decoder_sparse_step", "mlp_only_layers"}
 
 
 class ConfigError(ValueError):
@@ -77,6 +84,15 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int = 8192
     dtype: str = "float32"  # the checkpoint's (config.json dtype / torch_dtype): what dtype="auto" loads
+    # Mixture of experts (Qwen3 MoE): in the layers ``moe_layers`` the MLP is a router over
+    # num_experts SwiGLU experts of moe_intermediate_size, num_experts_per_tok of them per
+    # token, their outputs summed by the softmax router weights of the chosen ones
+    # (renormalised to sum 1 when norm_topk_prob). Elsewhere the dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -91,10 +107,17 @@ class ModelConfig:
         L = self.num_layers
         return (2, L // 2, L - 3)
 
+    def is_moe(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
     def num_params(self) -> int:
         h, i, L, v = self.hidden_size, self.intermediate_size, self.num_layers, self.vocab_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
-        return L * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
+        mlp = 3 * h * i
+        moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts and router rows
+        n_moe = len(self.moe_layers)
+        return (L * per_layer + (L - n_moe) * mlp + n_moe * moe + v * h * (1 if self.tie_word_embeddings else 2)
+                + h)
 
 
 def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
@@ -161,10 +184,11 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
             f"config.json: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
         )
     head_dim = d.get("head_dim") or int(d["hidden_size"]) // heads
+    moe = _moe_from_hf(d, model_type, int(d["num_hidden_layers"]))
     eos = d.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
     return ModelConfig(
-        family=model_type,
+        family=SUPPORTED_ARCHITECTURES["Qwen3MoeForCausalLM"] if model_type == "qwen3_moe" else model_type,
         vocab_size=int(d["vocab_size"]),
         hidden_size=int(d["hidden_size"]),
         intermediate_size=int(d["intermediate_size"]),
@@ -177,11 +201,41 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         attention_bias=bool(d.get("attention_bias", False)),
         mlp_bias=bool(d.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         eos_token_ids=eos_ids,
         max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
         dtype=_checkpoint_dtype(d),
+        **moe,
     )
+
+
+def _moe_from_hf(d: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields of a qwen3_moe config (none for the others;
+    MoE keys in another model_type's config are an error naming them). A layer i has experts
+    unless it is in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0 (Qwen3-MoE's rule)."""
+    if model_type != "qwen3_moe":
+        given = sorted(k for k in _MOE_KEYS if k in d)
+        if given:
+            raise ConfigError(f"config.json: key(s) {given} are mixture-of-experts keys, not read for model_type "
+                              f"{model_type!r} (Qwen3 MoE checkpoints are model_type 'qwen3_moe')")
+        return {}
+    experts = d.get("num_experts") or d.get("num_local_experts")
+    for key, value in (("num_experts", experts), ("num_experts_per_tok", d.get("num_experts_per_tok")),
+                       ("moe_intermediate_size", d.get("moe_intermediate_size"))):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"config.json: {key} must be a positive integer for model_type 'qwen3_moe', got {value!r}")
+    if d["num_experts_per_tok"] > experts:
+        raise ConfigError(f"config.json: num_experts_per_tok={d['num_experts_per_tok']} exceeds num_experts={experts}")
+    step = d.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ConfigError(f"config.json: decoder_sparse_step must be a positive integer, got {step!r}")
+    dense = d.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise ConfigError(f"config.json: mlp_only_layers must be a list of layer indices, got {dense!r}")
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=experts, num_experts_per_tok=d["num_experts_per_tok"],
+                moe_intermediate_size=d["moe_intermediate_size"], norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                moe_layers=layers)
 
 
 _DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",

@@ -301,6 +301,35 @@ def mlp(plan: KernelPlan, x, w_gate_up, b_gate_up, w_down, b_down, *, residual=N
     return _project(plan, gu, w_down, b_down, prologue="silu_mul", residual=residual, out_dtype=out_dtype)
 
 
+def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_topk_prob: bool, residual=None):
+    """Qwen3-MoE's sparse MLP: [residual +] sum over the top_k experts e of the softmax router
+    (f32; renormalised over the chosen when norm_topk_prob, then cast to x's dtype) of
+    w_e * down_e(silu(g_e) * u_e). x: f[..., H] or Normed; w_router: [E, H] (a Linear's
+    layout); w_gate_up: [E, 2I, H]; w_down: [E, H, I] (HF [out, in] per expert).
+
+    The (token, expert) pairs are sorted by expert and run as two grouped GEMMs
+    (lax.ragged_dot_general over the stacked weights), then each token sums its top_k rows."""
+    x = x.value() if isinstance(x, Normed) else x
+    shape, H = x.shape, x.shape[-1]
+    xf = x.reshape(-1, H)  # [N, H]
+    N, E = xf.shape[0], w_gate_up.shape[0]
+    probs = jax.nn.softmax(linear(plan, xf, w_router).astype(jnp.float32), axis=-1)  # [N, E]
+    weights, experts = jax.lax.top_k(probs, top_k)  # [N, k]
+    if norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdims=True)
+    flat = experts.reshape(-1)  # [N k]: pair j is token j // k
+    order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    gu = jax.lax.ragged_dot_general(xf[order // top_k], w_gate_up, sizes, dims)  # [N k, 2I]
+    g, u = jnp.split(gu, 2, axis=-1)
+    y = jax.lax.ragged_dot_general(jax.nn.silu(g) * u, w_down, sizes, dims)  # [N k, H]
+    y = y[jnp.argsort(order)].reshape(N, top_k, H) * weights.astype(x.dtype)[..., None]
+    out = y.sum(1).reshape(shape)
+    return out if residual is None else residual + out
+
+
 def qkv_rope_write(plan: KernelPlan, x, w, b, rope, slot_mapping, k_pages, v_pages, q_norm_w=None, k_norm_w=None,
                    *, num_heads: int, eps: float):
     """Attention's inputs: q, k, v = split(x @ w.T [+ b]) -> per-head RMSNorm (Qwen3's q_norm

@@ -15,6 +15,7 @@ next to the bound it is compared with, measured in the same run:
     python scripts/bench.py --section parallel           # issue 6: DFlash + PEagle on a Qwen3-8B shape
     python scripts/bench.py --section structured         # issue 27: tok/s with and without a JSON schema
     python scripts/bench.py --section warmup             # issue 28: warmup time, serial / threaded compiles
+    python scripts/bench.py --section moe --spec-batches 1,8   # a Qwen3-30B-A3B-shaped MoE target
     python scripts/bench.py --quick ...                  # tiny shapes: a CPU smoke test of the script
 Results go to $OUT/bench_<section>.json when OUT is set.
 """
@@ -60,6 +61,12 @@ QWEN3_8B = dataclasses.replace(
 LLAMA_1B = dataclasses.replace(
     LLAMA_8B, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
     tie_word_embeddings=True, rope=RopeConfig(500000.0, "llama3", 32.0, 1.0, 4.0, 8192),
+)
+# Qwen3-30B-A3B's shape: 48 layers of 128 experts (768 wide), 8 a token
+QWEN3_30B_A3B = dataclasses.replace(
+    QWEN3_8B, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32, num_kv_heads=4,
+    max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+    norm_topk_prob=True, moe_layers=tuple(range(48)),
 )
 TINY = dataclasses.replace(
     LLAMA_8B, vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=6, num_heads=4,
@@ -630,6 +637,76 @@ def llm_section(args, bw):
     return dict(rows=rows)
 
 
+def moe_active_bytes(c, itemsize: int = 2) -> int:
+    """Weight bytes one decode token streams through a MoE target: every attention and norm
+    weight, the routers, num_experts_per_tok experts a layer, the lm_head and one embedding row."""
+    H = c.hidden_size
+    attn = H * (c.q_size + 2 * c.kv_size) + c.q_size * H + 2 * H + (2 * c.head_dim if c.qk_norm else 0)
+    moe = c.num_experts * H + c.num_experts_per_tok * 3 * H * c.moe_intermediate_size
+    return itemsize * (c.num_layers * (attn + moe) + c.vocab_size * H + 2 * H)
+
+
+def moe_section(args, bw):
+    """A Qwen3 mixture-of-experts target (Qwen3-30B-A3B's shape, random bf16 weights) through
+    jspec.LLM: plain decode per batch against the bytes one token's experts stream (the
+    batch-1 bound; a batch's rows pick more experts), and n-gram speculation with synthetic
+    acceptance at batch 1 (no drafter weights: its ideal is tau), whose K + 1 verified tokens
+    route to more experts than one."""
+    import tempfile
+
+    from bench_llm_folders import write_target_folder
+
+    import jspec
+    from kernels_pallas.synthetic import conditional_rates, synthetic_rates_from_length
+
+    cfg = dataclasses.replace(TINY, family="qwen3", qk_norm=True, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=64, moe_layers=tuple(range(TINY.num_layers))) \
+        if args.quick else QWEN3_30B_A3B
+    ctx, new = (64, 32) if args.quick else (args.llm_ctx, args.llm_new)
+    batches = [int(b) for b in args.spec_batches.split(",")] if not args.quick else [1, 2]
+    folder = write_target_folder(os.path.join(tempfile.mkdtemp(prefix="jspec_bench_moe_"), "target"), cfg)
+    num_pages = max(batches) * (-(-(ctx + new + 64 + 8) // 16) + 2) + 8
+    common = dict(dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches), enable_prefix_caching=False,
+                  max_model_len=ctx + new + 64, num_pages=num_pages, linear_impl=LINEAR_IMPL, attn_impl=ATTN_IMPL)
+    rng, rows = np.random.default_rng(0), []
+    active = moe_active_bytes(cfg)
+    bound_ms = active / (bw["best_TBps"] * 1e12) * 1e3
+    print(f"moe {cfg.num_layers} layers x {cfg.num_experts} experts ({cfg.num_experts_per_tok} a token): "
+          f"{cfg.num_params() / 1e9:.1f}B parameters, {active / 1e9:.2f} GB streamed per token "
+          f"({bound_ms:.2f} ms at the probe)", flush=True)
+    llm = jspec.LLM(folder, **common)
+    plain = {}
+    for B in batches:
+        tot, pf = llm_run(llm, B, ctx, new, rng)
+        t1 = (tot - pf) / (new - 1)
+        plain[B] = (tot, pf, t1)
+        rows.append(dict(method="plain", batch=B, tok_s=B * new / tot, t1_ms=t1 * 1e3, bound_ms=bound_ms,
+                         of_bound=bound_ms / (t1 * 1e3) if B == 1 else None))
+        print(f"moe plain B={B:2d}: {B * new / tot:8.1f} tok/s with prefill (prefill {pf:.3f} s), decode "
+              f"{t1 * 1e3:.2f} ms/step" + (f", bound {bound_ms:.2f} ms -> {bound_ms / (t1 * 1e3):5.1%}"
+                                           if B == 1 else ""), flush=True)
+    del llm
+    gc.collect()
+    K = 3
+    spec = {"method": "ngram", "num_speculative_tokens": K, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_length": 2.5}
+    llm = jspec.LLM(folder, speculative_config=spec, **{**common, "max_model_len": ctx + new + 64 + 2 * (K + 1)})
+    eng = llm.engine
+    for length in (2.5, 3.5):
+        eng.runner.synthetic_rates = jnp.asarray(conditional_rates(synthetic_rates_from_length(length, K)), jnp.float32)
+        eng.spec_metrics.__init__()
+        tot, pf = llm_run(llm, 1, ctx, new, rng)
+        tau = eng.spec_metrics.mean_acceptance_length
+        ptot, ppf, t1 = plain[1]
+        dec = (ptot - ppf) / (tot - pf)
+        rows.append(dict(method="ngram", batch=1, K=K, tau=tau, speedup_decode=dec, of_ideal=dec / tau,
+                         step_ms=t1 * tau / dec * 1e3))
+        print(f"moe ngram B= 1 K={K} L={length}: tau {tau:.2f}, decode speedup {dec:.2f}x, ideal (no drafter "
+              f"weights) {tau:.2f}x -> {dec / tau:5.1%}; step {t1 * tau / dec * 1e3:.2f} ms against T(1) "
+              f"{t1 * 1e3:.2f} ms", flush=True)
+    return dict(rows=rows, active_bytes=active)
+
+
 # A schema no row can complete within --llm-new tokens (at least 2000 integers), so every row
 # runs the full count with and without it.
 STRUCTURED_SCHEMA = {"type": "object", "properties": {"values": {
@@ -758,8 +835,8 @@ def warmup_section(args, bw):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--section", choices=["plain", "diag", "verify", "llm", "structured", "warmup", "eagle3", "parallel",
-                                         "all"],
+    ap.add_argument("--section", choices=["plain", "diag", "verify", "llm", "moe", "structured", "warmup", "eagle3",
+                                         "parallel", "all"],
                     default="plain")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--quick", action="store_true")
@@ -798,6 +875,8 @@ def main():
         results["llm"] = llm_section(args, bw)
     if args.section == "verify":
         results["verify"] = verify_section(args, bw)
+    if args.section == "moe":
+        results["moe"] = moe_section(args, bw)
     if args.section == "structured":
         results["structured"] = structured_section(args, bw)
     if args.section == "warmup":

@@ -24,6 +24,11 @@ def target_config_json(c: ModelConfig) -> dict:
     }
     if c.rope.rope_type == "llama3":
         d["rope_scaling"] = _llama3_rope(c.rope)
+    if c.moe_layers:  # a Qwen3 mixture of experts, every layer sparse (Qwen3-30B-A3B's layout)
+        assert c.moe_layers == tuple(range(c.num_layers))
+        d.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=c.num_experts,
+                 num_experts_per_tok=c.num_experts_per_tok, moe_intermediate_size=c.moe_intermediate_size,
+                 norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
     return d
 
 

@@ -79,6 +79,7 @@ DRAFTERS = [
 MAX_TOKENS = 16
 NEAR_TIE_ULPS = 4  # bfloat16 lines: a divergence passes only where float32 puts the two tokens this close
 FALLBACK_PROMPT_LEN, FALLBACK_TOKENS = 12, 12
+MOE_TOKENS = 16
 
 
 def build(folder: str):
@@ -99,8 +100,16 @@ def build(folder: str):
     with torch.no_grad():
         ref = qwen.generate(torch.tensor([prompt]), max_new_tokens=FALLBACK_TOKENS, min_new_tokens=FALLBACK_TOKENS,
                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    refs = {"qwen3_hd24": {"prompt": prompt, "greedy": ref[0, len(prompt):].tolist()}}
+    moe = build_hf_model("qwen3_moe")  # a Qwen3 mixture-of-experts target (8 experts, 2 a token)
+    moe.save_pretrained(os.path.join(folder, "qwen3_moe"))
+    prompts = [[int(t) for t in np.random.default_rng(5 + i).integers(3, 384, size=n)] for i, n in enumerate((7, 30))]
+    with torch.no_grad():
+        refs["qwen3_moe"] = {"prompts": prompts, "greedy": [
+            moe.generate(torch.tensor([p]), max_new_tokens=MOE_TOKENS, min_new_tokens=MOE_TOKENS, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]}
     with open(os.path.join(folder, "references.json"), "w") as f:
-        json.dump({"qwen3_hd24": {"prompt": prompt, "greedy": ref[0, len(prompt):].tolist()}}, f)
+        json.dump(refs, f)
     print(f"built {sorted(os.listdir(folder))} under {folder}")
 
 
@@ -405,6 +414,26 @@ def fallback(refs) -> str:
     return f"{FALLBACK_TOKENS} greedy tokens == transformers (float32)"
 
 
+def moe_target(refs, spec: dict | None) -> str:
+    """The Qwen3-MoE target's greedy output on the GPU == transformers' (float32), plain or
+    speculating (n-gram: the K+1-row verification through the experts too)."""
+    import jspec
+
+    r = refs["qwen3_moe"]
+    llm = jspec.LLM(os.path.join(_ckpts, "qwen3_moe"), max_num_seqs=2, max_model_len=64, page_size=8, num_pages=32,
+                    speculative_config=spec)
+    from tests.helpers import spec_e2e as h
+
+    _on_gpu_kernels(llm.engine)
+    before = llm.engine.stats()
+    outs = llm.generate(r["prompts"], jspec.SamplingParams(temperature=0, max_tokens=MOE_TOKENS, ignore_eos=True))
+    for o, want in zip(outs, r["greedy"]):
+        assert o.token_ids == want, f"{o.token_ids} vs transformers {want}"
+    d = h.stats_delta(before, llm.engine.stats())
+    extra = "" if spec is None else f"; mean acceptance length {d['mean_acceptance_length']:.2f}"
+    return f"{len(outs)} x {MOE_TOKENS} greedy tokens == transformers (float32){extra}"
+
+
 # ---- the rejection kernel ---------------------------------------------------------------
 def rejection(method: str, with_probs: bool) -> str:
     import jax
@@ -685,6 +714,11 @@ def line_table(refs) -> list[tuple[str, str, object]]:
     t.append(("eagle3", "a step that fails on the device after its call: the engine serves on: eagle3, K=3, float32",
               lambda: failed_step("eagle3", 3)))
     t.append(("peagle", "head_dim 24 runs on the XLA path == transformers", lambda: fallback(refs)))
+    t.append(("draft_model", "a Qwen3 mixture-of-experts target == transformers: plain, float32",
+              lambda: moe_target(refs, None)))
+    t.append(("draft_model", "a Qwen3 mixture-of-experts target == transformers: n-gram K=3, float32",
+              lambda: moe_target(refs, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                        "prompt_lookup_max": 3})))
     for method, probs, what in (("standard", False, "greedy + sampled rows, no draft probs"),
                                 ("standard", True, "probabilistic, with draft probs"),
                                 ("synthetic", False, "synthetic acceptance")):

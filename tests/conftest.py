@@ -17,7 +17,7 @@ def ckpt_root(tmp_path_factory):
     return tmp_path_factory.mktemp("ckpts")
 
 
-@pytest.fixture(scope="session", params=["llama_tied", "llama_untied", "qwen3"])
+@pytest.fixture(scope="session", params=["llama_tied", "llama_untied", "qwen3", "qwen3_moe"])
 def target(request, ckpt_root):
     return (request.param,) + hf_checkpoint(ckpt_root, request.param)
 

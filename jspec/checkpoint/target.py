@@ -58,6 +58,14 @@ def target_param_spec(c: ModelConfig) -> list[ParamSpec]:
         if c.qk_norm:
             specs.add((L, "attn", "q_norm", "weight"), [f"{p}.self_attn.q_norm.weight"], [(D,)])
             specs.add((L, "attn", "k_norm", "weight"), [f"{p}.self_attn.k_norm.weight"], [(D,)])
+        if c.is_moe(i):  # the router and every expert's gate|up and down, stacked [E, ...]
+            E, Im = c.num_experts, c.moe_intermediate_size
+            ex = [f"{p}.mlp.experts.{e}" for e in range(E)]
+            specs.add((L, "mlp", "gate", "weight"), [f"{p}.mlp.gate.weight"], [(E, H)])
+            specs.add((L, "mlp", "gate_up"), [f"{x}.{n}_proj.weight" for x in ex for n in ("gate", "up")],
+                      [(Im, H)] * 2 * E, shape=(E, 2 * Im, H))
+            specs.add((L, "mlp", "down"), [f"{x}.down_proj.weight" for x in ex], [(H, Im)] * E, shape=(E, H, Im))
+            continue
         gu = [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
         specs.add((L, "mlp", "gate_up_proj", "weight"), [n + ".weight" for n in gu], [(I, H), (I, H)], split=0)
         specs.add((L, "mlp", "down_proj", "weight"), [f"{p}.mlp.down_proj.weight"], [(H, I)], split=1)

@@ -110,3 +110,27 @@ class GatedMLP(nn.Module):
     def __call__(self, x, *, residual=None):  # x: f[..., H] or ops.Normed -> [..., H]
         g, d = self.gate_up_proj, self.down_proj
         return ops.mlp(self.plan, x, g.weight, g.bias, d.weight, d.bias, residual=residual)
+
+
+class MoE(nn.Module):
+    """Qwen3-MoE's sparse MLP (ops.moe): a router ``gate`` [E, H] (a Linear) and the experts'
+    stacked weights ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] (HF [out, in] per expert,
+    in every plan). x may be an ops.Normed (the norm before the MLP)."""
+
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    dtype: jnp.dtype = jnp.float32
+    plan: KernelPlan = KernelPlan()
+
+    def setup(self):
+        E, H, I = self.num_experts, self.hidden, self.intermediate
+        self.gate = Linear(E, H, False, self.dtype, self.plan)
+        self.gate_up = self.param("gate_up", _normal, (E, 2 * I, H), self.dtype)
+        self.down = self.param("down", _normal, (E, H, I), self.dtype)
+
+    def __call__(self, x, *, residual=None):  # x: f[..., H] or ops.Normed -> [..., H]
+        return ops.moe(self.plan, x, self.gate.weight, self.gate_up, self.down, top_k=self.top_k,
+                       norm_topk_prob=self.norm_topk_prob, residual=residual)

@@ -13,6 +13,7 @@ Parameter tree (HF names -> ours are mapped in jspec/checkpoint/target.py):
   layers_i/attn/qkv_proj/weight [(Hq + 2 Hkv) * D, H] (+ bias); layers_i/attn/o_proj/weight;
   layers_i/attn/{q_norm,k_norm}/weight [D] (Qwen3); layers_i/mlp/gate_up_proj/weight [2I, H];
   layers_i/mlp/down_proj/weight [H, I]; norm/weight [H]; lm_head [V, H] (untied only).
+  A Qwen3-MoE layer's mlp instead: gate/weight [E, H] (the router), gate_up [E, 2I, H], down [E, H, I].
 Projection weights (``weight``, ``lm_head``) are [in, out] under the CPU plan (ops.weight_shape).
 """
 
@@ -26,7 +27,7 @@ from flax import linen as nn
 from jspec import ops
 from jspec.config import ModelConfig
 from jspec.kv_cache import AttentionMetadata, KVCache
-from jspec.models.layers import GatedMLP, Linear, NormWeight, RMSNorm, rope_inv_freq
+from jspec.models.layers import GatedMLP, Linear, MoE, NormWeight, RMSNorm, rope_inv_freq
 from jspec.ops import KernelPlan
 from kernels_pallas.rope_kv_write import rope_tables
 
@@ -82,13 +83,18 @@ class DecoderLayer(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype
     plan: KernelPlan = KernelPlan()
+    index: int = 0  # which layer: a Qwen3-MoE layer's MLP is its experts (cfg.moe_layers)
 
     def setup(self):
         c = self.cfg
         self.input_layernorm = NormWeight(c.hidden_size, self.dtype)
         self.post_attention_layernorm = NormWeight(c.hidden_size, self.dtype)
         self.attn = Attention(c, self.dtype, self.plan)
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.plan)
+        if c.is_moe(self.index):
+            self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
+                           c.norm_topk_prob, self.dtype, self.plan)
+        else:
+            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.plan)
 
     def __call__(self, x, meta, k_pages, v_pages, rope=None):
         c = self.cfg
@@ -138,7 +144,7 @@ class Transformer(nn.Module):
     def setup(self):
         c = self.cfg
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
-        self.layers = [DecoderLayer(c, self.dtype, self.plan, name=f"layers_{i}") for i in range(c.num_layers)]
+        self.layers = [DecoderLayer(c, self.dtype, self.plan, i, name=f"layers_{i}") for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
             # a bare [V, H] array so logits can accumulate in float32 (see logits()).

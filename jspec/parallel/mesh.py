@@ -103,6 +103,9 @@ def check_target(cfg, tp: int):
     if tp == 1:
         return
     flag = "tensor_parallel_size"
+    if cfg.moe_layers:
+        raise ValueError(f"{flag}={tp}: a mixture-of-experts target (num_experts={cfg.num_experts}) runs on one "
+                         f"device in jspec; its experts are not split over devices")
     _divides(tp, "target", flag, num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
              vocab_size=cfg.vocab_size)
     _kv_heads(tp, "target", flag, cfg.num_kv_heads, cfg.head_dim)

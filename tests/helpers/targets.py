@@ -19,7 +19,7 @@ LLAMA3_ROPE = {
 
 
 def hf_config(kind: str):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -30,18 +30,21 @@ def hf_config(kind: str):
         return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=True, mlp_bias=True)
     if kind == "qwen3":  # q/k norms, head_dim != hidden / heads
         return Qwen3Config(**{**common, "num_hidden_layers": 3}, head_dim=24, tie_word_embeddings=False)
+    if kind == "qwen3_moe":  # 8 experts, 2 a token, renormalised; layer 1 dense (mlp_only_layers)
+        return Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                              norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False)
     raise KeyError(kind)
 
 
 def build_hf_model(kind: str, seed: int = 0, scale: float = 0.15):
     import torch
-    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+    from transformers import LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
     from tests.helpers.drafters import fill_random
 
     torch.manual_seed(seed)
     cfg = hf_config(kind)
-    cls = Qwen3ForCausalLM if kind == "qwen3" else LlamaForCausalLM
+    cls = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}.get(kind, LlamaForCausalLM)
     model = cls(cfg).eval()
     with torch.no_grad():
         fill_random(model, scale=scale)
