@@ -307,8 +307,14 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
     w_e * down_e(silu(g_e) * u_e). x: f[..., H] or Normed; w_router: [E, H] (a Linear's
     layout); w_gate_up: [E, 2I, H]; w_down: [E, H, I] (HF [out, in] per expert).
 
-    The (token, expert) pairs are sorted by expert and run as two grouped GEMMs
-    (lax.ragged_dot_general over the stacked weights), then each token sums its top_k rows."""
+    Two ways, by the static number of (token, expert) pairs:
+      - at most E pairs (decode, a verification block at small batch): each pair's expert
+        weights gathered and applied, so only the chosen experts stream. On an H200 one
+        Qwen3-30B-A3B layer at 1 token: 0.06 ms against 1.0 ms for the grouped GEMMs below
+        (XLA's ragged dot read every expert); at 16 tokens 0.35 against 1.1 ms.
+      - more (prefill): the pairs sorted by expert and run as two grouped GEMMs
+        (lax.ragged_dot_general over the stacked weights), whose FLOPs do not grow with E.
+    Either way each token sums its top_k rows."""
     x = x.value() if isinstance(x, Normed) else x
     shape, H = x.shape, x.shape[-1]
     xf = x.reshape(-1, H)  # [N, H]
@@ -318,14 +324,19 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
     if norm_topk_prob:
         weights = weights / weights.sum(-1, keepdims=True)
     flat = experts.reshape(-1)  # [N k]: pair j is token j // k
-    order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
-                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    gu = jax.lax.ragged_dot_general(xf[order // top_k], w_gate_up, sizes, dims)  # [N k, 2I]
-    g, u = jnp.split(gu, 2, axis=-1)
-    y = jax.lax.ragged_dot_general(jax.nn.silu(g) * u, w_down, sizes, dims)  # [N k, H]
-    y = y[jnp.argsort(order)].reshape(N, top_k, H) * weights.astype(x.dtype)[..., None]
+    if N * top_k <= E:
+        xs = jnp.repeat(xf, top_k, axis=0)  # [N k, H]
+        g, u = jnp.split(jnp.einsum("mh,mih->mi", xs, w_gate_up[flat]), 2, axis=-1)
+        y = jnp.einsum("mi,mhi->mh", jax.nn.silu(g) * u, w_down[flat])  # [N k, H]
+    else:
+        order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
+        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+        dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                                 lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        gu = jax.lax.ragged_dot_general(xf[order // top_k], w_gate_up, sizes, dims)  # [N k, 2I]
+        g, u = jnp.split(gu, 2, axis=-1)
+        y = jax.lax.ragged_dot_general(jax.nn.silu(g) * u, w_down, sizes, dims)[jnp.argsort(order)]  # [N k, H]
+    y = y.reshape(N, top_k, H) * weights.astype(x.dtype)[..., None]
     out = y.sum(1).reshape(shape)
     return out if residual is None else residual + out
 
