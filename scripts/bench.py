@@ -555,6 +555,16 @@ def llm_run(llm, B, ctx, new, rng, structured=None, reps=None):
     return times[0], times[1]
 
 
+def llm_engine_kwargs(batches, ctx: int, new: int, ahead: int) -> dict:
+    """jspec.LLM's keywords of the llm / moe sections: random bf16 weights, no prefix caching,
+    and a fixed page pool, what the largest batch needs with ``ahead`` slots a sequence for
+    the drafts and the drafter's lookahead: sized from free memory, the plain engine would
+    leave none for the speculative one after it."""
+    num_pages = max(batches) * (-(-(ctx + new + 64 + ahead) // 16) + 2) + 8
+    return dict(dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches), enable_prefix_caching=False,
+                max_model_len=ctx + new + 64, num_pages=num_pages, linear_impl=LINEAR_IMPL, attn_impl=ATTN_IMPL)
+
+
 def llm_section(args, bw):
     """Through jspec.LLM, the path users take: folders holding only config.json (the 8B shapes,
     scripts/bench_llm_folders.py), random weights by load_format="dummy", prompts of --llm-ctx
@@ -578,11 +588,7 @@ def llm_section(args, bw):
     ks = {int(k) for k in args.ks.split(",")} if args.ks else None
     rows, root = [], tempfile.mkdtemp(prefix="jspec_bench_llm_")
     rng = np.random.default_rng(0)
-    # A fixed page pool (what the largest batch needs, the drafter's lookahead included): sized
-    # from free memory, the plain engine would leave none for the speculative one after it.
-    num_pages = max(batches) * (-(-(ctx + new + 64 + 2 * 17) // 16) + 2) + 8
-    common = dict(dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches), enable_prefix_caching=False,
-                  max_model_len=ctx + new + 64, num_pages=num_pages, linear_impl=LINEAR_IMPL, attn_impl=ATTN_IMPL)
+    common = llm_engine_kwargs(batches, ctx, new, ahead=2 * 17)
     plain_cache = {}
     for kind in args.methods.split(","):
         cfg = TINY if args.quick else (LLAMA_8B if kind in ("eagle3", "ngram", "draft_model") else QWEN3_8B)
@@ -665,9 +671,7 @@ def moe_section(args, bw):
     ctx, new = (64, 32) if args.quick else (args.llm_ctx, args.llm_new)
     batches = [int(b) for b in args.spec_batches.split(",")] if not args.quick else [1, 2]
     folder = write_target_folder(os.path.join(tempfile.mkdtemp(prefix="jspec_bench_moe_"), "target"), cfg)
-    num_pages = max(batches) * (-(-(ctx + new + 64 + 8) // 16) + 2) + 8
-    common = dict(dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches), enable_prefix_caching=False,
-                  max_model_len=ctx + new + 64, num_pages=num_pages, linear_impl=LINEAR_IMPL, attn_impl=ATTN_IMPL)
+    common = llm_engine_kwargs(batches, ctx, new, ahead=2 * 4)  # the n-gram rows: 2 (K + 1), K = 3
     rng, rows = np.random.default_rng(0), []
     active = moe_active_bytes(cfg)
     bound_ms = active / (bw["best_TBps"] * 1e12) * 1e3

@@ -84,10 +84,8 @@ MOE_TOKENS = 16
 
 def build(folder: str):
     """Tiny checkpoints and the transformers references (CPU; needs torch + speculators)."""
-    import torch
-
     from tests.helpers import spec_e2e as h
-    from tests.helpers.targets import build_hf_model
+    from tests.helpers.targets import build_hf_model, hf_greedy
 
     os.makedirs(folder, exist_ok=True)
     h._CACHE["root"] = os.path.abspath(folder)
@@ -97,17 +95,11 @@ def build(folder: str):
     qwen = build_hf_model("qwen3")  # head_dim 24: no GPU kernel takes it
     qwen.save_pretrained(os.path.join(folder, "qwen3_hd24"))
     prompt = [int(t) for t in np.random.default_rng(4).integers(3, 384, size=FALLBACK_PROMPT_LEN)]
-    with torch.no_grad():
-        ref = qwen.generate(torch.tensor([prompt]), max_new_tokens=FALLBACK_TOKENS, min_new_tokens=FALLBACK_TOKENS,
-                            do_sample=False, eos_token_id=None, pad_token_id=0)
-    refs = {"qwen3_hd24": {"prompt": prompt, "greedy": ref[0, len(prompt):].tolist()}}
+    refs = {"qwen3_hd24": {"prompt": prompt, "greedy": hf_greedy(qwen, prompt, FALLBACK_TOKENS)}}
     moe = build_hf_model("qwen3_moe")  # a Qwen3 mixture-of-experts target (8 experts, 2 a token)
     moe.save_pretrained(os.path.join(folder, "qwen3_moe"))
     prompts = [[int(t) for t in np.random.default_rng(5 + i).integers(3, 384, size=n)] for i, n in enumerate((7, 30))]
-    with torch.no_grad():
-        refs["qwen3_moe"] = {"prompts": prompts, "greedy": [
-            moe.generate(torch.tensor([p]), max_new_tokens=MOE_TOKENS, min_new_tokens=MOE_TOKENS, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]}
+    refs["qwen3_moe"] = {"prompts": prompts, "greedy": [hf_greedy(moe, p, MOE_TOKENS) for p in prompts]}
     with open(os.path.join(folder, "references.json"), "w") as f:
         json.dump(refs, f)
     print(f"built {sorted(os.listdir(folder))} under {folder}")
@@ -414,16 +406,16 @@ def fallback(refs) -> str:
     return f"{FALLBACK_TOKENS} greedy tokens == transformers (float32)"
 
 
-def moe_target(refs, spec: dict | None) -> str:
+def moe_target(refs, method: str | None) -> str:
     """The Qwen3-MoE target's greedy output on the GPU == transformers' (float32), plain or
-    speculating (n-gram: the K+1-row verification through the experts too)."""
+    speculating (``method`` "ngram": the K+1-row verification through the experts too)."""
     import jspec
-
-    r = refs["qwen3_moe"]
-    llm = jspec.LLM(os.path.join(_ckpts, "qwen3_moe"), max_num_seqs=2, max_model_len=64, page_size=8, num_pages=32,
-                    speculative_config=spec)
     from tests.helpers import spec_e2e as h
 
+    r = refs["qwen3_moe"]
+    spec = None if method is None else h.spec_config(method, 3)
+    llm = jspec.LLM(os.path.join(_ckpts, "qwen3_moe"), max_num_seqs=2, max_model_len=64, page_size=8, num_pages=32,
+                    speculative_config=spec)
     _on_gpu_kernels(llm.engine)
     before = llm.engine.stats()
     outs = llm.generate(r["prompts"], jspec.SamplingParams(temperature=0, max_tokens=MOE_TOKENS, ignore_eos=True))
@@ -717,8 +709,7 @@ def line_table(refs) -> list[tuple[str, str, object]]:
     t.append(("draft_model", "a Qwen3 mixture-of-experts target == transformers: plain, float32",
               lambda: moe_target(refs, None)))
     t.append(("draft_model", "a Qwen3 mixture-of-experts target == transformers: n-gram K=3, float32",
-              lambda: moe_target(refs, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                        "prompt_lookup_max": 3})))
+              lambda: moe_target(refs, "ngram")))
     for method, probs, what in (("standard", False, "greedy + sampled rows, no draft probs"),
                                 ("standard", True, "probabilistic, with draft probs"),
                                 ("synthetic", False, "synthetic acceptance")):

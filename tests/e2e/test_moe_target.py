@@ -73,9 +73,9 @@ def test_plain_greedy_equals_transformers(moe):
 @pytest.mark.parametrize("method", ["eagle3", "ngram"])
 def test_speculative_greedy_equals_plain(moe, method):
     folder, hf, drafter = moe
-    spec = ({"method": "eagle3", "model": drafter} if method == "eagle3"
-            else {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3})
-    llm = jspec.LLM(folder, speculative_config={**spec, "num_speculative_tokens": 3}, **ENGINE_KW)
+    spec = ({"method": "eagle3", "model": drafter, "num_speculative_tokens": 3} if method == "eagle3"
+            else h.spec_config("ngram", 3))
+    llm = jspec.LLM(folder, speculative_config=spec, **ENGINE_KW)
     eng = llm.engine
     before = eng.stats()
     outs = llm.generate(PROMPTS, jspec.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
