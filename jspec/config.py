@@ -20,7 +20,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3",
 }
-SUPPORTED_MODEL_TYPES = {"llama", "qwen3", "qwen3_moe"}
+# model_type -> family (the family decides the rest, e.g. Qwen3's per-head q/k RMSNorm)
+MODEL_TYPE_FAMILY = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
+SUPPORTED_MODEL_TYPES = set(MODEL_TYPE_FAMILY)
 
 # Keys that carry no meaning for inference here (metadata, training-only knobs, tokens
 # handled by the tokenizer / engine). Accepted and ignored.
@@ -37,17 +39,15 @@ _IGNORED_KEYS = {
     "embd_pdrop", "resid_pdrop", "router_aux_loss_coef", "output_router_logits",
 }
 # Keys that we read (below).
+# Qwen3 MoE's (transformers 5 writes num_experts as num_local_experts)
+_MOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+             "decoder_sparse_step", "mlp_only_layers"}
 _READ_KEYS = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
     "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "attention_bias",
     "mlp_bias", "eos_token_id", "max_position_embeddings",
-    # Qwen3 MoE (transformers 5 writes num_experts as num_local_experts)
-    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-    "decoder_sparse_step", "mlp_only_layers",
-}
-_MOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-             "decoder_sparse_step", "mlp_only_layers"}
+} | _MOE_KEYS
 
 
 class ConfigError(ValueError):
@@ -188,7 +188,7 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
     eos = d.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
     return ModelConfig(
-        family=SUPPORTED_ARCHITECTURES["Qwen3MoeForCausalLM"] if model_type == "qwen3_moe" else model_type,
+        family=MODEL_TYPE_FAMILY[model_type],
         vocab_size=int(d["vocab_size"]),
         hidden_size=int(d["hidden_size"]),
         intermediate_size=int(d["intermediate_size"]),
@@ -201,7 +201,7 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         attention_bias=bool(d.get("attention_bias", False)),
         mlp_bias=bool(d.get("mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=MODEL_TYPE_FAMILY[model_type] == "qwen3",
         eos_token_ids=eos_ids,
         max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
         dtype=_checkpoint_dtype(d),

@@ -35,6 +35,7 @@ from jspec.config import ModelConfig
 from jspec.kv_cache import AttentionMetadata, MixedMetadata
 from jspec.parallel.mesh import TP_AXIS
 from kernels_pallas import fused_linear as _fl
+from kernels_pallas import moe_experts as _moe
 from kernels_pallas import paged_attention as _pa
 from kernels_pallas import qkv_rope_kv_write as _qkv
 from kernels_pallas import rope_kv_write as _rope
@@ -301,7 +302,20 @@ def mlp(plan: KernelPlan, x, w_gate_up, b_gate_up, w_down, b_down, *, residual=N
     return _project(plan, gu, w_down, b_down, prologue="silu_mul", residual=residual, out_dtype=out_dtype)
 
 
-def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_topk_prob: bool, residual=None):
+# Tokens per dense pass of ``moe`` when the pairs outnumber the experts: bounds its [C, E, 2I]
+# intermediate (C * E * 2I elements: 200 MB of bf16 for Qwen3-30B-A3B's 128 x 1536 at 512; on an
+# H100, 512 a pass took 2.41 ms a layer at 1024 tokens against 2.72 at 256 and 2.16 at 1024).
+MOE_DENSE_CHUNK = 512
+# moe's few-pair way (at most E pairs) takes kernels_pallas/moe_experts.py's kernels, with the
+# plan's GPU kernels, from this fraction of E pairs up. Decode of the Qwen3-30B-A3B shape on an
+# H100 (scripts/bench_moe_kernel_ab.py, docs/bench/2026-11-27_moe_kernel_ab_h100.log), XLA's
+# gather against the kernels: batch 1 (8 pairs) 3.76 vs 4.08 ms a step, batch 4 (32) 7.10-7.19
+# vs 7.14-7.26, batch 16 (128) 21.4 vs 16.7.
+MOE_KERNEL_MIN_FRACTION = 0.5
+
+
+def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_topk_prob: bool, residual=None,
+        chunk: int = MOE_DENSE_CHUNK):
     """Qwen3-MoE's sparse MLP: [residual +] sum over the top_k experts e of the softmax router
     (f32; renormalised over the chosen when norm_topk_prob, then cast to x's dtype) of
     w_e * down_e(silu(g_e) * u_e). x: f[..., H] or Normed; w_router: [E, H] (a Linear's
@@ -309,12 +323,18 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
 
     Two ways, by the static number of (token, expert) pairs:
       - at most E pairs (decode, a verification block at small batch): each pair's expert
-        weights gathered and applied, so only the chosen experts stream. On an H200 one
-        Qwen3-30B-A3B layer at 1 token: 0.06 ms against 1.0 ms for the grouped GEMMs below
-        (XLA's ragged dot read every expert); at 16 tokens 0.35 against 1.1 ms.
-      - more (prefill): the pairs sorted by expert and run as two grouped GEMMs
-        (lax.ragged_dot_general over the stacked weights), whose FLOPs do not grow with E.
-    Either way each token sums its top_k rows."""
+        MLP alone: XLA's gather, which copies the chosen experts' weights before the dots
+        (0.058 ms for one Qwen3-30B-A3B layer at 1 token on an H100: 1.3 TB/s), or from
+        MOE_KERNEL_MIN_FRACTION * E pairs up, with the plan's GPU kernels,
+        kernels_pallas/moe_experts.py, which streams them in place;
+      - more: every expert for every token, weights zero off the chosen (two batched GEMMs
+        over the stacked weights, ``chunk`` tokens a pass). Each expert streams once, at
+        E / top_k times the needed FLOPs, which the GPU has to spare up to a few hundred
+        tokens: one such layer on an H100 in 0.51 ms at 64 tokens, 0.70 at 256 and 2.4 at
+        1024 (compute-bound there), where the gather re-reads an expert per pair (1.6 ms at
+        64) and XLA's grouped GEMM (lax.ragged_dot) took 1.8, 4.3 and 14.6 ms
+        (docs/bench/2026-11-27_moe_layer_dense_h100.log).
+    Each token sums its top_k rows (zeros elsewhere add nothing)."""
     x = x.value() if isinstance(x, Normed) else x
     shape, H = x.shape, x.shape[-1]
     xf = x.reshape(-1, H)  # [N, H]
@@ -323,21 +343,29 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
     weights, experts = jax.lax.top_k(probs, top_k)  # [N, k]
     if norm_topk_prob:
         weights = weights / weights.sum(-1, keepdims=True)
-    flat = experts.reshape(-1)  # [N k]: pair j is token j // k
+    weights = weights.astype(x.dtype)
     if N * top_k <= E:
-        xs = jnp.repeat(xf, top_k, axis=0)  # [N k, H]
-        g, u = jnp.split(jnp.einsum("mh,mih->mi", xs, w_gate_up[flat]), 2, axis=-1)
-        y = jnp.einsum("mi,mhi->mh", jax.nn.silu(g) * u, w_down[flat])  # [N k, H]
+        kernel = (plan.linear in GPU_IMPLS and N * top_k >= MOE_KERNEL_MIN_FRACTION * E
+                  and _moe.supports(w_gate_up.shape, w_down.shape, w_gate_up.dtype))
+        y = _moe.moe_experts(xf, experts.reshape(-1), w_gate_up, w_down, top_k=top_k,
+                             impl=plan.linear if kernel else "reference")  # [N k, H]: pair j is token j // k
+        out = (y.reshape(N, top_k, H) * weights[..., None]).sum(1)
     else:
-        order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
-        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-        dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
-                                                 lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-        gu = jax.lax.ragged_dot_general(xf[order // top_k], w_gate_up, sizes, dims)  # [N k, 2I]
-        g, u = jnp.split(gu, 2, axis=-1)
-        y = jax.lax.ragged_dot_general(jax.nn.silu(g) * u, w_down, sizes, dims)[jnp.argsort(order)]  # [N k, H]
-    y = y.reshape(N, top_k, H) * weights.astype(x.dtype)[..., None]
-    out = y.sum(1).reshape(shape)
+        rows = jnp.arange(N)[:, None]
+        dense_w = jnp.zeros((N, E), x.dtype).at[rows, experts].set(weights)  # [N, E]
+
+        def dense(xc, wc):  # [C, H], [C, E] -> [C, H]
+            g, u = jnp.split(jnp.einsum("nh,eih->nei", xc, w_gate_up), 2, axis=-1)
+            y = jnp.einsum("nei,ehi->neh", jax.nn.silu(g) * u, w_down)  # [C, E, H]
+            return (y * wc[..., None]).sum(1)
+
+        if N <= chunk:
+            out = dense(xf, dense_w)
+        else:  # whole chunks (the last padded with zero rows), one pass each
+            n = -(-N // chunk)
+            pad = lambda a: jnp.pad(a, ((0, n * chunk - N), (0, 0))).reshape(n, chunk, -1)  # noqa: E731
+            out = jax.lax.map(lambda c: dense(*c), (pad(xf), pad(dense_w))).reshape(n * chunk, H)[:N]
+    out = out.reshape(shape)
     return out if residual is None else residual + out
 
 

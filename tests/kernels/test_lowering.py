@@ -18,6 +18,7 @@ Kernels (grep -n pallas_call kernels_pallas/*.py):
   fused_linear.py          batch-1 projection (+ norm / SwiGLU)     GPU
   rope_kv_write.py         RoPE + paged KV write                    GPU
   qkv_rope_kv_write.py     RMSNorm + qkv + RoPE + KV write          GPU
+  moe_experts.py           few-token MoE: gate_up + SwiGLU, down    GPU
   rejection_blocks.py      stats + residual kernels: GPU ones for impl "gpu",
                            TPU ones for impl "tpu" (_kernel_rows)
 """
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 import pytest
 
 from kernels_pallas.fused_linear import fused_linear
+from kernels_pallas.moe_experts import moe_experts
 from kernels_pallas.paged_attention import paged_attention
 from kernels_pallas.paged_attention_gpu import paged_attention_gpu
 from kernels_pallas.paged_attention_tpu import paged_attention_tpu
@@ -152,6 +154,17 @@ def qkv_rope_write(dtype, bias):
     return fn, shapes, [(TRITON, rf"qkv_rope_kv_write_p\d+_d\d+{mma}")]
 
 
+def moe(dtype):
+    """moe_experts(impl="gpu"): the gate_up kernel, then the down kernel."""
+    N, K, E, I, H = 2, 2, 4, 32, 64
+
+    def fn(x, experts, w_gate_up, w_down):
+        return moe_experts(x, experts, w_gate_up, w_down, top_k=K, impl="gpu")
+    shapes = [sds((N, H), dtype), sds((N * K,), I32), sds((E, 2 * I, H), dtype), sds((E, H, I), dtype)]
+    mma = "_mma" if dtype == BF16 else ""
+    return fn, shapes, [(TRITON, rf"moe_gate_up_f\d+_d\d+{mma}"), (TRITON, rf"moe_down_f\d+_d\d+{mma}")]
+
+
 def rejection(impl, *, V, draft_probs, dtype=F32, bpp=1):
     """rejection_sample(impl=...): the stats kernel, plus the residual kernel when draft
     probabilities are given."""
@@ -185,6 +198,8 @@ GPU_CASES = {
     "rope_kv_write-qk_norm-f32": lambda: rope_write(F32, qk_norm=True),
     "qkv_rope_kv_write-bf16": lambda: qkv_rope_write(BF16, bias=False),
     "qkv_rope_kv_write-bias-f32": lambda: qkv_rope_write(F32, bias=True),
+    "moe_experts-bf16": lambda: moe(BF16),
+    "moe_experts-f32": lambda: moe(F32),
     "rejection-stats": lambda: rejection("gpu", V=300, draft_probs=False),
     "rejection-stats-resid-bf16": lambda: rejection("gpu", V=300, draft_probs=True, dtype=BF16),
     "rejection-stats-resid-bpp2": lambda: rejection("gpu", V=4100, draft_probs=True, bpp=2),
@@ -238,6 +253,7 @@ def test_every_pallas_call_is_covered():
             sites[path.name] = n_calls
     assert sites == {
         "fused_linear.py": 1,
+        "moe_experts.py": 2,
         "paged_attention_gpu.py": 2,
         "paged_attention_tpu.py": 1,
         "qkv_rope_kv_write.py": 1,

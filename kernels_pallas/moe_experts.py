@@ -1,0 +1,136 @@
+"""Few-token mixture-of-experts: each (token, expert) pair's expert MLP, the expert's weights
+streamed in place.
+
+    y[p] = down_e(silu(g) * u),  g | u = gate_up_e(x[p // top_k]),  e = experts[p]
+
+for the pairs p of tokens x [N, H] and their chosen experts (experts i32[N * top_k],
+token-major); w_gate_up [E, 2I, H] and w_down [E, H, I] (HF's [out, in] per expert).
+-> y [N * top_k, H]. The router before and each token's weighted sum of its top_k rows after
+stay in XLA (jspec.ops.moe).
+
+Why: at decode (one token, 8 of 128 experts) XLA's gather-then-dot (the reference below)
+copies the chosen experts' weights before reading them. One Qwen3-30B-A3B layer took
+0.058 ms on an H100 for 75.5 MB of weights (1.3 TB/s against a 3.04 TB/s probe), 2.8 of
+the 4.2 ms of a decode step (docs/bench/2026-11-27_moe_layer_dense_h100.log).
+
+Kernels (Pallas, Triton backend), two calls, each a one-row weight stream per program
+(fused_linear.stream_rows, its tiles from kernels_pallas/tuning.py):
+  1. grid (pairs, I / block_f): the program reads experts[p] and streams its expert's
+     block_f gate rows and the matching up rows against x[p // top_k]; silu(g) * u, rounded
+     op by op like the reference -> act [P, I];
+  2. grid (pairs, H / block_f): block_f rows of the expert's down against act[p] -> y.
+A pair re-streams its expert's weights, so the kernels pay off while pairs are few (the
+dispatch in jspec.ops.moe). Row offsets are int32 element offsets into the stacked weights:
+``supports`` asks for fewer than 2^31 elements.
+
+Numerics: f32 accumulation, each projection rounded to the weights' dtype as XLA's dot
+output is, then the SwiGLU product op by op: equal to the reference up to the order of the
+f32 sums (tests/kernels/test_moe_experts.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kernels_pallas.fused_linear import default_blocks, default_mma_blocks, silu_mul_rounded, stream_rows
+
+
+def ref_moe_experts(x, experts, w_gate_up, w_down, *, top_k: int):
+    """The jnp reference (and the path on the CPU, the TPU and for many pairs): each pair's
+    expert weights gathered, then applied. x [N, H]; experts i32[N * top_k] -> [N * top_k, H]."""
+    xs = jnp.repeat(x, top_k, axis=0)  # [P, H]: pair p is token p // top_k
+    g, u = jnp.split(jnp.einsum("mh,mih->mi", xs, w_gate_up[experts]), 2, axis=-1)
+    return jnp.einsum("mi,mhi->mh", jax.nn.silu(g) * u, w_down[experts])
+
+
+def _blocks(F: int, K: int, dtype):
+    """(block_f, block_d, num_warps, num_stages, mma) of fused_linear's one-row stream for a
+    weight [F, K], or None where no tile divides it."""
+    t = default_mma_blocks(F, K, dtype) or default_blocks(F, K)
+    return None if t is None else (*t[:4], len(t) > 4)
+
+
+def supports(w_gate_up_shape, w_down_shape, dtype) -> bool:
+    """The kernels' contract: tiles that divide [I, H] (gate and up halves) and [H, I], and
+    stacked weights addressable with int32 element offsets."""
+    E, I2, H = w_gate_up_shape
+    return (I2 % 2 == 0 and tuple(w_down_shape) == (E, H, I2 // 2) and E * I2 * H < 2**31
+            and _blocks(I2 // 2, H, dtype) is not None and _blocks(H, I2 // 2, dtype) is not None)
+
+
+def _gate_up_kernel(idx_ref, x_ref, w_ref, o_ref, *, I, H, block_f, block_d, mma):
+    # idx_ref i32[P] (whole), x_ref [1, H] (the pair's token), w_ref [E 2I, H] (whole),
+    # o_ref [1, I] (the pair's row; this program writes block_f columns).
+    p, j = pl.program_id(0), pl.program_id(1)
+    row = idx_ref[p] * (2 * I) + j * block_f
+    g, u = stream_rows(x_ref, [(w_ref, pl.ds(row, block_f)), (w_ref, pl.ds(row + I, block_f))], None,
+                       prologue="none", K=H, block_d=block_d, eps=0.0, mma=mma)
+    dt, f32 = o_ref.dtype, jnp.float32
+    act = silu_mul_rounded(g.astype(dt).astype(f32), u.astype(dt).astype(f32), dt)
+    o_ref[0, pl.ds(pl.multiple_of(j * block_f, block_f), block_f)] = act.astype(dt)
+
+
+def _down_kernel(idx_ref, a_ref, w_ref, o_ref, *, H, I, block_f, block_d, mma):
+    # idx_ref i32[P], a_ref [1, I] (the pair's activation), w_ref [E H, I] (whole), o_ref [1, H].
+    p, j = pl.program_id(0), pl.program_id(1)
+    row = idx_ref[p] * H + j * block_f
+    (y,) = stream_rows(a_ref, [(w_ref, pl.ds(row, block_f))], None, prologue="none", K=I, block_d=block_d,
+                       eps=0.0, mma=mma)
+    o_ref[0, pl.ds(pl.multiple_of(j * block_f, block_f), block_f)] = y.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "interpret", "blocks"))
+def moe_experts_gpu(x, experts, w_gate_up, w_down, *, top_k: int, interpret: bool = False, blocks=None):
+    """The two kernels. x [N, H]; experts i32[N * top_k]; weights as in the contract.
+    blocks: None (fused_linear's tiles for [I, H] and [H, I]) or a pair of (block_f,
+    block_d, num_warps, num_stages, mma), gate_up's then down's (scripts/bench_moe_layer.py)."""
+    (E, I2, H), P = w_gate_up.shape, experts.shape[0]
+    I = I2 // 2
+    whole = pl.BlockSpec()
+    gate_up_blocks, down_blocks = blocks or (_blocks(I, H, w_gate_up.dtype), _blocks(H, I, w_down.dtype))
+    bf, bd, warps, stages, mma = gate_up_blocks
+    act = pl.pallas_call(
+        functools.partial(_gate_up_kernel, I=I, H=H, block_f=bf, block_d=bd, mma=mma),
+        grid=(P, I // bf),
+        in_specs=[whole, pl.BlockSpec((1, H), lambda p, j: (p // top_k, 0)), whole],
+        out_specs=pl.BlockSpec((1, I), lambda p, j: (p, 0)),
+        out_shape=jax.ShapeDtypeStruct((P, I), w_gate_up.dtype),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+        name=f"moe_gate_up_f{bf}_d{bd}{'_mma' if mma else ''}",
+    )(experts, x.astype(w_gate_up.dtype), w_gate_up.reshape(E * I2, H))
+    bf, bd, warps, stages, mma = down_blocks
+    return pl.pallas_call(
+        functools.partial(_down_kernel, H=H, I=I, block_f=bf, block_d=bd, mma=mma),
+        grid=(P, H // bf),
+        in_specs=[whole, pl.BlockSpec((1, I), lambda p, j: (p, 0)), whole],
+        out_specs=pl.BlockSpec((1, H), lambda p, j: (p, 0)),
+        out_shape=jax.ShapeDtypeStruct((P, H), w_down.dtype),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+        name=f"moe_down_f{bf}_d{bd}{'_mma' if mma else ''}",
+    )(experts, act, w_down.reshape(E * H, I))
+
+
+def moe_experts(x, experts, w_gate_up, w_down, *, top_k: int, impl: str = "reference"):
+    """Public entry: impl "reference" runs ref_moe_experts (XLA), "gpu" / "interpret" the
+    kernels, which take what ``supports`` says. x [N, H]; experts i32[N * top_k]."""
+    N, H = x.shape
+    E, I2, Hw = w_gate_up.shape
+    if Hw != H or tuple(w_down.shape) != (E, H, I2 // 2) or experts.shape != (N * top_k,):
+        raise ValueError(f"moe_experts: x {x.shape}, experts {experts.shape} (top_k {top_k}), w_gate_up "
+                         f"{w_gate_up.shape} and w_down {w_down.shape} do not fit [N, H], [N top_k], [E, 2I, H], "
+                         f"[E, H, I]")
+    if impl == "reference":
+        return ref_moe_experts(x, experts, w_gate_up, w_down, top_k=top_k)
+    if impl not in ("gpu", "interpret"):
+        raise ValueError(f"moe_experts: impl must be 'reference', 'gpu' or 'interpret', got {impl!r}")
+    if not supports(w_gate_up.shape, w_down.shape, w_gate_up.dtype):
+        raise ValueError(f"moe_experts: no kernel tile divides w_gate_up {w_gate_up.shape} / w_down {w_down.shape}")
+    return moe_experts_gpu(x, experts.astype(jnp.int32), w_gate_up, w_down, top_k=top_k,
+                           interpret=impl == "interpret")
