@@ -303,8 +303,8 @@ def mlp(plan: KernelPlan, x, w_gate_up, b_gate_up, w_down, b_down, *, residual=N
 
 
 # Tokens per dense pass of ``moe`` when the pairs outnumber the experts: bounds its [C, E, 2I]
-# intermediate (C * E * 2I elements: 200 MB of bf16 for Qwen3-30B-A3B's 128 x 1536 at 512; on an
-# H100, 512 a pass took 2.41 ms a layer at 1024 tokens against 2.72 at 256 and 2.16 at 1024).
+# intermediate (C * E * 2I elements: 200 MB of bf16 for Qwen3-30B-A3B's 128 x 1536 at 512). One
+# such layer on an H100 at 1024 tokens: 2.72 ms in passes of 256, 2.41 of 512, 2.16 of 1024.
 MOE_DENSE_CHUNK = 512
 # moe's few-pair way (at most E pairs) takes kernels_pallas/moe_experts.py's kernels, with the
 # plan's GPU kernels, from this fraction of E pairs up. Decode of the Qwen3-30B-A3B shape on an

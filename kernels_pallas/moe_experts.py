@@ -8,10 +8,8 @@ token-major); w_gate_up [E, 2I, H] and w_down [E, H, I] (HF's [out, in] per expe
 -> y [N * top_k, H]. The router before and each token's weighted sum of its top_k rows after
 stay in XLA (jspec.ops.moe).
 
-Why: at decode (one token, 8 of 128 experts) XLA's gather-then-dot (the reference below)
-copies the chosen experts' weights before reading them. One Qwen3-30B-A3B layer took
-0.058 ms on an H100 for 75.5 MB of weights (1.3 TB/s against a 3.04 TB/s probe), 2.8 of
-the 4.2 ms of a decode step (docs/bench/2026-11-27_moe_layer_dense_h100.log).
+Why: XLA's gather-then-dot (the reference below) copies the chosen experts' weights before
+reading them. Here each program reads its expert's rows in place.
 
 Kernels (Pallas, Triton backend), two calls, each a one-row weight stream per program
 (fused_linear.stream_rows, its tiles from kernels_pallas/tuning.py):
@@ -19,9 +17,14 @@ Kernels (Pallas, Triton backend), two calls, each a one-row weight stream per pr
      block_f gate rows and the matching up rows against x[p // top_k]; silu(g) * u, rounded
      op by op like the reference -> act [P, I];
   2. grid (pairs, H / block_f): block_f rows of the expert's down against act[p] -> y.
-A pair re-streams its expert's weights, so the kernels pay off while pairs are few (the
-dispatch in jspec.ops.moe). Row offsets are int32 element offsets into the stacked weights:
-``supports`` asks for fewer than 2^31 elements.
+Row offsets are int32 element offsets into the stacked weights: ``supports`` asks for fewer
+than 2^31 elements.
+
+Measured, one Qwen3-30B-A3B layer on an H100 (scripts/bench_moe_layer.py; raw
+docs/bench/2026-11-27_moe_layer_kernels_h100.log), against XLA's gather: 0.072 vs 0.058 ms
+at 1 token (8 pairs), 0.142 vs 0.140 at 4, 0.215 vs 0.230 at 8, 0.340 vs 0.421 at 16 (128
+pairs). Slower at one token, where neither reaches half the probe's bandwidth (not
+profiled), faster as pairs grow: jspec.ops.moe takes the kernels from E / 2 pairs.
 
 Numerics: f32 accumulation, each projection rounded to the weights' dtype as XLA's dot
 output is, then the SwiGLU product op by op: equal to the reference up to the order of the
