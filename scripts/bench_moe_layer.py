@@ -12,6 +12,11 @@ chain of 8 layers' weights (rotated, so nothing is served from L2):
                (one contraction over expert and intermediate together).
 
     PYTHONPATH=. python3 scripts/bench_moe_layer.py [TOKENS, e.g. 1,8,16]
+    PYTHONPATH=.:scripts python3 scripts/bench_moe_layer.py 1,16 --gpu-time
+
+--gpu-time: XLA's gather and the kernels by the profiler's GPU time per layer (busy time and
+the top kernels), not wall time: the chain's wall time also holds the gaps between its
+launches.
 
 A row's "chosen-expert bytes": min(pairs, E) experts' weights (the bytes of the pairs, at
 most every expert once); "needed TFLOP/s": the chosen pairs' FLOPs over the time.
@@ -109,14 +114,28 @@ def chain(fn):
     return run
 
 
+def gpu_time(tokens, x_of, routers, gus, dns):
+    from gpu_trace import device_times
+
+    for N in tokens:
+        for name, fn in (("XLA gather", gather), ("moe_experts kernels", kernel_tiles(None))):
+            t = device_times(chain(fn), [(x_of(N), routers, gus, dns)], reps=10)
+            print(f"N={N:4d} {name}: GPU busy {t['busy_us'] / LAYERS:.1f} us/layer (union "
+                  f"{t['union_us'] / LAYERS:.1f})", flush=True)
+            for k, v in sorted(t["kernels_us"].items(), key=lambda kv: -kv[1])[:6]:
+                print(f"    {v / LAYERS:7.1f} us/layer  {k[:80]}", flush=True)
+
+
 def main():
-    tokens = [int(n) for n in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 8, 16, 32, 64, 256, 512, 1024,
-                                                                                 2048]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    tokens = [int(n) for n in args[0].split(",")] if args else [1, 8, 16, 32, 64, 256, 512, 1024, 2048]
     key = jax.random.PRNGKey(0)
     normal = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16) * 0.02  # noqa: E731
     gus = [normal(i, (E, 2 * I, H)) for i in range(LAYERS)]
     dns = [normal(100 + i, (E, H, I)) for i in range(LAYERS)]
     routers = [normal(200 + i, (E, H)) for i in range(LAYERS)]
+    if "--gpu-time" in sys.argv:
+        return gpu_time(tokens, lambda n: jax.random.normal(key, (n, H), jnp.bfloat16), routers, gus, dns)
     for N in tokens:
         x = jax.random.normal(key, (N, H), jnp.bfloat16)
         res = {}
