@@ -9,7 +9,7 @@ import torch
 from jspec.checkpoint.target import load_target
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.transformer import Transformer
-from tests.helpers.targets import hf_checkpoint
+from tests.helpers.targets import hf_checkpoint, hf_greedy
 
 PROMPT_LEN, DECODE_STEPS, PAGE = 40, 8, 8
 
@@ -86,3 +86,28 @@ def test_unsupported_head_dim_falls_back_to_xla(ckpt_root, caplog):
     msgs = [r.getMessage() for r in caplog.records]
     assert any("paged_attention: head_dim 24 is not a power of 2" in m for m in msgs), msgs
     assert any("rope_kv_write: head_dim 24 is not twice a power of 2" in m for m in msgs), msgs
+
+
+def test_moe_target_on_the_gpu_kernels_matches_transformers(ckpt_root, monkeypatch):
+    """The Qwen3-MoE target with the GPU plan's kernels (their bodies in Pallas' interpreter,
+    as on a GPU): two prompts decoding together route 2 x 2 pairs a layer, E / 2 of the 8
+    experts, so ops.moe takes kernels_pallas/moe_experts.py's kernels; the prompts' prefill
+    takes the dense pass. Greedy output still equals transformers'."""
+    import jspec
+    from kernels_pallas import moe_experts
+
+    traced, real = [], moe_experts.moe_experts_gpu
+
+    def recording(x, *a, **k):  # the token rows of each traced call
+        traced.append(x.shape)
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(moe_experts, "moe_experts_gpu", recording)
+    folder, hf = hf_checkpoint(ckpt_root, "qwen3_moe")
+    rng = np.random.default_rng(6)
+    prompts = [[int(t) for t in rng.integers(3, 384, size=n)] for n in (7, 12)]
+    llm = jspec.LLM(folder, max_num_seqs=2, max_model_len=64, page_size=8, attn_impl="interpret",
+                    linear_impl="interpret")
+    outs = llm.generate(prompts, jspec.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
+    assert (2, hf.config.hidden_size) in traced, traced  # the batch-2 decode step's tokens went through the kernels
