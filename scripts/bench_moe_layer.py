@@ -3,9 +3,10 @@ bf16) on the GPU: jspec's ops.moe against other ways to run it, wall time per la
 chain of 8 layers' weights (rotated, so nothing is served from L2):
 
   ops.moe      XLA's gather at up to E pairs, dense passes of 512 tokens above (c=C: of C);
-  ops.moe gpu  with the GPU plan: kernels_pallas/moe_experts.py at up to E pairs
-               ("tiles": other tiles for its two kernels);
-  gather       each (token, expert) pair's weights gathered, then applied;
+  ops.moe gpu  with the GPU plan: kernels_pallas/moe_experts.py from E / 2 to E pairs
+               ("tiles": the kernels at other tiles);
+  gather       each (token, expert) pair's weights gathered, then applied (XLA fuses the
+               gather into its reductions: --gpu-time);
   gather_reduce  the same as multiply-and-sum, the gather fused into the reduction;
   ragged       XLA's grouped GEMM (lax.ragged_dot_general) over the pairs sorted by expert;
   dense_fold   every expert for every token, the router weights folded into down's input
@@ -20,7 +21,7 @@ launches.
 
 A row's "chosen-expert bytes": min(pairs, E) experts' weights (the bytes of the pairs, at
 most every expert once); "needed TFLOP/s": the chosen pairs' FLOPs over the time.
-Raw results: docs/bench/2026-11-27_moe_layer.log.
+Raw results: docs/bench/2026-11-27_moe_layer*.log.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def main():
             ways += [("ops.moe gpu", jspec_moe(plan=ops.KernelPlan(linear="gpu")))]
             ways += [(f"tiles {a[0]}x{a[1]}/{b[0]}x{b[1]}{'m' if a[4] else ''}", kernel_tiles((a, b))) for a, b in SWEEP]
         for name, fn in ways:
-            if name.startswith("gather") and N * K > 4 * E:  # its copies would be 4 layers of experts
+            if name.startswith("gather") and N * K > 4 * E:  # each pair re-reads its expert: 4+ layers' worth
                 continue
             if name == "dense_fold" and N > 512:
                 continue
@@ -165,6 +166,7 @@ def main():
         ref = res["ops.moe"].astype(jnp.float32)
         d = max(float(jnp.max(jnp.abs(v.astype(jnp.float32) - ref))) for v in res.values())
         print(f"N={N}: max |other - ops.moe| {d:.2e} over {len(res) - 1} others", flush=True)
+
 
 if __name__ == "__main__":
     main()
