@@ -7,7 +7,7 @@ chain of 8 layers' weights (rotated, so nothing is served from L2):
                ("tiles": the kernels at other tiles);
   gather       each (token, expert) pair's weights gathered, then applied (XLA fuses the
                gather into its reductions: --gpu-time);
-  gather_reduce  the same as multiply-and-sum, the gather fused into the reduction;
+  gather_reduce  the same written out as multiply-and-sum in f32;
   ragged       XLA's grouped GEMM (lax.ragged_dot_general) over the pairs sorted by expert;
   dense_fold   every expert for every token, the router weights folded into down's input
                (one contraction over expert and intermediate together).
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import ops
-from kernels_pallas.moe_experts import moe_experts_gpu
+from kernels_pallas.moe_experts import moe_experts_gpu, ref_moe_experts
 
 E, I, H, K = 128, 768, 2048, 8
 LAYERS = 8
@@ -47,17 +47,19 @@ def _route(x, w_router):
     return w / w.sum(-1, keepdims=True), e
 
 
-def gather(x, w_router, w_gu, w_dn):
-    w, e = _route(x, w_router)
-    h = jnp.einsum("mh,mih->mi", jnp.repeat(x, K, axis=0), w_gu[e.reshape(-1)])
-    a, b = jnp.split(h, 2, -1)
-    y = jnp.einsum("mi,mhi->mh", jax.nn.silu(a) * b, w_dn[e.reshape(-1)])
+def _combine(y, w, x):
+    """Each token's top-K pair rows y [N K, H], weighted by the router's w [N, K], summed."""
     return (y.reshape(x.shape[0], K, H) * w.astype(x.dtype)[..., None]).sum(1)
 
 
+def gather(x, w_router, w_gu, w_dn):
+    w, e = _route(x, w_router)
+    return _combine(ref_moe_experts(x, e.reshape(-1), w_gu, w_dn, top_k=K), w, x)
+
+
 def gather_reduce(x, w_router, w_gu, w_dn):
-    """The gather written as multiply-and-sum, so XLA fuses the gather into the reduction and
-    reads each chosen expert's weights in place instead of copying them first."""
+    """The gather written out as multiply-and-sum in f32: the form XLA's own fusion of the
+    gather into its reductions takes (--gpu-time)."""
     w, e = _route(x, w_router)
     flat, f32 = e.reshape(-1), jnp.float32
     xs = jnp.repeat(x, K, axis=0).astype(f32)
@@ -65,7 +67,7 @@ def gather_reduce(x, w_router, w_gu, w_dn):
     a, b = jnp.split(h, 2, -1)
     act = (jax.nn.silu(a) * b).astype(f32)
     y = (w_dn[flat].astype(f32) * act[:, None, :]).sum(-1).astype(x.dtype)
-    return (y.reshape(x.shape[0], K, H) * w.astype(x.dtype)[..., None]).sum(1)
+    return _combine(y, w, x)
 
 
 def ragged(x, w_router, w_gu, w_dn):
@@ -77,7 +79,7 @@ def ragged(x, w_router, w_gu, w_dn):
                                              lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
     a, b = jnp.split(jax.lax.ragged_dot_general(x[order // K], w_gu, sizes, dims), 2, -1)
     y = jax.lax.ragged_dot_general(jax.nn.silu(a) * b, w_dn, sizes, dims)[jnp.argsort(order)]
-    return (y.reshape(x.shape[0], K, H) * w.astype(x.dtype)[..., None]).sum(1)
+    return _combine(y, w, x)
 
 
 def dense_fold(x, w_router, w_gu, w_dn):
@@ -96,8 +98,7 @@ def kernel_tiles(blocks):
     """The few-pair kernels with the given tiles (gate_up's, down's), combined as ops.moe does."""
     def fn(x, w_router, w_gu, w_dn):
         w, e = _route(x, w_router)
-        y = moe_experts_gpu(x, e.reshape(-1).astype(jnp.int32), w_gu, w_dn, top_k=K, blocks=blocks)
-        return (y.reshape(x.shape[0], K, H) * w.astype(x.dtype)[..., None]).sum(1)
+        return _combine(moe_experts_gpu(x, e.reshape(-1).astype(jnp.int32), w_gu, w_dn, top_k=K, blocks=blocks), w, x)
     return fn
 
 
