@@ -58,10 +58,7 @@ def test_greedy_generate_matches_transformers(target):
     llm = jspec.LLM(folder, max_num_seqs=2, max_model_len=128, page_size=8)
     outs = llm.generate(prompts, jspec.SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-        assert out.token_ids == ref[0, len(p):].tolist(), kind
+        assert out.token_ids == hf_greedy(hf, p, 32), kind
 
 
 def test_unsupported_head_dim_falls_back_to_xla(ckpt_root, caplog):
@@ -79,10 +76,7 @@ def test_unsupported_head_dim_falls_back_to_xla(ckpt_root, caplog):
         llm = jspec.LLM(folder, max_num_seqs=1, max_model_len=64, page_size=8, attn_impl="interpret",
                         linear_impl="interpret")
         out = llm.generate([prompt], jspec.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    assert out.token_ids == ref[0, len(prompt):].tolist()
+    assert out.token_ids == hf_greedy(hf, prompt, 8)
     msgs = [r.getMessage() for r in caplog.records]
     assert any("paged_attention: head_dim 24 is not a power of 2" in m for m in msgs), msgs
     assert any("rope_kv_write: head_dim 24 is not twice a power of 2" in m for m in msgs), msgs
