@@ -323,10 +323,11 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
 
     Two ways, by the static number of (token, expert) pairs:
       - at most E pairs (decode, a verification block at small batch): each pair's expert
-        MLP alone: XLA's gather, which copies the chosen experts' weights before the dots
-        (0.058 ms for one Qwen3-30B-A3B layer at 1 token on an H100: 1.3 TB/s), or from
-        MOE_KERNEL_MIN_FRACTION * E pairs up, with the plan's GPU kernels,
-        kernels_pallas/moe_experts.py, which streams them in place;
+        MLP alone: XLA's gather, which XLA fuses into the dots' reductions (no copy of the
+        experts: one Qwen3-30B-A3B layer's expert projections at 1 token in 25.5 us of GPU
+        time on an H100, 2.96 TB/s; docs/bench/2026-11-27_moe_layer_gpu_time_h100.log), or
+        from MOE_KERNEL_MIN_FRACTION * E pairs up, with the plan's GPU kernels,
+        kernels_pallas/moe_experts.py, one weight stream per pair (faster there);
       - more: every expert for every token, weights zero off the chosen (two batched GEMMs
         over the stacked weights, ``chunk`` tokens a pass). Each expert streams once, at
         E / top_k times the needed FLOPs, which the GPU has to spare up to a few hundred

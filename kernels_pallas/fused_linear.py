@@ -168,6 +168,15 @@ def default_mma_blocks(F: int, K: int, dtype):
     return (bf, bd, t.num_warps, t.num_stages, True) if bf and bd else None
 
 
+def one_row_blocks(F: int, K: int, dtype):
+    """The one-row stream's tiles for a weight [F, K]: (block_f, block_d, num_warps,
+    num_stages, mma), default_mma_blocks where they divide it (bf16 / f16), else
+    default_blocks with mma False; None where no tile divides it. fused_linear_gpu's default,
+    and moe_experts' for each expert's projection."""
+    t = default_mma_blocks(F, K, dtype) or default_blocks(F, K)
+    return None if t is None else (*t[:4], len(t) > 4)
+
+
 def silu_mul_rounded(g, u, dtype):
     """jax.nn.silu(g) * u op by op (negate, exp, add, divide, multiply, multiply) on f32
     values of `dtype` numbers, each result rounded to `dtype` as XLA's bf16 ops are on CPU.
@@ -274,12 +283,12 @@ def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_sumsq, has_
 def fused_linear_gpu(x, w, norm_w=None, bias=None, residual=None, *, prologue="none", eps=1e-6, out_dtype=None,
                      blocks=None, interpret=False, sumsq=None, next_norm_w=None):
     """The kernel on one row, x: [1, K_in]. blocks: (block_f, block_d, num_warps,
-    num_stages[, mma]), or None for default_mma_blocks, else default_blocks. sumsq
+    num_stages[, mma]), or None for one_row_blocks. sumsq
     f32[1, n] / next_norm_w [F]: the RMSNorm hand-over (ref_fused_linear); with next_norm_w
     it returns (y, y * next_norm_w, f32[1, programs]), one partial sum per program. A sumsq
     whose n is not a power of two is zero-padded here (Triton loads power-of-two blocks)."""
     F, K = w.shape
-    bf, bd, warps, stages, *mma = blocks or default_mma_blocks(F, K, w.dtype) or default_blocks(F, K)
+    bf, bd, warps, stages, *mma = blocks or one_row_blocks(F, K, w.dtype)
     mma = bool(mma and mma[0])
     whole = pl.BlockSpec()
     if sumsq is not None and sumsq.shape[-1] & (sumsq.shape[-1] - 1):

@@ -8,8 +8,12 @@ token-major); w_gate_up [E, 2I, H] and w_down [E, H, I] (HF's [out, in] per expe
 -> y [N * top_k, H]. The router before and each token's weighted sum of its top_k rows after
 stay in XLA (jspec.ops.moe).
 
-Why: XLA's gather-then-dot (the reference below) copies the chosen experts' weights before
-reading them. Here each program reads its expert's rows in place.
+Why: as the pairs grow, XLA's gather-then-dot (the reference below) falls behind one weight
+stream per pair. XLA does not copy the chosen experts first (it fuses the gather into its
+reductions: 25.5 us of GPU time in the expert projections at 1 token, 2.96 TB/s, against
+34.7 us here; docs/bench/2026-11-27_moe_layer_gpu_time_h100.log), but at 16 tokens its
+projections took 353 us to these kernels' 298. Each program here reads its expert's rows in
+place, one stream per (pair, row tile).
 
 Kernels (Pallas, Triton backend), two calls, each a one-row weight stream per program
 (fused_linear.stream_rows, its tiles from kernels_pallas/tuning.py):
@@ -23,8 +27,8 @@ than 2^31 elements.
 Measured, one Qwen3-30B-A3B layer on an H100 (scripts/bench_moe_layer.py; raw
 docs/bench/2026-11-27_moe_layer_kernels_h100.log), against XLA's gather: 0.072 vs 0.058 ms
 at 1 token (8 pairs), 0.142 vs 0.140 at 4, 0.215 vs 0.230 at 8, 0.340 vs 0.421 at 16 (128
-pairs). Slower at one token, where neither reaches half the probe's bandwidth (not
-profiled), faster as pairs grow: jspec.ops.moe takes the kernels from E / 2 pairs.
+pairs). Slower at one token, faster as pairs grow (why, not profiled further):
+jspec.ops.moe takes the kernels from E / 2 pairs.
 
 Numerics: f32 accumulation, each projection rounded to the weights' dtype as XLA's dot
 output is, then the SwiGLU product op by op: equal to the reference up to the order of the
@@ -40,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.fused_linear import default_blocks, default_mma_blocks, silu_mul_rounded, stream_rows
+from kernels_pallas.fused_linear import one_row_blocks, silu_mul_rounded, stream_rows
 
 
 def ref_moe_experts(x, experts, w_gate_up, w_down, *, top_k: int):
@@ -51,19 +55,12 @@ def ref_moe_experts(x, experts, w_gate_up, w_down, *, top_k: int):
     return jnp.einsum("mi,mhi->mh", jax.nn.silu(g) * u, w_down[experts])
 
 
-def _blocks(F: int, K: int, dtype):
-    """(block_f, block_d, num_warps, num_stages, mma) of fused_linear's one-row stream for a
-    weight [F, K], or None where no tile divides it."""
-    t = default_mma_blocks(F, K, dtype) or default_blocks(F, K)
-    return None if t is None else (*t[:4], len(t) > 4)
-
-
 def supports(w_gate_up_shape, w_down_shape, dtype) -> bool:
     """The kernels' contract: tiles that divide [I, H] (gate and up halves) and [H, I], and
     stacked weights addressable with int32 element offsets."""
     E, I2, H = w_gate_up_shape
     return (I2 % 2 == 0 and tuple(w_down_shape) == (E, H, I2 // 2) and E * I2 * H < 2**31
-            and _blocks(I2 // 2, H, dtype) is not None and _blocks(H, I2 // 2, dtype) is not None)
+            and one_row_blocks(I2 // 2, H, dtype) is not None and one_row_blocks(H, I2 // 2, dtype) is not None)
 
 
 def _gate_up_kernel(idx_ref, x_ref, w_ref, o_ref, *, I, H, block_f, block_d, mma):
@@ -95,7 +92,7 @@ def moe_experts_gpu(x, experts, w_gate_up, w_down, *, top_k: int, interpret: boo
     (E, I2, H), P = w_gate_up.shape, experts.shape[0]
     I = I2 // 2
     whole = pl.BlockSpec()
-    gate_up_blocks, down_blocks = blocks or (_blocks(I, H, w_gate_up.dtype), _blocks(H, I, w_down.dtype))
+    gate_up_blocks, down_blocks = blocks or (one_row_blocks(I, H, w_gate_up.dtype), one_row_blocks(H, I, w_down.dtype))
     bf, bd, warps, stages, mma = gate_up_blocks
     act = pl.pallas_call(
         functools.partial(_gate_up_kernel, I=I, H=H, block_f=bf, block_d=bd, mma=mma),
