@@ -36,6 +36,7 @@ from jspec.kv_cache import AttentionMetadata, MixedMetadata
 from jspec.parallel.mesh import TP_AXIS
 from kernels_pallas import fused_linear as _fl
 from kernels_pallas import moe_experts as _moe
+from kernels_pallas import moe_router as _router
 from kernels_pallas import paged_attention as _pa
 from kernels_pallas import qkv_rope_kv_write as _qkv
 from kernels_pallas import rope_kv_write as _rope
@@ -319,7 +320,9 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
     """Qwen3-MoE's sparse MLP: [residual +] sum over the top_k experts e of the softmax router
     (f32; renormalised over the chosen when norm_topk_prob, then cast to x's dtype) of
     w_e * down_e(silu(g_e) * u_e). x: f[..., H] or Normed; w_router: [E, H] (a Linear's
-    layout); w_gate_up: [E, 2I, H]; w_down: [E, H, I] (HF [out, in] per expert).
+    layout); w_gate_up: [E, 2I, H]; w_down: [E, H, I] (HF [out, in] per expert). The
+    router's softmax and top-k: one kernel with the plan's GPU kernels
+    (kernels_pallas/moe_router.py), else XLA's softmax and lax.top_k.
 
     Two ways, by the static number of (token, expert) pairs:
       - at most E pairs (decode, a verification block at small batch): each pair's expert
@@ -340,10 +343,9 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
     shape, H = x.shape, x.shape[-1]
     xf = x.reshape(-1, H)  # [N, H]
     N, E = xf.shape[0], w_gate_up.shape[0]
-    probs = jax.nn.softmax(linear(plan, xf, w_router).astype(jnp.float32), axis=-1)  # [N, E]
-    weights, experts = jax.lax.top_k(probs, top_k)  # [N, k]
-    if norm_topk_prob:
-        weights = weights / weights.sum(-1, keepdims=True)
+    logits = linear(plan, xf, w_router).astype(jnp.float32)  # [N, E]
+    router_impl = plan.linear if plan.linear in GPU_IMPLS and _router.supports(E, top_k) else "reference"
+    weights, experts = _router.router_top_k(logits, top_k=top_k, norm=norm_topk_prob, impl=router_impl)  # [N, k]
     weights = weights.astype(x.dtype)
     if N * top_k <= E:
         kernel = (plan.linear in GPU_IMPLS and N * top_k >= MOE_KERNEL_MIN_FRACTION * E

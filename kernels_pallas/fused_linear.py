@@ -160,10 +160,13 @@ def default_mma_blocks(F: int, K: int, dtype):
     time, scripts/bench_linear.py --sweep; raw results in git history, commit 2f4c831):
     o [4096, 4096] 11.3 us vs 11.8 elementwise, qkv [6144, 4096] + RMSNorm 15.4-16.0 vs
     17.5, down [4096, 14336] + SwiGLU 31.9 vs 33.1. bf16 / f16 only (an f32 dot would run in
-    TF32); None where no tile divides the shape (then default_blocks)."""
+    TF32); None where no row takes the shape (narrower weights: the elementwise stream is
+    faster there) or no tile divides it (then default_blocks)."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return None
     t = device_tuning().linear_tile(F, K, mma=True)
+    if t is None:
+        return None
     bf, bd = _pow2_divisor(F, t.block_f, 16), _pow2_divisor(K, t.block_d, 32)
     return (bf, bd, t.num_warps, t.num_stages, True) if bf and bd else None
 
@@ -326,10 +329,12 @@ def supports(rows: int, w_shape) -> bool:
 
 
 def fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, residual=None, out_dtype=None,
-                 impl="reference", sumsq=None, next_norm_w=None, w_in_out=False):
+                 impl="reference", sumsq=None, next_norm_w=None, w_in_out=False, blocks=None):
     """Public entry: impl "reference" runs ref_fused_linear (XLA), "gpu" / "interpret" the
     kernel, which takes what ``supports`` says. With next_norm_w -> (y, y * next_norm_w,
-    f32[..., n] partial sums of y^2). w_in_out ([K, F] weights): the reference only."""
+    f32[..., n] partial sums of y^2). w_in_out ([K, F] weights): the reference only.
+    blocks: the kernel's tiles (fused_linear_gpu's; None: one_row_blocks), for tests of each
+    weight stream at any shape."""
     validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq, next_norm_w, w_in_out)
     if impl == "reference":
         return ref_fused_linear(x, w, prologue=prologue, norm_w=norm_w, eps=eps, bias=bias, residual=residual,
@@ -347,7 +352,7 @@ def fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, res
         x.reshape(1, x.shape[-1]), w, norm_w, bias, None if residual is None else residual.reshape(1, F),
         prologue=prologue, eps=float(eps), out_dtype=None if out_dtype is None else jnp.dtype(out_dtype).name,
         interpret=impl == "interpret", sumsq=None if sumsq is None else sumsq.reshape(1, sumsq.shape[-1]),
-        next_norm_w=next_norm_w,
+        next_norm_w=next_norm_w, blocks=blocks,
     )
     if next_norm_w is None:
         return out.reshape(lead + (F,))

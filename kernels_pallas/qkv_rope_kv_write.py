@@ -91,11 +91,12 @@ def kernel_blocks(F: int, K: int, D: int, dtype):
     """(pairs, block_d, num_warps, num_stages, mma): rows per half-block, so a program
     streams 2 * pairs rows, as many as the projection kernel's tile (fused_linear's
     default_mma_blocks for bf16 / f16, whose dot needs pairs >= 16; else the elementwise
-    default_blocks); None when the head cannot be split that way."""
+    default_blocks), both by the whole projection's shape; None when the head cannot be
+    split that way."""
     b = default_mma_blocks(F, K, dtype)
     if b is not None and b[0] // 2 >= 16 and (D // 2) % (b[0] // 2) == 0:
         return (b[0] // 2,) + tuple(b[1:])
-    b = default_blocks(D, K)
+    b = default_blocks(F, K)
     if b is None or b[0] // 2 < 2 or (D // 2) % (b[0] // 2):
         return None
     return (b[0] // 2,) + tuple(b[1:]) + (False,)

@@ -2,17 +2,18 @@
 ``jax.Device.device_kind``, as tables (no tile rule lives in a kernel file).
 
 - ``linear`` / ``linear_mma``: tiles of the one-row projection kernels
-  (fused_linear.py, qkv_rope_kv_write.py) by weight shape [F, K]: the first row whose
-  ``min_k`` / ``min_f`` the shape meets wins. ``linear_mma`` is the tensor-core weight
-  stream (bf16 / f16), ``linear`` the elementwise one (any dtype, and the fallback).
+  (fused_linear.py, qkv_rope_kv_write.py, moe_experts.py) by weight shape [F, K]: the first
+  row whose ``min_k`` / ``min_f`` the shape meets wins. ``linear_mma`` is the tensor-core
+  weight stream (bf16 / f16), for the shapes one of its rows takes; ``linear`` the
+  elementwise one (any dtype, every shape, and the rest of bf16 / f16).
 - ``attn_*``: paged_attention_gpu.py's fixed choices (its kv splits and warps follow the
   grid size and ``num_sms``).
 - ``rejection``: rejection_sampling's GPU statistics kernel.
 
 The rows were measured on the H200 (2026-11-21, scripts/bench_linear.py --sweep,
 scripts/bench_attention.py, scripts/bench_rejection.py; figures in the kernels'
-docstrings). The H100 SXM has the H200's SMs and a slower memory; its rows are the
-H200's, not re-swept. A device not listed takes the H200's rows, with its SM count from
+docstrings), those of narrower weights (F < 4096 or K < 4096) on the H100 (2026-11-27,
+below). The H100 SXM has the H200's SMs and a slower memory; it shares the H200's rows. A device not listed takes the H200's rows, with its SM count from
 jax when the device reports one (``core_count``). Lookups happen at trace time (static
 Python values).
 """
@@ -45,19 +46,30 @@ class DeviceTuning:
     attn_max_block_rows: int = 128  # query rows per program (all rows of a kv head up to this)
     rejection: tuple[int, int, int] = (1, 2, 1)  # (blocks_per_program, num_warps, num_stages)
 
-    def linear_tile(self, F: int, K: int, mma: bool) -> LinearTile:
+    def linear_tile(self, F: int, K: int, mma: bool) -> LinearTile | None:
+        """The first row that takes [F, K]; None where no tensor-core row does (mma)."""
         for t in self.linear_mma if mma else self.linear:
             if K >= t.min_k and F >= t.min_f:
                 return t
-        raise AssertionError("a tile table must end with a row for every shape (min_k = min_f = 0)")
+        if mma:
+            return None
+        raise AssertionError("the elementwise table must end with a row for every shape (min_k = min_f = 0)")
 
 
 # H200 sweep, Llama-3.1-8B layer shapes: K = 4096 (qkv, o) 8 x 512, 4 warps, 4 stages;
 # K = 14336 (down) 16 x 1024, 8 warps, 2 stages. Tensor-core stream: down 32 x 512,
 # qkv (F >= 6144) 64 x 256 with 4 stages, o 32 x 256.
-H200_LINEAR = (LinearTile(8192, 0, 16, 1024, 8, 2), LinearTile(0, 0, 8, 512, 4, 4))
-H200_LINEAR_MMA = (LinearTile(8192, 0, 32, 512, 4, 6), LinearTile(0, 6144, 64, 256, 4, 4),
-                   LinearTile(0, 0, 32, 256, 4, 6))
+# Narrower weights (H100 sweep, 2026-11-27, scripts/bench_linear.py --sweep --shapes
+# qwen3-30b-a3b | llama-1b; docs/bench/2026-11-27_linear_narrow_h100.log): there the
+# tensor-core tiles leave SMs idle (o [2048, 4096] at 32 x 256 is 64 programs for 132 SMs)
+# and the elementwise stream wins, GPU time per call, old default -> new: Qwen3-30B-A3B qkv
+# [5120, 2048] 12.3 -> 9.2 us, o [2048, 4096] 10.3 -> 7.7; Llama-3.2-1B o [2048, 2048]
+# 5.9 -> 3.2, down [2048, 8192] 19.7 -> 15.0, qkv [3072, 2048] 7.5 -> 6.4. F < 4096 takes
+# 8 x 2048 tiles with 8 warps (256 programs for F = 2048).
+H200_LINEAR = (LinearTile(8192, 4096, 16, 1024, 8, 2), LinearTile(0, 4096, 8, 512, 4, 4),
+               LinearTile(0, 0, 8, 2048, 8, 4))
+H200_LINEAR_MMA = (LinearTile(8192, 4096, 32, 512, 4, 6), LinearTile(4096, 6144, 64, 256, 4, 4),
+                   LinearTile(4096, 4096, 32, 256, 4, 6))
 
 
 def _h200_rows(num_sms: int) -> DeviceTuning:

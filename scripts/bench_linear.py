@@ -28,6 +28,14 @@ from kernels_pallas.rope_kv_write import ref_rope_kv_write, rope_kv_write, rope_
 LLAMA_8B = [("qkv", 6144, 4096, "rmsnorm", False), ("o", 4096, 4096, "none", True),
             ("gate_up", 28672, 4096, "rmsnorm", False), ("down", 4096, 14336, "silu_mul", True),
             ("lm_head", 128256, 4096, "none", False)]
+# Narrower models, where the tiles tuned on the 8B shapes leave SMs idle (fewer programs than SMs):
+# Qwen3-30B-A3B's attention (hidden 2048, 32 x 128 query heads, 4 kv heads; its MLP is the
+# experts, kernels_pallas/moe_experts.py) and Llama-3.2-1B's layer.
+QWEN3_30B_A3B = [("qkv", 5120, 2048, "rmsnorm", False), ("o", 2048, 4096, "none", True)]
+LLAMA_1B = [("qkv", 3072, 2048, "rmsnorm", False), ("o", 2048, 2048, "none", True),
+            ("gate_up", 16384, 2048, "rmsnorm", False), ("down", 2048, 8192, "silu_mul", True)]
+SHAPES = {"llama-8b": LLAMA_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "llama-1b": LLAMA_1B}
+HEADS = {"llama-8b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128), "llama-1b": (32, 8, 64)}  # (H, KVH, D)
 TINY = [("qkv", 256, 128, "rmsnorm", False), ("down", 128, 256, "silu_mul", True), ("lm_head", 512, 128, "none", False)]
 
 
@@ -74,7 +82,7 @@ def sweep_case(name, F, K, prologue, residual):
     x, ws, kw = linear_inputs(name, F, K, prologue, residual, 1, 4)
     elementwise = [(bf, bd, warps, stages) for bf in (8, 16) for bd in (512, 1024, 2048) for stages in (2, 4)
                    for warps in (4, 8)]
-    mma = [(bf, bd, 4, stages, True) for bf in (32, 64, 128) for bd in (256, 512) for stages in (4, 6)]
+    mma = [(bf, bd, 4, stages, True) for bf in (16, 32, 64, 128) for bd in (256, 512) for stages in (4, 6)]
     return time_tilings(lambda b: jax.jit(lambda x, w: fused_linear_gpu(
         x, w, kw["norm_w"], None, kw["residual"], prologue=prologue, eps=1e-5, blocks=b)),
         elementwise + mma, [(x, w) for w in ws])
@@ -155,12 +163,13 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time other tilings of the layer projections (GPU)")
     ap.add_argument("--qkv-rope-only", action="store_true", help="only the qkv + RoPE + KV-write kernel (with --sweep:"
                     " its tiles)")
+    ap.add_argument("--shapes", default="llama-8b", choices=sorted(SHAPES), help="the layer's projections to time")
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     impl = "gpu" if gpu else "interpret"
     out = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
            "linear": [], "rope": []}
-    shapes = TINY if args.quick or not gpu else LLAMA_8B
+    shapes = TINY if args.quick or not gpu else SHAPES[args.shapes]
     for name, F, K, pro, res in ([] if args.qkv_rope_only else shapes):
         for M in (1, 8):  # M > 1 (and shapes ops.linear_kernel keeps with XLA) run XLA: kernel=0, for contrast
             r = linear_case(name, F, K, pro, res, M, impl, args.quick, timing=gpu)
@@ -176,7 +185,7 @@ def main():
             out["sweep"].append(dict(name=name, F=F, K=K, prologue=pro, sweep=sw))
             print(f"sweep {name}: " + ", ".join(f"{b} {us:.1f}" if isinstance(us, float) else f"{b} {us}"
                                                  for b, us, _ in sw[:6]), flush=True)
-    heads = [(4, 2, 32)] if args.quick or not gpu else [(32, 8, 128)]
+    heads = [(4, 2, 32)] if args.quick or not gpu else [HEADS[args.shapes]]
     for H, KVH, D in heads:
         for M in (() if args.qkv_rope_only else (1, 8, 64)):
             for qk in (False, True):
@@ -185,7 +194,7 @@ def main():
                 t = f" fused {r['fused_us']:.1f} us xla {r['xla_us']:.1f} us" if gpu else ""
                 print(f"rope H={H} KVH={KVH} D={D} M={M:2d} qk_norm={int(qk)} err q {r['q_err']:.1e} "
                       f"k {r['k_err']:.1e} v {r['v_err']:.1e}{t}", flush=True)
-    K = 128 if args.quick or not gpu else 4096
+    K = 128 if args.quick or not gpu else SHAPES[args.shapes][0][2]  # qkv's input width
     for H, KVH, D in heads:
         r = qkv_rope_case(H, KVH, D, K, impl, timing=gpu, sweep=args.sweep and gpu)
         out["qkv_rope"] = r

@@ -102,8 +102,11 @@ def kernel_tiles(blocks):
     return fn
 
 
-# (block_f, block_d, num_warps, num_stages, mma) pairs tried at up to 16 tokens: gate_up's, down's
-SWEEP = (((16, 256, 4, 6, True), (16, 256, 4, 6, True)), ((64, 256, 4, 4, True), (64, 256, 4, 4, True)),
+# (block_f, block_d, num_warps, num_stages, mma) pairs tried at up to 16 tokens: gate_up's, down's.
+# The first: the tensor-core tiles the kernels took by default until the narrow-weight rows of
+# kernels_pallas/tuning.py (2026-11-27).
+SWEEP = (((32, 256, 4, 6, True), (32, 256, 4, 6, True)),
+         ((16, 256, 4, 6, True), (16, 256, 4, 6, True)), ((64, 256, 4, 4, True), (64, 256, 4, 4, True)),
          ((16, 512, 4, 4, True), (32, 256, 4, 6, True)), ((8, 512, 4, 4, False), (8, 256, 4, 4, False)))
 
 

@@ -23,17 +23,17 @@ from jspec.models.layers import apply_rope, rope_inv_freq
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan, plan_kernels, plan_params
 from kernels_pallas.fused_linear import (
-    default_blocks,
     default_mma_blocks,
     fused_linear,
     fused_linear_gpu,
+    one_row_blocks,
     ref_fused_linear,
     rms_norm,
     stream_rows,
 )
 from kernels_pallas.paged_attention import write_kv
 from kernels_pallas.qkv_rope_kv_write import kernel_blocks as qkv_kernel_blocks
-from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
+from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write, qkv_rope_kv_write_gpu
 from kernels_pallas.rope_kv_write import rope_kv_write, rope_tables
 
 BF16 = jnp.bfloat16
@@ -63,15 +63,20 @@ def linear_inputs(seed, F, K, prologue, dtype, *, bias=False, residual=False):
     return x, w, kw
 
 
-@pytest.mark.parametrize("dtype", [BF16, jnp.float32])
+# The tensor-core weight stream's tiles for the small test weights (by default only 8B widths
+# take it: kernels_pallas/tuning.py), so that both streams are checked at every prologue.
+MMA_TILE = (32, 128, 4, 4, True)
+
+
+@pytest.mark.parametrize("dtype,blocks", [(BF16, None), (BF16, MMA_TILE), (jnp.float32, None)])
 @pytest.mark.parametrize("prologue,bias,residual", [
     ("rmsnorm", False, False), ("rmsnorm", True, False), ("none", False, True), ("silu_mul", False, True),
     ("silu_mul", True, True),
 ])
-def test_fused_linear_kernel_matches_reference(prologue, bias, residual, dtype):
+def test_fused_linear_kernel_matches_reference(prologue, bias, residual, dtype, blocks):
     x, w, kw = linear_inputs(1, 96, 256, prologue, dtype, bias=bias, residual=residual)
     assert ops.linear_kernel(INTERPRET, 1, w.shape, fused=True)
-    got = fused_linear(x, w, impl="interpret", **kw)
+    got = fused_linear(x, w, impl="interpret", blocks=blocks, **kw)
     want = ref_fused_linear(x, w, **kw)
     assert got.shape == want.shape == (1, 1, 96) and got.dtype == want.dtype
     # bf16: the RMSNorm is factored out of the dot (x * w_norm in bf16, 1/rms applied to
@@ -98,8 +103,9 @@ def test_fused_linear_block_tilings_agree():
         assert rel(got, want[0]) < 2e-2, blocks
 
 
-@pytest.mark.parametrize("dtype,F", [(BF16, 128), (BF16, 96), (jnp.float32, 128)])
-def test_norm_handoff_kernels_match_reference_and_the_unfused_mlp(dtype, F):
+@pytest.mark.parametrize("dtype,F,mma", [(BF16, 128, False), (BF16, 128, True), (BF16, 96, False),
+                                         (jnp.float32, 128, False)])
+def test_norm_handoff_kernels_match_reference_and_the_unfused_mlp(dtype, F, mma):
     """The post-attention RMSNorm handed over from o_proj to down_proj: o_proj's kernel
     writes h (bit for bit the plain kernel's), h * norm_w and per-program sums of h^2 (96
     features: 3 programs, padded to 4 for the consumer); down_proj's kernel applies 1 / rms
@@ -118,17 +124,20 @@ def test_norm_handoff_kernels_match_reference_and_the_unfused_mlp(dtype, F):
     plan = plan_kernels(cfg, linear_impl="interpret", backend="cpu")
     assert plan.norm_handoff and not plan_kernels(cfg, linear_impl="reference", backend="cpu").norm_handoff
     assert (cfg.hidden_size, cfg.q_size) == w_o.shape and not ops.linear_kernel(plan, 2, w_o.shape, fused=True)
-    h, hn, ss = fused_linear(a, w_o, residual=res, next_norm_w=nw, impl="interpret")
+    # mma: both kernels on the tensor-core stream (by default these narrow weights take the
+    # elementwise one)
+    o_blocks, d_blocks = ((32, 64, 4, 4, True), (32, 128, 4, 4, True)) if mma else (None, None)
+    h, hn, ss = fused_linear(a, w_o, residual=res, next_norm_w=nw, impl="interpret", blocks=o_blocks)
     h_ref, hn_ref, ss_ref = ref_fused_linear(a, w_o, residual=res, next_norm_w=nw)
-    np.testing.assert_array_equal(f32(h), f32(fused_linear(a, w_o, residual=res, impl="interpret")))
+    np.testing.assert_array_equal(f32(h), f32(fused_linear(a, w_o, residual=res, impl="interpret", blocks=o_blocks)))
     assert rel(h, h_ref) < (1e-2 if dtype == BF16 else 1e-5)
     np.testing.assert_array_equal(f32(hn), f32((h.astype(jnp.float32) * nw.astype(jnp.float32)).astype(dtype)))
-    assert ss.shape[-1] == F // (default_mma_blocks(F, 64, dtype) or default_blocks(F, 64))[0]  # one per program
+    assert ss.shape[-1] == F // (o_blocks or one_row_blocks(F, 64, dtype))[0]  # one per program
     np.testing.assert_allclose(float(ss.sum()), float(jnp.sum(h.astype(jnp.float32) ** 2)), rtol=1e-5)
     assert ss_ref.shape == (1, 1, 1)
 
     gu = jnp.einsum("...d,fd->...f", hn, w_gu)
-    out = fused_linear(gu, w_d, prologue="silu_mul", residual=h, sumsq=ss, eps=1e-5, impl="interpret")
+    out = fused_linear(gu, w_d, prologue="silu_mul", residual=h, sumsq=ss, eps=1e-5, impl="interpret", blocks=d_blocks)
     out_ref = ref_fused_linear(gu, w_d, prologue="silu_mul", residual=h, sumsq=ss, eps=1e-5)
     assert rel(out, out_ref) < (2e-2 if dtype == BF16 else 1e-5)
 
@@ -168,8 +177,9 @@ def test_stream_rows_takes_row_slices_of_a_whole_weight(mma):
 
 def test_fused_linear_routing_and_errors():
     x, w, kw = linear_inputs(5, 64, 128, "rmsnorm", BF16)
-    # bf16 / f16 weights stream through the MMA form, f32 (TF32 dots) through the elementwise one
-    assert default_mma_blocks(64, 128, BF16) == (32, 128, 4, 6, True)
+    # bf16 / f16 weights of 8B widths stream through the MMA form; narrower ones, and f32 (TF32
+    # dots), through the elementwise one
+    assert default_mma_blocks(64, 128, BF16) is None
     assert default_mma_blocks(6144, 4096, jnp.float16) == (64, 256, 4, 4, True)
     assert default_mma_blocks(4096, 14336, BF16) == (32, 512, 4, 6, True)
     assert default_mma_blocks(64, 128, jnp.float32) is None and default_mma_blocks(8, 128, BF16) is None
@@ -305,12 +315,13 @@ def test_decoder_with_fused_kernels_matches_reference(qk_norm, bias):
                                rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("dtype,bias,drop", [(BF16, False, False), (BF16, True, True), (jnp.float32, True, False)])
-def test_qkv_rope_kv_write_kernel_is_the_two_kernels_composed(dtype, bias, drop):
+@pytest.mark.parametrize("dtype,bias,drop,mma", [(BF16, False, False, True), (BF16, True, True, False),
+                                                  (jnp.float32, True, False, False)])
+def test_qkv_rope_kv_write_kernel_is_the_two_kernels_composed(dtype, bias, drop, mma):
     """The one-kernel batch-1 attention input (norm + qkv + RoPE + KV write) == the
     projection kernel followed by the RoPE + KV-write kernel, bit for bit (same arithmetic
     per row), and == the XLA reference within the dtype's tolerance; a padding slot
-    writes nothing."""
+    writes nothing. mma: both on the tensor-core stream (by default only 8B widths take it)."""
     H, KVH, D, K, P, S = 4, 2, 32, 256, 6, 8
     ks = jax.random.split(jax.random.PRNGKey(8), 8)
     x = (2 * jax.random.normal(ks[0], (1, K))).astype(dtype)
@@ -322,11 +333,15 @@ def test_qkv_rope_kv_write_kernel_is_the_two_kernels_composed(dtype, bias, drop)
     cos, sin = rope_tables(jnp.array([29]), rope_inv_freq(RopeConfig(10000.0), D))
     slot = jnp.array([P * S if drop else 19], jnp.int32)
     args = (x, w, nw, b, cos, sin, slot, kp, vp)
-    q1, k1, v1 = qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, impl="interpret")
-    # the projection kernel with the same tile per weight (bf16: through the MMA,
-    # f32: the elementwise stream), hence the same summation order per row
-    pairs, bd, warps, stages, mma = qkv_kernel_blocks(w.shape[0], K, D, dtype)
-    assert mma == (dtype == BF16)
+    if mma:
+        blocks = (16, 128, 4, 4, True)
+        q1, k1, v1 = qkv_rope_kv_write_gpu(*args, num_heads=H, eps=1e-5, blocks=blocks, interpret=True)
+    else:
+        blocks = qkv_kernel_blocks(w.shape[0], K, D, dtype)
+        assert not blocks[-1]  # these narrow weights take the elementwise stream
+        q1, k1, v1 = qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, impl="interpret")
+    # the projection kernel with the same tile per weight, hence the same summation order per row
+    pairs, bd, warps, stages, _ = blocks
     qkv = fused_linear_gpu(x, w, nw, b, prologue="rmsnorm", eps=1e-5, blocks=(pairs, bd, warps, stages, mma),
                            interpret=True)
     q2, k2, v2 = rope_kv_write(qkv, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5, impl="interpret")

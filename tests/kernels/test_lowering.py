@@ -5,7 +5,8 @@ by a `__gpu$xla.gpu.triton` custom call), the Mosaic TPU kernels for "tpu" (a
 
 Only the lowering runs (jax.jit(f).trace(*shapes).lower(lowering_platforms=...)): no PTX
 or TPU compile, no execution: Mosaic's own passes (layouts, VMEM limits) run only when a
-TPU compiles the custom call, so "lowers" is less than "compiles". Shapes are tiny. Most
+TPU compiles the custom call, so "lowers" is less than "compiles". Shapes are tiny, but for
+the bf16 projections of 8B widths that take the tensor-core weight stream. Most
 cases go through the public entry with the impl name that kernels_pallas.dispatch resolves
 to ("gpu" / "tpu"), so they also pin which kernels each impl reaches; every case checks the
 exact list of custom calls (target and kernel name) in the lowered module. The chip
@@ -19,6 +20,7 @@ Kernels (grep -n pallas_call kernels_pallas/*.py):
   rope_kv_write.py         RoPE + paged KV write                    GPU
   qkv_rope_kv_write.py     RMSNorm + qkv + RoPE + KV write          GPU
   moe_experts.py           few-token MoE: gate_up + SwiGLU, down    GPU
+  moe_router.py            MoE router: softmax + top-k              GPU
   rejection_blocks.py      stats + residual kernels: GPU ones for impl "gpu",
                            TPU ones for impl "tpu" (_kernel_rows)
 """
@@ -32,7 +34,8 @@ import jax.numpy as jnp
 import pytest
 
 from kernels_pallas.fused_linear import fused_linear
-from kernels_pallas.moe_experts import moe_experts
+from kernels_pallas.moe_experts import moe_experts, moe_experts_gpu
+from kernels_pallas.moe_router import router_top_k
 from kernels_pallas.paged_attention import paged_attention
 from kernels_pallas.paged_attention_gpu import paged_attention_gpu
 from kernels_pallas.paged_attention_tpu import paged_attention_tpu
@@ -94,9 +97,16 @@ def attention_tpu_blocks(dtype):
     return fn, attention_shapes(dtype, Q=8, H=8, KVH=2, W=5), [(MOSAIC, r"paged_attention_tpu_p2_r16")]
 
 
-def linear(prologue, dtype, *, residual=False, bias=False, handoff=False):
-    """fused_linear(impl="gpu") on one row: the kernel with its prologue."""
-    F, K = 64, 128
+# Weight shapes by stream: bf16 / f16 weights of 8B widths take the tensor-core stream; narrower
+# ones, and f32, the elementwise one (kernels_pallas/tuning.py). Lowering costs the same at any size.
+MMA_FK, NARROW_FK = (4096, 4096), (64, 128)
+
+
+def linear(prologue, dtype, *, residual=False, bias=False, handoff=False, narrow=False):
+    """fused_linear(impl="gpu") on one row: the kernel with its prologue, through the
+    tensor-core stream for bf16 at 8B widths (else the elementwise one)."""
+    mma = dtype == BF16 and not narrow
+    F, K = MMA_FK if mma else NARROW_FK
     k_in = 2 * K if prologue == "silu_mul" else K
     shapes = {"x": sds((1, 1, k_in), dtype), "w": sds((F, K), dtype)}
     if prologue == "rmsnorm":
@@ -112,14 +122,13 @@ def linear(prologue, dtype, *, residual=False, bias=False, handoff=False):
     def fn(*a):
         kw = dict(zip(names, a))
         return fused_linear(kw.pop("x"), kw.pop("w"), prologue=prologue, eps=1e-5, impl="gpu", **kw)
-    mma = "_mma" if dtype == BF16 else ""  # bf16 weights go through the tensor-core form
     suffix = "_norm_out" if handoff else ""
-    return fn, list(shapes.values()), [(TRITON, rf"fused_linear_{prologue}_f\d+_d\d+{mma}{suffix}")]
+    return fn, list(shapes.values()), [(TRITON, rf"fused_linear_{prologue}_f\d+_d\d+{'_mma' if mma else ''}{suffix}")]
 
 
 def linear_sumsq(dtype):
     """... and down_proj's kernel scales gate|up by 1 / rms from those sums (silu_mul + sumsq)."""
-    F, K = 64, 128
+    F, K = MMA_FK
 
     def fn(x, w, sumsq, res):
         return fused_linear(x, w, prologue="silu_mul", sumsq=sumsq, residual=res, impl="gpu")
@@ -140,7 +149,7 @@ def rope_write(dtype, qk_norm):
 
 
 def qkv_rope_write(dtype, bias):
-    H, KVH, D, K, P, S = 4, 2, 64, 128, 4, 8
+    H, KVH, D, K, P, S = (32, 8, 128, 4096, 4, 8) if dtype == BF16 else (4, 2, 64, 128, 4, 8)
     F = (H + 2 * KVH) * D
 
     def fn(x, w, norm_w, cos, sin, slots, kp, vp, *b):
@@ -150,19 +159,29 @@ def qkv_rope_write(dtype, bias):
               sds((1,), I32), sds((P, S, KVH, D), dtype), sds((P, S, KVH, D), dtype)]
     if bias:
         shapes.append(sds((F,), dtype))
-    mma = "_mma" if dtype == BF16 else ""  # bf16 weights go through the tensor-core form
+    mma = "_mma" if dtype == BF16 else ""  # bf16 weights of 8B widths go through the tensor-core form
     return fn, shapes, [(TRITON, rf"qkv_rope_kv_write_p\d+_d\d+{mma}")]
 
 
-def moe(dtype):
-    """moe_experts(impl="gpu"): the gate_up kernel, then the down kernel."""
+def moe(dtype, mma=False):
+    """moe_experts(impl="gpu"): the gate_up kernel, then the down kernel; their default tiles
+    (the elementwise stream: experts are narrow), or tensor-core tiles given (mma)."""
     N, K, E, I, H = 2, 2, 4, 32, 64
 
     def fn(x, experts, w_gate_up, w_down):
+        if mma:
+            return moe_experts_gpu(x, experts, w_gate_up, w_down, top_k=K, blocks=((16, 32, 4, 3, True),) * 2)
         return moe_experts(x, experts, w_gate_up, w_down, top_k=K, impl="gpu")
     shapes = [sds((N, H), dtype), sds((N * K,), I32), sds((E, 2 * I, H), dtype), sds((E, H, I), dtype)]
-    mma = "_mma" if dtype == BF16 else ""
-    return fn, shapes, [(TRITON, rf"moe_gate_up_f\d+_d\d+{mma}"), (TRITON, rf"moe_down_f\d+_d\d+{mma}")]
+    suffix = "_mma" if mma else ""
+    return fn, shapes, [(TRITON, rf"moe_gate_up_f\d+_d\d+{suffix}"), (TRITON, rf"moe_down_f\d+_d\d+{suffix}")]
+
+
+def moe_router(E, top_k):
+    """router_top_k(impl="gpu"): softmax and top-k in one kernel (E not a power of two: padded)."""
+    def fn(logits):
+        return router_top_k(logits, top_k=top_k, norm=True, impl="gpu")
+    return fn, [sds((3, E), F32)], [(TRITON, rf"moe_router_top{top_k}")]
 
 
 def rejection(impl, *, V, draft_probs, dtype=F32, bpp=1):
@@ -191,6 +210,7 @@ GPU_CASES = {
     "paged_attention-splits-combine_jnp": lambda: attention_gpu_splits(F32, "jnp"),
     "fused_linear-rmsnorm-bf16": lambda: linear("rmsnorm", BF16, bias=True),
     "fused_linear-rmsnorm-f32": lambda: linear("rmsnorm", F32),
+    "fused_linear-rmsnorm-narrow-bf16": lambda: linear("rmsnorm", BF16, narrow=True),
     "fused_linear-none-residual-handoff-bf16": lambda: linear("none", BF16, residual=True, handoff=True),
     "fused_linear-silu_mul-residual-f32": lambda: linear("silu_mul", F32, residual=True),
     "fused_linear-silu_mul-sumsq-bf16": lambda: linear_sumsq(BF16),
@@ -200,6 +220,9 @@ GPU_CASES = {
     "qkv_rope_kv_write-bias-f32": lambda: qkv_rope_write(F32, bias=True),
     "moe_experts-bf16": lambda: moe(BF16),
     "moe_experts-f32": lambda: moe(F32),
+    "moe_experts-mma-bf16": lambda: moe(BF16, mma=True),
+    "moe_router-128x8": lambda: moe_router(128, 8),
+    "moe_router-60x4": lambda: moe_router(60, 4),
     "rejection-stats": lambda: rejection("gpu", V=300, draft_probs=False),
     "rejection-stats-resid-bf16": lambda: rejection("gpu", V=300, draft_probs=True, dtype=BF16),
     "rejection-stats-resid-bpp2": lambda: rejection("gpu", V=4100, draft_probs=True, bpp=2),
@@ -254,6 +277,7 @@ def test_every_pallas_call_is_covered():
     assert sites == {
         "fused_linear.py": 1,
         "moe_experts.py": 2,
+        "moe_router.py": 1,
         "paged_attention_gpu.py": 2,
         "paged_attention_tpu.py": 1,
         "qkv_rope_kv_write.py": 1,
@@ -292,9 +316,11 @@ def test_device_tuning_table():
 
 def test_tile_tables():
     """Projection tiles come from the device's table rows (first match by weight shape),
-    shrunk to divisors of the shape; the H200's rows, pinned on the 8B layer shapes. Every
-    table ends with a row that takes any shape."""
-    from kernels_pallas.fused_linear import default_blocks, default_mma_blocks
+    shrunk to divisors of the shape; the H200's rows, pinned on the 8B layer shapes and on
+    narrower ones (Qwen3-30B-A3B's attention, Llama-3.2-1B), which take the elementwise
+    stream in bf16 too. The elementwise table ends with a row that takes any shape."""
+    from kernels_pallas.fused_linear import default_blocks, default_mma_blocks, one_row_blocks
+    from kernels_pallas.qkv_rope_kv_write import kernel_blocks
     from kernels_pallas.tuning import DEVICES
 
     assert default_blocks(6144, 4096) == (8, 512, 4, 4)
@@ -303,8 +329,18 @@ def test_tile_tables():
     assert default_mma_blocks(6144, 4096, BF16) == (64, 256, 4, 4, True)
     assert default_mma_blocks(4096, 4096, BF16) == (32, 256, 4, 6, True)
     assert default_mma_blocks(4096, 14336, BF16) == (32, 512, 4, 6, True)
+    assert default_mma_blocks(6144, 8192, BF16) == (32, 512, 4, 6, True)  # EAGLE3's qkv over [embeds | hidden]
     assert default_mma_blocks(4096, 4096, jnp.float32) is None
+    # Narrower weights: no tensor-core row takes them.
+    assert default_mma_blocks(5120, 2048, BF16) is None and default_mma_blocks(2048, 4096, BF16) is None
+    assert one_row_blocks(5120, 2048, BF16) == (8, 512, 4, 4, False)
+    assert one_row_blocks(2048, 4096, BF16) == (8, 2048, 8, 4, False)
+    assert one_row_blocks(2048, 8192, BF16) == (8, 2048, 8, 4, False)
+    assert one_row_blocks(6144, 4096, BF16) == (64, 256, 4, 4, True)
+    # qkv + RoPE + KV write: pairs from the projection's row (8B: tensor-core, 1B: elementwise).
+    assert kernel_blocks(6144, 4096, 128, BF16) == (32, 256, 4, 4, True)
+    assert kernel_blocks(3072, 2048, 64, BF16) == (4, 2048, 8, 4, False)
     for t in DEVICES.values():
-        for rows in (t.linear, t.linear_mma):
-            assert (rows[-1].min_k, rows[-1].min_f) == (0, 0)
-            assert t.linear_tile(1, 1, rows is t.linear_mma) == rows[-1]
+        assert (t.linear[-1].min_k, t.linear[-1].min_f) == (0, 0)
+        assert t.linear_tile(1, 1, False) == t.linear[-1]
+        assert t.linear_tile(1, 1, True) is None

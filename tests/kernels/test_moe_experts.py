@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jspec import ops
-from kernels_pallas.moe_experts import moe_experts, ref_moe_experts, supports
+from kernels_pallas.moe_experts import moe_experts, moe_experts_gpu, ref_moe_experts, supports
 
 BF16 = jnp.bfloat16
 E, I, H = 8, 96, 64  # I = 3 x 32: the down kernel steps over I in chunks of 32
@@ -30,11 +30,19 @@ def f32(a):
     return np.asarray(jnp.asarray(a).astype(jnp.float32))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, BF16])
+# Tensor-core tiles for gate_up [I, H] and down [H, I]: by default narrow experts take the
+# elementwise weight stream (kernels_pallas/tuning.py); both are checked.
+MMA_TILES = ((32, 32, 4, 3, True), (32, 32, 4, 3, True))
+
+
+@pytest.mark.parametrize("dtype,blocks", [(jnp.float32, None), (BF16, None), (BF16, MMA_TILES)])
 @pytest.mark.parametrize("N,top_k", [(1, 2), (3, 2), (2, 4), (5, 3)])
-def test_kernel_matches_reference(N, top_k, dtype):
+def test_kernel_matches_reference(N, top_k, dtype, blocks):
     x, experts, gu, dn = inputs(N * 10 + top_k, N, top_k, dtype)
-    got = moe_experts(x, experts, gu, dn, top_k=top_k, impl="interpret")
+    if blocks:
+        got = moe_experts_gpu(x, experts, gu, dn, top_k=top_k, blocks=blocks, interpret=True)
+    else:
+        got = moe_experts(x, experts, gu, dn, top_k=top_k, impl="interpret")
     want = ref_moe_experts(x, experts, gu, dn, top_k=top_k)
     assert got.shape == want.shape == (N * top_k, H) and got.dtype == want.dtype
     # f32: summation order; bf16: each projection rounded to bf16, a bf16 ulp or two apart
@@ -62,7 +70,7 @@ def test_ops_moe_with_gpu_kernels_matches_xla(dtype):
     x = x.reshape(1, 2, H)
     kw = dict(top_k=3, norm_topk_prob=True)
     gpu = ops.KernelPlan(linear="interpret")
-    kernels = lambda a: "pallas_call" in str(jax.make_jaxpr(lambda a: ops.moe(gpu, a, router, gu, dn, **kw))(a))  # noqa: E731
+    kernels = lambda a: "moe_gate_up" in str(jax.make_jaxpr(lambda a: ops.moe(gpu, a, router, gu, dn, **kw))(a))  # noqa: E731
     assert kernels(x) and not kernels(x[:, :1])
     got = ops.moe(gpu, x, router, gu, dn, **kw)
     want = ops.moe(ops.KernelPlan(), x, router, gu, dn, **kw)

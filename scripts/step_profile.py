@@ -1,0 +1,87 @@
+"""Where one batch-1 decode step's GPU time goes, by kernel: a target shape with random bf16
+weights through the engine (ctx 512), then the jitted step alone under the profiler.
+
+    PYTHONPATH=.:scripts python3 scripts/step_profile.py --model qwen3-30b-a3b   # H100: XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+    PYTHONPATH=.:scripts python3 scripts/step_profile.py --model tiny            # CPU smoke test (no profile)
+
+Prints the engine's step time (LLMEngine.step, async scheduling), the jitted step's wall
+time waited and back to back, then from the profiler's kernel records: GPU busy time per
+step, kernels per step, each call's span (first kernel start to last end), and the top
+kernels with their launches per step. Raw results: docs/bench/*_step_profile_*.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from bench import LLAMA_8B, QWEN3_8B, QWEN3_30B_A3B, TINY, engine_decode, inject, make_engine, random_tree, timeit
+from gpu_trace import _device_events
+
+from jspec.checkpoint.target import target_param_spec
+from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
+
+MODELS = {"llama-8b": LLAMA_8B, "qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY}
+
+
+def spans(events):
+    """(start, end) of each call: events split where the GPU idles > 200 us."""
+    evs = sorted(events, key=lambda e: e[2])
+    out, start, end = [], evs[0][2], evs[0][2] + evs[0][1]
+    for _, ns, t0 in evs[1:]:
+        if t0 - end > 200_000:
+            out.append((start, end))
+            start = t0
+        end = max(end, t0 + ns)
+    return out + [(start, end)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
+    ap.add_argument("--reps", type=int, default=10, help="profiled steps")
+    ap.add_argument("--top", type=int, default=24, help="kernels listed")
+    args = ap.parse_args()
+    cfg = MODELS[args.model]
+    params = random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
+    rng = np.random.default_rng(0)
+    eng = make_engine(cfg, params, max_num_seqs=8, ctx=512, dtype="bfloat16")
+    step, tps, _ = engine_decode(eng, 1, 512, rng, 32)
+    print(f"{args.model}: engine step {step * 1e3:.3f} ms ({tps:.1f} tok/s)", flush=True)
+    seqs = inject(eng, 1, 512, rng, max_tokens=8)
+    r = eng.runner
+    inp, _ = r.build_input(SchedulerOutput("decode", [ScheduledSeq(s, 1, True) for s in seqs], []), 1)
+
+    def ten():
+        for _ in range(10):
+            out = r.run(inp)
+        return out
+
+    print(f"jitted step: {timeit(lambda: r.run(inp), reps=30) * 1e3:.3f} ms waited, "
+          f"{timeit(ten, reps=5) / 10 * 1e3:.3f} ms back to back", flush=True)
+    if jax.default_backend() != "gpu":
+        return
+    d = tempfile.mkdtemp(prefix="jspec_step_")
+    with jax.profiler.trace(d):
+        for _ in range(args.reps):
+            jax.block_until_ready(r.run(inp))
+    events = _device_events(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    tot, cnt = collections.Counter(), collections.Counter()
+    for name, ns, _ in events:
+        tot[name] += ns
+        cnt[name] += 1
+    # a call's input copies can show as a short span of their own: the reps longest are the steps
+    span_us = sorted(((b - a) / 1e3 for a, b in spans(events)), reverse=True)[:args.reps]
+    print(f"GPU busy {sum(tot.values()) / args.reps / 1e3:.1f} us/step, {len(events) / args.reps:.0f} kernels/step, "
+          f"span of a step (median) {span_us[len(span_us) // 2]:.1f} us", flush=True)
+    for name, ns in tot.most_common(args.top):
+        print(f"  {ns / args.reps / 1e3:8.1f} us/step  x{cnt[name] / args.reps:5.1f}  {name[:90]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
