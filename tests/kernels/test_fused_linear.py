@@ -266,6 +266,10 @@ def test_rope_kv_write_errors():
     cos, sin = rope_tables(pos, np.ones(16, np.float32))
     with pytest.raises(ValueError, match="qkv must be \\[tokens, \\(heads \\+ 2 kv_heads\\) \\* head_dim\\]"):
         rope_kv_write(qkv, cos, sin, slot, kp, vp, num_heads=5)
+    kp3 = jnp.zeros(kp.shape[:2] + (3,) + kp.shape[3:], kp.dtype)  # 4 query heads over 3 kv heads
+    qkv3 = jnp.zeros((qkv.shape[0], (4 + 2 * 3) * 32), qkv.dtype)
+    with pytest.raises(ValueError, match="num_heads=4 must be a multiple of the 3 kv heads"):
+        rope_kv_write(qkv3, cos, sin, slot, kp3, kp3, num_heads=4)
     with pytest.raises(ValueError, match="rope tables must be \\[6, 16\\]"):
         rope_kv_write(qkv, cos[:, :8], sin, slot, kp, vp, num_heads=4)
     with pytest.raises(ValueError, match="q_norm_w and k_norm_w go together"):
