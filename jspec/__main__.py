@@ -24,6 +24,7 @@ from statistics import median
 
 import jspec
 from jspec import family
+from jspec.engine.kv_memory import claim_device_memory
 from jspec.engine.sequence import spec_stats_delta
 
 PROMPTS = [
@@ -88,8 +89,9 @@ def main(argv=None):
     n_tokens = lambda outs: sum(len(o.token_ids) for o in outs)  # noqa: E731
     rounds = max(args.rounds, 1)
 
-    # Both engines stay loaded to take turns: on an accelerator the plain one sizes its KV
-    # pool from under half the memory, leaving the speculative one room for its weights.
+    # Both engines stay loaded to take turns: on an accelerator the process's memory pool is
+    # vLLM's default share of the device, and each engine has half of it.
+    claim_device_memory(0.9)
     plain_llm = jspec.LLM(args.model, gpu_memory_utilization=0.45, **kw)
     if args.no_spec:
         ((plain, t_plain, _),) = _take_turns([plain_llm], args.prompts, sp, rounds)
@@ -97,7 +99,7 @@ def main(argv=None):
         for o in plain:
             print(f"\n--- {o.prompt!r}\n{o.text}")
         return
-    llm = jspec.LLM(args.model, speculative_config=spec, **kw)
+    llm = jspec.LLM(args.model, speculative_config=spec, gpu_memory_utilization=0.45, **kw)
     (plain, t_plain, _), (outs, t_spec, before) = _take_turns([plain_llm, llm], args.prompts, sp, rounds)
     print(f"model {plain_llm.engine.model_name}: plain decoding {n_tokens(plain) / median(t_plain):.1f} tok/s")
     d = spec_stats_delta(before, llm.engine.stats())  # the counters of the timed calls only

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     JSPEC_COMPILATION_CACHE: bool
     JSPEC_COMPILATION_CACHE_MAX_GB: float
     VLLM_API_KEY: str | None
+    XLA_PYTHON_CLIENT_MEM_FRACTION: float | None
 
 
 def _kernel_impl() -> str | None:
@@ -32,6 +33,31 @@ def _cache_max_gb() -> float:
     except ValueError:
         raise ValueError(f"JSPEC_COMPILATION_CACHE_MAX_GB must be a number of GiB (<= 0: no limit), "
                          f"got {value!r}") from None
+
+
+# JAX's GPU memory pool, read by jax when its backend starts: the share of each device it may
+# take (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 unset), or no pool (XLA_PYTHON_CLIENT_ALLOCATOR=platform).
+JAX_DEFAULT_POOL_FRACTION = 0.75
+
+
+def _pool_fraction() -> float | None:
+    if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").strip().lower() == "platform":
+        return None
+    value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "").strip()
+    try:
+        return float(value) if value else JAX_DEFAULT_POOL_FRACTION
+    except ValueError:
+        raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION must be a fraction of the device's memory, "
+                         f"got {value!r}") from None
+
+
+def set_pool_fraction(fraction: float) -> bool:
+    """Sets XLA_PYTHON_CLIENT_MEM_FRACTION (for a jax backend not started yet) unless the user
+    chose the pool (that variable, or XLA_PYTHON_CLIENT_ALLOCATOR); True if it did."""
+    if any(os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR")):
+        return False
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:g}"
+    return True
 
 
 environment_variables: dict[str, Callable[[], Any]] = {
@@ -57,6 +83,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "JSPEC_COMPILATION_CACHE_MAX_GB": _cache_max_gb,
     # The server's API key when --api-key is not given (vLLM's variable).
     "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY") or None,
+    # The share of each GPU's memory in JAX's pool (None: no pool), from jax's variables above;
+    # jspec sets it from gpu_memory_utilization when unset (jspec/engine/kv_memory.py).
+    "XLA_PYTHON_CLIENT_MEM_FRACTION": _pool_fraction,
 }
 
 

@@ -310,6 +310,39 @@ def pool_from_memory() -> str:
             f"{len(retries)} smaller tries; 8 of 8 requests generated")
 
 
+MEMORY_CHILD = """
+import json, jax, jspec
+llm = jspec.LLM(dtype="float32", max_num_seqs=8, max_model_len=256, gpu_memory_utilization=0.5)
+s, kv = jax.devices()[0].memory_stats(), llm.engine.runner.kv
+print("@@" + json.dumps({"limit": s["bytes_limit"], "in_use": s["bytes_in_use"],
+                         "kv": sum(a.nbytes for a in kv.k + kv.v), "pages": llm.engine.num_pages}))
+"""
+
+
+def memory_share() -> str:
+    """vLLM's gpu_memory_utilization is a share of the whole device: in a fresh process the
+    first engine sets JAX's pool to it, and its KV cache takes what the share leaves after
+    the weights and 10% for XLA's temporaries (jspec/engine/kv_memory.py). Run before this
+    process allocates anything (its group runs alone and first); the child inherits
+    XLA_PYTHON_CLIENT_PREALLOCATE=false, so the pool is a limit, not an allocation."""
+    import jax
+
+    from jspec import envs
+
+    total = jax.devices()[0].memory_stats()["bytes_limit"] / envs.XLA_PYTHON_CLIENT_MEM_FRACTION
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
+    out = subprocess.run([sys.executable, "-c", MEMORY_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    got = [ln for ln in out.stdout.splitlines() if ln.startswith("@@")]
+    assert out.returncode == 0 and got, f"child exited with {out.returncode}: {out.stderr[-800:]}"
+    r = json.loads(got[0][2:])
+    pool, used = r["limit"] / total, r["in_use"] / total
+    assert abs(pool - 0.5) < 0.01, f"JAX's pool is {pool:.3f} of the device, not 0.5"
+    assert 0.40 < used <= 0.455, f"weights + KV cache hold {used:.3f} of the device, not ~0.45"
+    return (f"pool {pool:.3f} of the {total / 2**30:.1f} GiB device; weights + KV cache {used:.3f} "
+            f"({r['pages']} pages, {r['kv'] / 2**30:.1f} GiB of KV)")
+
+
 def processors(name: str, k: int) -> str:
     """Penalties, logit_bias and logprobs (issue 26) on the GPU kernels: speculative greedy ==
     plain greedy token for token, and the emitted tokens' logprobs equal (float32)."""
@@ -501,8 +534,10 @@ def serve(name: str, k: int) -> str:
     folder, _ = h.target()
     port = 8765
     spec = json.dumps({"method": h.METHOD[name], "model": h.drafter(name), "num_speculative_tokens": k})
+    # 0.75 of the device, JAX's default pool: vLLM's 0.9 would leave the side-by-side workers ~8 GB
     cmd = [sys.executable, "-m", "jspec.serve", "--model", folder, "--port", str(port), "--max-num-seqs", "2",
-           "--max-model-len", "56", "--page-size", "16", "--warmup", "on", "--speculative-config", spec]
+           "--max-model-len", "56", "--page-size", "16", "--warmup", "on", "--speculative-config", spec,
+           "--gpu-memory-utilization", "0.75"]
     log = open(os.path.join(os.environ.get("OUT", "/tmp"), "gpu_check_serve.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**_server_env(), "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))})
     try:
@@ -675,14 +710,16 @@ _cpu_smoke = False
 # mostly compilation, on the host's cores, and their engines are small), except ALONE, which
 # runs first with the device to itself (it sizes a page pool from free memory). A group keeps
 # together the lines that share engines (tests/helpers/spec_e2e.py caches them per process).
-# The server of the serve line preallocates XLA's default 75% of the device: the others hold
-# fixed small page pools and allocate on demand.
+# The server of the serve line preallocates 75% of the device (--gpu-memory-utilization): the
+# others hold fixed small page pools and allocate on demand.
 ALONE = "pool"
 
 
 def line_table(refs) -> list[tuple[str, str, object]]:
     """(group, name, check) for every line, in the report's order."""
     t = [("serve", "python -m jspec.serve with a drafter answers a completion", lambda: serve("eagle3", 3)),
+         (ALONE, "gpu_memory_utilization=0.5 in a fresh process: JAX's pool and the KV cache are that share of the "
+                 "device", memory_share),
          (ALONE, "the page pool sized from memory is allocated and runs: the family, float32", pool_from_memory)]
     groups = {"eagle3": "eagle3", "eagle3_full": "eagle3_more", "eagle3_orig": "eagle3_more", "peagle": "peagle",
               "dflash4": "dflash", "dflash8_zlab": "dflash", "draft_llama": "draft_model"}

@@ -1,5 +1,13 @@
-"""The KV page pool sized from a device's free memory (``EngineConfig.gpu_memory_utilization``),
-and allocated."""
+"""The device memory an engine may use (``EngineConfig.gpu_memory_utilization``, vLLM's
+share of the whole device), and the KV page pool sized from it and allocated.
+
+JAX serves every array from a pool of XLA_PYTHON_CLIENT_MEM_FRACTION of each GPU (0.75
+unless set), fixed when its backend starts, so vLLM's default of 0.9 could not be had: a
+61 GB Qwen3-30B-A3B did not fit an 80 GB H100's 60 GB pool. ``claim_device_memory`` sets
+the pool to the engine's utilization before the backend starts (the first engine of a
+process; the user's own pool variables win), and ``pages_from_memory`` gives the KV cache
+what the engine's share leaves after its weights, less TEMP_RESERVE for XLA's temporaries.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +16,46 @@ import logging
 import jax
 import numpy as np
 
+from jspec import envs
 from jspec.checkpoint.target import resolve_dtype
 from jspec.kv_cache import KVCache
 
 logger = logging.getLogger("jspec.engine")
 
+# The share of an engine's memory left to the buffers XLA's steps allocate as they run
+# (activations, logits, attention's partial results); before this module's pool claim it was
+# the implicit (1 - gpu_memory_utilization) of JAX's pool: 10% at vLLM's default.
+TEMP_RESERVE = 0.1
 
-def create_pools(c, mc, dcfg, par, pages_per_seq: int, max_model_len: int, dtype):
+
+def _backend_started() -> bool:
+    from jax._src import xla_bridge  # no public API says whether a backend exists yet
+
+    probe = getattr(xla_bridge, "backends_are_initialized", None)
+    return True if probe is None else bool(probe())
+
+
+def claim_device_memory(utilization: float) -> None:
+    """Before jax's backend starts: its GPU pool set to ``utilization`` of each device (a
+    no-op on CPU, where no pool exists). Nothing happens once a backend has started (jax used
+    earlier in the process: its pool stays) or when the user set the pool's variables."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1] (a share of the device's memory), "
+                         f"got {utilization}")
+    if not _backend_started() and envs.set_pool_fraction(utilization):
+        logger.info("JAX's device memory pool: %g of each device (gpu_memory_utilization), set as "
+                    "XLA_PYTHON_CLIENT_MEM_FRACTION", utilization)
+
+
+def device_bytes_in_use() -> int:
+    """Bytes device 0's allocator holds now (0 where it keeps no statistics: the CPU)."""
+    return (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
+
+
+def create_pools(c, mc, dcfg, par, pages_per_seq: int, max_model_len: int, dtype, own_bytes: int = 0):
     """The target's KV pool and the drafter's (``dcfg``; None: no drafter) over the same
     page ids: (kv, dkv or None, num_pages), with ``c.num_pages`` pages or as many as fit
-    (``pages_from_memory``).
+    (``pages_from_memory``; ``own_bytes``: the engine's weights on the device).
 
     A pool sized from memory is allocated here and waited for, so that a failure shows now,
     not at the first step. Its arrays (K and V of each layer) are separate blocks of XLA's
@@ -26,7 +64,7 @@ def create_pools(c, mc, dcfg, par, pages_per_seq: int, max_model_len: int, dtype
     embedded family's 16 arrays of 5.9 GB, the 16th failed with 16 GB free and 5.4 GB its
     largest block, and surfaced as an out-of-memory error in the first step. Each failure
     gives back 5% of the pages, down to one sequence's."""
-    num_pages = c.num_pages or pages_from_memory(c, mc, dcfg, par, pages_per_seq)
+    num_pages = c.num_pages or pages_from_memory(c, mc, dcfg, par, pages_per_seq, own_bytes)
     if num_pages < pages_per_seq:
         raise ValueError(f"num_pages={num_pages} x page_size={c.page_size} cannot hold one sequence of "
                          f"max_model_len={max_model_len}: need at least {pages_per_seq} pages")
@@ -59,11 +97,14 @@ def _allocate(c, mc, dcfg, par, num_pages: int, dtype):
     return kv, make_drafter(dcfg).create_cache(num_pages, c.page_size, dtype, sharding)
 
 
-def pages_from_memory(c, mc, dcfg, par, pages_per_seq: int) -> int:
-    """Pages that fit ``c.gpu_memory_utilization`` of device 0's memory (``c``: the
-    EngineConfig, ``mc``: the target's ModelConfig, ``dcfg``: the drafter's config or None,
-    ``par``: the engine's parallel.EngineMesh). On the CPU, or without memory stats, what
-    max_num_seqs full sequences need."""
+def pages_from_memory(c, mc, dcfg, par, pages_per_seq: int, own_bytes: int = 0) -> int:
+    """Pages that fit the engine's share of device 0 (``c``: the EngineConfig, ``mc``: the
+    target's ModelConfig, ``dcfg``: the drafter's config or None, ``par``: the engine's
+    parallel.EngineMesh, ``own_bytes``: what the engine holds already, its weights): as in
+    vLLM, ``c.gpu_memory_utilization`` of the whole device (JAX's pool over its share) is the
+    engine's, its weights, the KV cache and TEMP_RESERVE of it for XLA's temporaries; the
+    pool's free bytes cap it (other engines of the process hold theirs). On the CPU, or
+    without memory stats, what max_num_seqs full sequences need."""
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     if not limit or jax.default_backend() == "cpu":
@@ -76,5 +117,8 @@ def pages_from_memory(c, mc, dcfg, par, pages_per_seq: int) -> int:
     if dcfg is not None:
         layers.append((dcfg.num_layers, par.local_kv_heads(dcfg.num_kv_heads, draft=True), dcfg.head_dim))
     page_bytes = sum(2 * n * c.page_size * kvh * d * itemsize for n, kvh, d in layers)
-    free = limit * c.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+    fraction = envs.XLA_PYTHON_CLIENT_MEM_FRACTION  # the pool's share of the device (None: no pool)
+    share = c.gpu_memory_utilization * (limit / fraction if fraction else limit)
+    free = min(share * (1 - TEMP_RESERVE) - own_bytes,
+               limit - share * TEMP_RESERVE - stats.get("bytes_in_use", 0))
     return max(pages_per_seq, int(free // page_bytes))

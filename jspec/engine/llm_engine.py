@@ -21,7 +21,7 @@ from jspec.checkpoint.target import load_target, resolve_dtype
 from jspec.config import load_model_config
 from jspec.engine.block_manager import BlockManager
 from jspec.engine.buckets import Buckets
-from jspec.engine.kv_memory import create_pools
+from jspec.engine.kv_memory import claim_device_memory, create_pools, device_bytes_in_use
 from jspec.engine.logprobs import LOGPROBS_MODES, record_logprobs, record_prompt_logprobs
 from jspec.engine.outputs import CompletionOutput, RequestOutput, SampleGroups, make_output  # noqa: F401 (re-exported)
 from jspec.engine.recovery import restore_after_failure
@@ -110,11 +110,16 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, sharding=None, *, preloaded=None, preloaded_drafter=None):
         """``preloaded=(ModelConfig, params)`` (and ``preloaded_drafter=(DrafterConfig,
         params)``) skip the checkpoint: benchmarks use random weights made on the device."""
+        claim_device_memory(config.gpu_memory_utilization)  # before anything starts jax's backend
         if config.dtype == "auto":  # the checkpoint's dtype, as vLLM's default
             mc_dtype = preloaded[0].dtype if preloaded is not None else load_model_config(config.model).dtype
             config = dataclasses.replace(config, dtype=mc_dtype)
         self.config = c = config
         devices = jax.devices()
+        # The engine's own bytes on the device (weights, drafter), for the KV cache's share:
+        # what loading adds, plus preloaded trees (on the device already).
+        own_before = device_bytes_in_use() - sum(
+            a.nbytes for t in (preloaded, preloaded_drafter) if t is not None for a in jax.tree.leaves(t[1]))
         kinds = ", ".join(sorted({str(getattr(d, "device_kind", d)) for d in devices}))
         logger.info("jspec engine on %s (%s x%d), dtype %s", jax.default_backend(), kinds, len(devices), c.dtype)
         self.par = parallel.EngineMesh.create(c.tensor_parallel_size, sharding, preloaded)
@@ -179,7 +184,7 @@ class LLMEngine:
         pages_per_seq = -(-(self.max_model_len + self.lookahead) // c.page_size)
         dtype = resolve_dtype(c.dtype)
         kv, dkv, num_pages = create_pools(c, mc, self.dcfg if self.spec else None, self.par, pages_per_seq,
-                                          self.max_model_len, dtype)
+                                          self.max_model_len, dtype, own_bytes=device_bytes_in_use() - own_before)
         chunk = min(c.max_prefill_chunk, self.max_model_len)
         # EAGLE-style drafters: their KV at p depends on token p + 1 (see BlockManager).
         eagle_style = drafter is not None and drafter.reads_next_token

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import jspec
+from jspec.engine.kv_memory import TEMP_RESERVE
 from tests.helpers import spec_e2e as h
 from tests.helpers.engine import precompile_then_warmup
 
@@ -51,6 +52,7 @@ def test_kv_pages_from_memory_count_the_drafter_cache(monkeypatch):
     folder, _ = h.target()
     monkeypatch.setattr(jax, "devices", lambda *a: [Dev()])
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # the pool: half of a 128 MB device
     kw = dict(max_num_seqs=2, max_model_len=56, page_size=16, gpu_memory_utilization=0.5,
               attn_impl="reference", sample_impl="reference", linear_impl="reference")
     plain = jspec.LLM(folder, **kw).engine
@@ -59,7 +61,7 @@ def test_kv_pages_from_memory_count_the_drafter_cache(monkeypatch):
     page = 2 * c.num_layers * 16 * c.num_kv_heads * c.head_dim * 4  # float32
     d = spec.dcfg
     dpage = 2 * d.num_layers * 16 * d.num_kv_heads * d.head_dim * 4
-    budget = 0.5 * (64 << 20)
+    budget = (1 - TEMP_RESERVE) * (64 << 20)  # the engine's share (the pool), less the temporaries'
     assert plain.num_pages == int(budget // page)
     assert spec.num_pages == int(budget // (page + dpage)) < plain.num_pages
     kv_bytes = sum(np.prod(a.shape) * a.dtype.itemsize for a in spec.runner.kv.k + spec.runner.kv.v
@@ -92,13 +94,14 @@ def test_kv_pool_that_does_not_fit_is_retried_smaller(monkeypatch):
     monkeypatch.setattr(jax, "devices", lambda *a: [Dev()])
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(jax, "block_until_ready", block)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # the pool: half of a 128 MB device
     kw = dict(max_num_seqs=2, max_model_len=56, page_size=16, gpu_memory_utilization=0.5,
               attn_impl="reference", sample_impl="reference", linear_impl="reference")
     llm = jspec.LLM(folder, speculative_config=h.spec_config("dflash4", 3), **kw)
     eng = llm.engine
     c, d = eng.model_cfg, eng.dcfg
     page = 2 * 16 * 4 * (c.num_layers * c.num_kv_heads * c.head_dim + d.num_layers * d.num_kv_heads * d.head_dim)
-    sized = int(0.5 * (64 << 20) // page)
+    sized = int((1 - TEMP_RESERVE) * (64 << 20) // page)
     assert eng.num_pages == sized * 19 // 20 * 19 // 20 and not failures
     assert eng.runner.kv.num_pages == eng.runner.dkv.num_pages == eng.num_pages
     out = llm.generate([[1, 2, 3]], jspec.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
