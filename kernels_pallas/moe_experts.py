@@ -29,8 +29,8 @@ docs/bench/2026-11-27_moe_layer_kernels_h100.log), with tensor-core tiles, again
 gather: 0.072 vs 0.058 ms at 1 token (8 pairs), 0.142 vs 0.140 at 4, 0.215 vs 0.230 at 8,
 0.340 vs 0.421 at 16 (128 pairs). Slower at one token, faster as pairs grow (why, not
 profiled further): jspec.ops.moe takes the kernels from E / 2 pairs. The experts' weights
-are narrow ([768, 2048], [2048, 768]), so the tuning table now gives them the elementwise
-stream: 0.230 / 0.344 ms at 8 / 16 tokens against 0.248 / 0.367 with the tensor-core tiles
+are narrow ([768, 2048], [2048, 768]), so the tuning table gives them the elementwise
+stream (2026-11-27): 0.230 / 0.344 ms at 8 / 16 tokens against 0.248 / 0.367 with the tensor-core tiles
 (docs/bench/2026-11-27_moe_layer_tiles_h100.log).
 
 Numerics: f32 accumulation, each projection rounded to the weights' dtype as XLA's dot
