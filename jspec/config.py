@@ -38,10 +38,10 @@ _IGNORED_KEYS = {
     "decoder_start_token_id", "sep_token_id", "architectures_version", "hidden_dropout",
     "embd_pdrop", "resid_pdrop", "router_aux_loss_coef", "output_router_logits",
 }
-# Keys that we read (below).
-# Qwen3 MoE's (transformers 5 writes num_experts as num_local_experts)
+# Qwen3 MoE's keys (transformers 5 writes num_experts as num_local_experts)
 _MOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
              "decoder_sparse_step", "mlp_only_layers"}
+# Keys that we read (below).
 _READ_KEYS = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",

@@ -57,6 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas.paged_attention_gpu import _next_pow2
 from kernels_pallas.tuning import device_tuning
 
 PROLOGUES = ("none", "rmsnorm", "silu_mul")
@@ -315,10 +316,6 @@ def fused_linear_gpu(x, w, norm_w=None, bias=None, residual=None, *, prologue="n
         name=f"fused_linear_{prologue}_f{bf}_d{bd}{'_mma' if mma else ''}"
              f"{'_norm_out' if next_norm_w is not None else ''}",
     )(*inputs)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def supports(rows: int, w_shape) -> bool:

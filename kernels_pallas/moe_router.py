@@ -34,6 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas.paged_attention_gpu import _next_pow2
+
 MAX_EXPERTS = 4096  # one program holds a row of E (padded) f32 values in registers
 
 
@@ -45,10 +47,6 @@ def ref_router_top_k(logits, *, top_k: int, norm: bool):
     if norm:
         weights = weights / weights.sum(-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _kernel(l_ref, w_ref, e_ref, *, top_k, norm):

@@ -6,6 +6,7 @@ host as much as the GPU, and runs disagreed by +-20%. The profiler records each 
 start and end on the device, so the sum of a call's kernel durations is what the call
 adds to a GPU step whatever the host does.
 
+traced_events(fn, arg_sets, reps) -> the GPU events themselves (scripts/step_profile.py).
 device_times(fn, arg_sets, reps) -> {"busy_us": mean GPU busy time per call (every kernel,
 memset and copy the call ran), "union_us": the same as the union of their intervals (below
 busy_us only where kernels overlap, as with PDL), "kernels_us": {kernel name: mean us per call}}.
@@ -38,9 +39,9 @@ def _device_events(path):
     return out
 
 
-def device_times(fn, arg_sets, reps=10):
-    """Mean GPU time per call of fn over len(arg_sets) * reps calls, each call waited for
-    (so calls never overlap). fn must already be compiled for these shapes."""
+def traced_events(fn, arg_sets, reps=10):
+    """(name, duration_ns, start_ns) of every GPU event of len(arg_sets) * reps calls of fn,
+    each call waited for (so calls never overlap), after one untimed call per arg set."""
     for args in arg_sets:  # warm (and compile if needed) outside the trace
         jax.block_until_ready(fn(*args))
     d = tempfile.mkdtemp(prefix="jspec_trace_")
@@ -55,6 +56,13 @@ def device_times(fn, arg_sets, reps=10):
     if not events:
         seen = {p.name: [ln.name for ln in p.lines][:6] for p in ProfileData.from_file(files[0]).planes}
         raise RuntimeError(f"no GPU stream events in the trace (is this a GPU backend?); planes/lines: {seen}")
+    return events
+
+
+def device_times(fn, arg_sets, reps=10):
+    """Mean GPU time per call of fn over len(arg_sets) * reps calls, each call waited for
+    (so calls never overlap). fn must already be compiled for these shapes."""
+    events = traced_events(fn, arg_sets, reps)
     calls = reps * len(arg_sets)
     per_name = collections.Counter()
     for name, ns, _ in events:

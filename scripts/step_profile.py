@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from bench import LLAMA_8B, QWEN3_8B, QWEN3_30B_A3B, TINY, engine_decode, inject, make_engine, random_tree, timeit
-from gpu_trace import _device_events
+from gpu_trace import traced_events
 
 from jspec.checkpoint.target import target_param_spec
 from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -66,11 +64,7 @@ def main():
           f"{timeit(ten, reps=5) / 10 * 1e3:.3f} ms back to back", flush=True)
     if jax.default_backend() != "gpu":
         return
-    d = tempfile.mkdtemp(prefix="jspec_step_")
-    with jax.profiler.trace(d):
-        for _ in range(args.reps):
-            jax.block_until_ready(r.run(inp))
-    events = _device_events(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    events = traced_events(lambda: r.run(inp), [()], reps=args.reps)
     tot, cnt = collections.Counter(), collections.Counter()
     for name, ns, _ in events:
         tot[name] += ns
