@@ -12,8 +12,13 @@ Where kernels run (with the GPU plan):
   residual adds ride along with the projections' weight stream (kernels_pallas/
   fused_linear.py), RoPE and the KV write run in one kernel (rope_kv_write.py), and for
   models without qk-norm the input norm, qkv, RoPE and the KV write are one kernel
-  (qkv_rope_kv_write.py). More rows (verification, prefill, batches) run the XLA ops,
-  where a GEMM, not launch count, dominates;
+  (qkv_rope_kv_write.py);
+- verification glue: at 2-16 rows (a batch-1 verification step's K + 1 tokens) the
+  projections run fused_linear_rows.py, each norm handed over by the projection before it
+  (o_proj -> gate_up, down_proj -> the next layer's qkv), gate_up with SwiGLU in its
+  epilogue, the residual adds in o_proj's and down_proj's; RoPE and the KV write as above.
+  More rows (prefill, larger batches) run the XLA ops, where a GEMM, not launch count,
+  dominates;
 - rejection sampling: ``KernelPlan.sample``, passed to kernels_pallas.rejection_sample.
 A shape a kernel cannot tile runs the XLA path with one log line (dispatch.shape_fallback).
 """
@@ -35,6 +40,7 @@ from jspec.config import ModelConfig
 from jspec.kv_cache import AttentionMetadata, MixedMetadata
 from jspec.parallel.mesh import TP_AXIS
 from kernels_pallas import fused_linear as _fl
+from kernels_pallas import fused_linear_rows as _flr
 from kernels_pallas import moe_experts as _moe
 from kernels_pallas import moe_router as _router
 from kernels_pallas import paged_attention as _pa
@@ -47,6 +53,8 @@ from kernels_pallas.fused_linear import rms_norm
 # XLA's autotuned GEMM against 3.9 in fused_linear's kernel (60.3 vs 55.8-58.2 us on the
 # H200), more than the RMSNorm kernel it would save (~1.3 us). The lm_head has nothing to fuse.
 MAX_KERNEL_FEATURES = 16384
+# Whether 2-16-row projections take fused_linear_rows' kernel (linear_kernel); scripts A/B it.
+ROWS_KERNEL = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,12 +223,26 @@ def _linear_kernel_takes(w_shape) -> bool:
     return w_shape[0] <= MAX_KERNEL_FEATURES and _fl.supports(1, w_shape)
 
 
-def linear_kernel(plan: KernelPlan, rows: int, w_shape, *, fused: bool) -> bool:
-    """Whether a projection runs fused_linear's kernel: the plan's GPU kernels, one row
-    (batch-1 decode: more rows are faster through XLA, see fused_linear.py), something to
-    fuse (``fused``: a norm, SwiGLU or residual; a bare GEMV is as fast through XLA), at
-    most MAX_KERNEL_FEATURES outputs, a weight the kernel's tiles divide."""
-    return plan.linear in GPU_IMPLS and fused and rows == 1 and _linear_kernel_takes(w_shape)
+def _fused_linear(plan: KernelPlan, x, w, *, kernel: bool, prologue="none", norm_w=None, **kw):
+    """fused_linear's kernel (one row) or fused_linear_rows' (2-16 rows, no prologue), else
+    the reference."""
+    if kernel and _rows(x) > 1:
+        return _flr.fused_linear_rows(x, w, impl=plan.linear, **kw)
+    return _fl.fused_linear(x, w, impl=plan.linear if kernel else "reference", prologue=prologue, norm_w=norm_w, **kw)
+
+
+def linear_kernel(plan: KernelPlan, rows: int, w_shape, *, fused: bool, dtype=None, prologue: str = "none") -> bool:
+    """Whether a projection runs a fused kernel: the plan's GPU kernels, something to fuse
+    (``fused``: a norm, SwiGLU, residual or norm hand-over; a bare GEMV is as fast through
+    XLA), at most MAX_KERNEL_FEATURES outputs, and either one row (batch-1 decode:
+    fused_linear's kernel) or 2 to 16 rows of a ``dtype`` weight with no prologue
+    (fused_linear_rows' kernel: a verification step's K + 1 rows; more rows are a GEMM,
+    faster through XLA, and its in-kernel RMSNorm or SwiGLU was slower than XLA's: see there)."""
+    if not (plan.linear in GPU_IMPLS and fused and w_shape[0] <= MAX_KERNEL_FEATURES):
+        return False
+    if rows == 1:
+        return _fl.supports(1, w_shape)
+    return ROWS_KERNEL and prologue == "none" and dtype is not None and _flr.supports(rows, w_shape, dtype)
 
 
 def qkv_kernel(plan: KernelPlan, rows: int, w_shape, head_dim: int, dtype) -> bool:
@@ -234,16 +256,16 @@ def _rows(x) -> int:
 
 
 def _project(plan, x, w, b, *, prologue="none", norm_w=None, eps=1e-6, residual=None, out_dtype=None, sumsq=None,
-             out_in=False):
+             out_in=False, next_norm_w=None):
     # An [in, out] weight goes to the reference as is: a transpose back to [out, in] (or of
     # an [out, in] table to [in, out]) made XLA:CPU copy the lm_head into a loop fusion at
     # one row, 9 ms per decode step of the family.
     in_out = plan.in_out_weights and not out_in
-    fused = prologue != "none" or residual is not None
-    kernel = not in_out and linear_kernel(plan, _rows(x), w.shape, fused=fused)
-    return _fl.fused_linear(x, w, prologue=prologue, norm_w=norm_w, eps=eps, bias=b, residual=residual,
-                            out_dtype=out_dtype, sumsq=sumsq, impl=plan.linear if kernel else "reference",
-                            w_in_out=in_out)
+    fused = prologue != "none" or residual is not None or sumsq is not None or next_norm_w is not None
+    kernel = not in_out and linear_kernel(plan, _rows(x), w.shape, fused=fused, dtype=w.dtype, prologue=prologue)
+    kw = dict(w_in_out=True) if in_out else {}
+    return _fused_linear(plan, x, w, kernel=kernel, prologue=prologue, norm_w=norm_w, eps=eps, bias=b,
+                         residual=residual, out_dtype=out_dtype, sumsq=sumsq, next_norm_w=next_norm_w, **kw)
 
 
 # ---- the ops ---------------------------------------------------------------------------
@@ -252,6 +274,11 @@ def linear(plan: KernelPlan, x, w, b=None, *, residual=None, out_dtype=None, out
     plan.in_out_weights, as every weight the ops take, unless ``out_in``: an embedding table
     read as a tied lm_head); b: [F]; residual: [..., F]; out_dtype: None (w.dtype) or
     float32 (logits). -> [..., F]"""
+    if isinstance(x, Normed) and x.sumsq is not None and _rows(x) > 1 and linear_kernel(
+            plan, _rows(x), w.shape, fused=True, dtype=w.dtype) and not (plan.in_out_weights and not out_in):
+        # handed over (mlp's next_norm): fused_linear_rows scales x * weight by each row's 1 / rms
+        return _fused_linear(plan, x.scaled, w, kernel=True, eps=x.eps, bias=b, residual=residual,
+                             out_dtype=out_dtype, sumsq=x.sumsq)
     if isinstance(x, Normed):
         return _project(plan, x.x, w, b, prologue="rmsnorm", norm_w=x.weight, eps=x.eps, residual=residual,
                         out_dtype=out_dtype, out_in=out_in)
@@ -268,8 +295,8 @@ def linear_then_norm(plan: KernelPlan, x, w, b=None, *, residual, norm_w, eps) -
     o_proj's kernel and +1.0-1.2 in down's (commit 5527950). In the engine's decode step
     (bench.py, batch 1, ctx 512, three interleaved pairs): 4.15-4.17 ms per token with it,
     4.18-4.22 without."""
-    if plan.norm_handoff and linear_kernel(plan, _rows(x), w.shape, fused=True):
-        h, scaled, sumsq = _fl.fused_linear(x, w, bias=b, residual=residual, next_norm_w=norm_w, impl=plan.linear)
+    if plan.norm_handoff and linear_kernel(plan, _rows(x), w.shape, fused=True, dtype=w.dtype):
+        h, scaled, sumsq = _fused_linear(plan, x, w, kernel=True, bias=b, residual=residual, next_norm_w=norm_w)
         return Normed(h, norm_w, eps, scaled, sumsq)
     return Normed(linear(plan, x, w, b, residual=residual), norm_w, eps)
 
@@ -287,14 +314,34 @@ def split_fused(plan: KernelPlan, y, sizes):
     return [y[..., o: o + p].reshape(lead + (n,)) for o, p, n in zip(itertools.accumulate([0] + per), per, sizes)]
 
 
-def mlp(plan: KernelPlan, x, w_gate_up, b_gate_up, w_down, b_down, *, residual=None, out_dtype=None):
+def mlp(plan: KernelPlan, x, w_gate_up, b_gate_up, w_down, b_down, *, residual=None, out_dtype=None,
+        next_norm=None):
     """SwiGLU: [residual +] down(silu(g) * u) with g|u = gate_up(x). x: f[..., H] or
     Normed; w_gate_up: [2I, H]; w_down: [H, I]; biases [2I] / [H] | None; out_dtype: None
-    (the weights') or float32 (a per-shard layer's partial sums)."""
+    (the weights') or float32 (a per-shard layer's partial sums). next_norm: (weight [H],
+    eps) of the RMSNorm after this MLP (the next layer's input norm): where down_proj runs
+    fused_linear_rows' kernel (2-16 rows), it hands that norm over and the result comes as
+    Normed (for ``linear``); elsewhere a plain array."""
     if plan.tp > 1:  # gate|up tp-interleaved: g and u split per device, down's input sharded likewise
         gu = linear(plan, x, w_gate_up, b_gate_up)
         g, u = split_fused(plan, gu, (gu.shape[-1] // 2,) * 2)
         return linear(plan, jax.nn.silu(g) * u, w_down, b_down, residual=residual)
+    rows = _rows(x)
+    if (rows > 1 and out_dtype is None and residual is not None
+            and linear_kernel(plan, rows, w_down.shape, fused=True, dtype=w_down.dtype)):
+        # Verification rows (fused_linear_rows): gate_up on the handed-over norm with SwiGLU
+        # in its epilogue (else XLA's GEMM and SwiGLU), then down_proj + residual [+ the next
+        # norm's hand-over]. SwiGLU as down_proj's prologue recomputed it in every program.
+        if isinstance(x, Normed) and x.sumsq is not None and b_gate_up is None and _flr.supports(
+                rows, w_gate_up.shape, w_gate_up.dtype, swiglu=True):
+            a = _flr.fused_linear_rows(x.scaled, w_gate_up, sumsq=x.sumsq, eps=x.eps, swiglu=True, impl=plan.linear)
+        else:
+            a = _fl.silu_mul(linear(plan, x, w_gate_up, b_gate_up))
+        if next_norm is None:
+            return _fused_linear(plan, a, w_down, kernel=True, bias=b_down, residual=residual)
+        y, scaled, sumsq = _fused_linear(plan, a, w_down, kernel=True, bias=b_down, residual=residual,
+                                         next_norm_w=next_norm[0])
+        return Normed(y, next_norm[0], next_norm[1], scaled, sumsq)
     if isinstance(x, Normed) and x.sumsq is not None:  # handed over: see linear_then_norm
         gu = linear(plan, x.scaled, w_gate_up, b_gate_up)
         return _project(plan, gu, w_down, b_down, prologue="silu_mul", sumsq=x.sumsq, eps=x.eps, residual=residual,

@@ -21,8 +21,9 @@ loads through shared memory (num_stages deep), which it does not do for the elem
 form; that keeps more weight bytes in flight (default_mma_blocks: 3-12% faster on the
 H200). f32 weights (a dot would run in TF32) and shapes no MMA tile divides use the
 elementwise form: w * x accumulated in an f32 [block_f, block_d] tile, reduced once at the
-end. One row only: a first version that gathered up to 16 rows into one was slower than
-XLA for M = 2-16 (qkv 22 vs 18 us), so more rows go to XLA (jspec.ops.linear_kernel).
+end. One row only: a first version that gathered up to 16 rows into one elementwise stream
+was slower than XLA for M = 2-16 (qkv 22 vs 18 us); 2-16 rows take the tensor-core form
+with its 16-row operand filled, fused_linear_rows.py (jspec.ops.linear_kernel).
 The RMSNorm is factored out of the dot: W (w_norm * x) and sum(x^2) accumulate in the same
 pass and 1 / rms scales the result, instead of a first pass over x in every program.
 
@@ -87,9 +88,12 @@ def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None,
     - next_norm_w [F]: also return the next RMSNorm's input scaled by its weight, un-normalised,
       and the sum of squares of y: (y, y * next_norm_w, f32[..., n] whose sum over n is
       sum(y^2); n = 1 here, one partial per program in the kernel);
-    - sumsq f32[..., n] (silu_mul only): x is a gate|up projection of such an input; it is
+    - sumsq f32[..., n], with silu_mul: x is a gate|up projection of such an input; it is
       first scaled by 1 / rms = rsqrt(sum(sumsq) / F + eps), F the width of the normed vector
-      (= this projection's output width, the residual stream).
+      (= this projection's output width, the residual stream);
+    - sumsq with prologue "none": x is such an input itself (the norm's input times its
+      weight), and x @ w.T, in float32, is scaled by 1 / rms = rsqrt(sum(sumsq) / K + eps)
+      before its rounding: the RMSNorm factored out of the dot, as the kernels do.
     """
     if prologue == "rmsnorm":
         x = rms_norm(x, norm_w, eps)
@@ -98,8 +102,12 @@ def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None,
             r = lax.rsqrt(jnp.sum(sumsq, axis=-1, keepdims=True) / w.shape[1 if w_in_out else 0] + eps)
             x = (x.astype(jnp.float32) * r).astype(x.dtype)
         x = silu_mul(x)
-    y = jnp.einsum("...d,df->...f" if w_in_out else "...d,fd->...f", x.astype(w.dtype), w,
-                   preferred_element_type=out_dtype)
+    spec = "...d,df->...f" if w_in_out else "...d,fd->...f"
+    if prologue == "none" and sumsq is not None:
+        r = lax.rsqrt(jnp.sum(sumsq, axis=-1, keepdims=True) / x.shape[-1] + eps)
+        y = (jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32) * r).astype(out_dtype or w.dtype)
+    else:
+        y = jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=out_dtype)
     if bias is not None:
         y = y + bias
     if residual is not None:
@@ -127,8 +135,8 @@ def validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq=None, next
         raise ValueError(f"residual must have shape {x.shape[:-1] + (F,)}, got {residual.shape}")
     if out_dtype is not None and residual is not None and jnp.dtype(out_dtype) != residual.dtype:
         raise ValueError(f"out_dtype {out_dtype} with a {residual.dtype} residual")
-    if sumsq is not None and (prologue != "silu_mul" or sumsq.shape[:-1] != x.shape[:-1]):
-        raise ValueError(f"sumsq (shape {sumsq.shape}) goes with the silu_mul prologue and one row per row of x "
+    if sumsq is not None and (prologue == "rmsnorm" or sumsq.shape[:-1] != x.shape[:-1]):
+        raise ValueError(f"sumsq (shape {sumsq.shape}) goes with the silu_mul or no prologue and one row per row of x "
                          f"{x.shape}")
     if next_norm_w is not None and next_norm_w.shape != (F,):
         raise ValueError(f"next_norm_w must have shape ({F},), got {next_norm_w.shape}")
@@ -341,6 +349,8 @@ def fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, res
     if w_in_out:
         raise ValueError("fused_linear: the kernel reads [out_features, in_features] weights (w_in_out=False)")
     rows = math.prod(x.shape[:-1])
+    if sumsq is not None and prologue == "none":
+        raise ValueError("fused_linear: the one-row kernel takes a handed-over sumsq with the silu_mul prologue only")
     if not supports(rows, w.shape):
         raise ValueError(f"fused_linear: the kernel takes one row and a weight its tiles divide, got {rows} rows "
                          f"and a {w.shape} weight")

@@ -42,6 +42,8 @@ class DeviceTuning:
     num_sms: int  # streaming multiprocessors: programs per wave of a grid
     linear: tuple[LinearTile, ...]  # elementwise weight stream
     linear_mma: tuple[LinearTile, ...]  # tensor-core weight stream (bf16 / f16)
+    linear_rows: tuple[LinearTile, ...] = ()  # 2-16 rows (fused_linear_rows.py; bf16 / f16)
+    linear_rows_swiglu: tuple[LinearTile, ...] = ()  # ... a gate|up weight with its SwiGLU (block_f: per half)
     attn_block_kv: int = 64  # keys per inner-loop step of paged attention
     attn_max_block_rows: int = 128  # query rows per program (all rows of a kv head up to this)
     rejection: tuple[int, int, int] = (1, 2, 1)  # (blocks_per_program, num_warps, num_stages)
@@ -54,6 +56,11 @@ class DeviceTuning:
         if mma:
             return None
         raise AssertionError("the elementwise table must end with a row for every shape (min_k = min_f = 0)")
+
+    def rows_tile(self, F: int, K: int, swiglu: bool = False) -> LinearTile | None:
+        """The first ``linear_rows`` (``linear_rows_swiglu``) row that takes [F, K], or None."""
+        table = self.linear_rows_swiglu if swiglu else self.linear_rows
+        return next((t for t in table if K >= t.min_k and F >= t.min_f), None)
 
 
 # H200 sweep, Llama-3.1-8B layer shapes: K = 4096 (qkv, o) 8 x 512, 4 warps, 4 stages;
@@ -70,10 +77,19 @@ H200_LINEAR = (LinearTile(8192, 4096, 16, 1024, 8, 2), LinearTile(0, 4096, 8, 51
                LinearTile(0, 0, 8, 2048, 8, 4))
 H200_LINEAR_MMA = (LinearTile(8192, 4096, 32, 512, 4, 6), LinearTile(4096, 6144, 64, 256, 4, 4),
                    LinearTile(4096, 4096, 32, 256, 4, 6))
+# 2-16 rows (fused_linear_rows.py), H100 sweep at 16 rows (2026-11-27, scripts/bench_linear.py
+# --rows 16 --sweep; docs/bench/2026-11-27_linear_rows_h100.log), GPU time per call: qkv
+# [6144, 4096] 32 x 128, 5 stages 19.6 us (32 x 256: 20.2); o [4096, 4096] and down
+# [4096, 14336] 32 x 256, 5 stages: 15.6 / 43.6 us; gate_up + SwiGLU [28672, 4096] 64 x 256
+# (per half), 3 stages: 80.7 us (16 x 128: 83.5). Narrower weights: untuned.
+H200_LINEAR_ROWS = (LinearTile(4096, 6144, 32, 128, 4, 5), LinearTile(4096, 0, 32, 256, 4, 5),
+                    LinearTile(0, 0, 16, 256, 4, 4))
+H200_LINEAR_ROWS_SWIGLU = (LinearTile(4096, 16384, 64, 256, 4, 3), LinearTile(0, 0, 16, 128, 4, 3))
 
 
 def _h200_rows(num_sms: int) -> DeviceTuning:
-    return DeviceTuning(num_sms=num_sms, linear=H200_LINEAR, linear_mma=H200_LINEAR_MMA)
+    return DeviceTuning(num_sms=num_sms, linear=H200_LINEAR, linear_mma=H200_LINEAR_MMA, linear_rows=H200_LINEAR_ROWS,
+                        linear_rows_swiglu=H200_LINEAR_ROWS_SWIGLU)
 
 
 # NVIDIA's published SM counts.

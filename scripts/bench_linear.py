@@ -21,6 +21,7 @@ import numpy as np
 
 from jspec import ops
 from kernels_pallas.fused_linear import fused_linear, fused_linear_gpu, ref_fused_linear
+from kernels_pallas.fused_linear_rows import fused_linear_rows, fused_linear_rows_gpu, ref_fused_linear_rows
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write, ref_qkv_rope_kv_write
 from kernels_pallas.rope_kv_write import ref_rope_kv_write, rope_kv_write, rope_tables
 
@@ -36,7 +37,7 @@ LLAMA_1B = [("qkv", 3072, 2048, "rmsnorm", False), ("o", 2048, 2048, "none", Tru
             ("gate_up", 16384, 2048, "rmsnorm", False), ("down", 2048, 8192, "silu_mul", True)]
 SHAPES = {"llama-8b": LLAMA_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "llama-1b": LLAMA_1B}
 HEADS = {"llama-8b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128), "llama-1b": (32, 8, 64)}  # (H, KVH, D)
-TINY = [("qkv", 256, 128, "rmsnorm", False), ("down", 128, 256, "silu_mul", True), ("lm_head", 512, 128, "none", False)]
+TINY = [("qkv", 256, 128, "rmsnorm", False), ("gate_up", 256, 128, "rmsnorm", False), ("down", 128, 256, "silu_mul", True), ("lm_head", 512, 128, "none", False)]
 
 
 def rel_err(a, b):
@@ -86,6 +87,40 @@ def sweep_case(name, F, K, prologue, residual):
     return time_tilings(lambda b: jax.jit(lambda x, w: fused_linear_gpu(
         x, w, kw["norm_w"], None, kw["residual"], prologue=prologue, eps=1e-5, blocks=b)),
         elementwise + mma, [(x, w) for w in ws])
+
+
+def rows_case(name, F, K, prologue, residual, M, impl, timing, sweep=False):
+    """R = M rows (a verification step's K + 1) as the model's ops run them through
+    fused_linear_rows: qkv and gate_up on a handed-over input norm (x * w_norm and sums of
+    x^2), o_proj and down_proj + residual handing the next norm over; down's input is
+    SwiGLU's output, which gate_up's kernel writes. Against XLA doing the same
+    (ref_fused_linear_rows). sweep: GPU time of other tiles, best first."""
+    x, ws, kw = linear_inputs(name, F, K, "none", residual, M, 4)
+    kw = dict(eps=1e-5, residual=kw["residual"], out_dtype=kw["out_dtype"])
+    if prologue == "rmsnorm":  # the input norm handed over
+        kw["sumsq"] = jnp.sum(x.astype(jnp.float32) ** 2, axis=-1, keepdims=True)
+    elif residual:
+        kw["next_norm_w"] = jnp.ones((F,), jnp.bfloat16)
+    swiglu = name == "gate_up"  # with SwiGLU in its epilogue
+    kernel = jax.jit(lambda x, w: fused_linear_rows(x, w, impl=impl, swiglu=swiglu, **kw))
+    ref = jax.jit(lambda x, w: ref_fused_linear_rows(x, w, swiglu=swiglu, **kw))
+    first = lambda y: y[0] if isinstance(y, tuple) else y  # noqa: E731
+    row = dict(name=name, F=F, K=K, prologue=prologue, residual=residual, M=M, kwargs=sorted(k for k in kw if kw[k] is not None),
+               rel_err=rel_err(first(kernel(x, ws[0])), first(ref(x, ws[0]))))
+    if timing:
+        from gpu_trace import device_times, time_tilings
+        gb = F * K * 2
+        for label, fn in (("kernel", kernel), ("xla", ref)):
+            t = device_times(fn, [(x, w) for w in ws], reps=10)
+            row[f"{label}_us"] = t["busy_us"]
+            row[f"{label}_TBps"] = gb / t["busy_us"] / 1e6
+        if sweep:
+            tiles = [(bf, bd, 4, st) for bf in (16, 32, 64) for bd in (128, 256, 512) for st in (3, 5)] + \
+                [(32, 256, 8, 4), (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3), (32, 128, 4, 8)]
+            row["sweep"] = time_tilings(lambda b: jax.jit(lambda x, w: fused_linear_rows_gpu(
+                x, w, None, kw["residual"], eps=1e-5, blocks=b, sumsq=kw.get("sumsq"), next_norm_w=kw.get("next_norm_w"),
+                out_dtype=None if kw["out_dtype"] is None else "float32", swiglu=swiglu)), tiles, [(x, w) for w in ws])
+    return row
 
 
 def rope_case(H, KVH, D, M, qk_norm, impl, timing):
@@ -163,6 +198,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time other tilings of the layer projections (GPU)")
     ap.add_argument("--qkv-rope-only", action="store_true", help="only the qkv + RoPE + KV-write kernel (with --sweep:"
                     " its tiles)")
+    ap.add_argument("--rows", default="", help="fused_linear_rows at these row counts (e.g. 4,8,16) instead; with "
+                    "--sweep: its tiles at the last count")
     ap.add_argument("--shapes", default="llama-8b", choices=sorted(SHAPES), help="the layer's projections to time")
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
@@ -170,6 +207,23 @@ def main():
     out = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
            "linear": [], "rope": []}
     shapes = TINY if args.quick or not gpu else SHAPES[args.shapes]
+    if args.rows:
+        counts = [int(r) for r in args.rows.split(",")]
+        out["rows"] = []
+        for name, F, K, pro, res in shapes:
+            for M in counts:
+                r = rows_case(name, F, K, pro, res, M, impl, gpu, sweep=args.sweep and gpu and M == counts[-1] and name != "lm_head")
+                out["rows"].append(r)
+                t = "".join(f" {k[:-3]} {v:.1f} us ({r[k[:-3] + '_TBps']:.2f} TB/s)" for k, v in r.items()
+                            if k.endswith("_us"))
+                print(f"rows {name:8s} M={M:2d} {pro:8s} res={int(res)} err {r['rel_err']:.2e}{t}", flush=True)
+                for b, us, _ in r.get("sweep", [])[:8]:
+                    print(f"  tiles {b}: {us if isinstance(us, str) else f'{us:.2f} us'}", flush=True)
+        dest = os.environ.get("OUT")
+        if dest:
+            with open(os.path.join(dest, "bench_linear_rows.json"), "w") as f:
+                json.dump(out, f, indent=1)
+        return
     for name, F, K, pro, res in ([] if args.qkv_rope_only else shapes):
         for M in (1, 8):  # M > 1 (and shapes ops.linear_kernel keeps with XLA) run XLA: kernel=0, for contrast
             r = linear_case(name, F, K, pro, res, M, impl, args.quick, timing=gpu)

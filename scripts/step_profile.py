@@ -4,6 +4,7 @@ weights through the engine (ctx 512), then the jitted step alone under the profi
     PYTHONPATH=.:scripts python3 scripts/step_profile.py --model qwen3-30b-a3b   # H100: XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
     PYTHONPATH=.:scripts python3 scripts/step_profile.py --model tiny            # CPU smoke test (no profile)
 
+--q 16: the target forward of a verification step (16 tokens) instead of the decode step.
 Prints the engine's step time (LLMEngine.step, async scheduling), the jitted step's wall
 time waited and back to back, then from the profiler's kernel records: GPU busy time per
 step, kernels per step, each call's span (first kernel start to last end), and the top
@@ -44,6 +45,8 @@ def main():
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
     ap.add_argument("--reps", type=int, default=10, help="profiled steps")
     ap.add_argument("--top", type=int, default=24, help="kernels listed")
+    ap.add_argument("--q", type=int, default=1, help="tokens per row: Q > 1 profiles the target forward of a "
+                    "verification step (the last token and Q - 1 drafts)")
     args = ap.parse_args()
     cfg = MODELS[args.model]
     params = random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
@@ -53,7 +56,9 @@ def main():
     print(f"{args.model}: engine step {step * 1e3:.3f} ms ({tps:.1f} tok/s)", flush=True)
     seqs = inject(eng, 1, 512, rng, max_tokens=8)
     r = eng.runner
-    inp, _ = r.build_input(SchedulerOutput("decode", [ScheduledSeq(s, 1, True) for s in seqs], []), 1)
+    for s in seqs:
+        s.draft_token_ids = [1] * (args.q - 1)
+    inp, _ = r.build_input(SchedulerOutput("decode", [ScheduledSeq(s, args.q, True) for s in seqs], []), args.q)
 
     def ten():
         for _ in range(10):

@@ -107,9 +107,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(2 * self.intermediate, self.hidden, self.use_bias, self.dtype, self.plan)
         self.down_proj = Linear(self.hidden, self.intermediate, self.use_bias, self.dtype, self.plan)
 
-    def __call__(self, x, *, residual=None):  # x: f[..., H] or ops.Normed -> [..., H]
+    def __call__(self, x, *, residual=None, next_norm=None):  # x: f[..., H] or ops.Normed -> [..., H] or Normed
         g, d = self.gate_up_proj, self.down_proj
-        return ops.mlp(self.plan, x, g.weight, g.bias, d.weight, d.bias, residual=residual)
+        return ops.mlp(self.plan, x, g.weight, g.bias, d.weight, d.bias, residual=residual, next_norm=next_norm)
 
 
 class MoE(nn.Module):

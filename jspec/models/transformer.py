@@ -96,15 +96,21 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.plan)
 
-    def __call__(self, x, meta, k_pages, v_pages, rope=None):
+    def __call__(self, x, meta, k_pages, v_pages, rope=None, next_norm=None):
+        """x: f[B, Q, H], or ops.Normed with this layer's input norm handed over by the layer
+        before; next_norm: the weight [H] of the RMSNorm after this layer (the next layer's
+        input norm), which the MLP may hand over (ops.mlp): the output then comes as Normed."""
         c = self.cfg
         if ops.layer_per_shard(self.plan, c.num_kv_heads):
             rope = rope if rope is not None else rope_tables(meta.positions, rope_inv_freq(c.rope, c.head_dim))
-            return self._per_shard(x, meta, k_pages, v_pages, rope)
+            return self._per_shard(x.x if isinstance(x, ops.Normed) else x, meta, k_pages, v_pages, rope)
         norm1, norm2 = self.input_layernorm.weight, self.post_attention_layernorm.weight
-        h_normed, k_pages, v_pages = self.attn(ops.Normed(x, norm1, c.rms_norm_eps), meta, k_pages, v_pages,
-                                               rope=rope, residual=x, out_norm=norm2)  # norm2(h), h = x + attn(norm1(x))
-        return self.mlp(h_normed, residual=h_normed.x), k_pages, v_pages
+        x_normed = x if isinstance(x, ops.Normed) else ops.Normed(x, norm1, c.rms_norm_eps)
+        h_normed, k_pages, v_pages = self.attn(x_normed, meta, k_pages, v_pages, rope=rope, residual=x_normed.x,
+                                               out_norm=norm2)  # norm2(h), h = x + attn(norm1(x))
+        if isinstance(self.mlp, MoE) or next_norm is None:
+            return self.mlp(h_normed, residual=h_normed.x), k_pages, v_pages
+        return self.mlp(h_normed, residual=h_normed.x, next_norm=(next_norm, c.rms_norm_eps)), k_pages, v_pages
 
     def _per_shard(self, x, meta, k_pages, v_pages, rope):
         a, m = self.attn, self.mlp
@@ -166,10 +172,12 @@ class Transformer(nn.Module):
         captured = {}
         ks, vs = list(kv.k), list(kv.v)
         rope = rope_tables(meta.positions, rope_inv_freq(self.cfg.rope, self.cfg.head_dim))  # once for all layers
+        stream = lambda x: x.x if isinstance(x, ops.Normed) else x  # noqa: E731  (a handed-over norm's input)
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
-                captured[i] = x
-            x, ks[i], vs[i] = layer(x, meta, ks[i], vs[i], rope)
+                captured[i] = stream(x)
+            nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < L else None
+            x, ks[i], vs[i] = layer(x, meta, ks[i], vs[i], rope, next_norm=nxt)
         if L in aux_layers:
             captured[L] = x
         aux = jnp.stack([captured[c] for c in aux_layers], axis=2) if aux_layers else None

@@ -148,8 +148,10 @@ def test_norm_handoff_kernels_match_reference_and_the_unfused_mlp(dtype, F, mma)
                                prologue="silu_mul", residual=h)
     err = lambda o: float(jnp.linalg.norm(o.astype(jnp.float32) - hf - delta) / jnp.linalg.norm(delta))  # noqa: E731
     assert err(out) < max(2 * err(unfused), 1e-5), (err(out), err(unfused))
-    with pytest.raises(ValueError, match="sumsq .* goes with the silu_mul prologue"):
-        fused_linear(a, w_o, residual=res, sumsq=ss)
+    with pytest.raises(ValueError, match="sumsq .* goes with the silu_mul or no prologue"):
+        fused_linear(a, w_o, prologue="rmsnorm", norm_w=jnp.ones((64,), dtype), residual=res, sumsq=ss)
+    with pytest.raises(ValueError, match="the one-row kernel takes a handed-over sumsq with the silu_mul prologue"):
+        fused_linear(a, w_o, residual=res, sumsq=ss, impl="interpret")
     with pytest.raises(ValueError, match="next_norm_w must have shape"):
         fused_linear(a, w_o, residual=res, next_norm_w=nw[:8])
 
@@ -283,9 +285,11 @@ TINY = ModelConfig(
 )
 
 
-@pytest.mark.parametrize("qk_norm,bias", [(True, False), (False, True)])
-def test_decoder_with_fused_kernels_matches_reference(qk_norm, bias):
-    """A batch-1 decode step with linear_impl="interpret" (fused projections, RoPE + KV
+@pytest.mark.parametrize("qk_norm,bias,Q", [(True, False, 1), (False, True, 1), (True, False, 4), (False, False, 4),
+                                            (False, True, 4)])
+def test_decoder_with_fused_kernels_matches_reference(qk_norm, bias, Q):
+    """A batch-1 decode step (Q = 1) or verification step (Q = 4 rows: fused_linear_rows,
+    with both norms handed over) with linear_impl="interpret" (fused projections, RoPE + KV
     write kernels) == the reference model: hidden states, logits and the written KV. With
     biases (attention and MLP) the post-attention norm is not handed over: down_proj's 1 / rms
     would scale gate_up's bias too."""
@@ -295,8 +299,8 @@ def test_decoder_with_fused_kernels_matches_reference(qk_norm, bias):
     shape = (P, S, cfg.num_kv_heads, cfg.head_dim)
     kv = KVCache(k=tuple(jax.random.normal(keys[i], shape).astype(BF16) for i in range(cfg.num_layers)),
                  v=tuple(jax.random.normal(keys[-1 - i], shape).astype(BF16) for i in range(cfg.num_layers)))
-    meta = AttentionMetadata.for_single_sequence([3, 1, 5], S, 40, 1, P)
-    tok = jnp.array([[17]], jnp.int32)
+    meta = AttentionMetadata.for_single_sequence([3, 1, 5], S, 41 - Q, Q, P)
+    tok = jnp.array([[17, 3, 250, 9][-Q:]], jnp.int32)
     params = Transformer(cfg, dtype=BF16).init(jax.random.PRNGKey(0), tok, meta, kv)["params"]
     params = jax.tree.map(lambda a: (a + 0.05 * jax.random.normal(jax.random.PRNGKey(a.size), a.shape)).astype(BF16),
                           params)
@@ -306,7 +310,7 @@ def test_decoder_with_fused_kernels_matches_reference(qk_norm, bias):
     for impl, plan in plans.items():
         m, p = Transformer(cfg, dtype=BF16, plan=plan), plan_params(plan, params)  # CPU reference: [in, out]
         h, _, kv2 = m.apply({"params": p}, tok, meta, kv)
-        outs[impl] = (h, m.apply({"params": p}, h[:, -1], method=Transformer.logits), kv2)
+        outs[impl] = (h, m.apply({"params": p}, h, method=Transformer.logits), kv2)
     (h0, l0, kv0), (h1, l1, kv1) = outs["reference"], outs["interpret"]
     # the interpret model hands the post-attention norm over (o_proj -> down_proj kernels)
     assert plans["interpret"].norm_handoff == (not bias)

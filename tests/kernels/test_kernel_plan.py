@@ -124,9 +124,19 @@ def _forward_calls(cfg, plan, B, Q, dtype=jnp.bfloat16):
     # qk-norm: the qkv projection's kernel, then the RoPE + KV-write kernel
     (QWEN3, 1, 1, [r"fused_linear_rmsnorm_f\d+_d\d+(_mma)?", "rope_kv_write", r"paged_attention_gpu_\w+",
                    r"fused_linear_none_f\d+_d\d+(_mma)?_norm_out", r"fused_linear_silu_mul_f\d+_d\d+(_mma)?"]),
+    # 2-16 rows (small batches, verification): layer 0's input norm and qkv through XLA, then
+    # fused_linear_rows: o_proj and down_proj + residual handing the next norm over (one
+    # lowered function: their weights have one shape here), gate_up + SwiGLU on the handed-over
+    # norm, layer 1's qkv taking the norm down_proj handed over, the last down_proj. (Each
+    # jitted kernel is lowered once.)
+    (LLAMA, 2, 1, ["rope_kv_write", r"paged_attention_gpu_\w+", r"fused_linear_rows_r2_f\d+_d\d+_norm_out",
+                   r"fused_linear_rows_r2_f\d+_d\d+_swiglu_norm_in", r"fused_linear_rows_r2_f\d+_d\d+_norm_in",
+                   r"fused_linear_rows_r2_f\d+_d\d+"]),
+    (QWEN3, 1, 4, ["rope_kv_write", r"paged_attention_gpu_\w+", r"fused_linear_rows_r4_f\d+_d\d+_norm_out",
+                   r"fused_linear_rows_r4_f\d+_d\d+_swiglu_norm_in", r"fused_linear_rows_r4_f\d+_d\d+_norm_in",
+                   r"fused_linear_rows_r4_f\d+_d\d+"]),
     # more rows (batches, verification, prefill): XLA projections around the two kernels
-    (LLAMA, 2, 1, ["rope_kv_write", r"paged_attention_gpu_\w+"]),
-    (QWEN3, 1, 4, ["rope_kv_write", r"paged_attention_gpu_\w+"]),
+    (QWEN3, 2, 16, ["rope_kv_write", r"paged_attention_gpu_\w+"]),
 ])
 def test_model_reaches_the_planned_gpu_kernels(cfg, B, Q, expected, gpu_target):
     names = _forward_calls(cfg, plan_kernels(cfg, backend="gpu"), B, Q)

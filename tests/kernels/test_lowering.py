@@ -17,6 +17,7 @@ Kernels (grep -n pallas_call kernels_pallas/*.py):
   paged_attention_gpu.py   main kernel + split-combine kernel       GPU
   paged_attention_tpu.py   paged attention                          TPU
   fused_linear.py          batch-1 projection (+ norm / SwiGLU)     GPU
+  fused_linear_rows.py     2-16-row projection (+ norms, residual)  GPU
   rope_kv_write.py         RoPE + paged KV write                    GPU
   qkv_rope_kv_write.py     RMSNorm + qkv + RoPE + KV write          GPU
   moe_experts.py           few-token MoE: gate_up + SwiGLU, down    GPU
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 import pytest
 
 from kernels_pallas.fused_linear import fused_linear
+from kernels_pallas.fused_linear_rows import fused_linear_rows
 from kernels_pallas.moe_experts import moe_experts, moe_experts_gpu
 from kernels_pallas.moe_router import router_top_k
 from kernels_pallas.paged_attention import paged_attention
@@ -136,6 +138,34 @@ def linear_sumsq(dtype):
     return fn, shapes, [(TRITON, r"fused_linear_silu_mul_f\d+_d\d+_mma")]
 
 
+def linear_rows(R, *, norm_in=False, handoff=False, bias=False):
+    """fused_linear_rows(impl="gpu") on R rows of bf16 at 8B widths: [a handed-over input
+    norm (sumsq),] [bias,] residual [, the next norm handed over]."""
+    F, K = MMA_FK
+    shapes = {"x": sds((R, K), BF16), "w": sds((F, K), BF16), "residual": sds((R, F), BF16)}
+    if norm_in:
+        shapes["sumsq"] = sds((R, 3), F32)
+    if bias:
+        shapes["bias"] = sds((F,), BF16)
+    if handoff:
+        shapes["next_norm_w"] = sds((F,), BF16)
+    names = list(shapes)
+
+    def fn(*a):
+        kw = dict(zip(names, a))
+        return fused_linear_rows(kw.pop("x"), kw.pop("w"), eps=1e-5, impl="gpu", **kw)
+    name = rf"fused_linear_rows_r{R}_f\d+_d\d+{'_norm_in' if norm_in else ''}{'_norm_out' if handoff else ''}"
+    return fn, list(shapes.values()), [(TRITON, name)]
+
+
+def linear_rows_swiglu(R):
+    """... gate_up + SwiGLU on a handed-over norm: [R, 2I] weight rows in, silu(g) * u out."""
+    def fn(x, w, sumsq):
+        return fused_linear_rows(x, w, sumsq=sumsq, eps=1e-5, swiglu=True, impl="gpu")
+    shapes = [sds((R, 4096), BF16), sds((28672, 4096), BF16), sds((R, 128), F32)]
+    return fn, shapes, [(TRITON, rf"fused_linear_rows_r{R}_f\d+_d\d+_swiglu_norm_in")]
+
+
 def rope_write(dtype, qk_norm):
     M, H, KVH, D, P, S = 2, 4, 2, 64, 4, 8
 
@@ -214,6 +244,10 @@ GPU_CASES = {
     "fused_linear-none-residual-handoff-bf16": lambda: linear("none", BF16, residual=True, handoff=True),
     "fused_linear-silu_mul-residual-f32": lambda: linear("silu_mul", F32, residual=True),
     "fused_linear-silu_mul-sumsq-bf16": lambda: linear_sumsq(BF16),
+    "fused_linear_rows-16-norm_in-bias": lambda: linear_rows(16, norm_in=True, bias=True),
+    "fused_linear_rows-4-handoff": lambda: linear_rows(4, handoff=True),
+    "fused_linear_rows-3-norm_in-handoff": lambda: linear_rows(3, norm_in=True, handoff=True),
+    "fused_linear_rows-8-swiglu": lambda: linear_rows_swiglu(8),
     "rope_kv_write-bf16": lambda: rope_write(BF16, qk_norm=False),
     "rope_kv_write-qk_norm-f32": lambda: rope_write(F32, qk_norm=True),
     "qkv_rope_kv_write-bf16": lambda: qkv_rope_write(BF16, bias=False),
@@ -276,6 +310,7 @@ def test_every_pallas_call_is_covered():
             sites[path.name] = n_calls
     assert sites == {
         "fused_linear.py": 1,
+        "fused_linear_rows.py": 1,
         "moe_experts.py": 2,
         "moe_router.py": 1,
         "paged_attention_gpu.py": 2,
