@@ -102,16 +102,18 @@ class KernelPlan:
         return dict(self.xla_options) or None
 
     def for_drafter(self) -> KernelPlan:
-        """The plan drafters run with: the same attention, projections on XLA. The glue
-        kernels were tuned and measured on target layers only, and every drafter figure in
-        docs/benchmarks.md was taken with the drafter's projections on XLA."""
+        """The plan EAGLE3 and PEagle run with: the same attention, projections on XLA. The
+        glue kernels were tuned and measured on target layers (and DFlash's, which take
+        ``for_draft_model``), and these drafters' figures in docs/benchmarks.md were taken
+        with their projections on XLA."""
         return dataclasses.replace(self, linear="reference", shard_linear="reference", norm_handoff=False,
                                    tp=self.draft_tp)
 
     def for_draft_model(self, cfg: ModelConfig) -> KernelPlan:
-        """The plan of a draft model (an ordinary Llama / Qwen3 of shape ``cfg``): a target's,
-        the glue kernels included, its norm handoff decided by its own shapes, at the
-        drafter's tensor-parallel degree (a replicated one, under a tp > 1 target, on XLA)."""
+        """The plan of a draft model (an ordinary Llama / Qwen3 of shape ``cfg``), or of
+        DFlash's layers (``cfg``: their layer config): a target's, the glue kernels included,
+        its norm handoff decided by its own shapes, at the drafter's tensor-parallel degree
+        (a replicated one, under a tp > 1 target, on XLA)."""
         linear = self.linear if self.draft_tp == self.tp else "reference"
         return dataclasses.replace(self, linear=linear, norm_handoff=_norm_handoff(linear, cfg), tp=self.draft_tp)
 

@@ -13,7 +13,7 @@ from flax import linen as nn
 from jspec import ops
 from jspec.config import ModelConfig
 from jspec.kv_cache import AttentionMetadata
-from jspec.models.layers import GatedMLP, Linear, RMSNorm, apply_rope, rope_inv_freq
+from jspec.models.layers import GatedMLP, Linear, NormWeight, RMSNorm, apply_rope, rope_inv_freq
 from jspec.models.transformer import Attention
 from jspec.ops import KernelPlan
 from kernels_pallas.paged_attention import write_kv
@@ -47,7 +47,8 @@ class DFlashAttention(nn.Module):
     """Qwen3 attention whose keys are the target context (written by ``context_kv``) plus the block.
 
     K/V of context and block go through the same k_proj/v_proj and k_norm; only the block
-    (queries) passes through input_layernorm first (done by the caller).
+    (queries) passes through input_layernorm first: the caller's ops.Normed, which the
+    projections apply.
     """
 
     cfg: ModelConfig
@@ -74,15 +75,22 @@ class DFlashAttention(nn.Module):
         k, v = self._kv(ctx, meta.positions)
         return write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
 
-    def __call__(self, x, meta: AttentionMetadata, k_pages, v_pages):  # x: normed block [B, Q, H]
+    def __call__(self, x, meta: AttentionMetadata, k_pages, v_pages, *, residual=None, out_norm=None):
+        """x: the block [B, Q, H] as ops.Normed (input_layernorm, applied by q_proj and
+        kv_proj); residual: added to the output; out_norm: [H], the RMSNorm after the block:
+        the output comes as ops.Normed(residual + o_proj(.), out_norm) (ops.linear_then_norm)."""
         c = self.cfg
         B, Q, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, Q, c.num_heads, c.head_dim))
         q = apply_rope(q, meta.positions, rope_inv_freq(c.rope, c.head_dim))
         k, v = self._kv(x, meta.positions)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
-        o = ops.attention(self.plan, q, k_pages, v_pages, meta, sm_scale=c.head_dim**-0.5)
-        return self.o_proj(o.reshape(B, Q, c.q_size)), k_pages, v_pages
+        o = ops.attention(self.plan, q, k_pages, v_pages, meta, sm_scale=c.head_dim**-0.5).reshape(B, Q, c.q_size)
+        if out_norm is None:
+            return self.o_proj(o, residual=residual), k_pages, v_pages
+        out = ops.linear_then_norm(self.plan, o, self.o_proj.weight, self.o_proj.bias, residual=residual,
+                                   norm_w=out_norm, eps=c.rms_norm_eps)
+        return out, k_pages, v_pages
 
 
 class DFlashLayer(nn.Module):
@@ -92,16 +100,22 @@ class DFlashLayer(nn.Module):
 
     def setup(self):
         c = self.cfg
-        self.input_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
-        self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.input_layernorm = NormWeight(c.hidden_size, self.dtype)
+        self.post_attention_layernorm = NormWeight(c.hidden_size, self.dtype)
         self.attn = DFlashAttention(c, self.dtype, self.plan)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.plan)
 
     def context_kv(self, ctx, meta, k_pages, v_pages):  # ctx: [B, C, H] (not input-normed)
         return self.attn.context_kv(ctx, meta, k_pages, v_pages)
 
-    def __call__(self, x, meta, k_pages, v_pages):  # x: [B, Q, H]
-        a, k_pages, v_pages = self.attn(self.input_layernorm(x), meta, k_pages, v_pages)
-        x = x + a
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, k_pages, v_pages
+    def __call__(self, x, meta, k_pages, v_pages, next_norm=None):
+        """x: [B, Q, H] or ops.Normed (this layer's input norm handed over by the layer
+        before); next_norm: the next layer's input-norm weight [H], which the MLP may hand
+        over (ops.mlp), as in jspec.models.transformer.DecoderLayer. Pre-norm:
+        h = x + attn(norm1(x)); out = h + mlp(norm2(h)), the norms applied by the projections."""
+        eps = self.cfg.rms_norm_eps
+        xn = x if isinstance(x, ops.Normed) else ops.Normed(x, self.input_layernorm.weight, eps)
+        h, k_pages, v_pages = self.attn(xn, meta, k_pages, v_pages, residual=xn.x,
+                                        out_norm=self.post_attention_layernorm.weight)
+        nxt = None if next_norm is None else (next_norm, eps)
+        return self.mlp(h, residual=h.x, next_norm=nxt), k_pages, v_pages

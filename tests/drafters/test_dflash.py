@@ -103,3 +103,4 @@ def test_propose_drafts(target, drafter):
     drafts_k, probs_k, _ = dflash_propose(DFlashDrafter(cfg), params, kv, inputs, num_tokens=k, with_probs=True)
     assert np.asarray(drafts_k)[0].tolist() == (want + d2t[want]).tolist()[:k]
     np.testing.assert_allclose(np.asarray(probs_k), np.asarray(probs)[:, :k], rtol=1e-6, atol=1e-7)
+
