@@ -444,13 +444,26 @@ def qkv_rope_write(plan: KernelPlan, x, w, b, rope, slot_mapping, k_pages, v_pag
         q, k_pages, v_pages = _qkv.qkv_rope_kv_write(rows(x.x), w, x.weight, b, rows(cos), rows(sin),
                                                      slot_mapping.reshape(M), k_pages, v_pages, num_heads=num_heads,
                                                      eps=x.eps, impl=plan.linear)
-    else:
-        qkv = linear(plan, x, w, b)
-        impl = plan.linear if plan.linear in GPU_IMPLS else "reference"
-        if impl != "reference":
-            impl = shape_fallback("rope_kv_write", impl, _rope.unsupported_shape(D))
-        q, k_pages, v_pages = _rope.rope_kv_write(rows(qkv), rows(cos), rows(sin), slot_mapping.reshape(M), k_pages,
-                                                  v_pages, q_norm_w, k_norm_w, num_heads=num_heads, eps=eps, impl=impl)
+        return q.reshape(B, Q, num_heads, D), k_pages, v_pages
+    return rope_kv_write(plan, linear(plan, x, w, b), rope, slot_mapping, k_pages, v_pages, q_norm_w, k_norm_w,
+                         num_heads=num_heads, eps=eps)
+
+
+def rope_kv_write(plan: KernelPlan, qkv, rope, slot_mapping, k_pages, v_pages, q_norm_w=None, k_norm_w=None, *,
+                  num_heads: int, eps: float):
+    """After a qkv projection: per-head RMSNorm (q_norm / k_norm, eps), RoPE, and k, v
+    written into the paged cache: kernels_pallas/rope_kv_write.py with the plan's GPU kernels
+    (one kernel, the caches updated in place), else its reference. qkv: [B, Q, (H + 2 KVH) D]
+    (num_heads H = 0: k and v only); rope: (cos, sin) f32[B, Q, D/2]; slot_mapping i32[B, Q].
+    -> (q [B, Q, H, D], k_pages, v_pages)"""
+    B, Q, _ = qkv.shape
+    M, D = B * Q, k_pages.shape[-1]
+    (cos, sin), rows = rope, lambda a: a.reshape(M, -1)
+    impl = plan.linear if plan.linear in GPU_IMPLS else "reference"
+    if impl != "reference":
+        impl = shape_fallback("rope_kv_write", impl, _rope.unsupported_shape(D))
+    q, k_pages, v_pages = _rope.rope_kv_write(rows(qkv), rows(cos), rows(sin), slot_mapping.reshape(M), k_pages,
+                                              v_pages, q_norm_w, k_norm_w, num_heads=num_heads, eps=eps, impl=impl)
     return q.reshape(B, Q, num_heads, D), k_pages, v_pages
 
 

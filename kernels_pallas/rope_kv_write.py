@@ -76,13 +76,16 @@ def ref_rope_kv_write(qkv, cos, sin, slot_mapping, k_pages, v_pages, q_norm_w=No
 def _kernel(slot_ref, cos_ref, sin_ref, qkv_ref, *refs, H, KVH, half, drop, eps, has_norm):
     # qkv_ref [M * (H + 2 KVH) * 2, half]: half-rows; cos_ref / sin_ref f32[M * half];
     # then [qn_ref, kn_ref] [D], k_in / v_in (aliased to k_out / v_out, not read),
-    # q_out [M * H * 2, half], k_out / v_out [P * S * KVH * 2, half].
+    # [q_out [M * H * 2, half] (H > 0)], k_out / v_out [P * S * KVH * 2, half].
     if has_norm:
         qn_ref, kn_ref, *refs = refs
-    _, _, q_out, k_out, v_out = refs
+    if H:
+        _, _, q_out, k_out, v_out = refs
+    else:  # k and v only (DFlash's context K/V)
+        _, _, k_out, v_out = refs
     m, g = pl.program_id(0), pl.program_id(1)  # token, kv head
     base = m * (H + 2 * KVH)
-    G = H // KVH  # query heads per kv head: this program's are g * G ... (g + 1) * G - 1
+    G = max(H // KVH, 1)  # query heads per kv head: this program's are g * G ... (g + 1) * G - 1
     c = cos_ref[pl.ds(m * half, half)][None, :]
     s = sin_ref[pl.ds(m * half, half)][None, :]
     dt = qkv_ref.dtype
@@ -107,17 +110,19 @@ def _kernel(slot_ref, cos_ref, sin_ref, qkv_ref, *refs, H, KVH, half, drop, eps,
         f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
         return (f1 * c + (-f2) * s).astype(dt), (f2 * c + f1 * s).astype(dt)
 
-    q1, q2 = load(hq)
     k1, k2 = load(H + hk)
     v1, v2 = load(H + KVH + hk)
     if has_norm:
-        q1, q2 = norm(q1, q2, qn_ref)
         k1, k2 = norm(k1, k2, kn_ref)
-    q1, q2 = rope(q1, q2)
     k1, k2 = rope(k1, k2)
-    qrows = 2 * (m * H + hq)
-    q_out[qrows, :] = q1
-    q_out[qrows + 1, :] = q2
+    if H:
+        q1, q2 = load(hq)
+        if has_norm:
+            q1, q2 = norm(q1, q2, qn_ref)
+        q1, q2 = rope(q1, q2)
+        qrows = 2 * (m * H + hq)
+        q_out[qrows, :] = q1
+        q_out[qrows + 1, :] = q2
     slot = slot_ref[m]
 
     @pl.when(slot < drop)
@@ -134,7 +139,7 @@ def rope_kv_write_gpu(qkv, cos, sin, slot_mapping, k_pages, v_pages, q_norm_w=No
                       num_heads, eps=1e-6, interpret=False):
     """The kernel (Pallas, Triton backend), same contract as ref_rope_kv_write. The caches
     are updated in place (aliased outputs) when the caller donates them, as the engine's
-    jitted step does."""
+    jitted step does. num_heads 0: qkv holds k and v only; q comes back [M, 0, D]."""
     M = qkv.shape[0]
     P, S, KVH, D = k_pages.shape
     half = D // 2
@@ -146,20 +151,23 @@ def rope_kv_write_gpu(qkv, cos, sin, slot_mapping, k_pages, v_pages, q_norm_w=No
               k_pages.reshape(P * S * KVH * 2, half), v_pages.reshape(P * S * KVH * 2, half)]
     n = len(inputs)
     whole = pl.BlockSpec()
-    q, k, v = pl.pallas_call(
+    kv_shapes = [jax.ShapeDtypeStruct(inputs[-2].shape, k_pages.dtype),
+                 jax.ShapeDtypeStruct(inputs[-1].shape, v_pages.dtype)]
+    q_shape = [jax.ShapeDtypeStruct((M * H * 2, half), qkv.dtype)] if H else []
+    out = pl.pallas_call(
         functools.partial(_kernel, H=H, KVH=KVH, half=half, drop=P * S, eps=eps, has_norm=has_norm),
         grid=(M, KVH),
         in_specs=[whole] * n,
-        out_specs=(whole, whole, whole),
-        out_shape=(jax.ShapeDtypeStruct((M * H * 2, half), qkv.dtype),
-                   jax.ShapeDtypeStruct(inputs[-2].shape, k_pages.dtype),
-                   jax.ShapeDtypeStruct(inputs[-1].shape, v_pages.dtype)),
-        input_output_aliases={n - 2: 1, n - 1: 2},
+        out_specs=tuple(whole for _ in q_shape + kv_shapes),
+        out_shape=tuple(q_shape + kv_shapes),
+        input_output_aliases={n - 2: len(q_shape), n - 1: len(q_shape) + 1},
         compiler_params=plt.CompilerParams(num_warps=2, num_stages=1),
         interpret=interpret,
-        name="rope_kv_write",
+        name="rope_kv_write" if H else "rope_kv_write_kv_only",
     )(*inputs)
-    return q.reshape(M, H, D), k.reshape(P, S, KVH, D), v.reshape(P, S, KVH, D)
+    q = out[0].reshape(M, H, D) if H else jnp.zeros((M, 0, D), qkv.dtype)
+    k, v = out[-2:]
+    return q, k.reshape(P, S, KVH, D), v.reshape(P, S, KVH, D)
 
 
 def unsupported_shape(head_dim: int) -> str | None:

@@ -13,10 +13,12 @@ from flax import linen as nn
 from jspec import ops
 from jspec.config import ModelConfig
 from jspec.kv_cache import AttentionMetadata
-from jspec.models.layers import GatedMLP, Linear, NormWeight, RMSNorm, apply_rope, rope_inv_freq
+from jspec.models.layers import GatedMLP, Linear, NormWeight, RMSNorm, rope_inv_freq
 from jspec.models.transformer import Attention
 from jspec.ops import KernelPlan
+from kernels_pallas.fused_linear import rms_norm
 from kernels_pallas.paged_attention import write_kv
+from kernels_pallas.rope_kv_write import rope_halves, rope_tables
 
 
 class Eagle3FirstLayer(nn.Module):
@@ -60,20 +62,36 @@ class DFlashAttention(nn.Module):
         self.q_proj = Linear(c.q_size, c.hidden_size, c.attention_bias, self.dtype, self.plan)
         self.kv_proj = Linear(2 * c.kv_size, c.hidden_size, c.attention_bias, self.dtype, self.plan)
         self.o_proj = Linear(c.hidden_size, c.q_size, c.attention_bias, self.dtype, self.plan)
-        self.q_norm = RMSNorm(c.rms_norm_eps, self.dtype)
-        self.k_norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.q_norm = NormWeight(c.head_dim, self.dtype)
+        self.k_norm = NormWeight(c.head_dim, self.dtype)
 
-    def _kv(self, x, positions):  # x: [B, T, H], positions: i32[B, T] -> k, v: [B, T, KVH, D]
-        c = self.cfg
-        B, T, _ = x.shape
-        k, v = ops.split_fused(self.plan, self.kv_proj(x), (c.kv_size, c.kv_size))  # k|v tp-interleaved
-        k = self.k_norm(k.reshape(B, T, c.num_kv_heads, c.head_dim))
-        v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
-        return apply_rope(k, positions, rope_inv_freq(c.rope, c.head_dim)), v
+    def _write(self, q, kv, positions, slot_mapping, k_pages, v_pages):
+        """q [B, T, H D] | None (the context: k and v only), kv [B, T, 2 KVH D] -> per-head
+        norms, RoPE, k and v written: (q [B, T, H, D] | None, k_pages, v_pages). One kernel
+        with the plan's GPU kernels (ops.rope_kv_write: [q | k | v] rows); under tensor
+        parallelism XLA ops over the tp-interleaved k|v (ops.split_fused)."""
+        c, plan = self.cfg, self.plan
+        B, T, _ = kv.shape
+        rope = rope_tables(positions, rope_inv_freq(c.rope, c.head_dim))
+        if plan.tp == 1:
+            qkv = kv if q is None else jnp.concatenate([q, kv], axis=-1)
+            H = 0 if q is None else c.num_heads
+            q, k_pages, v_pages = ops.rope_kv_write(plan, qkv, rope, slot_mapping, k_pages, v_pages,
+                                                    self.q_norm.weight, self.k_norm.weight, num_heads=H,
+                                                    eps=c.rms_norm_eps)
+            return (None if H == 0 else q), k_pages, v_pages
+        k, v = ops.split_fused(plan, kv, (c.kv_size, c.kv_size))  # k|v tp-interleaved
+        k = rms_norm(k.reshape(B, T, c.num_kv_heads, c.head_dim), self.k_norm.weight, c.rms_norm_eps)
+        k = rope_halves(k, *rope)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v.reshape(B, T, c.num_kv_heads, c.head_dim), slot_mapping)
+        if q is not None:
+            q = rope_halves(rms_norm(q.reshape(B, T, c.num_heads, c.head_dim), self.q_norm.weight, c.rms_norm_eps),
+                            *rope)
+        return q, k_pages, v_pages
 
     def context_kv(self, ctx, meta: AttentionMetadata, k_pages, v_pages):  # ctx: [B, C, H]
-        k, v = self._kv(ctx, meta.positions)
-        return write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
+        _, k_pages, v_pages = self._write(None, self.kv_proj(ctx), meta.positions, meta.slot_mapping, k_pages, v_pages)
+        return k_pages, v_pages
 
     def __call__(self, x, meta: AttentionMetadata, k_pages, v_pages, *, residual=None, out_norm=None):
         """x: the block [B, Q, H] as ops.Normed (input_layernorm, applied by q_proj and
@@ -81,10 +99,8 @@ class DFlashAttention(nn.Module):
         the output comes as ops.Normed(residual + o_proj(.), out_norm) (ops.linear_then_norm)."""
         c = self.cfg
         B, Q, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(B, Q, c.num_heads, c.head_dim))
-        q = apply_rope(q, meta.positions, rope_inv_freq(c.rope, c.head_dim))
-        k, v = self._kv(x, meta.positions)
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
+        q, k_pages, v_pages = self._write(self.q_proj(x), self.kv_proj(x), meta.positions, meta.slot_mapping,
+                                          k_pages, v_pages)
         o = ops.attention(self.plan, q, k_pages, v_pages, meta, sm_scale=c.head_dim**-0.5).reshape(B, Q, c.q_size)
         if out_norm is None:
             return self.o_proj(o, residual=residual), k_pages, v_pages

@@ -117,8 +117,10 @@ def test_contract_routing_and_errors():
 def test_block_on_the_glue_kernels_matches_the_xla_plan(gpu_target):
     """DFlash's layers run the target's glue kernels (make_drafter: for_draft_model): at one
     sequence its block of 16 rows takes fused_linear_rows, each layer's norms handed over as
-    in the target. bf16, the kernels in Pallas' interpreter == the XLA plan's block within
-    bf16 rounding (hidden states and logits), and lowered for cuda the forward reaches them."""
+    in the target, and the block's and the context's K/V go through rope_kv_write (k|v only
+    for the context). bf16, the kernels in Pallas' interpreter == the XLA plan's block
+    within bf16 rounding (hidden states and logits), and lowered for cuda the forward and
+    the context write reach them."""
     from jspec.checkpoint.param_spec import set_path
     from jspec.config import ModelConfig, RopeConfig
     from jspec.drafters import DFlashDrafter, create_kv_cache
@@ -184,3 +186,9 @@ def test_block_on_the_glue_kernels_matches_the_xla_plan(gpu_target):
     names = [n for _, n in custom_calls(lower(fwd, shapes, "cuda"))]
     assert any(n.startswith("fused_linear_rows_r16_") and n.endswith("_swiglu_norm_in") for n in names), names
     assert any(n.startswith("fused_linear_rows_r16_") and n.endswith("_norm_out") for n in names), names
+    assert "rope_kv_write" in names, names  # the block's q|k|v: norms, RoPE, KV write
+    ctx = jax.ShapeDtypeStruct(aux.shape, bf16)
+    names = [n for _, n in custom_calls(lower(
+        lambda p, kv, a: m.apply({"params": p}, a, ctx_meta, kv, method=DFlashDrafter.write_context),
+        (*shapes, ctx), "cuda"))]
+    assert names == ["rope_kv_write_kv_only"], names  # the context's k|v

@@ -166,8 +166,9 @@ def linear_rows_swiglu(R):
     return fn, shapes, [(TRITON, rf"fused_linear_rows_r{R}_f\d+_d\d+_swiglu_norm_in")]
 
 
-def rope_write(dtype, qk_norm):
-    M, H, KVH, D, P, S = 2, 4, 2, 64, 4, 8
+def rope_write(dtype, qk_norm, H=4):
+    """H = 0: k and v only (DFlash's context K/V)."""
+    M, KVH, D, P, S = 2, 2, 64, 4, 8
 
     def fn(qkv, cos, sin, slots, kp, vp, *norms):
         return rope_kv_write(qkv, cos, sin, slots, kp, vp, *norms, num_heads=H, impl="gpu")
@@ -175,7 +176,7 @@ def rope_write(dtype, qk_norm):
               sds((P, S, KVH, D), dtype), sds((P, S, KVH, D), dtype)]
     if qk_norm:
         shapes += [sds((D,), dtype), sds((D,), dtype)]
-    return fn, shapes, [(TRITON, r"rope_kv_write")]
+    return fn, shapes, [(TRITON, r"rope_kv_write" if H else r"rope_kv_write_kv_only")]
 
 
 def qkv_rope_write(dtype, bias):
@@ -250,6 +251,7 @@ GPU_CASES = {
     "fused_linear_rows-8-swiglu": lambda: linear_rows_swiglu(8),
     "rope_kv_write-bf16": lambda: rope_write(BF16, qk_norm=False),
     "rope_kv_write-qk_norm-f32": lambda: rope_write(F32, qk_norm=True),
+    "rope_kv_write-kv_only-qk_norm-bf16": lambda: rope_write(BF16, qk_norm=True, H=0),
     "qkv_rope_kv_write-bf16": lambda: qkv_rope_write(BF16, bias=False),
     "qkv_rope_kv_write-bias-f32": lambda: qkv_rope_write(F32, bias=True),
     "moe_experts-bf16": lambda: moe(BF16),
