@@ -3,6 +3,7 @@ GPU time of each Llama-3.1-8B layer projection, fused kernel vs the unfused XLA 
 
     PYTHONPATH=.:scripts python scripts/bench_linear.py            # H200
     PYTHONPATH=.:scripts python scripts/bench_linear.py --quick    # CPU smoke test (interpret)
+    PYTHONPATH=.:scripts python scripts/bench_linear.py --rows 16 --sweep   # fused_linear_rows at 16 rows, its tiles
 
 Timing is profiler GPU time (scripts/gpu_trace.py) over 4 rotating weight copies, so no
 weight is read from L2; bytes counted are the weight's. Results: $OUT/bench_linear.json.
@@ -67,14 +68,19 @@ def linear_case(name, F, K, prologue, residual, M, impl, quick, timing):
     row = dict(name=name, F=F, K=K, prologue=prologue, residual=residual, M=M, kernel=kernel,
                rel_err=rel_err(fused(x, ws[0]), ref(x, ws[0])))
     if timing:
-        from gpu_trace import device_times
-        gb = F * K * 2
-        for label, fn in (("fused", fused), ("xla", ref)):
-            t = device_times(fn, [(x, w) for w in ws], reps=10)
-            row[f"{label}_us"] = t["busy_us"]
-            row[f"{label}_TBps"] = gb / t["busy_us"] / 1e6
-            row[f"{label}_kernels"] = len(t["kernels_us"])
+        time_into(row, (("fused", fused), ("xla", ref)), x, ws, F * K * 2)
     return row
+
+
+def time_into(row, fns, x, ws, nbytes):
+    """GPU time of each (label, fn(x, w)) over the rotating weights ws into row: label_us,
+    label_TBps (nbytes streamed), label_kernels."""
+    from gpu_trace import device_times
+    for label, fn in fns:
+        t = device_times(fn, [(x, w) for w in ws], reps=10)
+        row[f"{label}_us"] = t["busy_us"]
+        row[f"{label}_TBps"] = nbytes / t["busy_us"] / 1e6
+        row[f"{label}_kernels"] = len(t["kernels_us"])
 
 
 def sweep_case(name, F, K, prologue, residual):
@@ -108,12 +114,8 @@ def rows_case(name, F, K, prologue, residual, M, impl, timing, sweep=False):
     row = dict(name=name, F=F, K=K, prologue=prologue, residual=residual, M=M, kwargs=sorted(k for k in kw if kw[k] is not None),
                rel_err=rel_err(first(kernel(x, ws[0])), first(ref(x, ws[0]))))
     if timing:
-        from gpu_trace import device_times, time_tilings
-        gb = F * K * 2
-        for label, fn in (("kernel", kernel), ("xla", ref)):
-            t = device_times(fn, [(x, w) for w in ws], reps=10)
-            row[f"{label}_us"] = t["busy_us"]
-            row[f"{label}_TBps"] = gb / t["busy_us"] / 1e6
+        from gpu_trace import time_tilings
+        time_into(row, (("kernel", kernel), ("xla", ref)), x, ws, F * K * 2)
         if sweep:
             tiles = [(bf, bd, 4, st) for bf in (16, 32, 64) for bd in (128, 256, 512) for st in (3, 5)] + \
                 [(32, 256, 8, 4), (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3), (32, 128, 4, 8)]
