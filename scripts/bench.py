@@ -236,14 +236,19 @@ def engine_decode(eng, B, ctx, rng, steps):
     return statistics.median(ts), toks / wall, digest
 
 
+def verify_schedule(seqs, q):
+    """A decode step verifying q tokens of each of ``seqs``: its last token and q - 1 drafts
+    (token 1) set on the sequence (clear them with ``s.draft_token_ids = []`` after)."""
+    for s in seqs:
+        s.draft_token_ids = [1] * (q - 1)
+    return SchedulerOutput("decode", [ScheduledSeq(s, q, True) for s in seqs], [])
+
+
 def target_forward_time(eng, B, ctx, rng, q, gpu_time=False):
     """Time of the jitted target step at Q = q tokens per row (verification width): the
     wall-clock median, or with gpu_time the profiler's GPU busy time (scripts/gpu_trace.py)."""
     seqs = inject(eng, B, ctx, rng, max_tokens=8)
-    for s in seqs:
-        s.draft_token_ids = [1] * (q - 1)
-    sched = SchedulerOutput("decode", [ScheduledSeq(s, q, True) for s in seqs], [])
-    inp, _ = eng.runner.build_input(sched, q)
+    inp, _ = eng.runner.build_input(verify_schedule(seqs, q), q)
     if gpu_time:
         from gpu_trace import device_times
         t = device_times(lambda: eng.runner.run(inp), [()], reps=10)["busy_us"] / 1e6
@@ -763,9 +768,7 @@ def spec_step_kernels(eng, B, ctx, rng, K, top=30):
 
     r = eng.runner
     seqs = inject(eng, B, ctx, rng, max_tokens=8)
-    for s in seqs:
-        s.draft_token_ids = [1] * K
-    sched = SchedulerOutput("decode", [ScheduledSeq(s, K + 1, True) for s in seqs], [])
+    sched = verify_schedule(seqs, K + 1)
     r.assign_prob_rows(sched, {s.request_id for s in seqs})
     inp, _, _ = r.build_spec_input(sched)
     t = device_times(lambda: r.run_spec(inp, True), [()], reps=10)
@@ -784,10 +787,7 @@ def draft_time(eng, B, ctx, rng, K):
 
     r = eng.runner
     seqs = inject(eng, B, ctx, rng, max_tokens=8)
-    for s in seqs:
-        s.draft_token_ids = [1] * K
-    sched = SchedulerOutput("decode", [ScheduledSeq(s, K + 1, True) for s in seqs], [])
-    inp, _ = r.build_input(sched, K + 1)
+    inp, _ = r.build_input(verify_schedule(seqs, K + 1), K + 1)
     inp = jax.tree.map(jnp.asarray, inp)
     Bp, Q = inp.tokens.shape
     aux = jax.random.normal(jax.random.PRNGKey(3), (Bp, Q, r.dcfg.num_aux * r.cfg.hidden_size), jnp.bfloat16)

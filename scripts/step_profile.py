@@ -19,11 +19,21 @@ import collections
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench import LLAMA_8B, QWEN3_8B, QWEN3_30B_A3B, TINY, engine_decode, inject, make_engine, random_tree, timeit
+from bench import (
+    LLAMA_8B,
+    QWEN3_8B,
+    QWEN3_30B_A3B,
+    TINY,
+    engine_decode,
+    inject,
+    make_engine,
+    random_tree,
+    timeit,
+    verify_schedule,
+)
 from gpu_trace import traced_events
 
 from jspec.checkpoint.target import target_param_spec
-from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 MODELS = {"llama-8b": LLAMA_8B, "qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY}
 
@@ -56,9 +66,7 @@ def main():
     print(f"{args.model}: engine step {step * 1e3:.3f} ms ({tps:.1f} tok/s)", flush=True)
     seqs = inject(eng, 1, 512, rng, max_tokens=8)
     r = eng.runner
-    for s in seqs:
-        s.draft_token_ids = [1] * (args.q - 1)
-    inp, _ = r.build_input(SchedulerOutput("decode", [ScheduledSeq(s, args.q, True) for s in seqs], []), args.q)
+    inp, _ = r.build_input(verify_schedule(seqs, args.q), args.q)
 
     def ten():
         for _ in range(10):
