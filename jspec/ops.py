@@ -101,19 +101,11 @@ class KernelPlan:
         """``jax.jit(..., compiler_options=...)`` for the engine's steps."""
         return dict(self.xla_options) or None
 
-    def for_drafter(self) -> KernelPlan:
-        """The plan EAGLE3 and PEagle run with: the same attention, projections on XLA. The
-        glue kernels were tuned and measured on target layers (and DFlash's, which take
-        ``for_draft_model``), and these drafters' figures in docs/benchmarks.md were taken
-        with their projections on XLA."""
-        return dataclasses.replace(self, linear="reference", shard_linear="reference", norm_handoff=False,
-                                   tp=self.draft_tp)
-
     def for_draft_model(self, cfg: ModelConfig) -> KernelPlan:
-        """The plan of a draft model (an ordinary Llama / Qwen3 of shape ``cfg``), or of
-        DFlash's layers (``cfg``: their layer config): a target's, the glue kernels included,
-        its norm handoff decided by its own shapes, at the drafter's tensor-parallel degree
-        (a replicated one, under a tp > 1 target, on XLA)."""
+        """The plan of every drafter: a draft model's (an ordinary Llama / Qwen3 of shape
+        ``cfg``), or EAGLE3's, PEagle's or DFlash's layers' (``cfg``: their layer config): a
+        target's, the glue kernels included, its norm handoff decided by its own shapes, at
+        the drafter's tensor-parallel degree (a replicated one, under a tp > 1 target, on XLA)."""
         linear = self.linear if self.draft_tp == self.tp else "reference"
         return dataclasses.replace(self, linear=linear, norm_handoff=_norm_handoff(linear, cfg), tp=self.draft_tp)
 
@@ -277,7 +269,7 @@ def linear(plan: KernelPlan, x, w, b=None, *, residual=None, out_dtype=None, out
     read as a tied lm_head); b: [F]; residual: [..., F]; out_dtype: None (w.dtype) or
     float32 (logits). -> [..., F]"""
     if isinstance(x, Normed) and x.sumsq is not None and _rows(x) > 1 and linear_kernel(
-            plan, _rows(x), w.shape, fused=True, dtype=w.dtype) and not (plan.in_out_weights and not out_in):
+            plan, _rows(x), w.shape, fused=True, dtype=w.dtype):
         # handed over (mlp's next_norm): fused_linear_rows scales x * weight by each row's 1 / rms
         return _fused_linear(plan, x.scaled, w, kernel=True, eps=x.eps, bias=b, residual=residual,
                              out_dtype=out_dtype, sumsq=x.sumsq)

@@ -150,6 +150,13 @@ def _pow2_divisor(n: int, pref: int, least: int) -> int:
     return b if b >= least else 0
 
 
+def pad_sumsq(sumsq):
+    """A handed-over f32[R, n] of partial sums of x^2, zero-padded to a power-of-two n
+    (Triton loads power-of-two blocks; the zeros add nothing to the row sums)."""
+    n = sumsq.shape[-1]
+    return sumsq if n & (n - 1) == 0 else jnp.pad(sumsq, ((0, 0), (0, _next_pow2(n) - n)))
+
+
 def default_blocks(F: int, K: int):
     """(block_f, block_d, num_warps, num_stages), or None when no tile divides the shape:
     the device's elementwise row (kernels_pallas/tuning.py), shrunk to powers of two that
@@ -303,8 +310,7 @@ def fused_linear_gpu(x, w, norm_w=None, bias=None, residual=None, *, prologue="n
     bf, bd, warps, stages, *mma = blocks or one_row_blocks(F, K, w.dtype)
     mma = bool(mma and mma[0])
     whole = pl.BlockSpec()
-    if sumsq is not None and sumsq.shape[-1] & (sumsq.shape[-1] - 1):
-        sumsq = jnp.pad(sumsq, ((0, 0), (0, _next_pow2(sumsq.shape[-1]) - sumsq.shape[-1])))
+    sumsq = None if sumsq is None else pad_sumsq(sumsq)
     inputs = [x, w] + [a for a in (norm_w, sumsq, bias, residual, next_norm_w) if a is not None]
     in_specs = [whole, pl.BlockSpec((bf, K), lambda i: (i, 0))] + [whole] * (len(inputs) - 2)
     dt = jnp.dtype(out_dtype or w.dtype)

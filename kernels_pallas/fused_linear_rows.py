@@ -15,7 +15,8 @@ post-attention norm to gate_up, down_proj the next layer's input norm to its qkv
 Why: at Q = 16 every projection of a layer ran through XLA's GEMMs, with the RMSNorms,
 residual adds and SwiGLU as ~11 us a layer of small XLA kernels around them (441 kernels
 per Llama-3.1-8B verification forward): T(16) / T(1) = 1.10 by GPU time (H100,
-scripts/bench.py --section verify, 2026-11-27). With these kernels: 251 kernels, 1.057.
+scripts/bench.py --section verify, 2026-11-27). With these kernels: 251 kernels, 1.033
+(after the tile sweep in kernels_pallas/tuning.py; docs/benchmarks.md).
 
 Kernel (Pallas, Triton backend): fused_linear's tensor-core weight stream with its 16-row
 operand filled: grid over blocks of ``block_f`` output features, each program loops over K
@@ -51,8 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.fused_linear import _pow2_divisor, ref_fused_linear, silu_mul, silu_mul_rounded, validate
-from kernels_pallas.paged_attention_gpu import _next_pow2
+from kernels_pallas.fused_linear import _pow2_divisor, pad_sumsq, ref_fused_linear, silu_mul, silu_mul_rounded, validate
 from kernels_pallas.tuning import device_tuning
 
 MAX_ROWS = 16  # the tensor-core operand's rows: more rows run XLA's GEMMs
@@ -139,8 +139,7 @@ def fused_linear_rows_gpu(x, w, bias=None, residual=None, *, eps=1e-6, out_dtype
     F, K = w.shape
     bf, bd, warps, stages = blocks or default_blocks(F, K, w.dtype, swiglu=swiglu)
     whole = pl.BlockSpec()
-    if sumsq is not None and sumsq.shape[-1] & (sumsq.shape[-1] - 1):
-        sumsq = jnp.pad(sumsq, ((0, 0), (0, _next_pow2(sumsq.shape[-1]) - sumsq.shape[-1])))
+    sumsq = None if sumsq is None else pad_sumsq(sumsq)
     ws = [w, w] if swiglu else [w]  # the gate and up halves: the same array, two row blocks
     n_out = F // 2 if swiglu else F
     inputs = [x, *ws] + [a for a in (sumsq, bias, residual, next_norm_w) if a is not None]

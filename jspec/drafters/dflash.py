@@ -36,6 +36,7 @@ from jspec.drafters.eagle3 import DraftVocab, embed
 from jspec.drafters.layers import DFlashLayer
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import Linear, RMSNorm
+from jspec.models.transformer import next_input_norm
 from jspec.ops import KernelPlan
 
 
@@ -80,10 +81,8 @@ class DFlashDrafter(DraftVocab, nn.Module):
     ):  # -> (normed hidden f[B, bs, H], KVCache)
         x = embed(self.plan, embed_table, tokens, own=False).astype(self.dtype)
         ks, vs = list(kv.k), list(kv.v)
-        L = len(self.layers)
         for i, layer in enumerate(self.layers):  # each layer may hand the next one's input norm over (ops.mlp)
-            nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < L else None
-            x, ks[i], vs[i] = layer(x, meta, ks[i], vs[i], next_norm=nxt)
+            x, ks[i], vs[i] = layer(x, meta, ks[i], vs[i], next_norm=next_input_norm(self.layers, i))
         return self.norm(x), KVCache(k=tuple(ks), v=tuple(vs))
 
     def logits(self, h, target_lm_head=None):  # h: normed f[..., H] -> f32[..., V]

@@ -28,7 +28,7 @@ from jspec.drafters.config import DrafterConfig
 from jspec.drafters.layers import Eagle3FirstLayer
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import Linear, RMSNorm
-from jspec.models.transformer import DecoderLayer
+from jspec.models.transformer import DecoderLayer, next_input_norm
 from jspec.ops import KernelPlan
 
 _normal = nn.initializers.normal(0.02)
@@ -120,9 +120,12 @@ class Eagle3Drafter(DraftVocab, nn.Module):
             raise ValueError("this drafter shares the target's embeddings: pass embed_table=[Vt, H]")
         e = embed(self.plan, table, tokens, own=c.has_own_embeddings).astype(self.dtype)
         ks, vs = list(kv.k), list(kv.v)
-        x, ks[0], vs[0] = self.layers[0](e, hidden.astype(self.dtype), meta, ks[0], vs[0])
+        # Each layer may hand the next one's input norm over (ops.mlp); the last one's output
+        # is the pre-norm hidden state the next step reads.
+        x, ks[0], vs[0] = self.layers[0](e, hidden.astype(self.dtype), meta, ks[0], vs[0],
+                                         next_norm=next_input_norm(self.layers, 0))
         for i in range(1, c.num_layers):
-            x, ks[i], vs[i] = self.layers[i](x, meta, ks[i], vs[i])
+            x, ks[i], vs[i] = self.layers[i](x, meta, ks[i], vs[i], next_norm=next_input_norm(self.layers, i))
         return x, KVCache(k=tuple(ks), v=tuple(vs))
 
     def logits(self, pre_norm_out):  # f[..., H] -> f32[..., Vd]

@@ -22,27 +22,35 @@ from kernels_pallas.rope_kv_write import rope_halves, rope_tables
 
 
 class Eagle3FirstLayer(nn.Module):
-    """EAGLE3 layer 0: attention over concat(input_layernorm(embeds), hidden_norm(h))."""
+    """EAGLE3 layer 0: attention over concat(input_layernorm(embeds), hidden_norm(h)), then a
+    target-style MLP. As in DecoderLayer, o_proj adds the residual and hands the
+    post-attention norm to the MLP (ops.linear_then_norm), whose down_proj may hand the next
+    layer's input norm over (``next_norm``)."""
 
     cfg: ModelConfig
     norm_before_residual: bool
     dtype: jnp.dtype
     plan: KernelPlan = KernelPlan()
 
-    @nn.compact
-    def __call__(self, embeds, h, meta, k_pages, v_pages):  # embeds, h: [B, Q, H]
+    def setup(self):
         c = self.cfg
-        e = RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(embeds)
-        hn = RMSNorm(c.rms_norm_eps, self.dtype, name="hidden_norm")(h)
+        self.input_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.hidden_norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.post_attention_layernorm = NormWeight(c.hidden_size, self.dtype)
+        self.attn = Attention(c, self.dtype, self.plan, in_features=2 * c.hidden_size)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.plan)
+
+    def __call__(self, embeds, h, meta, k_pages, v_pages, next_norm=None):
+        """embeds, h: [B, Q, H]; next_norm: the next layer's input-norm weight [H] | None.
+        -> (output [B, Q, H] or ops.Normed with next_norm handed over, k_pages, v_pages)"""
+        c = self.cfg
+        hn = self.hidden_norm(h)
+        x = jnp.concatenate([self.input_layernorm(embeds), hn], axis=-1)  # embeddings first
         residual = hn if self.norm_before_residual else h
-        x = jnp.concatenate([e, hn], axis=-1)  # embeddings first
-        a, k_pages, v_pages = Attention(c, self.dtype, self.plan, in_features=2 * c.hidden_size, name="attn")(
-            x, meta, k_pages, v_pages
-        )
-        x = residual + a
-        hh = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x)
-        x = x + GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.plan, name="mlp")(hh)
-        return x, k_pages, v_pages
+        h_normed, k_pages, v_pages = self.attn(x, meta, k_pages, v_pages, residual=residual,
+                                               out_norm=self.post_attention_layernorm.weight)
+        nxt = None if next_norm is None else (next_norm, c.rms_norm_eps)
+        return self.mlp(h_normed, residual=h_normed.x, next_norm=nxt), k_pages, v_pages
 
 
 class DFlashAttention(nn.Module):

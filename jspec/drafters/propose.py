@@ -182,15 +182,15 @@ def peagle_propose(
 
 
 def _finish(drafter, variables, logits, first_pos, temperature, seeds, with_probs, cls):
-    """Pick K drafts from logits f32[B, K, Vd]; draft k is the token at sequence position first_pos + k."""
-    ids, probs = [], []
-    for k in range(logits.shape[1]):
-        i, p = _pick(logits[:, k], temperature, seeds, first_pos + k, with_probs)
-        ids.append(i)
-        probs.append(p)
+    """Pick K drafts from logits f32[B, K, Vd]; draft k is the token at sequence position
+    first_pos + k. Greedy drafts (``with_probs`` False) are one argmax over all K: K argmaxes
+    of one position each were K pairs of small XLA reductions (DFlash's 15 over Qwen3's
+    vocabulary: ~4.5 us each on an H100)."""
+    if not with_probs:
+        return drafter.apply(variables, first_argmax(logits), method=cls.to_target_ids), None
+    ids, probs = zip(*(_pick(logits[:, k], temperature, seeds, first_pos + k, True) for k in range(logits.shape[1])))
     ids = drafter.apply(variables, jnp.stack(ids, 1), method=cls.to_target_ids)
-    probs = drafter.apply(variables, jnp.stack(probs, 1), method=cls.probs_to_target) if with_probs else None
-    return ids, probs
+    return ids, drafter.apply(variables, jnp.stack(probs, 1), method=cls.probs_to_target)
 
 
 def dflash_propose(

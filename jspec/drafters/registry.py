@@ -130,16 +130,12 @@ class Drafter:
 
 def make_drafter(cfg: DrafterConfig, *, dtype=None, plan=None) -> Drafter:
     """The Drafter for ``cfg.method``; an unknown method is a ValueError naming the known ones.
-    ``plan``: the engine's KernelPlan; drafters run with ``plan.for_drafter()``, a draft
-    model as a target does (``for_draft_model``), and DFlash's layers likewise: its block is
-    a verification-width forward (16 rows at batch 1), for fused_linear_rows."""
+    ``plan``: the engine's KernelPlan; every drafter runs the target's kernels at its own
+    shapes (``for_draft_model``: a draft model's config, else the drafter's layer config):
+    its layers are target-style layers, its first pass and DFlash's block verification-width
+    forwards (fused_linear_rows at batch 1), EAGLE3's later steps one-row forwards."""
     m = method_of(cfg.method)
     if plan is not None:
-        if cfg.draft_model is not None:
-            plan = plan.for_draft_model(cfg.draft_model)
-        elif cfg.method == "dflash":
-            plan = plan.for_draft_model(cfg.layer_config())
-        else:
-            plan = plan.for_drafter()
+        plan = plan.for_draft_model(cfg.draft_model if cfg.draft_model is not None else cfg.layer_config())
     kw = {k: v for k, v in (("dtype", dtype), ("plan", plan)) if v is not None}
     return Drafter(m.module(cfg, **kw), m)

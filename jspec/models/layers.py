@@ -131,6 +131,7 @@ class MoE(nn.Module):
         self.gate_up = self.param("gate_up", _normal, (E, 2 * I, H), self.dtype)
         self.down = self.param("down", _normal, (E, H, I), self.dtype)
 
-    def __call__(self, x, *, residual=None):  # x: f[..., H] or ops.Normed -> [..., H]
+    def __call__(self, x, *, residual=None, next_norm=None):  # x: f[..., H] or ops.Normed -> [..., H]
+        """next_norm: ignored (GatedMLP's signature): the output is never handed over."""
         return ops.moe(self.plan, x, self.gate.weight, self.gate_up, self.down, top_k=self.top_k,
                        norm_topk_prob=self.norm_topk_prob, residual=residual)

@@ -108,9 +108,8 @@ class DecoderLayer(nn.Module):
         x_normed = x if isinstance(x, ops.Normed) else ops.Normed(x, norm1, c.rms_norm_eps)
         h_normed, k_pages, v_pages = self.attn(x_normed, meta, k_pages, v_pages, rope=rope, residual=x_normed.x,
                                                out_norm=norm2)  # norm2(h), h = x + attn(norm1(x))
-        if isinstance(self.mlp, MoE) or next_norm is None:
-            return self.mlp(h_normed, residual=h_normed.x), k_pages, v_pages
-        return self.mlp(h_normed, residual=h_normed.x, next_norm=(next_norm, c.rms_norm_eps)), k_pages, v_pages
+        nxt = None if next_norm is None else (next_norm, c.rms_norm_eps)
+        return self.mlp(h_normed, residual=h_normed.x, next_norm=nxt), k_pages, v_pages
 
     def _per_shard(self, x, meta, k_pages, v_pages, rope):
         a, m = self.attn, self.mlp
@@ -123,6 +122,12 @@ class DecoderLayer(nn.Module):
         splits = dict(qkv="out", qkv_b="out", o="in", gate_up="out", gate_up_b="out", down="in")
         fn = functools.partial(_layer_on_shard, self.cfg, ops.shard_plan(self.plan), self.plan.tp)
         return ops.per_shard_layer(self.plan, fn, weights, splits, x, meta, k_pages, v_pages, rope)
+
+
+def next_input_norm(layers, i: int):
+    """The input-norm weight [H] of ``layers[i + 1]``, which layers[i]'s MLP may hand over
+    (``next_norm``); None after the last layer, whose output stays un-normed."""
+    return layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else None
 
 
 def _layer_on_shard(c: ModelConfig, plan: KernelPlan, tp: int, w: dict, x, meta, k_pages, v_pages, rope):
@@ -176,8 +181,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 captured[i] = stream(x)
-            nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < L else None
-            x, ks[i], vs[i] = layer(x, meta, ks[i], vs[i], rope, next_norm=nxt)
+            x, ks[i], vs[i] = layer(x, meta, ks[i], vs[i], rope, next_norm=next_input_norm(self.layers, i))
         if L in aux_layers:
             captured[L] = x
         aux = jnp.stack([captured[c] for c in aux_layers], axis=2) if aux_layers else None
