@@ -364,14 +364,11 @@ class LLMEngine:
     def _can_grow(self, sched: SchedulerOutput, n: int) -> bool:
         """Every row may emit n more tokens (max_tokens, max_model_len) and has pages for n
         more positions (reserved here; a row that cannot grow that far keeps what it got)."""
-        if any(self._token_budget(r.seq) < n for r in sched.seqs):
-            return False
+        for r in sched.seqs:
+            s = r.seq
+            if min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - s.num_tokens) < n:
+                return False
         return all(self.blocks.ensure_slots(r.seq, r.seq.num_computed + n) for r in sched.seqs)
-
-    def _token_budget(self, s: Sequence) -> int:
-        """Tokens ``s`` may still emit: its max_tokens and max_model_len (a stop token or
-        string may end it sooner)."""
-        return min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - s.num_tokens)
 
     def _decode_steps(self, sched) -> int:
         """Steps of a fed-back decode call for this batch; 0: a plain step."""
@@ -400,11 +397,6 @@ class LLMEngine:
             # after them are not trimmed (_draft_room): the device drafts K for every row.
             # max_tokens may cut either step's output (_append drops the rest).
             K1 = self.K + 1
-            if all(self._token_budget(r.seq) <= K1 for r in f.sched.seqs):
-                # f may finish every row (up to K + 1 tokens each): a call after it would most
-                # likely run past them all, a whole step of device time (which the next
-                # request waits for) where not chaining costs one step's host work unhidden.
-                return None
             if any(self._draft_room(r.seq.num_tokens + 2 * K1) < self.K for r in f.sched.seqs):
                 return None
             if not all(self.blocks.ensure_slots(r.seq, r.seq.num_computed + 2 * K1 + self.lookahead)

@@ -86,18 +86,3 @@ def test_no_draft_past_the_drafters_positions(tmp_path, limit_by):
                                                                                           s.draft_token_ids)
             drafted_late |= s.num_tokens >= 21 and len(s.draft_token_ids) > 0
     assert drafted_late  # drafting ran up to the limit, then stopped
-
-
-def test_no_call_chained_past_max_tokens():
-    """A call goes behind a speculative step only while some row will run after it: once
-    every row's max_tokens fits in the step's K + 1 tokens the engine reads the step first.
-    Chained there, the call ran past the finished request: a whole step of device time that
-    the next request waited for (``_inflight`` left behind)."""
-    llm = h.llm("eagle3", 3, async_scheduling=True, **KW)
-    eng = llm.engine
-    prompt = h.varied_prompts(1, 20, 20, seed=8)[0]
-    for n in (20, 21, 22, 23):  # each remainder modulo the step's K + 1 tokens
-        chained = eng.num_chained_calls
-        out = llm.generate([prompt], jspec.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        assert out[0].outputs[0].token_ids == h.greedy_reference([prompt], n)[0]
-        assert eng.num_chained_calls > chained and eng._inflight is None
