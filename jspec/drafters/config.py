@@ -203,7 +203,14 @@ def drafter_config_from_hf(
             raise ConfigError(f"config.json: block_size={block_size} must be >= 2")
         if mask_token_id is None:
             raise ConfigError("config.json: DFlash drafter without mask_token_id")
-        num_spec = block_size - 1
+        # The speculators format names its default K, as vLLM reads it (proposal_methods[0]);
+        # z-lab's drafts the whole block. Either way the drafter runs its trained block.
+        num_spec = _proposal_tokens(top) if fmt == FMT_SPECULATORS else None
+        if num_spec is None:
+            num_spec = block_size - 1
+        elif not 1 <= num_spec <= block_size - 1:
+            raise ConfigError(f"config.json: speculative_tokens={num_spec} must be in 1..block_size - 1 "
+                              f"({block_size - 1}): a DFlash drafter drafts from one block")
         # DFlash layers are always Qwen3-style (q_norm / k_norm), whatever model_type says.
         qk_norm = True
         norm_before_residual = False

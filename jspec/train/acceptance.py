@@ -46,9 +46,11 @@ def measure(out: str, methods=("eagle3", "peagle", "dflash"), *, num_prompts: in
 
 
 def measure_prompts(target_dir: str, drafters: dict[str, str], prompts: list[list[int]], *, max_tokens: int,
-                    dtype: str = "float32", max_num_seqs: int = 8, log=print) -> dict:
+                    dtype: str = "float32", max_num_seqs: int = 8, num_speculative_tokens: dict | None = None,
+                    log=print) -> dict:
     """Greedy plain and speculative runs of `prompts` (token ids) on the target, one per
-    drafter folder ({method: folder}); counters from the engine, tok/s after compilation."""
+    drafter folder ({method: folder}); counters from the engine, tok/s after compilation.
+    ``num_speculative_tokens`` ({method: K}): K where not the checkpoint's default."""
     import jspec
 
     sp = jspec.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -65,7 +67,9 @@ def measure_prompts(target_dir: str, drafters: dict[str, str], prompts: list[lis
     plain, tps = run(jspec.LLM(target_dir, **kw))
     result["plain_tokens_per_s"] = tps
     for m, folder in drafters.items():
-        llm = jspec.LLM(target_dir, speculative_config={"method": m, "model": folder}, **kw)
+        k = (num_speculative_tokens or {}).get(m)
+        spec = {"method": m, "model": folder, **({"num_speculative_tokens": k} if k else {})}
+        llm = jspec.LLM(target_dir, speculative_config=spec, **kw)
         before = llm.engine.stats()
         outs, tps = run(llm)
         d = spec_stats_delta(before, llm.engine.stats())

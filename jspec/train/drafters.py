@@ -37,7 +37,7 @@ class DrafterSize:
     method: str  # "eagle3" | "peagle" | "dflash"
     num_layers: int
     intermediate_size: int | None = None  # None: the target's
-    num_speculative_tokens: int = 3  # the checkpoint's proposal default (DFlash: block_size - 1)
+    num_speculative_tokens: int = 3  # the checkpoint's proposal default (DFlash: at most block_size - 1)
     block_size: int | None = None  # DFlash
     aux_layer_ids: tuple[int, ...] | None = None  # canonical; None: default_aux_layers
 
@@ -83,7 +83,7 @@ def speculators_config(size: DrafterSize, target_hf: dict, *, mask_token_id: int
     }
     if tc.rope.rope_type != "default":
         raise ValueError("drafters are built for targets with default RoPE")
-    k = (size.block_size - 1) if m == "dflash" else size.num_speculative_tokens
+    k = size.num_speculative_tokens
     d = {
         "architectures": [ARCHITECTURES[m]],
         "speculators_model_type": m,
@@ -102,6 +102,8 @@ def speculators_config(size: DrafterSize, target_hf: dict, *, mask_token_id: int
     if m == "dflash":
         if mask_token_id is None or size.block_size is None:
             raise ValueError("a DFlash drafter needs mask_token_id and block_size")
+        if not 1 <= k <= size.block_size - 1:
+            raise ValueError(f"a DFlash drafter's K ({k}) must be in 1..block_size - 1 ({size.block_size - 1})")
         d |= {"block_size": size.block_size, "aux_hidden_state_layer_ids": aux, "mask_token_id": mask_token_id,
               "sliding_window_non_causal": False, "sample_from_anchor": False}
     else:

@@ -50,6 +50,14 @@ def test_eagle3_defaults():
 def test_speculative_tokens_from_proposal():
     sc = {"default_proposal_method": "greedy", "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}]}
     assert drafter_config_from_hf(spec("eagle3", speculators_config=sc), TARGET, frozenset()).num_speculative_tokens == 5
+    # DFlash (speculators): the proposal's K, as vLLM reads it, within the block; without one, the whole block.
+    dflash = dict(aux_hidden_state_layer_ids=[1, 3, 5], block_size=8, mask_token_id=5)
+    c = drafter_config_from_hf(spec("dflash", speculators_config=sc, **dflash), TARGET, frozenset())
+    assert (c.num_speculative_tokens, c.block_size) == (5, 8)
+    assert drafter_config_from_hf(spec("dflash", **dflash), TARGET, frozenset()).num_speculative_tokens == 7
+    sc["proposal_methods"][0]["speculative_tokens"] = 8
+    with pytest.raises(ConfigError, match="speculative_tokens=8 must be in 1..block_size - 1"):
+        drafter_config_from_hf(spec("dflash", speculators_config=sc, **dflash), TARGET, frozenset())
 
 
 def test_original_layout():

@@ -27,9 +27,11 @@ from tests.helpers.drafters import (
     target_aux,
 )
 
-# The issue's bars for greedy mean acceptance length on held-out files (the family measured
-# 2.89 / 2.60 / 2.88 on these prompts, float32, Python 3.11's copies of the held-out files).
+# The issue's bars for greedy mean acceptance length on held-out files, DFlash over its whole
+# block of 8 (K = 7; its shipped default drafts 4); the family measured 2.89 / 2.60 / 3.08 on
+# these prompts, float32, Python 3.11's copies of the held-out files.
 MIN_ACCEPTANCE = {"eagle3": 2.2, "peagle": 2.2, "dflash": 2.8}
+BLOCK_K = {"dflash": 7}
 T = 40  # tokens of context for the logits checks (the helpers' page pool holds 64)
 
 
@@ -55,7 +57,8 @@ def held_out_prompts():
 
 def test_greedy_speculation_equals_plain_with_the_trained_acceptance(held_out_prompts):
     drafters = {m: os.path.join(family.ROOT, m) for m in family.METHODS}
-    r = acceptance.measure_prompts(family.TARGET, drafters, held_out_prompts, max_tokens=96, max_num_seqs=8)
+    r = acceptance.measure_prompts(family.TARGET, drafters, held_out_prompts, max_tokens=96, max_num_seqs=8,
+                                   num_speculative_tokens=BLOCK_K)
     for m in family.METHODS:
         assert r[m]["matches_plain"] == 1.0, m
         assert r[m]["mean_acceptance_length"] >= MIN_ACCEPTANCE[m], (m, r[m])

@@ -1,8 +1,9 @@
 """jspec.train: corpus, tokenizer, target and drafter training, formats and parity.
 
-One tiny family (tokenizer, target, EAGLE3, PEagle, DFlash) is trained once per session
-through the CLI on the first stdlib files, saved in float32, then checked: losses fall, the
-target loads in transformers and jspec with equal logits, each drafter loads in jspec and in
+One tiny family (tokenizer, target, the target's greedy rows, EAGLE3, PEagle, DFlash) is
+trained once per session through the CLI on the first stdlib files, saved in float32, then
+checked: losses fall, the target loads in transformers and jspec with equal logits, the
+generated rows are transformers' greedy continuations, each drafter loads in jspec and in
 speculators' PyTorch module, the training forwards equal speculators' inference maths at
 the positions each recipe scores (so what is trained is what is served), and greedy
 speculative decoding equals greedy plain decoding.
@@ -29,7 +30,8 @@ from tests.helpers.drafters import ref_dflash, ref_eagle3, rel, speculators_from
 SEQ, MASK = 64, 5
 CLI = ["--preset", "tiny", "--max-files", "30", "--seq-len", str(SEQ), "--batch-size", "8", "--steps", "100",
        "--drafter-steps", "20", "--warmup-steps", "10", "--lr", "3e-3", "--drafter-lr", "3e-3", "--log-every", "1000",
-       "--eval-batches", "1", "--dflash-anchors", "16", "--save-dtype", "float32"]
+       "--eval-batches", "1", "--dflash-anchors", "16", "--save-dtype", "float32", "--generate-rows", "24",
+       "--generate-prompt-max", "32", "--generate-batch", "8"]
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +148,53 @@ def test_bfloat16_compute_loss_close_to_float32(family):
     l32, _ = tgt.lm_loss(params, None, jnp.asarray(rows), None, cfg=cfg)
     l16, _ = tgt.lm_loss(params, None, jnp.asarray(rows), None, cfg=cfg, dtype=jnp.bfloat16)
     assert abs(float(l16) - float(l32)) < 0.02 * float(l32)
+
+
+# -- the drafters' rows ----------------------------------------------------------------
+
+
+def test_generated_rows_are_prompts_then_the_targets_greedy_continuation(family):
+    from transformers import LlamaForCausalLM
+
+    from jspec.train.__main__ import parse_args
+    from jspec.train.generate import prompts_from_stream
+
+    rc = parse_args(["--out", family, *CLI])[0]
+    rows = np.load(os.path.join(family, "generated", "tokens.npy"))
+    bos = tokenizer.special_ids(tokenizer.load_tokenizer(os.path.join(family, "target")))[tokenizer.BOS]
+    prompts = prompts_from_stream(np.load(os.path.join(family, "tokenizer", "tokens_train.npy")), bos, rc.generate)
+    assert rows.shape == (24, SEQ) and len(prompts) == 24
+    assert sum(p[0] == bos for p in prompts[::2]) == 12  # even rows: document starts
+    assert all(8 <= len(p) <= 32 and rows[i, : len(p)].tolist() == p for i, p in enumerate(prompts))
+    hf = LlamaForCausalLM.from_pretrained(os.path.join(family, "target"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor(rows, dtype=torch.long)).logits.numpy()
+    checked = 0
+    for i, p in enumerate(prompts):
+        for t in range(len(p) - 1, SEQ - 1):  # each generated token: the argmax after the row's prefix
+            top2 = np.sort(logits[i, t])[-2:]
+            if top2[1] - top2[0] > 1e-4:  # not a near-tie, where float32 sums may order either way
+                assert rows[i, t + 1] == logits[i, t].argmax(), (i, t)
+                checked += 1
+    assert checked > 0.9 * sum(SEQ - len(p) for p in prompts)
+
+
+def test_drafters_need_the_generated_rows_or_say_corpus(tmp_path):
+    from jspec.train import pipeline
+
+    with pytest.raises(FileNotFoundError, match="--stage generate"):
+        pipeline._drafter_rows(pipeline.RunConfig(out=str(tmp_path)))
+    with pytest.raises(ValueError, match="drafter_data"):
+        pipeline.RunConfig(out=str(tmp_path), drafter_data="corpora")
+
+
+def test_a_given_tokenizer_encodes_the_same_streams(family, tmp_path):
+    from jspec.train.__main__ import main
+
+    main(["--stage", "tokenizer", "--out", str(tmp_path), "--tokenizer-from", os.path.join(family, "target"), *CLI])
+    for split in ("train", "held_out"):
+        a, b = (np.load(os.path.join(f, "tokenizer", f"tokens_{split}.npy")) for f in (family, str(tmp_path)))
+        assert np.array_equal(a, b), split
 
 
 # -- drafters -------------------------------------------------------------------------
@@ -265,12 +314,17 @@ def test_cli_stages_and_sizes():
     rc, stages = parse_args(["--stage", "target,drafters", "--out", "x", "--hidden-size", "96", "--peagle-k", "4",
                              "--dflash-block-size", "16"])
     assert stages == ["target", "eagle3", "peagle", "dflash"]
+    assert rc.drafter_data == "generated" and rc.tokenizer_from is None
     assert rc.target.hidden_size == 96 and rc.target.vocab_size == 8192
     assert rc.drafter_size("peagle").num_speculative_tokens == 4
     assert rc.drafter_size("dflash").block_size == 16 and rc.drafter_size("dflash").num_speculative_tokens == 15
     assert parse_args(["--stage", "all,accept", "--out", "x"])[1] == [*STAGES, "accept"]
     with pytest.raises(SystemExit):
         parse_args(["--stage", "nope", "--out", "x"])
+    rc = parse_args(["--out", "x", "--drafter-data", "corpus", "--generate-rows", "64", "--generate-prompt-max", "40",
+                     "--tokenizer-from", "tok"])[0]
+    assert (rc.drafter_data, rc.generate.rows, rc.generate.prompt_max, rc.tokenizer_from) == ("corpus", 64, 40, "tok")
+    assert parse_args(["--out", "x", "--dflash-k", "3"])[0].drafter_size("dflash").num_speculative_tokens == 3
 
 
 def test_acceptance_prompts_are_long_enough_held_out_document_starts():
