@@ -5,7 +5,7 @@ load moves between processes by more than the differences between drafters or K 
 0.81-1.18x for one code). This script builds the plain engine and one engine per variant
 (a DFlash folder, or any family method, at a K), runs the CLI's four prompts once each to
 compile, then times every engine in turn over ``--rounds`` rounds (order reversed every
-round) and prints each variant's median speedup over plain, per round, and its acceptance.
+round; the CLI's ``_take_turns``) and prints each variant's median speedup over plain, per round, and its acceptance.
 
     PYTHONPATH=. python3 scripts/family_ab.py dflash:7 dflash:4 eagle3:3
     PYTHONPATH=. python3 scripts/family_ab.py dflash:7@/path/to/other/dflash --rounds 7
@@ -14,11 +14,10 @@ round) and prints each variant's median speedup over plain, per round, and its a
 from __future__ import annotations
 
 import argparse
-import time
 from statistics import median
 
 import jspec
-from jspec.__main__ import PROMPTS
+from jspec.__main__ import PROMPTS, _take_turns
 from jspec.engine.sequence import spec_stats_delta
 
 
@@ -39,18 +38,11 @@ def main(argv=None):
     sp = jspec.SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llms = [jspec.LLM(None, **kw)] + [jspec.LLM(None, speculative_config=parse_variant(v), **kw)
                                       for v in args.variants]
-    for llm in llms:
-        llm.generate(PROMPTS, sp)
-    before = [llm.engine.stats() for llm in llms]
-    times: list[list[float]] = [[] for _ in llms]
-    for r in range(args.rounds):
-        for i in range(len(llms)) if r % 2 == 0 else reversed(range(len(llms))):
-            t0 = time.perf_counter()
-            llms[i].generate(PROMPTS, sp)
-            times[i].append(time.perf_counter() - t0)
+    res = _take_turns(llms, PROMPTS, sp, args.rounds)  # the CLI's turns: compiled first, order reversed each round
+    times = [t for _, t, _ in res]
     print(f"plain: median {median(times[0]):.3f} s a round")
     for i, v in enumerate(args.variants, 1):
-        d = spec_stats_delta(before[i], llms[i].engine.stats())
+        d = spec_stats_delta(res[i][2], llms[i].engine.stats())
         length = 1 + d["num_accepted_tokens"] / max(d["num_drafts"], 1)
         rounds = " ".join(f"{p / s:.2f}" for p, s in zip(times[0], times[i]))
         print(f"{v}: {median(times[0]) / median(times[i]):.2f}x (rounds {rounds}), acceptance length {length:.2f}")
