@@ -6,12 +6,7 @@ then with a drafter (DFlash unless ``--method``), and prints the text, the mean 
 length, the acceptance rate per draft position and the speedup over plain decoding, both
 timed in this run after compilation: the two engines take turns (``--rounds``, the median
 of each), so a change in the machine's load between them does not decide the ratio.
-Greedy by default, so the two outputs must be equal.
-
-  python -m jspec                      # DFlash
-  python -m jspec --method eagle3      # or peagle, or ngram (vLLM's prompt lookup: no drafter)
-  python -m jspec --no-spec            # plain decoding only
-  python -m jspec --model PATH --speculative-config '{"method": "eagle3", "model": "DRAFTER"}'
+Greedy by default, so the two outputs must be equal. ``--help`` lists the options.
 """
 
 from __future__ import annotations
@@ -39,7 +34,7 @@ def _timed(llm, prompts, sp):
     """(outputs, seconds, engine counters before the call)."""
     before = llm.engine.stats()
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
     return outs, time.perf_counter() - t0, before
 
 
@@ -49,7 +44,7 @@ def _take_turns(llms, prompts, sp, rounds: int):
     alternate, their order reversed every round, so that a shift in the load of a shared
     machine falls on both."""
     for llm in llms:
-        llm.generate(prompts, sp)
+        llm.generate(prompts, sp)  # with a progress bar: on a CPU the first call compiles for tens of seconds
     res = [None] * len(llms)
     for r in range(rounds):
         for i in (range(len(llms)) if r % 2 == 0 else reversed(range(len(llms)))):
@@ -58,17 +53,38 @@ def _take_turns(llms, prompts, sp, rounds: int):
     return res
 
 
+DESCRIPTION = """Speculative decoding on jspec's embedded model family (no download): Python code
+from a few prompts, decoded plainly and with a drafter (DFlash unless --method), with the
+mean acceptance length, the acceptance per draft position and the speedup over plain
+decoding, both timed in this run after compilation."""
+
+EXAMPLES = """examples:
+  python -m jspec                      # DFlash
+  python -m jspec --method eagle3      # or peagle, or ngram (vLLM's prompt lookup: no drafter)
+  python -m jspec --no-spec            # plain decoding only
+  python -m jspec --model PATH --speculative-config '{"method": "eagle3", "model": "DRAFTER"}'"""
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, unless the help says its own; the examples kept as written."""
+
+    def _get_help_string(self, action):
+        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m jspec", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m jspec", description=DESCRIPTION, epilog=EXAMPLES,
+                                 formatter_class=_Formatter)
     ap.add_argument("--model", default=None, help="HF model folder (default: the family's target)")
     ap.add_argument("--method", default=family.DEFAULT_METHOD, choices=family.METHODS + ("ngram",),
                     help="the family drafter to speculate with, or ngram (vLLM's prompt lookup: K=3, n-grams of "
                          "1 to 3 tokens)")
     ap.add_argument("--speculative-config", default=None, help="JSON, vLLM's keys; overrides --method")
     ap.add_argument("--no-spec", action="store_true", help="plain decoding only")
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=96, help="tokens generated per prompt")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy, so speculative and plain outputs must be equal")
+    ap.add_argument("--seed", type=int, default=0, help="the sampling seed of every request")
     ap.add_argument("--dtype", default="float32",
                     help="float32 by default: the family is small, and in bfloat16 the K+1-row verification and "
                          "the one-row decode round differently, so greedy outputs part at near-ties (1 of 4 equal "
@@ -77,11 +93,24 @@ def main(argv=None):
                     help="requests decoded together (1: one stream at a time, the latency case speculation is for)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="timed calls per engine, taken in turns; tok/s is the median over them")
-    ap.add_argument("prompts", nargs="*", default=PROMPTS)
+    ap.add_argument("prompts", nargs="*", default=None,
+                    help="prompts to continue (default: the beginnings of four Python functions and classes)")
     args = ap.parse_args(argv)
+    args.prompts = args.prompts or PROMPTS
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("jspec.engine").setLevel(logging.INFO)  # the backend and devices the engine runs on
-    spec = json.loads(args.speculative_config) if args.speculative_config else {"method": args.method}
+    # the backend and devices the engine runs on, and each step shape as it compiles
+    logging.getLogger("jspec.engine").setLevel(logging.INFO)
+    try:
+        spec = json.loads(args.speculative_config) if args.speculative_config else {"method": args.method}
+    except ValueError as e:
+        ap.error(f"--speculative-config is not valid JSON: {e}")
+    try:
+        run(args, spec)
+    except (ValueError, OSError) as e:  # a user's mistake (a path, a config key, a value): one line, no traceback
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
+
+
+def run(args, spec: dict):
     if spec == {"method": "ngram"}:  # vLLM requires K; its default n-grams (5 tokens) rarely recur in short code
         spec.update(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
     kw = dict(dtype=args.dtype, max_model_len=512, max_num_seqs=args.max_num_seqs)

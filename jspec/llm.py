@@ -41,7 +41,7 @@ class LLM:
         prompts,
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for a prompt or a list of prompts: strings, token-id lists, or vLLM's
         prompt dicts (``jspec.TextPrompt`` / ``jspec.TokensPrompt``, with ``cache_salt``).
@@ -50,6 +50,7 @@ class LLM:
         ValueError and leaves the engine (and requests already in it) untouched. A call that
         fails or is interrupted aborts its unfinished requests before it raises.
         Synchronous: safe to call from inside a running event loop (Jupyter, Colab).
+        ``use_tqdm`` (True, as vLLM): a progress bar of the finished requests.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -126,7 +127,7 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or
         a list of conversations, through the model's chat template, or ``chat_template``

@@ -540,14 +540,14 @@ def llm_run(llm, B, ctx, new, rng, structured=None, reps=None):
         sp = jspec.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, structured_outputs=structured)
         for _ in range(4):
             c0 = r.num_compilations
-            llm.generate(prompts(), sp)
+            llm.generate(prompts(), sp, use_tqdm=False)
             if r.num_compilations == c0:
                 break
         ts = []
         for _ in range(reps + 3):  # up to 3 runs that compiled, timed again
             p, c0 = prompts(), r.num_compilations
             t = time.perf_counter()
-            outs = llm.generate(p, sp)
+            outs = llm.generate(p, sp, use_tqdm=False)
             dt = time.perf_counter() - t
             assert all(len(o.token_ids) == n for o in outs)
             if r.num_compilations == c0:

@@ -139,10 +139,10 @@ def decode_profile(llm, ctx: int, new: int, rng) -> dict:
     per = {}
     for n in (new, 1):
         sp = jspec.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        llm.generate(prompt, sp)  # compiled already (llm_run); warm
+        llm.generate(prompt, sp, use_tqdm=False)  # compiled already (llm_run); warm
         d = tempfile.mkdtemp(prefix="jspec_tp_trace_")
         with jax.profiler.trace(d):
-            llm.generate(prompt, sp)
+            llm.generate(prompt, sp, use_tqdm=False)
         events = _device_events(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
         c, names = collections.Counter(), collections.Counter()
         for name, ns, _ in events:
@@ -239,7 +239,7 @@ def main(argv=None):
             kv_row = 2 * cfg.num_layers * parallel.local_kv_heads(cfg.num_kv_heads, tp) * cfg.head_dim * 2
             if spec is None and args.greedy:
                 sp = jspec.SamplingParams(temperature=0.0, max_tokens=args.greedy, ignore_eos=True, logprobs=2)
-                outs = [o.outputs[0] for o in llm.generate(greedy_prompts, sp)]
+                outs = [o.outputs[0] for o in llm.generate(greedy_prompts, sp, use_tqdm=False)]
                 toks = [list(o.token_ids) for o in outs]
                 if greedy_ref is None:  # the first tp's tokens, and its top-2 logprob gap at each position
                     greedy_ref, gaps = toks, [[_gap(lp) for lp in o.logprobs] for o in outs]

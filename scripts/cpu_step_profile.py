@@ -44,12 +44,12 @@ def main(argv=None):
     llm = jspec.LLM(None, speculative_config=spec, dtype="float32", max_model_len=512, max_num_seqs=1)
     sp = jspec.SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     for _ in range(2):  # compile every shape these requests meet, then once warm
-        llm.generate(PROMPTS, sp)
+        llm.generate(PROMPTS, sp, use_tqdm=False)
     before = llm.engine.stats()
     folder = tempfile.mkdtemp()
     with jax.profiler.trace(folder):
         t0 = time.perf_counter()
-        outs = llm.generate(PROMPTS, sp)
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
         wall = time.perf_counter() - t0
     after = llm.engine.stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)

@@ -12,12 +12,15 @@ target tree.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jspec.checkpoint.safetensors_io import CheckpointError
+
+logger = logging.getLogger("jspec.checkpoint")
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -64,8 +67,11 @@ def set_path(tree: dict, path: tuple[str, ...], value):
     tree[path[-1]] = value
 
 
-def check_specs(src, specs: list[ParamSpec], folder: str, what: str):
-    """Every source tensor of ``specs`` is in ``src`` with its shape, else CheckpointError.
+def check_specs(src, specs: list[ParamSpec], folder: str, what: str, ignored=()):
+    """Every source tensor of ``specs`` is in ``src`` with its shape and kind (floating point,
+    or integer for integer leaves), else CheckpointError. Tensors of ``src`` that no spec
+    reads are logged as a warning (transformers warns of them too), except ``ignored``
+    names (those a format carries and jspec has no use for).
 
     ``what`` names the folder's role in the missing-tensor message ("checkpoint",
     "drafter checkpoint").
@@ -79,6 +85,13 @@ def check_specs(src, specs: list[ParamSpec], folder: str, what: str):
                 raise CheckpointError(
                     f"tensor {name!r} in {folder!r} has shape {list(got)}, expected {list(want)} from config.json"
                 )
+            if src.is_float(name) == spec.integer:
+                raise CheckpointError(f"tensor {name!r} in {folder!r} is stored as {src.dtype(name)}: expected "
+                                      f"{'an integer' if spec.integer else 'a floating-point'} tensor")
+    used = {n for spec in specs for n in spec.sources}
+    if unused := sorted(n for n in src.names() if n not in used and n not in ignored):
+        logger.warning("%s %r: %d tensor(s) not used by jspec (%s%s)", what, folder, len(unused),
+                       ", ".join(unused[:5]), ", ..." if len(unused) > 5 else "")
 
 
 def load_params(src, specs: list[ParamSpec], dtype, sharding=None, progress=None) -> dict:

@@ -17,6 +17,18 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match what the config promises; the message names it."""
 
 
+def safe_open_checked(fn: str, framework: str):
+    """safetensors' ``safe_open``, a CheckpointError naming the file when it cannot be read
+    (empty, truncated by an interrupted download, not safetensors at all)."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(fn, framework=framework)
+    except Exception as e:  # safetensors raises its own SafetensorError, and OSError
+        raise CheckpointError(f"{fn} is not a readable safetensors file ({e}): an interrupted download "
+                              f"or copy leaves such a file; fetch it again") from None
+
+
 class SafetensorsReader:
     """Name -> file index over a single file or a sharded checkpoint."""
 
@@ -32,10 +44,10 @@ class SafetensorsReader:
             for fn in set(self.files.values()):
                 if not os.path.exists(fn):
                     raise CheckpointError(f"{index} names shard {os.path.basename(fn)!r}, which is missing")
+                with safe_open_checked(fn, "np"):  # every shard's header, before any tensor is read
+                    pass
         elif os.path.exists(single):
-            from safetensors import safe_open
-
-            with safe_open(single, framework="np") as f:
+            with safe_open_checked(single, "np") as f:
                 self.files = {name: single for name in f.keys()}
         else:
             raise CheckpointError(
@@ -50,16 +62,21 @@ class SafetensorsReader:
         return self.files.keys()
 
     def _handle(self, fn):
-        from safetensors import safe_open
-
         if fn not in self._handles:
             # "flax" keeps bfloat16 intact (numpy has no bf16); arrays land on the default
             # device one tensor at a time and are cast / placed by the caller.
-            self._handles[fn] = safe_open(fn, framework="flax")
+            self._handles[fn] = safe_open_checked(fn, "flax")
         return self._handles[fn]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+
+    def is_float(self, name: str) -> bool:
+        """Is the tensor stored as floating point (F16, BF16, F32, F64, F8_*)?"""
+        return self._handle(self.files[name]).get_slice(name).get_dtype().startswith(("F", "BF"))
+
+    def dtype(self, name: str) -> str:
+        return self._handle(self.files[name]).get_slice(name).get_dtype()
 
     def get(self, name: str):
         if name not in self.files:
@@ -75,9 +92,7 @@ class SafetensorsReader:
 
     def get_int(self, name: str):
         # framework="flax" would truncate int64 with a warning; numpy keeps it exact.
-        from safetensors import safe_open
-
-        with safe_open(self.files[name], framework="np") as f:
+        with safe_open_checked(self.files[name], "np") as f:
             return f.get_tensor(name)
 
     def nbytes(self) -> int:

@@ -1,7 +1,7 @@
 """The tensors of a checkpoint folder, whatever file holds them: ``open_tensor_source``.
 
 A tensor source (``SafetensorsReader`` or ``BinReader``) answers ``name in src``,
-``names()``, ``shape(name)``, ``get(name)`` (floats, cast by the caller), ``get_int(name)``
+``names()``, ``shape(name)``, ``is_float(name)``, ``dtype(name)``, ``get(name)`` (floats, cast by the caller), ``get_int(name)``
 (integer maps, exact), ``get_part(name, index)`` (a slice, for tensor parallelism),
 ``nbytes()`` and ``close()``, and is a context manager; target and
 drafter loaders read through it alike (jspec/checkpoint/param_spec.py).
@@ -36,6 +36,12 @@ class BinReader:
 
     def shape(self, name):
         return tuple(self.tensors[name].shape)
+
+    def is_float(self, name) -> bool:
+        return self.tensors[name].is_floating_point()
+
+    def dtype(self, name) -> str:
+        return str(self.tensors[name].dtype).removeprefix("torch.")
 
     def get(self, name) -> np.ndarray:
         t = self.tensors[name]

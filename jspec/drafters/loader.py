@@ -122,6 +122,14 @@ def _dummy_tensor_names(method: str, fmt: str) -> frozenset[str]:
     return frozenset({"d2t", "mask_hidden"} | own)
 
 
+def _config_for(path: str, d: dict, target_cfg: ModelConfig, tensor_names) -> DrafterConfig:
+    """drafter_config_from_hf, its errors naming the drafter's folder."""
+    try:
+        return drafter_config_from_hf(d, target_cfg, tensor_names)
+    except ValueError as e:
+        raise type(e)(f"drafter {path!r}: {e}") from None
+
+
 def load_drafter(path, target_cfg: ModelConfig, dtype="float32", sharding=None, load_format="auto"):
     """(DrafterConfig, params) for the drafter at ``path`` serving a target of ``target_cfg``.
 
@@ -135,12 +143,12 @@ def load_drafter(path, target_cfg: ModelConfig, dtype="float32", sharding=None, 
     d = read_drafter_config(path)
     dt = resolve_dtype(dtype)
     if check_load_format(load_format) == "dummy":
-        cfg = drafter_config_from_hf(d, target_cfg, _dummy_tensor_names(*detect_format(d)))
+        cfg = _config_for(path, d, target_cfg, _dummy_tensor_names(*detect_format(d)))
         if isinstance(sharding, Placement):
             sharding.check_drafter(cfg)
         return cfg, dummy_params(drafter_param_spec(cfg), dt, seed=1, sharding=sharding)
     with open_tensor_source(path) as src:
-        cfg = drafter_config_from_hf(d, target_cfg, frozenset(src.names()))
+        cfg = _config_for(path, d, target_cfg, frozenset(src.names()))
         if isinstance(sharding, Placement):  # tensor parallelism: the shapes must split (before any read)
             sharding.check_drafter(cfg)
         specs = drafter_param_spec(cfg)

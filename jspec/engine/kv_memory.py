@@ -43,8 +43,21 @@ def claim_device_memory(utilization: float) -> None:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1] (a share of the device's memory), "
                          f"got {utilization}")
     if not _backend_started() and envs.set_pool_fraction(utilization):
+        # said once the backend is known (no such pool on a CPU): the engine's first log line
+        global _claimed
+        _claimed = utilization
+
+
+_claimed = None
+
+
+def log_device_memory_claim() -> None:
+    """Log the pool ``claim_device_memory`` set, on an accelerator, once."""
+    global _claimed
+    if _claimed is not None and jax.default_backend() != "cpu":
         logger.info("JAX's device memory pool: %g of each device (gpu_memory_utilization), set as "
-                    "XLA_PYTHON_CLIENT_MEM_FRACTION", utilization)
+                    "XLA_PYTHON_CLIENT_MEM_FRACTION", _claimed)
+    _claimed = None
 
 
 def device_bytes_in_use() -> int:

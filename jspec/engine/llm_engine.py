@@ -11,17 +11,23 @@ import dataclasses
 import logging
 import math
 import os
+import time
 
 import jax
 import numpy as np
 
 from jspec import envs, parallel
 from jspec.checkpoint.model_files import generation_eos, load_tokenizer, sampling_defaults
-from jspec.checkpoint.target import load_target, resolve_dtype
+from jspec.checkpoint.target import auto_dtype, load_target, resolve_dtype
 from jspec.config import load_model_config
 from jspec.engine.block_manager import BlockManager
 from jspec.engine.buckets import Buckets
-from jspec.engine.kv_memory import claim_device_memory, create_pools, device_bytes_in_use
+from jspec.engine.kv_memory import (
+    claim_device_memory,
+    create_pools,
+    device_bytes_in_use,
+    log_device_memory_claim,
+)
 from jspec.engine.logprobs import LOGPROBS_MODES, record_logprobs, record_prompt_logprobs
 from jspec.engine.outputs import CompletionOutput, RequestOutput, SampleGroups, make_output  # noqa: F401 (re-exported)
 from jspec.engine.recovery import restore_after_failure
@@ -111,9 +117,9 @@ class LLMEngine:
         """``preloaded=(ModelConfig, params)`` (and ``preloaded_drafter=(DrafterConfig,
         params)``) skip the checkpoint: benchmarks use random weights made on the device."""
         claim_device_memory(config.gpu_memory_utilization)  # before anything starts jax's backend
-        if config.dtype == "auto":  # the checkpoint's dtype, as vLLM's default
+        if config.dtype == "auto":
             mc_dtype = preloaded[0].dtype if preloaded is not None else load_model_config(config.model).dtype
-            config = dataclasses.replace(config, dtype=mc_dtype)
+            config = dataclasses.replace(config, dtype=auto_dtype(mc_dtype, jax.default_backend()))
         self.config = c = config
         devices = jax.devices()
         # The engine's own bytes on the device (weights, drafter), for the KV cache's share:
@@ -121,6 +127,7 @@ class LLMEngine:
         own_before = device_bytes_in_use() - sum(
             a.nbytes for t in (preloaded, preloaded_drafter) if t is not None for a in jax.tree.leaves(t[1]))
         kinds = ", ".join(sorted({str(getattr(d, "device_kind", d)) for d in devices}))
+        log_device_memory_claim()
         logger.info("jspec engine on %s (%s x%d), dtype %s", jax.default_backend(), kinds, len(devices), c.dtype)
         self.par = parallel.EngineMesh.create(c.tensor_parallel_size, sharding, preloaded)
         self.default_sampling = {} if preloaded is not None else sampling_defaults(c.generation_config, c.model)
@@ -278,8 +285,9 @@ class LLMEngine:
         or TokensPrompt dict); ValueError naming the problem otherwise."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be jspec.SamplingParams, got {type(params).__name__}")
-        ids = self.tokenize(parse_prompt(prompt)[0])
-        if not ids:
+        prompt = parse_prompt(prompt)[0]
+        ids = self.tokenize(prompt)
+        if not ids or prompt == "":  # "" is empty too, though the tokenizer gives it a BOS (as the server says)
             raise ValueError("prompt is empty")
         V = self.model_cfg.vocab_size
         for i, t in enumerate(ids):
@@ -321,7 +329,10 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         seq = Sequence(request_id, ids, params, seed, self._arrivals, bad_words_ids=bad_words, cache_salt=salt)
         seq.prompt_text = prompt if isinstance(prompt, str) else None
+        seq.arrival_time = time.time()
         seq.grammar = self.grammars.matcher(params)
+        if seq.grammar is not None:
+            seq.grammar_closers = self.grammars.closers()
         self.num_prompt_tokens += len(ids)
         self._arrivals += 1
         self._seqs[request_id] = seq
@@ -340,9 +351,16 @@ class LLMEngine:
 
     def warmup(self):
         """Compile every shape now (several at once on an accelerator): no request compiles."""
-        self.runner.precompile(self.warmup_shapes(), self.runner.plan.compile_threads)
-        self.runner.warmup(self.config.num_scheduler_steps, self._async,
-                           structured=self.config.warmup_structured_outputs)
+        t, n = time.monotonic(), self.runner.num_compilations
+        self.runner.log_compiles = False
+        try:
+            self.runner.precompile(self.warmup_shapes(), self.runner.plan.compile_threads)
+            self.runner.warmup(self.config.num_scheduler_steps, self._async,
+                               structured=self.config.warmup_structured_outputs)
+        finally:
+            self.runner.log_compiles = True
+        logger.info("warmup: %d step shapes compiled in %.1f s", self.runner.num_compilations - n,
+                    time.monotonic() - t)
 
     @property
     def _async(self) -> bool:
@@ -512,7 +530,12 @@ class LLMEngine:
         # Pages filled by this step join the prefix cache even when the sequence ends here
         # (a chat's next turn starts with this one's prompt and output).
         self.blocks.commit(seq, seq.num_computed)
+        if new:
+            seq.last_token_time = time.time()
+            if seq.first_token_time is None:
+                seq.first_token_time = seq.last_token_time
         if seq.finish_reason:
+            seq.finished_time = time.time()
             self.scheduler.finish(seq, seq.finish_reason)
             self._seqs.pop(seq.request_id, None)
         return make_output(seq, new, self.tokenizer) if new or seq.finish_reason else None

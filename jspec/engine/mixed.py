@@ -81,7 +81,7 @@ class MixedSteps:
     num_mixed_steps = 0  # mixed steps run (engine stats)
 
     def _mixed_impl(self, params, kv, ints, floats, *, layout, filtering):
-        self.num_compilations += 1  # runs at trace time only
+        self._compiling("mixed", layout)  # runs at trace time only
         inp: MixedInput = self._unpack(ints, floats, layout)
         d, p = inp.decode, inp.prefill
         (Bd, Qd), (Bp, Qp) = d.tokens.shape, p.tokens.shape

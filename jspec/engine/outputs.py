@@ -3,7 +3,8 @@
 ``RequestOutput`` keeps jspec's flat fields (``token_ids``, ``text``, ``finish_reason``: the
 first completion's) and carries vLLM's ``outputs`` list of ``CompletionOutput`` (one per
 sample, ``SamplingParams.n``), ``prompt_logprobs`` and per-token ``logprobs`` as lists of
-dicts token id -> ``Logprob``.
+dicts token id -> ``Logprob``, and ``metrics``, vLLM's ``RequestMetrics`` (its times, and
+the speculative counters).
 """
 
 from __future__ import annotations
@@ -42,6 +43,59 @@ class CompletionOutput:
 
 
 @dataclasses.dataclass
+class RequestMetrics:
+    """A request's times (vLLM's RequestMetrics: wall-clock seconds, ``time.time()``) and its
+    speculative decoding counters (vLLM's names; zero without speculation)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None  # first admitted to a step
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_drafts: int = 0  # verification steps that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def time_in_queue(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def spec_counters(self) -> dict:
+        """The speculative counters as a dict (SpecMetrics.as_dict's keys)."""
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "accepted_per_position": list(self.accepted_per_position),
+                "mean_acceptance_length": self.mean_acceptance_length}
+
+    @classmethod
+    def of(cls, seq) -> RequestMetrics:
+        m = seq.metrics
+        return cls(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.last_token_time,
+                   seq.finished_time, m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens,
+                   list(m.accepted_per_position))
+
+    @classmethod
+    def merged(cls, parts: list[RequestMetrics]) -> RequestMetrics:
+        """The samples of one n > 1 request as one: the earliest arrival, scheduling and first
+        token, the latest last token and finish (None until every sample finished), counters summed."""
+        def pick(f, name):
+            vals = [getattr(p, name) for p in parts if getattr(p, name) is not None]
+            return f(vals) if vals else None
+
+        c = sum_metrics([p.spec_counters() for p in parts])
+        done = all(p.finished_time is not None for p in parts)
+        return cls(min(p.arrival_time for p in parts), pick(min, "first_scheduled_time"),
+                   pick(min, "first_token_time"), pick(max, "last_token_time"),
+                   pick(max, "finished_time") if done else None, c["num_drafts"], c["num_draft_tokens"],
+                   c["num_accepted_tokens"], c["accepted_per_position"])
+
+
+@dataclasses.dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -50,7 +104,7 @@ class RequestOutput:
     text: str | None  # None without a tokenizer (filled when finished)
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"
-    metrics: dict
+    metrics: RequestMetrics | None
     outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)  # n samples (vLLM's field)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None for the first prompt token
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served (None until admitted)
@@ -96,7 +150,7 @@ def merge_samples(request_id: str, parts: list[RequestOutput]) -> RequestOutput:
     outs = [p.outputs[0] for p in parts]
     for i, o in enumerate(outs):
         o.index = i
-    metrics = sum_metrics([p.metrics for p in parts])
+    metrics = RequestMetrics.merged([p.metrics for p in parts if p.metrics is not None])
     out = RequestOutput(request_id, first.prompt, first.prompt_token_ids, list(outs[0].token_ids), outs[0].text,
                         all(p.finished for p in parts), outs[0].finish_reason, metrics, outs, first.prompt_logprobs,
                         first.num_cached_tokens)
@@ -124,7 +178,7 @@ def make_output(seq, new: list[int], tokenizer) -> RequestOutput:
     if seq.params.prompt_logprobs is not None:
         prompt_lp = [None] + [seq.prompt_logprobs.get(i) for i in range(1, len(seq.prompt_token_ids))]
     out = RequestOutput(seq.request_id, seq.prompt_text, seq.prompt_token_ids, comp.token_ids, text, finished,
-                        seq.finish_reason, seq.metrics.as_dict(), [comp], prompt_lp, seq.num_cached_tokens)
+                        seq.finish_reason, RequestMetrics.of(seq), [comp], prompt_lp, seq.num_cached_tokens)
     out._new = new
     return out
 
@@ -174,7 +228,8 @@ class SampleGroups:
             for c in self.children[rid]:
                 o = self.latest.get(c)
                 if o is None:  # no token yet: an empty, unfinished sample
-                    o = RequestOutput(c, None, [], [], None, False, None, {}, [CompletionOutput(0, None, [], None, None)])
+                    o = RequestOutput(c, None, [], [], None, False, None, None,
+                                      [CompletionOutput(0, None, [], None, None)])
                 parts.append(o if any(x is o for x in outs) else _no_new(o))
             merged = merge_samples(rid, parts)
             result.append(merged)

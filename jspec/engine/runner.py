@@ -50,7 +50,7 @@ class ModelRunner(MixedSteps, RunnerBase):
 
     # ---- device side ------------------------------------------------------------------
     def _step_impl(self, params, kv, ints, floats, *, layout, filtering):
-        self.num_compilations += 1  # runs at trace time only
+        self._compiling("plain", layout)  # runs at trace time only
         inp: StepInput = self._unpack(ints, floats, layout)
         h, _, kv = self.model.apply({"params": params}, inp.tokens, inp.meta, kv)
         B = h.shape[0]
@@ -82,7 +82,7 @@ class ModelRunner(MixedSteps, RunnerBase):
         whose host token is -1 starts from ``prev[b, -1]`` (async scheduling dispatches
         this call before the host has read that token).
         """
-        self.num_compilations += 1
+        self._compiling("plain multi-step", layout)  # runs at trace time only
         inp: StepInput = self._unpack(ints, floats, layout)
         first = jnp.where(inp.tokens[:, 0] < 0, prev[:, -1], inp.tokens[:, 0])
         ps, drop = self.page_size, self.num_pages * self.page_size
@@ -117,7 +117,7 @@ class ModelRunner(MixedSteps, RunnerBase):
     def _forward_impl(self, params, kv, ints, floats, prev, *, layout):
         """A split decode step's forward: one token per row (host token -1: ``prev[b, -1]``,
         the output of the call before, still on the device) -> (kv, logits f32[B, 1, V])."""
-        self.num_compilations += 1
+        self._compiling("plain split forward", layout)  # runs at trace time only
         inp: StepInput = self._unpack(ints, floats, layout)
         tok = jnp.where(inp.tokens < 0, prev[:, -1:], inp.tokens)
         h, _, kv = self.model.apply({"params": params}, tok, inp.meta, kv)
@@ -127,7 +127,7 @@ class ModelRunner(MixedSteps, RunnerBase):
         """A split decode step's tail: masks, processors and sampling on the forward's logits
         f32[B, 1, V] -> i32[B, 1] (with processors also the logprob blocks i32[B, 1, F]): the
         output of a one-step fed-back call, which the next call can chain behind."""
-        self.num_compilations += 1
+        self._compiling("plain split sampling", layout)  # runs at trace time only
         s: SampleInput = self._unpack(ints, floats, layout)
         out, lp = self._sample_one(logits, s, s.proc, s.sample_pos, filtering)
         return out if lp is None else (out, lp)

@@ -8,6 +8,7 @@ with no drafts, logprobs).
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -33,6 +34,8 @@ from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
 from kernels_pallas.rejection_sampling import host_filtering, rejection_sample
+
+logger = logging.getLogger("jspec.engine")
 
 
 @struct.dataclass
@@ -133,6 +136,7 @@ class RunnerBase:
         self.model = Transformer(cfg, dtype=dtype, plan=plan)
         self.sample_impl = plan.sample  # the rejection sampler's impl, read by the jitted steps
         self.num_compilations = 0  # traces of the step function (one per new shape)
+        self.log_compiles = True  # each on first use (warmup says how many it compiled instead)
         # Packed layouts by index: the jitted steps take the small int as their static
         # argument, which is far cheaper to hash per call than the layout itself.
         self._layout_ids: dict = {}
@@ -146,6 +150,16 @@ class RunnerBase:
 
     def _unpack(self, ints, floats, layout_id):
         return unpack(ints, floats, self._layouts[layout_id])
+
+    def _compiling(self, what: str, layout_id: int):
+        """Count a trace of a jitted step (one per new shape) and say so: on a CPU a first
+        call of a shape compiles for seconds, which a user should not take for a hang."""
+        self.num_compilations += 1
+        if not self.log_compiles:
+            return
+        shape = self._layouts[layout_id][1][0][1]  # the first packed leaf: the step's tokens [B, Q]
+        logger.info("compiling a %s step for tokens %s (its first call; %d step shapes compiled)", what,
+                    list(shape), self.num_compilations)
 
     # ---- device side ------------------------------------------------------------------
     def _process(self, logits, inp: StepInput, proc, drafts):

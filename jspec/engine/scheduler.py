@@ -27,6 +27,7 @@ while a long prompt prefills.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 
 from jspec.engine.block_manager import BlockManager
@@ -116,6 +117,8 @@ class Scheduler:
             if seq.num_cached_tokens is None:  # a preempted sequence's re-admission does not count (vLLM)
                 seq.num_cached_tokens = cached
             seq.status = Status.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.time()
             self.running.append(seq)
 
     def preempt(self, seq: Sequence):

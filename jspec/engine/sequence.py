@@ -85,6 +85,13 @@ class Sequence:
     prompt_logprobs: dict = dataclasses.field(default_factory=dict)  # prompt position -> {id: Logprob}
     # structured outputs: the request's llguidance matcher, at the state after output_token_ids
     grammar: object | None = None
+    # times (time.time(), vLLM's RequestMetrics): set by LLMEngine, the scheduler's admission
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    grammar_closers: tuple = ()  # the tokens its closing paths are made of (structured.closing_path)
 
     @property
     def token_ids(self) -> list[int]:

@@ -99,7 +99,7 @@ class SpecMixedSteps:
     def _spec_mixed_impl(
         self, params, dparams, kv, dkv, probs_buf, synthetic_rates, ints, floats, *, layout, filtering
     ):
-        self.num_compilations += 1  # runs at trace time only
+        self._compiling("speculative mixed", layout)  # runs at trace time only
         inp: SpecMixedInput = self._unpack(ints, floats, layout)
         d, p = inp.decode.base, inp.prefill.base
         (Bd, Qd), (Bp, Qp) = d.tokens.shape, p.tokens.shape

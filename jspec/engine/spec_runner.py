@@ -129,7 +129,7 @@ class SpecModelRunner(SpecMixedSteps, RunnerBase):
     # ---- device side ------------------------------------------------------------------
     def _spec_step_impl(self, params, dparams, kv, dkv, probs_buf, synthetic_rates, ints, floats, prev=None, *,
                         decode, layout, filtering):
-        self.num_compilations += 1
+        self._compiling("speculative", layout)  # runs at trace time only
         inp: SpecInput = self._unpack(ints, floats, layout)
         if prev is not None:
             inp = continue_from(inp, prev, self.K, self.page_size, self.num_pages)
@@ -206,7 +206,7 @@ class SpecModelRunner(SpecMixedSteps, RunnerBase):
         """A split (structured) verification step's forward, chained behind ``prev``: the
         target over [bonus, K drafts] -> (kv, (logits f32[B, Q, V], aux, tokens i32[B, Q],
         meta)), what ``_spec_tail_impl`` reads."""
-        self.num_compilations += 1
+        self._compiling("speculative split forward", layout)  # runs at trace time only
         inp = continue_from(self._unpack(ints, floats, layout), prev, self.K, self.page_size, self.num_pages)
         b = inp.base
         h, aux, kv = self.model.apply({"params": params}, b.tokens, b.meta, kv, aux_layers=self.aux_layers)
@@ -217,7 +217,7 @@ class SpecModelRunner(SpecMixedSteps, RunnerBase):
         """A split verification step's tail: the masks (and sampling fields) the host built
         after reading the step before, rejection sampling and the drafter, on ``fwd``.
         Same maths and output as the one-call step."""
-        self.num_compilations += 1
+        self._compiling("speculative split tail", layout)  # runs at trace time only
         s: SampleInput = self._unpack(ints, floats, layout)
         logits, aux, tokens, meta = fwd
         return self._verify_and_propose(params, dparams, dkv, probs_buf, synthetic_rates, logits, aux, tokens, meta,

@@ -52,7 +52,9 @@ def grammar_text(key: tuple[str, str, bool]) -> str:
     kind, spec, flexible = key
     try:
         if kind == "json":
-            g = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults={"whitespace_flexible": flexible})
+            g = llguidance.LLMatcher.grammar_from_json_schema(
+                _closed_objects(json.loads(spec)), defaults={"whitespace_flexible": flexible},
+                overrides={"whitespace_pattern": WHITESPACE} if flexible else None)
         elif kind == "choice":
             g = llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(spec)))
         elif kind == "regex":
@@ -65,6 +67,38 @@ def grammar_text(key: tuple[str, str, bool]) -> str:
     if is_error:
         raise SamplingParamsError(_PARAM, f"{kind} is invalid: {msgs[0].strip()}")
     return g
+
+
+# JSON's whitespace between tokens, bounded: a space or two, or a newline and an indent of at
+# most 16. llguidance's default ([ \t\n\r]+ at every gap) let a model write whitespace until
+# max_tokens ran out (the family: '{\n' and 64 spaces); xgrammar bounds it the same way.
+WHITESPACE = r"[\x20\x09]{0,2}|\x0A[\x20\x09]{0,16}"
+
+
+def _closed_objects(schema):
+    """The schema with ``additionalProperties: false`` on every object that lists its
+    properties and says nothing of others: vLLM's default backend (xgrammar, strict mode)
+    reads schemas so; open objects let a model add keys until max_tokens."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: _closed_objects(v) for name, v in out[k].items()}
+    for k in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [_closed_objects(v) for v in out[k]]
+    for k in _SUBSCHEMAS:
+        if k in out:
+            out[k] = _closed_objects(out[k])
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
 
 
 def check_grammar(key) -> None:
@@ -84,6 +118,7 @@ class GrammarCompiler:
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()  # the server validates on its event loop, steps on the engine thread
         self.num_compiled = 0
+        self._closers = None
 
     def _ll_tokenizer(self):
         if self._ll is None:
@@ -130,6 +165,15 @@ class GrammarCompiler:
         with self._lock:
             return m.deep_copy()
 
+    def closers(self) -> tuple[int, ...]:
+        """The tokens a closing path (``closing_path``) is made of, in order of preference:
+        the EOS tokens, then the single-character tokens of CLOSING_CHARS this vocabulary has."""
+        if self._closers is None:
+            ll = self._ll_tokenizer()
+            single = [t[0] for c in CLOSING_CHARS if len(t := ll.tokenize_str(c)) == 1]
+            self._closers = tuple(self.eos) + tuple(dict.fromkeys(single))
+        return self._closers
+
 
 def any_grammar(rows) -> bool:
     """Does a row of this batch (ScheduledSeqs) have a grammar?"""
@@ -156,12 +200,66 @@ def advance(seq, new: list[int]) -> list[int]:
                          m.get_error().splitlines()[0])
             seq.finish_reason = "abort"
             return new
-    if m.is_stopped() and seq.finish_reason is None:
-        seq.finish_reason = "stop"
+    if m.is_stopped() and seq.finish_reason in (None, "length"):
+        # complete: "stop", also on the last token max_tokens allows (as EOS there is)
+        seq.finish_reason, seq.stop_reason = "stop", None
     if seq.draft_token_ids and seq.finish_reason is None:
         n = m.validate_tokens(seq.draft_token_ids)
         del seq.draft_token_ids[n:]
     return new
+
+
+# ---- host: closing within max_tokens ------------------------------------------------------
+# A request with a grammar and max_tokens ends with output its grammar accepts: once the
+# tokens it has left are no more than a short completion needs, each sampled token is that
+# completion's next one (the mask allows it alone). Without this a model that rambles (a
+# string that never closes, keys after keys) ran out of tokens with invalid JSON.
+# Characters a closing path is written in, most preferred first: close a string or a
+# container, the shortest values, separators, then letters for patterns.
+CLOSING_CHARS = '"}])0,1n' + "tf{[:23456789.-_ " + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+CLOSING_HORIZON = 64  # paths are looked for only this close to max_tokens: the host's cost per step
+
+
+def closing_path(m, closers: tuple[int, ...], limit: int) -> list[int] | None:
+    """A short token sequence that completes matcher ``m``'s grammar (its last token leaves
+    it stopped), found greedily: forced tokens, else the first of ``closers`` the grammar
+    takes; None when none is found within ``limit`` tokens. ``m`` is not changed.
+
+    Deterministic in m's state, so the path from the state after its first token is the
+    rest of it: a request that follows it ends exactly when the path does."""
+    m = m.deep_copy()
+    path: list[int] = []
+    while not m.is_stopped():
+        if len(path) >= limit:
+            return None
+        forced = m.compute_ff_tokens()
+        if forced:
+            t = forced[0]
+        else:
+            t = next((c for c in closers if m.validate_tokens([c]) == 1), None)
+            if t is None:
+                return None
+        if not m.consume_token(t):
+            return None
+        path.append(t)
+        if m.is_accepting() and not m.is_stopped() and closers and m.validate_tokens([closers[0]]) == 1:
+            path.append(closers[0])  # complete: EOS ends it (closers start with the EOS tokens)
+            break
+    return path
+
+
+def _forced_token(seq, m, drafts: list[int]) -> int | None:
+    """The token position len(drafts) of this row's step must take so that the output is
+    complete within max_tokens (``closing_path``), or None when the row is free."""
+    left = seq.params.max_tokens - len(seq.output_token_ids) - len(drafts) if seq.params.max_tokens else None
+    if left is None or left > CLOSING_HORIZON or not seq.grammar_closers:
+        return None
+    if drafts:
+        m = m.deep_copy()
+        if not m.consume_tokens(drafts):
+            return None
+    path = closing_path(m, seq.grammar_closers, left)
+    return path[0] if path and len(path) >= left else None
 
 
 # ---- host: a step's masks -----------------------------------------------------------------
@@ -200,6 +298,13 @@ def build_bitmask(rows, B: int, Q: int, vocab_size: int, chained: bool = False) 
         llguidance.numpy.fill_next_token_bitmask_par(_get_executor(), plain, mask)
     if drafted := [w for w in work if w[2]]:
         llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(_get_executor(), drafted, mask)
+    for b, r in enumerate(rows):  # rows near max_tokens: the closing path's token alone
+        if r.seq.grammar is not None and r.sample:
+            drafts = list(r.seq.draft_token_ids[: Q - 1])
+            for j in range(len(drafts) + 1):
+                if (t := _forced_token(r.seq, r.seq.grammar, drafts[:j])) is not None:
+                    mask[b * Q + j] = 0
+                    mask[b * Q + j, t // 32] = np.int32(np.uint32(1 << (t % 32)).view(np.int32))
     return mask.reshape(B, Q, -1)
 
 

@@ -235,7 +235,7 @@ class EngineLoop:
                 st.num_tokens = len(ids)
             n_prompt = len(o.prompt_token_ids) if o.prompt_token_ids is not None else st.num_prompt_tokens
             out = Output(ids, n_prompt, bool(o.finished), o.finish_reason if o.finished else None,
-                         metrics=dict(o.metrics) if o.metrics else None, outputs=list(o.outputs),
+                         metrics=o.metrics.spec_counters() if o.metrics else None, outputs=list(o.outputs),
                          prompt_logprobs=o.prompt_logprobs, num_cached_tokens=o.num_cached_tokens)
             if o.finished:
                 del self._reqs[o.request_id]

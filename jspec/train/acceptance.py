@@ -59,9 +59,9 @@ def measure_prompts(target_dir: str, drafters: dict[str, str], prompts: list[lis
     result = {"prompts": len(prompts), "max_tokens": max_tokens, "dtype": dtype}
 
     def run(llm):
-        llm.generate(prompts[:1], sp)  # compile outside the timing
+        llm.generate(prompts[:1], sp, use_tqdm=False)  # compile outside the timing
         t0 = time.perf_counter()
-        outs = [o.token_ids for o in llm.generate(prompts, sp)]
+        outs = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         return outs, len(prompts) * max_tokens / (time.perf_counter() - t0)
 
     plain, tps = run(jspec.LLM(target_dir, **kw))

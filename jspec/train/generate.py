@@ -85,7 +85,7 @@ def continue_greedily(target_dir: str, prompts: list[list[int]], length: int, gc
     for i in range(0, len(prompts), gc.max_num_seqs):  # one wave per call
         part = prompts[i : i + gc.max_num_seqs]
         sps = [jspec.SamplingParams(temperature=0, max_tokens=length - len(p), ignore_eos=True) for p in part]
-        for j, (p, o) in enumerate(zip(part, llm.generate(part, sps))):
+        for j, (p, o) in enumerate(zip(part, llm.generate(part, sps, use_tqdm=False))):
             rows[i + j] = p + list(o.token_ids)
         done = i + len(part)
         if save is not None:

@@ -81,4 +81,4 @@ def test_speculative_greedy_equals_plain_on_dummy_weights(folders, name):
     spec = jspec.LLM(folders["target"], speculative_config={"method": h.METHOD[name], "model": folders[name]},
                      **kw).generate(prompts, sp)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert sum(o.metrics["num_drafts"] for o in spec) > 0  # the drafter ran
+    assert sum(o.metrics.num_drafts for o in spec) > 0  # the drafter ran

@@ -119,6 +119,58 @@ def test_wrong_shape_names_tensor_and_both_shapes(name, tmp_path):
         load(bad)
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_a_weight_stored_as_integers_is_named(name, tmp_path):
+    folder, specs, _, load = _case(name)
+    victim = next(s for s in specs if not s.integer and len(s.shape) == 1).sources[0]  # a norm's weight
+    bad = _rewritten(folder, tmp_path / "bad", lambda t: t.__setitem__(victim, t[victim].astype(np.int32)))
+    msg = f"tensor {victim!r} in {bad!r} is stored as I32: expected a floating-point tensor"
+    with pytest.raises(CheckpointError, match=f"^{re.escape(msg)}$"):
+        load(bad)
+
+
+def test_unused_tensors_are_named_in_a_warning(tmp_path, caplog):
+    folder, _, what, load = _case("target")
+    bad = _rewritten(folder, tmp_path / "extra", lambda t: t.update({"extra.weight": np.zeros(3, np.float32)}))
+    with caplog.at_level("WARNING", logger="jspec.checkpoint"):
+        load(bad)
+    assert [r.getMessage() for r in caplog.records] == [f"{what} {bad!r}: 1 tensor(s) not used by jspec (extra.weight)"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jspec.checkpoint"):
+        load(folder)
+    assert not caplog.records  # a checkpoint as written: no warning
+
+
+@pytest.mark.parametrize("size", ["empty", "truncated"])
+def test_an_unreadable_safetensors_file_is_named(size, tmp_path):
+    folder, _, _, load = _case("target")
+    bad = shutil.copytree(folder, tmp_path / "bad")
+    fn = os.path.join(bad, "model.safetensors")
+    with open(fn, "rb") as f:
+        data = f.read()
+    with open(fn, "wb") as f:
+        f.write(b"" if size == "empty" else data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=f"^{re.escape(fn)} is not a readable safetensors file"):
+        load(str(bad))
+
+
+def test_a_drafter_of_another_vocabulary_names_its_folder_and_both_sizes(tmp_path):
+    import json
+
+    tfolder, _ = h.target()
+    tcfg = load_model_config(tfolder)
+    bad = shutil.copytree(h.drafter("eagle3"), tmp_path / "drafter")
+    cfg_path = os.path.join(bad, "config.json")
+    with open(cfg_path) as f:
+        d = json.load(f)
+    d["transformer_layer_config"]["vocab_size"] = tcfg.vocab_size + 1
+    with open(cfg_path, "w") as f:
+        json.dump(d, f)
+    with pytest.raises(ValueError, match=f"^drafter {re.escape(repr(str(bad)))}: .*{tcfg.vocab_size + 1}.*"
+                                         f"vocab_size={tcfg.vocab_size}$"):
+        load_drafter(str(bad), tcfg)
+
+
 def test_target_from_pytorch_model_bin(tmp_path):
     import torch
 

@@ -28,10 +28,11 @@ from tests.helpers.drafters import (
 )
 
 # The issue's bars for greedy mean acceptance length on held-out files, DFlash over its whole
-# block of 8 (K = 7; its shipped default drafts 4); the family measured 2.89 / 2.60 / 3.08 on
-# these prompts, float32, Python 3.11's copies of the held-out files.
+# block of 8 (K = 7; its shipped default drafts 4), PEagle at the K = 5 it was trained for
+# (shipped: 3); the family measured 2.89 / 2.60 / 3.08 on these prompts, float32, Python
+# 3.11's copies of the held-out files.
 MIN_ACCEPTANCE = {"eagle3": 2.2, "peagle": 2.2, "dflash": 2.8}
-BLOCK_K = {"dflash": 7}
+BLOCK_K = {"dflash": 7, "peagle": 5}
 T = 40  # tokens of context for the logits checks (the helpers' page pool holds 64)
 
 

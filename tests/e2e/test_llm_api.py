@@ -1,5 +1,6 @@
-"""jspec.LLM as a vLLM user reaches it: dtype "auto" follows the checkpoint, LLM.chat goes
-through the model's chat template, LLM.get_tokenizer, vLLM's prompt dicts and cache_salt."""
+"""jspec.LLM as a vLLM user reaches it: dtype "auto" follows the checkpoint (float32 on a CPU),
+user errors name the problem, LLM.chat goes through the model's chat template,
+LLM.get_tokenizer, vLLM's prompt dicts and cache_salt."""
 
 from __future__ import annotations
 
@@ -11,22 +12,44 @@ import pytest
 import jspec
 
 
-def test_dtype_auto_follows_the_checkpoint(tmp_path):
+def test_dtype_auto_follows_the_checkpoint_on_accelerators_and_is_float32_on_a_cpu(tmp_path):
+    import jax
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from jspec.checkpoint.target import auto_dtype
+
+    assert [auto_dtype(d, b) for d in ("bfloat16", "float16", "float32") for b in ("gpu", "tpu")] == [
+        "bfloat16", "bfloat16", "float16", "float16", "float32", "float32"]
+    assert {auto_dtype(d, "cpu") for d in ("bfloat16", "float16", "float32")} == {"float32"}
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    for dtype, want in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
-        folder = str(tmp_path / want)
-        LlamaForCausalLM(cfg).to(dtype).save_pretrained(folder)
-        eng = jspec.LLM(folder, max_model_len=32, num_pages=8).engine
-        assert eng.config.dtype == want
-        leaves = [x.dtype for x in __import__("jax").tree.leaves(eng.runner.params)]
-        assert set(map(str, leaves)) == {want}
-        assert str(eng.runner.kv.k[0].dtype) == want
+    folder = str(tmp_path / "bf16")
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder)
+    want = auto_dtype("bfloat16", jax.default_backend())
+    eng = jspec.LLM(folder, max_model_len=32, num_pages=8).engine
+    assert eng.config.dtype == want
+    assert {str(x.dtype) for x in jax.tree.leaves(eng.runner.params)} == {want}
+    assert str(eng.runner.kv.k[0].dtype) == want
     # an explicit dtype still wins
     assert jspec.LLM(folder, dtype="bfloat16", max_model_len=32, num_pages=8).engine.config.dtype == "bfloat16"
+
+
+def test_user_errors_are_one_line(tmp_path):
+    """Bad input to the CLI is an error line naming it (exit 2), no traceback; the API's
+    empty prompt is a ValueError, as the server's 400, and no prompts give no outputs."""
+    import subprocess
+    import sys
+
+    for args, needle in ((["--speculative-config", "{bad"], "--speculative-config is not valid JSON"),
+                         (["--model", str(tmp_path / "nonexistent")], "is not a directory"),
+                         (["--max-tokens", "-5"], "max_tokens must be an integer >= 1")):
+        r = subprocess.run([sys.executable, "-m", "jspec", *args], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
+    llm = jspec.LLM(max_model_len=64, max_num_seqs=1)
+    assert llm.generate([]) == []
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate("")
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ def test_get_metrics_counts_as_vllm_example_reads_them():
     # step one more; max_tokens may cut a request's last verification (by up to K tokens):
     # against the tokens the outputs hold, counted independently
     assert 0 <= len(prompts) + drafts + accepted - generated <= 3 * len(prompts)
-    assert accepted == sum(o.metrics["num_accepted_tokens"] for o in outs)
+    assert accepted == sum(o.metrics.num_accepted_tokens for o in outs)
     assert isinstance(m1["vllm:num_requests_running"], Gauge) and m1["vllm:num_requests_running"].value == 0
 
 

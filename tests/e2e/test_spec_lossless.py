@@ -55,15 +55,16 @@ def test_per_request_metrics_sum_to_engine_stats():
     outs = llm.generate(PROMPTS[:5], jspec.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     d = h.stats_delta(before, eng.stats())
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-        assert sum(o.metrics[key] for o in outs) == d[key], key
-    per_pos = [sum(o.metrics["accepted_per_position"][i] for o in outs if o.metrics["accepted_per_position"])
+        assert sum(getattr(o.metrics, key) for o in outs) == d[key], key
+    per_pos = [sum(o.metrics.accepted_per_position[i] for o in outs if o.metrics.accepted_per_position)
                for i in range(7)]
     assert per_pos == d["accepted_per_position"]
     assert sum(per_pos) == d["num_accepted_tokens"]
     for o in outs:
         m = o.metrics
-        assert m["num_draft_tokens"] <= 7 * m["num_drafts"]
-        assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
+        assert m.num_draft_tokens <= 7 * m.num_drafts
+        assert m.mean_acceptance_length == pytest.approx(1 + m.num_accepted_tokens / m.num_drafts)
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
     assert d["mean_acceptance_length"] > 1.3
 
 

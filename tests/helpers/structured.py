@@ -51,3 +51,35 @@ def valid(text: str, schema: dict) -> bool:
     except (ValueError, jsonschema.ValidationError):
         return False
     return True
+
+
+def _obj(props: dict, required=None) -> dict:
+    return {"type": "object", "properties": props, "required": list(props if required is None else required)}
+
+
+_S, _I, _N, _B = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+
+# Schemas as users write them (unbounded strings and numbers, open objects, optional keys, unions,
+# patterns), the README's example first: a model left to itself need never finish these.
+USER_SCHEMAS = [
+    _obj({"city": _S}),
+    _obj({"name": _S, "age": _I}),
+    _obj({"ok": _B}),
+    _obj({"x": _N, "y": _N}),
+    _obj({"color": {"enum": ["red", "green", "blue"]}}),
+    _obj({"tags": {"type": "array", "items": _S, "maxItems": 3}}),
+    _obj({"point": _obj({"x": _I, "y": _I})}),
+    _obj({"id": _I, "title": _S, "done": _B}),
+    _obj({"values": {"type": "array", "items": _I, "minItems": 1}}),
+    _obj({"name": _S, "nickname": _S}, required=["name"]),
+    _obj({"kind": {"const": "user"}, "id": _I}),
+    _obj({"result": {"anyOf": [_I, _S]}}),
+    _obj({"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}),
+    _obj({"score": {"type": "integer", "minimum": 0, "maximum": 100}}),
+    _obj({"items": {"type": "array", "items": _obj({"n": _I})}}),
+    _obj({"value": {"type": ["string", "null"]}}),
+    _obj({"a": _obj({"b": _obj({"c": _S})})}),
+    _obj({"word": {"type": "string", "maxLength": 12}}),
+    _obj({"answer": {"enum": ["yes", "no"]}, "confidence": _N}),
+    _obj({"first": _S, "last": _S, "email": _S}),
+]

@@ -101,7 +101,7 @@ def test_usage_reports_the_requests_speculative_counters():
 
     kw = dict(speculative_config={"method": "eagle3"}, dtype="float32", max_model_len=128, max_num_seqs=2)
     sp = jspec.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    want = jspec.LLM(**kw).generate(["def add(a, b):\n"], sp)[0].metrics
+    want = jspec.LLM(**kw).generate(["def add(a, b):\n"], sp)[0].metrics.spec_counters()
     with TestClient(create_app(jspec.LLM(**kw).engine)) as c:
         r = c.post("/v1/completions", json={"prompt": "def add(a, b):\n", "max_tokens": 24, "temperature": 0,
                                             "ignore_eos": True})
