@@ -19,7 +19,7 @@ from jspec import __version__
 from jspec.sampling_params import SamplingParams, SamplingParamsError
 from jspec.serve.chat_reply import ReplyParsers
 from jspec.serve.engine_loop import EngineLoop
-from jspec.serve.metrics import Metrics
+from jspec.serve.metrics import Metrics, StatLogger
 from jspec.serve.openai_responses import ResponsesRequest, chat_request, responses_error
 from jspec.serve.openai_responses_output import new_id, respond
 from jspec.serve.protocol import (
@@ -44,19 +44,30 @@ KNOWN_HANDLERS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/
 
 
 class ServerState:
-    def __init__(self, engine, served_model_name: str | list[str] | None):
+    def __init__(self, engine, served_model_name: str | list[str] | None, log_stats_interval: float | None = None):
         self.engine = engine
         names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
         # requests may name any of them; responses and metrics carry the first (vLLM's)
         self.model_names = names or [engine.model_name]
         self.model_name = self.model_names[0]
         self.metrics = Metrics(self.model_name)
-        self.loop = EngineLoop(engine, self.metrics)
+        stats = None
+        if log_stats_interval is not None:
+            stats = StatLogger(log_stats_interval, speculating=bool(getattr(engine, "K", 0)), kv_label=_kv_label())
+        self.loop = EngineLoop(engine, self.metrics, stat_logger=stats)
         self.draining = False
         self.created = int(time.time())
         self.prompt_tokens_details = False  # usage reports the prompt tokens the prefix cache served
         self.tool_parser = None  # the tool-call parser that serves tool_choice "auto", if it is served
         self.reasoning_parser: str | None = None  # the reasoning parser's name, if replies are parsed for it
+
+
+def _kv_label() -> str:
+    """The KV cache's name in the stats line: vLLM's "GPU KV cache usage" on a GPU."""
+    import jax
+
+    backend = jax.default_backend()
+    return "KV cache usage" if backend == "cpu" else f"{backend.upper()} KV cache usage"
 
 
 def check_parsers(enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None) -> None:
@@ -84,7 +95,7 @@ class HTTPOptions:
 def create_app(engine, served_model_name: str | list[str] | None = None, api_key: str | None = None,
                enable_prompt_tokens_details: bool = False, enable_auto_tool_choice: bool = False,
                tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-               http: HTTPOptions | None = None) -> FastAPI:
+               http: HTTPOptions | None = None, log_stats_interval: float | None = None) -> FastAPI:
     """The app over a (synchronous) engine; the engine thread starts with the app's lifespan.
     With ``api_key`` every /v1 route wants ``Authorization: Bearer <api_key>`` (vLLM's
     --api-key); /health and /metrics stay open. ``enable_prompt_tokens_details``: usage
@@ -92,10 +103,11 @@ def create_app(engine, served_model_name: str | list[str] | None = None, api_key
     with ``tool_call_parser`` serves tool_choice "auto" (jspec/serve/tool_parsers.py);
     ``reasoning_parser`` puts a reasoning model's thinking in the message's ``reasoning``
     (jspec/serve/reasoning.py): vLLM's flags of the same names. ``http``: CORS and the rest
-    of the HTTP setup (HTTPOptions' defaults: vLLM's)."""
+    of the HTTP setup (HTTPOptions' defaults: vLLM's). ``log_stats_interval``: seconds between
+    the throughput lines logged while there is work (metrics.StatLogger; None: none)."""
     check_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     http = http or HTTPOptions()
-    state = ServerState(engine, served_model_name)
+    state = ServerState(engine, served_model_name, log_stats_interval)
     state.prompt_tokens_details = enable_prompt_tokens_details
     state.tool_parser = TOOL_PARSERS[tool_call_parser] if enable_auto_tool_choice else None
     state.reasoning_parser = reasoning_parser

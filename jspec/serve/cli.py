@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
-from jspec import envs, vllm_args
+from jspec import envs, family, vllm_args
 from jspec.serve.reasoning import REASONING_PARSERS
 from jspec.serve.tool_parsers import TOOL_PARSERS
 
@@ -16,7 +17,7 @@ logger = logging.getLogger("jspec.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jspec.serve",
+    p = argparse.ArgumentParser(prog="python -m jspec.serve", formatter_class=_HelpFormatter,
                                 description="OpenAI-compatible HTTP server over a jspec engine.")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="HF checkpoint folder, as `vllm serve MODEL` (or --model)")
@@ -24,21 +25,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HF checkpoint folder (default: the embedded model family's target, jspec.family)")
     p.add_argument("--tokenizer", default=None, help="folder of the tokenizer (default: the model's)")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model names clients may use, the first in responses (default: the folder's basename)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+                   help="model names clients may use, the first in responses and /metrics (default: the model "
+                        f"argument as given, as vLLM's; {FAMILY_NAME} when no model is given)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     # engine arguments: the jspec.LLM keyword arguments
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
                    help="auto: the checkpoint's dtype (config.json); half, float: vLLM's names")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: config.json alone, random weights for the target and the drafter (benchmarks)")
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=8, help="most requests running at once")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt and output (default: the model's max_position_embeddings, at "
+                        "most 4096)")
     p.add_argument("--page-size", "--block-size", type=int, default=16, help="tokens per KV page (vLLM: block size)")
     p.add_argument("--num-pages", "--num-gpu-blocks-override", type=int, default=None,
                    help="KV pages (default: from --gpu-memory-utilization)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of each accelerator's memory for the engine: weights, KV cache (not the CPU's)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV pages of a prompt prefix seen before")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step, decode rows and prefill chunks together (default: 2048 when mixing)")
     p.add_argument("--max-prefill-chunk", type=int, default=256, help="tokens of one prompt per step")
@@ -55,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                         'target is the family\'s')
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1 routes (default: $VLLM_API_KEY, else no key)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the engine's sampling seed (a request's seed is its own)")
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps per device call (tokens fed back on the device)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
@@ -69,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     # uvicorn's default (5 s) closes idle keep-alive connections so soon that a loaded
     # client reusing a pooled connection races the close and sees a connection error.
     p.add_argument("--keep-alive-timeout", type=int, default=75,
-                   help="seconds an idle HTTP keep-alive connection stays open (default 75)")
+                   help="seconds an idle HTTP keep-alive connection stays open")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests may run before they are "
                         "aborted (they still end cleanly, finish_reason 'abort')")
@@ -108,8 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(the ssl module's CERT_NONE 0, CERT_OPTIONAL 1, CERT_REQUIRED 2)")
     p.add_argument("--root-path", default=None, help="the path prefix a proxy serves the API under")
     p.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="the server's log level")
     p.add_argument("--uvicorn-log-level", default=None, help="uvicorn's log level (default: --log-level)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic throughput line in the log (vLLM's: every 10 s while there is activity; "
+                        "VLLM_LOG_STATS_INTERVAL sets the interval)")
     for flag in SERVER_NO_EFFECT:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     for flag, typ in SERVER_NO_EFFECT_VALUES.items():
@@ -117,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     # vLLM's engine arguments jspec takes with no effect or at their default only
     # (jspec/vllm_args.py): present in the namespace only when given.
     for key, typ in vllm_args.FLAGS.items():
+        if key in SERVER_FLAGS:
+            continue
         names = ["--" + key.replace("_", "-")] + SHORT_FLAGS.get(key, [])
         if typ is bool:
             p.add_argument(*names, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
@@ -126,6 +137,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help gives each flag's default: its value, unless its help says it in words
+    ("(default: ...)") or there is none to give (None, a switch's False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action)
+
+
+# The served model name when no model is given: the embedded family's target folder's name.
+FAMILY_NAME = os.path.basename(family.TARGET)
+# vLLM's engine arguments (jspec/vllm_args.py) that the server honours itself.
+SERVER_FLAGS = {"disable_log_stats"}
 # vLLM's short flags for arguments in jspec/vllm_args.py.
 SHORT_FLAGS = {"quantization": ["-q"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"]}
 # vLLM server flags about its own logging; jspec logs no requests.
@@ -144,7 +170,17 @@ def http_options(args):
 
 def vllm_engine_args(args) -> dict:
     """The vLLM engine arguments given on the command line, by their keyword names."""
-    return {k: v for k, v in vars(args).items() if k in vllm_args.FLAGS}
+    return {k: v for k, v in vars(args).items() if k in vllm_args.FLAGS and k not in SERVER_FLAGS}
+
+
+def served_model_names(args) -> list[str] | None:
+    """--served-model-name, else the model argument exactly as given (vLLM's default: a
+    request names the model as the server was started with it); None without a model (the
+    engine's folder name: the family's, FAMILY_NAME)."""
+    if args.served_model_name:
+        return list(args.served_model_name)
+    model = args.model or args.model_tag
+    return [model] if model else None
 
 
 def engine_kwargs(args) -> dict:
@@ -167,14 +203,56 @@ def engine_kwargs(args) -> dict:
 
 def read_chat_template(value: str) -> str:
     """--chat-template: a file's text, or the Jinja template itself (as vLLM reads it)."""
-    import os
-
     if os.path.isfile(value):
         with open(value) as f:
             return f.read()
     if "{{" in value or "{%" in value:
         return value
     raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template")
+
+
+def setup_logging(level: str) -> None:
+    """The server's log: one format for jspec's lines, and without jax's noise."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax._src.xla_bridge").addFilter(_no_libtpu)
+
+
+def _no_libtpu(record: logging.LogRecord) -> bool:
+    """jax's INFO line, on every machine without libtpu, that its TPU backend could not start
+    (it then starts the next one; the engine logs the backend it runs on)."""
+    msg = record.getMessage()
+    return not (record.levelno <= logging.INFO and msg.startswith("Unable to initialize backend 'tpu'")
+                and "libtpu.so" in msg)
+
+
+def log_stats_interval() -> float:
+    """Seconds between the periodic stats lines: vLLM's VLLM_LOG_STATS_INTERVAL, else 10."""
+    value = os.environ.get("VLLM_LOG_STATS_INTERVAL", "").strip()
+    try:
+        return float(value) if value else 10.0
+    except ValueError:
+        raise ValueError(f"VLLM_LOG_STATS_INTERVAL={value!r} is not a number of seconds") from None
+
+
+def served_as(state, args) -> str:
+    """The model of the "serving" line: its folder, and the names clients use when they differ."""
+    model = args.model or f"{family.TARGET} (the embedded family's target)"
+    names = ", ".join(state.model_names)
+    return model if state.model_names == [args.model] else f"{model} as {names}"
+
+
+def describe_drafter(engine) -> str:
+    """The engine's drafter for the "serving" line: its method, K, and its folder ("the
+    family's" for the embedded family's), or what the n-gram method looks up."""
+    spec = getattr(engine, "spec", None)
+    if spec is None:
+        return "no drafter"
+    if spec.model:
+        in_family = os.path.dirname(os.path.abspath(spec.model)) == family.ROOT
+        where = "the embedded family's drafter" if in_family else f"drafter {spec.model}"
+    else:  # the n-gram method: the prompt looked up, no drafter
+        where = f"prompt lookup {spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
+    return f"speculative decoding: {spec.method}, K={engine.K}, {where}"
 
 
 def log_shapes(engine) -> str:
@@ -194,13 +272,14 @@ def main(argv=None) -> int:
     args.model = args.model or args.model_tag
     try:
         chat_template = read_chat_template(args.chat_template) if args.chat_template is not None else None
+        stats_interval = None if args.disable_log_stats else log_stats_interval()
         vllm_args.check_supported(vllm_engine_args(args))  # before anything loads
         from jspec.serve.app import check_parsers
 
         check_parsers(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
     except ValueError as e:
         parser.error(str(e))
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
         # vLLM takes the parser alone too (it reads no reply then): accepted, with a word why
         logger.warning('--tool-call-parser %s without --enable-auto-tool-choice: tool_choice "auto" stays refused',
@@ -226,13 +305,14 @@ def main(argv=None) -> int:
             t = time.monotonic()
             llm.engine.warmup()
             logger.info("warmup: compiled all shape buckets in %.1fs", time.monotonic() - t)
-    app = create_app(llm.engine, args.served_model_name, api_key=args.api_key or envs.VLLM_API_KEY,
+    app = create_app(llm.engine, served_model_names(args), api_key=args.api_key or envs.VLLM_API_KEY,
                      enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                      enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                     reasoning_parser=args.reasoning_parser, http=http_options(args))
+                     reasoning_parser=args.reasoning_parser, http=http_options(args),
+                     log_stats_interval=stats_interval)
     state = app.state.jspec
-    logger.info("serving %s on http://%s:%d (max_model_len=%d, %d KV pages)", state.model_name,
-                args.host, args.port, llm.engine.max_model_len, llm.engine.num_pages)
+    logger.info("serving %s on http://%s:%d (%s; max_model_len=%d, %d KV pages)", served_as(state, args),
+                args.host, args.port, describe_drafter(llm.engine), llm.engine.max_model_len, llm.engine.num_pages)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -9,6 +9,9 @@ into per-request ``asyncio.Queue``s. When idle it blocks on the command queue.
 
 An abort (client disconnect, stop string hit, shutdown) is applied before the next step, so
 the request's KV pages are free at most one step after the abort is queued.
+
+The thread also keeps /metrics' gauges and counters, and (with a ``StatLogger``) logs vLLM's
+periodic stats lines from the engine's counters, waking for them when idle.
 """
 
 from __future__ import annotations
@@ -73,9 +76,10 @@ _ABORT_ALL = object()
 
 
 class EngineLoop:
-    def __init__(self, engine, metrics=None, idle_wait: float = 0.5):
+    def __init__(self, engine, metrics=None, idle_wait: float = 0.5, stat_logger=None):
         self.engine = engine
         self.metrics = metrics
+        self.stat_logger = stat_logger  # metrics.StatLogger: the periodic throughput line, if logged
         self.idle_wait = idle_wait
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._reqs: dict[str, _ReqState] = {}  # engine thread only
@@ -148,6 +152,8 @@ class EngineLoop:
                 try:
                     cmds.append(self._cmds.get(timeout=self.idle_wait))
                 except queue.Empty:
+                    if self.stat_logger is not None and self.stat_logger.due(time.monotonic()):
+                        self.stat_logger.observe(self._stats(), time.monotonic())  # the last busy interval's line
                     continue
             while True:
                 try:
@@ -291,6 +297,8 @@ class EngineLoop:
                 if d > 0:
                     m.accepted_at(i, d)
             self._prev_stats = s
+        if self.stat_logger is not None:
+            self.stat_logger.observe(s, time.monotonic())
         self.snapshot = snap
 
 

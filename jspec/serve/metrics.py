@@ -3,10 +3,13 @@
 Counters are declared without ``_total``; prometheus_client appends it in the text format
 (``vllm:prompt_tokens`` -> ``vllm:prompt_tokens_total``), exactly as vLLM does. All metrics
 carry the ``model_name`` label like vLLM's. Updated from the engine thread (prometheus_client
-is thread-safe) and from the HTTP middleware.
+is thread-safe) and from the HTTP middleware. ``StatLogger``: vLLM's periodic stats lines in
+the log, from the same counters.
 """
 
 from __future__ import annotations
+
+import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -84,3 +87,64 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class StatLogger:
+    """vLLM's periodic log lines (its LoggingStatLogger and SpecDecodingLogging): every
+    ``interval`` seconds in which the engine had work, the interval's prompt and generation
+    throughput, the requests running and waiting, the KV cache's usage and the prefix cache's
+    hit rate, and, speculating, the interval's drafts and acceptance. Nothing when idle.
+
+    Fed ``LLMEngine.stats()`` by the engine thread (``observe``), which alone touches it."""
+
+    def __init__(self, interval: float = 10.0, speculating: bool = False, kv_label: str = "KV cache usage",
+                 logger: logging.Logger | None = None):
+        self.interval = interval
+        self.speculating = speculating
+        self.kv_label = kv_label  # "GPU KV cache usage" on a GPU, as vLLM's line; the device's name elsewhere
+        self.logger = logger or logging.getLogger("jspec.serve.stats")
+        self._last: dict | None = None  # the stats at the start of the interval
+        self._since = 0.0
+        self._hit_rate = 0.0  # the last interval's with prefix-cache lookups (vLLM's is over recent requests)
+
+    def due(self, now: float) -> bool:
+        return self._last is None or now - self._since >= self.interval
+
+    def observe(self, s: dict, now: float) -> list[str]:
+        """The lines logged (none before the interval is over, or when it was idle)."""
+        if self._last is None:
+            self._last, self._since = s, now
+            return []
+        dt = now - self._since
+        if dt < self.interval:
+            return []
+        p, self._last, self._since = self._last, s, now
+
+        def d(key):
+            return s.get(key, 0) - p.get(key, 0)
+
+        prompt, gen = d("num_prompt_tokens"), d("num_generation_tokens")
+        running, waiting = s.get("num_running", 0), s.get("num_waiting", 0)
+        if d("prefix_cache_query_tokens"):
+            self._hit_rate = d("prefix_cache_hit_tokens") / d("prefix_cache_query_tokens")
+        if not (prompt or gen or running or waiting):
+            return []  # idle: nothing to say (vLLM logs it at debug level only)
+        pages = s.get("num_pages", 0)
+        usage = 1.0 - s.get("num_free_pages", 0) / pages if pages else 0.0
+        lines = [f"Avg prompt throughput: {prompt / dt:.1f} tokens/s, Avg generation throughput: {gen / dt:.1f} "
+                 f"tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, {self.kv_label}: {usage:.1%}, "
+                 f"Prefix cache hit rate: {self._hit_rate:.1%}"]
+        drafts = d("num_drafts")
+        if self.speculating and drafts:
+            drafted, accepted = d("num_draft_tokens"), d("num_accepted_tokens")
+            now_pos, then_pos = list(s.get("accepted_per_position") or []), list(p.get("accepted_per_position") or [])
+            then_pos += [0] * (len(now_pos) - len(then_pos))
+            per_pos = ", ".join(f"{(a - b) / drafts:.3f}" for a, b in zip(now_pos, then_pos))
+            lines.append(f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+                         f"Accepted throughput: {accepted / dt:.2f} tokens/s, Drafted throughput: "
+                         f"{drafted / dt:.2f} tokens/s, Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+                         f"Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: "
+                         f"{accepted / drafted if drafted else 0.0:.1%}")
+        for line in lines:
+            self.logger.info("%s", line)
+        return lines

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 
@@ -30,6 +31,8 @@ from jspec.serve.engine_loop import RequestStream
 from jspec.serve.protocol import APIError
 from jspec.serve.text import Detokenizer
 from jspec.serve.tools import new_call_id
+
+logger = logging.getLogger("jspec.serve")
 
 
 class SSEResponse(StreamingResponse):
@@ -350,7 +353,7 @@ async def stream_response(ctxs: list[Ctx], streams: list[RequestStream]):
 
 async def run_to_end(ctxs: list[Ctx], streams: list[RequestStream], request: Request) -> dict | None:
     """Wait for the requests to finish; their logprob entries by choice index, or None when
-    the client went away first (the requests are then aborted)."""
+    the client went away first (the requests are then aborted, with one log line)."""
     lps = {c.index: [] for ctx in ctxs for c in ctx.choices}
 
     async def collect(ctx, stream):
@@ -364,20 +367,36 @@ async def run_to_end(ctxs: list[Ctx], streams: list[RequestStream], request: Req
             if msg["type"] == "http.disconnect":
                 return
 
-    task = asyncio.ensure_future(asyncio.gather(*(collect(ctx, stream) for ctx, stream in zip(ctxs, streams))))
+    # One task per prompt, each awaited or cancelled here: a gather() cancelled on a
+    # disconnect held a CancelledError nobody retrieved, logged with its traceback.
+    collectors = [asyncio.ensure_future(collect(ctx, stream)) for ctx, stream in zip(ctxs, streams)]
     watch = asyncio.ensure_future(disconnected())
+    gone = False
     try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        pending = set(collectors)
+        while pending and not gone:
+            done, _ = await asyncio.wait(pending | {watch}, return_when=asyncio.FIRST_COMPLETED)
+            gone = watch in done
+            pending -= done
+            if any(not t.cancelled() and t.exception() is not None for t in done if t is not watch):
+                break  # an engine error: raised below, the other prompts aborted
     finally:
+        if watch.done() and not watch.cancelled():
+            watch.exception()  # retrieved: the disconnect (or a failed receive) is all it says
         watch.cancel()
-        if not task.done():
-            task.cancel()
-            for ctx, stream in zip(ctxs, streams):
-                if not stream.finished:
-                    ctx.state.loop.abort(ctx.rid)
-    if task not in done:  # client disconnected; nobody reads the answer
+        for t in collectors:
+            t.cancel()  # no-op for those done
+        aborted = [ctx.rid for ctx, stream in zip(ctxs, streams) if not stream.finished]
+        for rid in aborted:
+            ctxs[0].state.loop.abort(rid)
+    errors = [t.exception() for t in collectors if t.done() and not t.cancelled() and t.exception() is not None]
+    if gone:  # nobody reads the answer
+        if aborted:
+            logger.info("%s: the client disconnected; aborted %d engine request(s)", ctxs[0].response_id,
+                        len(aborted))
         return None
-    task.result()
+    if errors:
+        raise errors[0]
     return lps
 
 

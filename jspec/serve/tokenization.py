@@ -5,6 +5,7 @@ max_model_len, tokens, token_strs) and ``POST /detokenize`` (tokens -> prompt)."
 from __future__ import annotations
 
 import json
+import logging
 
 from fastapi import Request
 
@@ -16,6 +17,8 @@ from jspec.serve.protocol import (
     check_model,
     parse_request,
 )
+
+logger = logging.getLogger("jspec.serve")
 
 # apply_chat_template's own arguments, which chat_template_kwargs must not override
 _RESERVED = {"tokenize", "add_generation_prompt", "continue_final_message", "return_dict", "conversation",
@@ -51,10 +54,27 @@ def chat_prompt_ids(tok, messages, *, add_generation_prompt: bool = True, contin
             return list(tok(tok.apply_chat_template(msgs, tokenize=False, **kw), add_special_tokens=True)["input_ids"])
         ids = tok.apply_chat_template(msgs, tokenize=True, **kw)
     except Exception as e:
-        raise APIError(f"Could not apply the chat template: {e}", param="messages") from None
+        raise _template_error(e) from None
     if hasattr(ids, "keys") and "input_ids" in ids:
         ids = ids["input_ids"]
     return list(ids)
+
+
+def _template_error(e: Exception) -> APIError:
+    """A template that fails on what the request brought (its messages, its own template, a
+    raise_exception of the template's) is the client's error, a 400; anything else (jinja2
+    missing, a broken install) the server's, a 500 naming the cause, logged."""
+    client = (ValueError, TypeError)
+    try:
+        import jinja2
+
+        client += (jinja2.TemplateError,)
+    except ImportError:
+        pass
+    if isinstance(e, client):
+        return APIError(f"Could not apply the chat template: {e}", param="messages")
+    logger.error("could not apply the chat template (a server fault)", exc_info=e)
+    return APIError(f"The server could not apply the chat template: {type(e).__name__}: {e}", 500)
 
 
 def _decoded_arguments(call):

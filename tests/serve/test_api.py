@@ -107,6 +107,7 @@ def test_usage_reports_the_requests_speculative_counters():
                                             "ignore_eos": True})
     got = r.json()["usage"]["speculative_decoding"]
     assert got["num_drafts"] > 0 and got == want
+    assert r.json()["model"] == "jspec-stdlib-10m"  # no model given: the family's name (cli.FAMILY_NAME)
     assert got["mean_acceptance_length"] == 1 + got["num_accepted_tokens"] / got["num_drafts"]
 
 
@@ -159,3 +160,24 @@ def test_tokenize_and_detokenize(client, llm):
     r = client.post("/tokenize", json={"prompt": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
+
+
+def test_chat_template_fault_is_the_servers_500_and_a_bad_template_the_clients_400(client, llm, monkeypatch):
+    """A template the request brings (or its messages) that fails is a 400; the server
+    failing to render at all (jinja2 missing) a 500 naming the cause, not the client's fault."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    for template, frag in [("{% for m in messages %}{{ m['content'] }", "Could not apply the chat template"),
+                           ("{{ raise_exception('roles must alternate') }}", "roles must alternate")]:
+        r = client.post("/v1/chat/completions", headers=AUTH, json={"messages": msgs, "chat_template": template})
+        assert r.status_code == 400 and frag in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "messages"
+
+    def no_jinja(*a, **kw):
+        raise ImportError("apply_chat_template requires jinja2 to be installed")
+
+    monkeypatch.setattr(llm.get_tokenizer(), "apply_chat_template", no_jinja)
+    for path, body in [("/v1/chat/completions", {"messages": msgs, "max_tokens": 1}), ("/tokenize", {"messages": msgs})]:
+        r = client.post(path, headers=AUTH, json=body)
+        err = r.json()["error"]
+        assert r.status_code == 500 and err["type"] == "internal_server_error", r.text
+        assert "ImportError: apply_chat_template requires jinja2" in err["message"]

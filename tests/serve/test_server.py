@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import load_test  # noqa: E402
 
-from tests.helpers.serve import ENGINE_KWARGS, metric, metric_samples, start_server  # noqa: E402
+from tests.helpers.serve import ENGINE_KWARGS, TINY_MODEL, metric, metric_samples, start_server  # noqa: E402
 
 PROMPTS = ["Hello there", "The quick brown fox", "Request 7: alpha bravo"]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
@@ -27,7 +27,9 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 @pytest.fixture(scope="module")
 def _server_proc():
-    srv = start_server(wait=False)  # starts up while the reference engine (ref) loads
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_LOG_STATS_INTERVAL", "1")  # the periodic stats lines within the module's run
+        srv = start_server(wait=False)  # starts up while the reference engine (ref) loads
     try:
         yield srv
     finally:
@@ -98,10 +100,13 @@ def _wait_pages_free(server, timeout=10.0):
 def test_models_and_health(server, client):
     assert httpx.get(server.base_url + "/health").status_code == 200
     models = client.models.list().data
-    from jspec.default_model import default_model_path
-
-    assert [m.id for m in models] == [os.path.basename(default_model_path())]
+    # vLLM's served name: --model exactly as given (a request names it so), the folder's name is not it
+    assert [m.id for m in models] == [TINY_MODEL]
     assert models[0].model_extra["max_model_len"] == 128
+    r = client.completions.create(model=TINY_MODEL, prompt="Hi", max_tokens=2)
+    assert r.model == TINY_MODEL
+    with pytest.raises(openai.NotFoundError, match=f"This server serves `{TINY_MODEL}`"):
+        client.completions.create(model=os.path.basename(TINY_MODEL), prompt="Hi", max_tokens=2)
 
 
 def test_completions_match_generate(server, client, ref):
@@ -284,6 +289,40 @@ def test_disconnected_clients_free_their_pages(server):
     assert generated < 30 * 90 / 2
 
 
+def test_disconnected_non_streaming_requests_are_aborted_quietly(server, client):
+    """Non-streaming requests whose clients leave mid-generation (n > 1, a prompt array, one
+    prompt) are aborted with one log line each: no traceback, no unretrieved gather."""
+    start = _wait_pages_free(server)
+    m0 = metric_samples(httpx.get(server.base_url + "/metrics").text)
+    log0 = len(server.log())
+    bodies = [{"prompt": "Leave 1", "n": 3, "temperature": 1.0}, {"prompt": ["Leave 2", "Leave 3"]}, {"prompt": "Leave 4"}]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            posts = [asyncio.ensure_future(http.post("/v1/completions", json={
+                "max_tokens": 110, "temperature": 0, "ignore_eos": True, **b})) for b in bodies]
+            while (await http.get("/v1/debug/engine")).json()["num_active_requests"] < 4:  # all generating
+                assert not any(p.done() for p in posts), [p.result().text for p in posts if p.done()]
+                await asyncio.sleep(0.02)
+            for p in posts:
+                p.cancel()  # the client goes away: its connection closes
+            await asyncio.gather(*posts, return_exceptions=True)
+
+    asyncio.run(run())
+    end = _wait_pages_free(server)
+    assert end["num_free_pages"] == start["num_free_pages"]
+    m1 = metric_samples(httpx.get(server.base_url + "/metrics").text)
+    aborted = metric(m1, "vllm:request_success_total", finished_reason="abort") - \
+        metric(m0, "vllm:request_success_total", finished_reason="abort")
+    generated = metric(m1, "vllm:generation_tokens_total") - metric(m0, "vllm:generation_tokens_total")
+    assert aborted == 4 and generated < 6 * 110 / 2  # 4 engine requests, 6 samples, stopped early
+    log = server.log()[log0:]
+    assert "Traceback" not in log and "never retrieved" not in log and "CancelledError" not in log, log
+    assert log.count("the client disconnected; aborted") == 3, log
+    r = client.completions.create(model=TINY_MODEL, prompt="Leave 1", max_tokens=4, n=2, seed=0)  # later ones work
+    assert len(r.choices) == 2 and r.usage.completion_tokens > 0
+
+
 # ------------------------------------------------------------------------- metrics
 def test_metrics_parse_and_move(server, client):
     text0 = httpx.get(server.base_url + "/metrics").text
@@ -346,3 +385,13 @@ def test_load_64_streaming_clients(server, ref):
     assert s["no_first_token"] == 0
     assert all((r["chat"], r["prompt"]) in expected for r in s["results"])
     _wait_pages_free(server)
+
+
+def test_server_log(server):
+    """What the module's server logged: the model and its drafter, the periodic stats lines
+    (VLLM_LOG_STATS_INTERVAL=1 here, as vLLM's; "KV cache usage" on a CPU), and no traceback."""
+    log = server.log()
+    assert f"serving {TINY_MODEL} on {server.base_url} (no drafter; max_model_len=128" in log
+    stats = [line for line in log.splitlines() if "jspec.serve.stats" in line]
+    assert stats and all("Avg prompt throughput:" in line and " reqs, KV cache usage: " in line for line in stats)
+    assert "Traceback" not in log and "Unable to initialize backend 'tpu'" not in log

@@ -10,6 +10,7 @@ import os
 import shutil
 
 import httpx
+import openai
 import pytest
 
 import jspec
@@ -110,19 +111,24 @@ def test_cli_flags(capsys):
 def test_server_started_the_vllm_way(tmp_path):
     """`python -m jspec.serve MODEL` with vLLM's flags serves the model: the chat reply
     under --chat-template is LLM.chat's under the same template; tool_choice "auto" is
-    served under --enable-auto-tool-choice --tool-call-parser hermes."""
+    served under --enable-auto-tool-choice --tool-call-parser hermes; --served-model-name
+    names it (every name accepted, the first reported, the folder no longer)."""
     tpl = tmp_path / "chat.jinja"
     tpl.write_text(TEMPLATE)
     args = [TINY_MODEL, "--max-num-seqs", "16", "--max-model-len", "128", "--block-size", "16", "--dtype", "float",
             "--trust-remote-code", "--enforce-eager", "--disable-log-requests", "--kv-cache-dtype", "auto",
             "--chat-template", str(tpl), "--uvicorn-log-level", "warning", "--enable-auto-tool-choice",
-            "--tool-call-parser", "hermes"]
+            "--tool-call-parser", "hermes", "--served-model-name", "jspec-tiny", "alias"]
     srv = start_server(engine_args=args)
     try:
-        r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60,
-                       json={"model": os.path.basename(TINY_MODEL), "messages": CHAT, "max_tokens": 6, "temperature": 0})
-        assert r.status_code == 200, r.text
-        got = r.json()["choices"][0]["message"]["content"]
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["jspec-tiny", "alias"]
+        r = client.chat.completions.create(model="alias", messages=CHAT, max_tokens=6, temperature=0)
+        assert r.model == "jspec-tiny"  # the first name (vLLM's documented rule)
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model=TINY_MODEL, messages=CHAT, max_tokens=1)
+        assert f"serving {TINY_MODEL} as jspec-tiny, alias on " in srv.log()
+        got = r.choices[0].message.content
         llm = jspec.LLM(**ENGINE_KWARGS)
         want = llm.chat(CHAT, jspec.SamplingParams(temperature=0.0, max_tokens=6), chat_template=TEMPLATE)[0]
         assert got == want.outputs[0].text
