@@ -253,6 +253,8 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
     """Read ``PATH/config.json`` (or a config.json path) into a ModelConfig."""
     path = os.fspath(path)
     cfg_path = path if path.endswith(".json") else os.path.join(path, "config.json")
+    if not path.endswith(".json") and not os.path.isdir(path):
+        raise FileNotFoundError(f"model path {path!r} is not a directory")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"no config.json at {cfg_path}")
     return model_config_from_hf(read_json_object(cfg_path))

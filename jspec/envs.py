@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     JSPEC_COMPILATION_CACHE: bool
     JSPEC_COMPILATION_CACHE_MAX_GB: float
     VLLM_API_KEY: str | None
+    VLLM_LOG_STATS_INTERVAL: float
     XLA_PYTHON_CLIENT_MEM_FRACTION: float | None
 
 
@@ -33,6 +34,14 @@ def _cache_max_gb() -> float:
     except ValueError:
         raise ValueError(f"JSPEC_COMPILATION_CACHE_MAX_GB must be a number of GiB (<= 0: no limit), "
                          f"got {value!r}") from None
+
+
+def _log_stats_interval() -> float:
+    value = os.environ.get("VLLM_LOG_STATS_INTERVAL", "").strip()
+    try:
+        return float(value) if value else 10.0
+    except ValueError:
+        raise ValueError(f"VLLM_LOG_STATS_INTERVAL={value!r} is not a number of seconds") from None
 
 
 # JAX's GPU memory pool, read by jax when its backend starts: the share of each device it may
@@ -83,6 +92,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "JSPEC_COMPILATION_CACHE_MAX_GB": _cache_max_gb,
     # The server's API key when --api-key is not given (vLLM's variable).
     "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY") or None,
+    # Seconds between the server's periodic stats lines (vLLM's variable; default 10).
+    "VLLM_LOG_STATS_INTERVAL": _log_stats_interval,
     # The share of each GPU's memory in JAX's pool (None: no pool), from jax's variables above;
     # jspec sets it from gpu_memory_utilization when unset (jspec/engine/kv_memory.py).
     "XLA_PYTHON_CLIENT_MEM_FRACTION": _pool_fraction,

@@ -562,7 +562,7 @@ def serve(name: str, k: int) -> str:
             time.sleep(1)
         prompt = h.varied_prompts(1, 20, 20, seed=5)[0]
         r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-            "model": os.path.basename(folder), "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "model": folder, "prompt": prompt, "max_tokens": 12, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True})
         r.raise_for_status()
         got = r.json()["choices"][0]["token_ids"]

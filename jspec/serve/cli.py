@@ -225,15 +225,6 @@ def _no_libtpu(record: logging.LogRecord) -> bool:
                 and "libtpu.so" in msg)
 
 
-def log_stats_interval() -> float:
-    """Seconds between the periodic stats lines: vLLM's VLLM_LOG_STATS_INTERVAL, else 10."""
-    value = os.environ.get("VLLM_LOG_STATS_INTERVAL", "").strip()
-    try:
-        return float(value) if value else 10.0
-    except ValueError:
-        raise ValueError(f"VLLM_LOG_STATS_INTERVAL={value!r} is not a number of seconds") from None
-
-
 def served_as(state, args) -> str:
     """The model of the "serving" line: its folder, and the names clients use when they differ."""
     model = args.model or f"{family.TARGET} (the embedded family's target)"
@@ -272,7 +263,7 @@ def main(argv=None) -> int:
     args.model = args.model or args.model_tag
     try:
         chat_template = read_chat_template(args.chat_template) if args.chat_template is not None else None
-        stats_interval = None if args.disable_log_stats else log_stats_interval()
+        stats_interval = None if args.disable_log_stats else envs.VLLM_LOG_STATS_INTERVAL
         vllm_args.check_supported(vllm_engine_args(args))  # before anything loads
         from jspec.serve.app import check_parsers
 
@@ -291,7 +282,10 @@ def main(argv=None) -> int:
     from jspec.serve.app import create_app
 
     prometheus_client.disable_created_metrics()
-    llm = LLM(args.model, **engine_kwargs(args))
+    try:
+        llm = LLM(args.model, **engine_kwargs(args))
+    except (ValueError, OSError) as e:  # a bad folder, checkpoint, config key or value: one line, no traceback
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     if chat_template is not None:
         if llm.engine.tokenizer is None:
             parser.error("--chat-template: the model has no tokenizer to apply it with (see --tokenizer)")

@@ -41,10 +41,11 @@ def test_user_errors_are_one_line(tmp_path):
     import subprocess
     import sys
 
-    for args, needle in ((["--speculative-config", "{bad"], "--speculative-config is not valid JSON"),
-                         (["--model", str(tmp_path / "nonexistent")], "is not a directory"),
-                         (["--max-tokens", "-5"], "max_tokens must be an integer >= 1")):
-        r = subprocess.run([sys.executable, "-m", "jspec", *args], capture_output=True, text=True, timeout=300)
+    for args, needle in ((["jspec", "--speculative-config", "{bad"], "--speculative-config is not valid JSON"),
+                         (["jspec", "--model", str(tmp_path / "nonexistent")], "is not a directory"),
+                         (["jspec", "--max-tokens", "-5"], "max_tokens must be an integer >= 1"),
+                         (["jspec.serve", "--model", str(tmp_path / "nonexistent")], "is not a directory")):
+        r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
     llm = jspec.LLM(max_model_len=64, max_num_seqs=1)
     assert llm.generate([]) == []
