@@ -16,6 +16,9 @@ tests/kernels/conftest.py (gpu_target, tpu_chip).
 Kernels (grep -n pallas_call kernels_pallas/*.py):
   paged_attention_gpu.py   main kernel + split-combine kernel       GPU
   paged_attention_tpu.py   paged attention                          TPU
+  ragged_paged_attention_gpu.py  flat-token-batch attention         GPU
+                           (+ paged_attention_gpu's split combine)
+  ragged_paged_attention_tpu.py  flat-token-batch attention         TPU
   fused_linear.py          batch-1 projection (+ norm / SwiGLU)     GPU
   fused_linear_rows.py     2-16-row projection (+ norms, residual)  GPU
   rope_kv_write.py         RoPE + paged KV write                    GPU
@@ -42,6 +45,8 @@ from kernels_pallas.paged_attention import paged_attention
 from kernels_pallas.paged_attention_gpu import paged_attention_gpu
 from kernels_pallas.paged_attention_tpu import paged_attention_tpu
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
+from kernels_pallas.ragged_paged_attention import ragged_paged_attention
+from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from kernels_pallas.rejection_sampling import rejection_sample
 from kernels_pallas.rope_kv_write import rope_kv_write
 from tests.helpers.lowering import MOSAIC, TRITON, custom_calls, lower
@@ -97,6 +102,33 @@ def attention_tpu_blocks(dtype):
     def fn(*a):
         return paged_attention_tpu(*a, sm_scale=0.125, pages_per_block=2, block_rows=16)
     return fn, attention_shapes(dtype, Q=8, H=8, KVH=2, W=5), [(MOSAIC, r"paged_attention_tpu_p2_r16")]
+
+
+def ragged_shapes(dtype, *, T=8, H=4, KVH=2, D=128, P=6, S=16, N=3, W=3, causal=True):
+    """q [T, H, D], k/v pages, cu_q_lens [N + 1], kv_lens [N], page_table [N, W], num_seqs [1][, causal [N]]."""
+    shapes = [sds((T, H, D), dtype), sds((P, S, KVH, D), dtype), sds((P, S, KVH, D), dtype), sds((N + 1,), I32),
+              sds((N,), I32), sds((N, W), I32), sds((1,), I32)]
+    if causal:
+        shapes.append(sds((N,), jnp.bool_))
+    return shapes
+
+
+def ragged_entry(impl, dtype, causal, **tuning):
+    """The public entry of the flat-batch attention; one kv split at this short context."""
+    def fn(*a):
+        return ragged_paged_attention(*a, sm_scale=0.125, impl=impl, **tuning)
+    name = r"ragged_paged_attention_gpu_q\d+_k64_s1" if impl == "gpu" else r"ragged_paged_attention_tpu_q\d+_p\d+"
+    if tuning:  # TPU: block_q tokens, block_kv // S pages per kv step
+        name = rf"ragged_paged_attention_tpu_q{tuning['block_q']}_p{tuning['block_kv'] // 16}"
+    return fn, ragged_shapes(dtype, causal=causal), [(TRITON if impl == "gpu" else MOSAIC, name)]
+
+
+def ragged_gpu_splits(dtype):
+    """kv splits > 1: the ragged kernel, then paged_attention_gpu's combine kernel."""
+    def fn(*a):
+        return ragged_paged_attention_gpu(*a, sm_scale=0.125, block_q=2, block_kv=16, kv_splits=2)
+    calls = [(TRITON, r"ragged_paged_attention_gpu_q2_k16_s2"), (TRITON, r"paged_attention_combine_s2")]
+    return fn, ragged_shapes(dtype, D=64, S=8, W=4), calls
 
 
 # Weight shapes by stream: bf16 / f16 weights of 8B widths take the tensor-core stream; narrower
@@ -239,6 +271,9 @@ GPU_CASES = {
     "paged_attention-f32-causal": lambda: attention_entry("gpu", F32, causal=True),
     "paged_attention-splits-combine_kernel": lambda: attention_gpu_splits(BF16, "kernel"),
     "paged_attention-splits-combine_jnp": lambda: attention_gpu_splits(F32, "jnp"),
+    "ragged_paged_attention-bf16": lambda: ragged_entry("gpu", BF16, causal=True),
+    "ragged_paged_attention-f32-all_causal": lambda: ragged_entry("gpu", F32, causal=False),
+    "ragged_paged_attention-splits-combine": lambda: ragged_gpu_splits(BF16),
     "fused_linear-rmsnorm-bf16": lambda: linear("rmsnorm", BF16, bias=True),
     "fused_linear-rmsnorm-f32": lambda: linear("rmsnorm", F32),
     "fused_linear-rmsnorm-narrow-bf16": lambda: linear("rmsnorm", BF16, narrow=True),
@@ -268,6 +303,9 @@ TPU_CASES = {
     "paged_attention-bf16": lambda: attention_entry("tpu", BF16, causal=False),
     "paged_attention-f32-causal": lambda: attention_entry("tpu", F32, causal=True),
     "paged_attention-kv_steps-row_blocks-bf16": lambda: attention_tpu_blocks(BF16),
+    "ragged_paged_attention-bf16": lambda: ragged_entry("tpu", BF16, causal=True),
+    "ragged_paged_attention-f32-all_causal": lambda: ragged_entry("tpu", F32, causal=False),
+    "ragged_paged_attention-blocks-bf16": lambda: ragged_entry("tpu", BF16, causal=True, block_q=8, block_kv=32),
     "rejection-stats": lambda: rejection("tpu", V=300, draft_probs=False),
     "rejection-stats-resid": lambda: rejection("tpu", V=300, draft_probs=True),
     "rejection-stats-resid-narrow_vocab-bf16": lambda: rejection("tpu", V=100, draft_probs=True, dtype=BF16),
@@ -318,6 +356,8 @@ def test_every_pallas_call_is_covered():
         "paged_attention_gpu.py": 2,
         "paged_attention_tpu.py": 1,
         "qkv_rope_kv_write.py": 1,
+        "ragged_paged_attention_gpu.py": 1,  # + paged_attention_gpu.py's combine kernel
+        "ragged_paged_attention_tpu.py": 1,
         "rejection_blocks.py": 2,  # _gpu_call (stats, resid kernels) and _tpu_call (stats, resid)
         "rope_kv_write.py": 1,
     }, "pallas_call sites changed: add lowering cases for the new kernels and update this list"
