@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jspec import envs
 from jspec.config import ModelConfig
 from jspec.kv_cache import AttentionMetadata, MixedMetadata
-from jspec.parallel.mesh import TP_AXIS
+from jspec.parallel.mesh import TP_AXIS, padded_vocab
 from kernels_pallas import fused_linear as _fl
 from kernels_pallas import fused_linear_rows as _flr
 from kernels_pallas import moe_experts as _moe
@@ -169,6 +169,13 @@ def weight_shape(plan: KernelPlan, out_features: int, in_features: int) -> tuple
     return (in_features, out_features) if plan.in_out_weights else (out_features, in_features)
 
 
+def vocab_rows(plan: KernelPlan, vocab_size: int) -> int:
+    """The rows a vocabulary table (an embedding, an lm_head) is held with under ``plan``:
+    ``vocab_size`` padded to a multiple of plan.tp (parallel.padded_vocab, as the loader's
+    Placement holds it); ``logits`` slices the padded ones off."""
+    return padded_vocab(vocab_size, plan.tp)
+
+
 def plan_params(plan: KernelPlan, params):
     """A loaded parameter tree (HF [out, in] projection weights) in the plan's layout: with
     in_out_weights every projection weight transposed. Projection weights are the 2-D leaves
@@ -277,6 +284,19 @@ def linear(plan: KernelPlan, x, w, b=None, *, residual=None, out_dtype=None, out
         return _project(plan, x.x, w, b, prologue="rmsnorm", norm_w=x.weight, eps=x.eps, residual=residual,
                         out_dtype=out_dtype, out_in=out_in)
     return _project(plan, x, w, b, residual=residual, out_dtype=out_dtype, out_in=out_in)
+
+
+def logits(plan: KernelPlan, h, w, *, vocab_size: int, out_in=False):
+    """The lm_head: f32[..., vocab_size] = h @ w.T over w [Vp, H] ([H, Vp] under
+    in_out_weights; ``out_in``: a tied embedding table, as ``linear``), whose rows may be
+    padded past vocab_size under tensor parallelism (vocab_rows). The padded columns are
+    sliced off here, so every consumer (the processors, structured-output masks, samplers,
+    logprobs, a drafter's picks) sees the real vocabulary alone and never draws a padded id.
+    The dot stays split by vocabulary on the devices; the slice drops the padding of the
+    last device's block (no weight or logit gather; the sampler's reductions over the uneven
+    blocks add a few collectives of a value per row: docs/architecture.md)."""
+    y = linear(plan, h, w, out_dtype=jnp.float32, out_in=out_in)
+    return y if y.shape[-1] == vocab_size else y[..., :vocab_size]
 
 
 def linear_then_norm(plan: KernelPlan, x, w, b=None, *, residual, norm_w, eps) -> Normed:

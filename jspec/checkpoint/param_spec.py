@@ -40,17 +40,22 @@ class ParamSpec:
     # sources split on axis 0 holds, on each device, that device's slice of every source in
     # turn ("tp-interleaved": [q_i | k_i | v_i], [gate_i | up_i]; ops.split_fused reads it).
     split: int | None = None
+    # Axis 0 is a vocabulary (an embedding, an lm_head): on the mesh it is padded with zero
+    # rows to a multiple of tp (parallel.padded_vocab, Placement.shape), so any size splits.
+    vocab: bool = False
 
 
 class SpecList(list):
     """The ParamSpecs of one model, in load order, appended through ``add``."""
 
-    def add(self, path, sources, source_shapes, shape=None, integer=False, split=None):
+    def add(self, path, sources, source_shapes, shape=None, integer=False, split=None, vocab=False):
         """A leaf at ``path``; ``shape`` defaults to the sources' concatenation on axis 0;
-        ``split``: the axis tensor parallelism shards (ParamSpec.split)."""
+        ``split``: the axis tensor parallelism shards (ParamSpec.split); ``vocab``: a
+        vocabulary table, split by its rows and padded (ParamSpec.vocab)."""
         source_shapes = tuple(tuple(s) for s in source_shapes)
         cat = (sum(s[0] for s in source_shapes),) + source_shapes[0][1:]
-        self.append(ParamSpec(tuple(path), tuple(shape or cat), tuple(sources), source_shapes, integer, split))
+        split = 0 if vocab else split
+        self.append(ParamSpec(tuple(path), tuple(shape or cat), tuple(sources), source_shapes, integer, split, vocab))
 
 
 def resolve_dtype(dtype) -> jnp.dtype:

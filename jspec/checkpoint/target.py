@@ -38,11 +38,12 @@ ORBAX_DIR = "orbax_params"
 
 def target_param_spec(c: ModelConfig) -> list[ParamSpec]:
     """Our tree <- HF names, with the Megatron split of each leaf (ParamSpec.split): q/k/v and
-    gate/up by output rows, o and down by input columns, embedding and lm_head by vocabulary;
-    norms and the o / down biases replicated."""
+    gate/up by output rows, o and down by input columns, embedding and lm_head by vocabulary
+    (padded where tp does not divide it: ParamSpec.vocab); norms and the o / down biases
+    replicated."""
     H, D, I = c.hidden_size, c.head_dim, c.intermediate_size
     specs = SpecList()
-    specs.add(("embed_tokens", "embedding"), ["model.embed_tokens.weight"], [(c.vocab_size, H)], split=0)
+    specs.add(("embed_tokens", "embedding"), ["model.embed_tokens.weight"], [(c.vocab_size, H)], vocab=True)
     for i in range(c.num_layers):
         p, L = f"model.layers.{i}", f"layers_{i}"
         specs.add((L, "input_layernorm", "weight"), [f"{p}.input_layernorm.weight"], [(H,)])
@@ -74,7 +75,7 @@ def target_param_spec(c: ModelConfig) -> list[ParamSpec]:
             specs.add((L, "mlp", "down_proj", "bias"), [f"{p}.mlp.down_proj.bias"], [(H,)])
     specs.add(("norm", "weight"), ["model.norm.weight"], [(H,)])
     if not c.tie_word_embeddings:
-        specs.add(("lm_head",), ["lm_head.weight"], [(c.vocab_size, H)], split=0)
+        specs.add(("lm_head",), ["lm_head.weight"], [(c.vocab_size, H)], vocab=True)
     return specs
 
 
@@ -91,7 +92,8 @@ def save_orbax(params, folder: str) -> str:
 def restore_orbax(folder, specs, dtype, sharding=None):
     """The tree of ``specs`` from ``folder/orbax_params``. With a Placement (tensor
     parallelism) every leaf is restored sharded (orbax reads each device's part) and the
-    fused leaves are then put in the tp-interleaved layout on the devices."""
+    fused leaves are then put in the tp-interleaved layout on the devices; a vocabulary tp
+    does not divide is restored whole, then padded and split (Placement.from_concatenated)."""
     import orbax.checkpoint as ocp
 
     if sharding is None:
@@ -99,7 +101,7 @@ def restore_orbax(folder, specs, dtype, sharding=None):
     place = sharding if isinstance(sharding, Placement) else None
     target: dict = {}
     for spec in specs:
-        s = place.sharding(spec) if place else sharding
+        s = place.restore_sharding(spec) if place else sharding
         set_path(target, spec.path, jax.ShapeDtypeStruct(spec.shape, dtype, sharding=s))
     path = os.path.abspath(os.path.join(folder, ORBAX_DIR))
     with ocp.StandardCheckpointer() as ckptr:

@@ -55,8 +55,9 @@ class DFlashDrafter(DraftVocab, nn.Module):
         self.layers = [DFlashLayer(lc, self.dtype, self.plan, name=f"layers_{i}") for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.uses_target_lm_head:
+            Vd = ops.vocab_rows(self.plan, c.draft_vocab_size)  # padded under tensor parallelism
             self.lm_head = self.param("lm_head", nn.initializers.normal(0.02),
-                                      ops.weight_shape(self.plan, c.draft_vocab_size, c.hidden_size), self.dtype)
+                                      ops.weight_shape(self.plan, Vd, c.hidden_size), self.dtype)
         if c.has_d2t:
             self.d2t = self.param("d2t", nn.initializers.zeros, (c.draft_vocab_size,), jnp.int32)
 
@@ -87,8 +88,10 @@ class DFlashDrafter(DraftVocab, nn.Module):
 
     def logits(self, h, target_lm_head=None):  # h: normed f[..., H] -> f32[..., V]
         """target_lm_head: the target's output projection in the plan's layout, f[Vt, H]
-        ([H, Vt] under in_out_weights): Transformer.lm_head_weight."""
+        ([H, Vt] under in_out_weights; Vt padded as the target holds it under tensor
+        parallelism): Transformer.lm_head_weight. Either head's padded rows are sliced off
+        (ops.logits): V is draft_vocab_size (the target's with its lm_head)."""
         w = target_lm_head if self.cfg.uses_target_lm_head else self.lm_head
         if w is None:
             raise ValueError("this DFlash drafter uses the target's lm_head: pass target_lm_head=[Vt, H]")
-        return ops.linear(self.plan, h, w, out_dtype=jnp.float32)
+        return ops.logits(self.plan, h, w, vocab_size=self.cfg.draft_vocab_size)

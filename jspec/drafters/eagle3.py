@@ -15,6 +15,8 @@ Parameter tree (HF names are mapped in jspec/drafters/loader.py):
   layers_0/attn/o_proj/weight; layers_0/attn/{q_norm,k_norm}/weight [D] (qwen3 layers);
   layers_0/mlp/{gate_up_proj,down_proj}/weight; layers_i (i >= 1): target-style layers;
   norm/weight [H]; lm_head [Vd, H]; d2t i32[Vd] (reduced vocab); mask_hidden [n*Ht] (PEagle).
+  Under tensor parallelism the rows of embed_tokens and lm_head are padded to a multiple of
+  tp (ops.vocab_rows); d2t and the logits keep Vd.
 Projection weights (``weight``, ``lm_head``) are [in, out] under the CPU plan (ops.weight_shape).
 """
 
@@ -84,14 +86,17 @@ class Eagle3Drafter(DraftVocab, nn.Module):
             self.input_norm = RMSNorm(c.rms_norm_eps, self.dtype)
         self.fc = Linear(c.hidden_size, c.fc_in_features, False, self.dtype, self.plan)
         if c.has_own_embeddings:
-            self.embed_tokens = self.param("embed_tokens", _normal, (c.target_vocab_size, c.hidden_size), self.dtype)
+            self.embed_tokens = self.param("embed_tokens", _normal,
+                                           (ops.vocab_rows(self.plan, c.target_vocab_size), c.hidden_size), self.dtype)
         self.layers = [Eagle3FirstLayer(lc, c.norm_before_residual, self.dtype, self.plan, name="layers_0")] + [
             DecoderLayer(lc, self.dtype, self.plan, name=f"layers_{i}") for i in range(1, c.num_layers)
         ]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
-        # A bare [Vd, H] array, never tied to the embeddings (reduced vocab rows differ).
-        self.lm_head = self.param("lm_head", _normal, ops.weight_shape(self.plan, c.draft_vocab_size, c.hidden_size),
-                                  self.dtype)
+        # A bare [Vd, H] array, never tied to the embeddings (reduced vocab rows differ);
+        # Vd padded under tensor parallelism (ops.vocab_rows), sliced off by logits().
+        self.lm_head = self.param("lm_head", _normal,
+                                  ops.weight_shape(self.plan, ops.vocab_rows(self.plan, c.draft_vocab_size),
+                                                   c.hidden_size), self.dtype)
         if c.has_d2t:
             self.d2t = self.param("d2t", nn.initializers.zeros, (c.draft_vocab_size,), jnp.int32)
         if c.method == "peagle":
@@ -130,7 +135,7 @@ class Eagle3Drafter(DraftVocab, nn.Module):
 
     def logits(self, pre_norm_out):  # f[..., H] -> f32[..., Vd]
         h = self.norm(pre_norm_out)
-        return ops.linear(self.plan, h, self.lm_head, out_dtype=jnp.float32)
+        return ops.logits(self.plan, h, self.lm_head, vocab_size=self.cfg.draft_vocab_size)
 
 
 def create_kv_cache(cfg: DrafterConfig, num_pages: int, page_size: int, dtype, sharding=None) -> KVCache:

@@ -20,8 +20,9 @@ from jspec.parallel.placement import Placement
 
 
 def drafter_param_spec(c: DrafterConfig) -> list[ParamSpec]:
-    """Our tree <- the layout's names; the Megatron splits (ParamSpec.split) as the target's,
-    fc by its input columns (the aux states), norms, d2t and mask_hidden replicated."""
+    """Our tree <- the layout's names; the Megatron splits (ParamSpec.split) as the target's
+    (the vocabulary tables padded: ParamSpec.vocab), fc by its input columns (the aux
+    states), norms, d2t and mask_hidden replicated."""
     H, D, I, Vd = c.hidden_size, c.head_dim, c.intermediate_size, c.draft_vocab_size
     specs = SpecList()
 
@@ -69,14 +70,14 @@ def drafter_param_spec(c: DrafterConfig) -> list[ParamSpec]:
         for i in range(c.num_layers):
             layer(i, f"layers.{i}", H, dflash=True)
         if not c.uses_target_lm_head:
-            specs.add(("lm_head",), ["lm_head.weight"], [(Vd, H)], split=0)
+            specs.add(("lm_head",), ["lm_head.weight"], [(Vd, H)], vocab=True)
         return specs
 
     if c.norm_before_fc:
         specs.add(("input_norm", "weight"), ["input_norm.weight"], [(c.fc_in_features,)])
     if c.has_own_embeddings:
-        specs.add(("embed_tokens",), ["embed_tokens.weight"], [(c.target_vocab_size, H)], split=0)
-    specs.add(("lm_head",), ["lm_head.weight"], [(Vd, H)], split=0)
+        specs.add(("embed_tokens",), ["embed_tokens.weight"], [(c.target_vocab_size, H)], vocab=True)
+    specs.add(("lm_head",), ["lm_head.weight"], [(Vd, H)], vocab=True)
     if c.method == "peagle":
         specs.add(("mask_hidden",), ["mask_hidden"], [(1, 1, c.fc_in_features)], shape=(c.fc_in_features,))
     if c.source_format == FMT_EAGLE3_ORIGINAL:

@@ -13,6 +13,8 @@ Parameter tree (HF names -> ours are mapped in jspec/checkpoint/target.py):
   layers_i/attn/qkv_proj/weight [(Hq + 2 Hkv) * D, H] (+ bias); layers_i/attn/o_proj/weight;
   layers_i/attn/{q_norm,k_norm}/weight [D] (Qwen3); layers_i/mlp/gate_up_proj/weight [2I, H];
   layers_i/mlp/down_proj/weight [H, I]; norm/weight [H]; lm_head [V, H] (untied only).
+  Under tensor parallelism V of embed_tokens and lm_head is padded to a multiple of tp
+  (ops.vocab_rows, zero rows); the logits are the real vocabulary's.
   A Qwen3-MoE layer's mlp instead: gate/weight [E, H] (the router), gate_up [E, 2I, H], down [E, H, I].
 Projection weights (``weight``, ``lm_head``) are [in, out] under the CPU plan (ops.weight_shape).
 """
@@ -154,13 +156,14 @@ class Transformer(nn.Module):
 
     def setup(self):
         c = self.cfg
-        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
+        V = ops.vocab_rows(self.plan, c.vocab_size)  # padded under tensor parallelism: logits() slices it off
+        self.embed_tokens = nn.Embed(V, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
         self.layers = [DecoderLayer(c, self.dtype, self.plan, i, name=f"layers_{i}") for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
             # a bare [V, H] array so logits can accumulate in float32 (see logits()).
             self.lm_head = self.param("lm_head", nn.initializers.normal(0.02),
-                                      ops.weight_shape(self.plan, c.vocab_size, c.hidden_size), self.dtype)
+                                      ops.weight_shape(self.plan, V, c.hidden_size), self.dtype)
 
     def __call__(
         self,
@@ -191,7 +194,8 @@ class Transformer(nn.Module):
         return ops.embed(self.plan, self.embed_tokens.embedding, tokens, shards=self.plan.tp).astype(self.dtype)
 
     def embedding_table(self):
-        """The input embedding [V, H] (the drafters that share the target's embed from it)."""
+        """The input embedding [V, H] (the drafters that share the target's embed from it;
+        V padded under tensor parallelism: ops.vocab_rows)."""
         return self.embed_tokens.embedding
 
     def lm_head_weight(self):
@@ -204,7 +208,8 @@ class Transformer(nn.Module):
         table = self.embed_tokens.embedding
         return table.T if self.plan.in_out_weights else table
 
-    def logits(self, h):  # f[..., H] (already normed) -> f32[..., V]
+    def logits(self, h):  # f[..., H] (already normed) -> f32[..., V] (the real vocabulary: ops.logits)
+        V = self.cfg.vocab_size
         if self.cfg.tie_word_embeddings:  # the table, [V, H] in every plan
-            return ops.linear(self.plan, h, self.embed_tokens.embedding, out_dtype=jnp.float32, out_in=True)
-        return ops.linear(self.plan, h, self.lm_head, out_dtype=jnp.float32)
+            return ops.logits(self.plan, h, self.embed_tokens.embedding, vocab_size=V, out_in=True)
+        return ops.logits(self.plan, h, self.lm_head, vocab_size=V)

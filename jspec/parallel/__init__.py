@@ -16,6 +16,7 @@ from jspec.parallel.mesh import (
     kv_sharding,
     local_kv_heads,
     make_mesh,
+    padded_vocab,
     replicate,
     resolve_draft_tp,
 )
@@ -23,5 +24,5 @@ from jspec.parallel.placement import Placement
 
 __all__ = [
     "TP_AXIS", "EngineMesh", "Placement", "check_drafter", "check_target", "device_param_bytes", "kv_sharding",
-    "local_kv_heads", "make_mesh", "replicate", "resolve_draft_tp",
+    "local_kv_heads", "make_mesh", "padded_vocab", "replicate", "resolve_draft_tp",
 ]

@@ -1,8 +1,9 @@
 """The tensor-parallel mesh, the configurations it accepts, and the KV cache's sharding.
 
 Every check raises a ValueError naming the numbers: a tensor-parallel size that does not
-divide the attention heads, the KV heads (nor is divided by them), the intermediate size or
-the vocabulary, or that asks for more devices than JAX sees.
+divide the attention heads, the KV heads (nor is divided by them) or the intermediate size,
+or that asks for more devices than JAX sees. Any vocabulary splits: a table tp does not
+divide is padded (``padded_vocab``).
 """
 
 from __future__ import annotations
@@ -106,8 +107,7 @@ def check_target(cfg, tp: int):
     if cfg.moe_layers:
         raise ValueError(f"{flag}={tp}: a mixture-of-experts target (num_experts={cfg.num_experts}) runs on one "
                          f"device in jspec; its experts are not split over devices")
-    _divides(tp, "target", flag, num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
-             vocab_size=cfg.vocab_size)
+    _divides(tp, "target", flag, num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size)
     _kv_heads(tp, "target", flag, cfg.num_kv_heads, cfg.head_dim)
 
 
@@ -116,13 +116,20 @@ def check_drafter(cfg, tp: int):
     if tp == 1:
         return
     flag = "draft_tensor_parallel_size"
-    sizes = dict(num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
-                 draft_vocab_size=cfg.draft_vocab_size)
-    if cfg.has_own_embeddings:
-        sizes["vocab_size (its own embeddings)"] = cfg.target_vocab_size
-    sizes["fc input (aux states x target hidden)"] = cfg.fc_in_features
+    sizes = {"num_attention_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size,
+             "fc input (aux states x target hidden)": cfg.fc_in_features}
     _divides(tp, "drafter", flag, **sizes)
     _kv_heads(tp, "drafter", flag, cfg.num_kv_heads, cfg.head_dim)
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The rows a vocabulary-split table (an embedding, an lm_head: ParamSpec.vocab) is held
+    with over ``tp`` devices: ``vocab_size`` rounded up to a multiple of tp, so each device
+    holds as many rows. The extra rows are zero (Placement) and their logits are sliced off
+    right after the lm_head (ops.logits): no sampler, logprob or mask sees them. vLLM pads
+    to a multiple of 64 * tp for its GPU kernels; XLA needs no such alignment, and the
+    fewest rows keep each device's bytes at total / tp."""
+    return -(-vocab_size // tp) * tp
 
 
 def kv_sharding(mesh: Mesh | None, num_kv_heads: int, tp: int):

@@ -8,7 +8,9 @@ one device's slice of one tensor at a time. A leaf of several sources split on a
 gate|up, DFlash's k|v) is stored tp-interleaved: device i holds [slice i of source 0 | slice i
 of source 1 | ...], so every device computes whole local q/k/v (gate/up) columns with no
 communication; ``jspec.ops.split_fused`` reads that layout. With tp == 1 it is the plain
-concatenation.
+concatenation. A vocabulary table (``ParamSpec.vocab``) that tp does not divide is held with
+zero rows appended up to a multiple of tp (``Placement.shape``, ``padded_vocab``): the last
+device's block ends in them, made on the host, never read from the file.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jspec.parallel.mesh import TP_AXIS, check_drafter, check_target
+from jspec.parallel.mesh import TP_AXIS, check_drafter, check_target, padded_vocab
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,18 @@ class Placement:
 
     def sharding(self, spec) -> NamedSharding:
         return NamedSharding(self.mesh, self.partition(spec))
+
+    def shape(self, spec) -> tuple[int, ...]:
+        """The leaf's shape on the mesh: ``spec.shape``, a vocabulary's rows padded to a
+        multiple of tp (the modules declare the same: ops.vocab_rows)."""
+        if not spec.vocab or self.tp == 1:
+            return tuple(spec.shape)
+        return (padded_vocab(spec.shape[0], self.tp),) + tuple(spec.shape[1:])
+
+    def restore_sharding(self, spec) -> NamedSharding:
+        """Where an orbax restore reads the leaf (``spec.shape``): its sharding, or
+        replicated for a vocabulary padded on the mesh (from_concatenated pads it then)."""
+        return self.sharding(spec) if self.shape(spec) == tuple(spec.shape) else NamedSharding(self.mesh, P())
 
     def check_target(self, cfg):
         check_target(cfg, self.tp)
@@ -67,6 +81,9 @@ class Placement:
             parts = [jnp.asarray(src.get(n)).astype(dtype) for n in spec.sources]
             arr = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
             return jax.device_put(arr.reshape(spec.shape), sharding)
+        shape = self.shape(spec)
+        if shape != tuple(spec.shape):
+            return jax.make_array_from_callback(shape, sharding, lambda index: self._vocab_part(src, spec, index, dtype))
         self._check_split(spec)
         ax, tp = spec.split, self.tp
         block = spec.shape[ax] // tp
@@ -83,14 +100,33 @@ class Placement:
 
         return jax.make_array_from_callback(tuple(spec.shape), sharding, part)
 
+    def _vocab_part(self, src, spec, index, dtype):
+        """A padded vocabulary's block (rows ``index[0]`` of the padded table): the file's
+        rows it covers, then zero rows."""
+        V = spec.shape[0]
+        start, stop, _ = index[0].indices(self.shape(spec)[0])
+        real = min(stop, V) - start
+        zeros = np.zeros((stop - start - max(real, 0),) + tuple(spec.shape[1:]), np.float32)
+        if real <= 0:
+            return jnp.asarray(zeros, dtype)
+        rows = jnp.asarray(src.get_part(spec.sources[0], (slice(start, start + real),) + tuple(index[1:])))
+        return jnp.concatenate([rows.astype(dtype), jnp.asarray(zeros, dtype)], axis=0)
+
     def place(self, arr, spec) -> jax.Array:
         """A leaf already on a device (random weights), onto its sharding, rows as they are
-        (from_concatenated then puts a fused leaf's rows in the tp-interleaved layout)."""
+        (from_concatenated then puts a fused leaf's rows in the tp-interleaved layout); a
+        vocabulary padded with zero rows (shape)."""
+        pad = self.shape(spec)[0] - arr.shape[0]
+        if pad:
+            arr = jnp.pad(arr, ((0, pad),) + ((0, 0),) * (arr.ndim - 1))
         return jax.device_put(arr, self.sharding(spec))
 
     def from_concatenated(self, arr, spec) -> jax.Array:
-        """A leaf in the plain concatenated layout (an orbax checkpoint, restored sharded)
-        in the tp-interleaved one: one row gather on the devices."""
+        """A leaf in the plain concatenated layout (an orbax checkpoint, restored sharded:
+        restore_sharding) in the tp-interleaved one: one row gather on the devices; a
+        vocabulary restored whole, padded and split (place)."""
+        if tuple(arr.shape) != self.shape(spec):
+            return self.place(arr, spec)
         if self.tp == 1 or spec.split != 0 or len(spec.sources) == 1:
             return arr
         offsets = np.cumsum([0] + [s[0] for s in spec.source_shapes])

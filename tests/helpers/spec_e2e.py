@@ -112,18 +112,20 @@ def _spec_config(kind: str, family: str, num_layers: int, k: int, **kw):
     return speculators_config(kind, family, num_layers, k, vocab=V, hidden=H, **kw)
 
 
-def _randomize(model, target_hf, draft_vocab: int, seed: int, fc_col: int | None, boost: float = B_DRAFT):
-    """Random weights, target embeddings, a d2t map if reduced, and the planted feature."""
+def _randomize(model, target_hf, draft_vocab: int, seed: int, fc_col: int | None, boost: float = B_DRAFT,
+               vocab: int = V):
+    """Random weights, target embeddings, a d2t map if reduced (of a target vocabulary of
+    ``vocab`` tokens), and the planted feature."""
     with torch.no_grad():
         fill_random(model, torch.Generator().manual_seed(seed))
         if hasattr(model, "embed_tokens"):
             model.embed_tokens.weight.copy_(target_hf.model.embed_tokens.weight)
         x_row = X
-        if draft_vocab != V:
+        if draft_vocab != vocab:
             rng = np.random.RandomState(seed)
-            others = np.setdiff1d(np.arange(V), [X])
+            others = np.setdiff1d(np.arange(vocab), [X])
             tgt = np.sort(np.concatenate([[X], rng.choice(others, draft_vocab - 1, replace=False)]))
-            set_vocab_map(model, tgt, V)
+            set_vocab_map(model, tgt, vocab)
             x_row = int(np.nonzero(tgt == X)[0][0])
         # Route the shared feature: fc output F reads aux column fc_col (the feature in the
         # first aux state), and the drafter's X row looks along F.

@@ -1,6 +1,7 @@
 """Tensor parallelism below the engine: the sharded forward against the unsharded one (a
 tied lm_head: the vocabulary-sharded table), each device's parameter bytes, the per-device
-read of a fused leaf, and the errors of configurations that do not split."""
+read of a fused leaf, and the errors of configurations that do not split (a vocabulary
+always does: test_tp_vocab.py)."""
 
 from __future__ import annotations
 
@@ -101,8 +102,7 @@ def test_errors_name_the_numbers(tmp_path):
     folder, _ = h.target("llama")  # 8 heads of 8, 2 KV heads, intermediate 96, vocab 64
     bad = [({"num_attention_heads": 6, "head_dim": 8}, 4, r"num_attention_heads=6"),
            ({"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8}, 2, r"num_key_value_heads=3"),
-           ({"intermediate_size": 90}, 4, r"intermediate_size=90"),
-           ({"vocab_size": 66}, 4, r"vocab_size=66")]
+           ({"intermediate_size": 90}, 4, r"intermediate_size=90")]  # any vocabulary splits: test_tp_vocab.py
     for changes, tp, match in bad:
         with pytest.raises(ValueError, match=f"tensor_parallel_size={tp} .*{match}|{match}"):
             jspec.LLM(_config_folder(tmp_path, folder, **changes), load_format="dummy", tensor_parallel_size=tp)
