@@ -9,6 +9,9 @@ W = page-table width bucket):
   AttentionMetadata.slot_mapping: i32[B, Q] flat slot page*S+offset to write; P*S = drop
   AttentionMetadata.causal:     bool[B]     False: queries see all kv_lens keys (DFlash)
 
+A flat step (jspec/engine/flat_input.py) runs its T tokens as one row [1, T] with
+``RaggedMetadata``: sequence i owns tokens cu_q_lens[i] .. cu_q_lens[i + 1] - 1.
+
 Per-layer arrays (rather than one stacked [L, ...] array) let XLA update each layer's
 buffer in place under donation without slicing a giant array.
 """
@@ -85,3 +88,21 @@ class MixedMetadata:
     @property
     def slot_mapping(self):  # i32[1, N]
         return jnp.concatenate([m.slot_mapping.reshape(1, -1) for m in self.segments], axis=1)
+
+
+@struct.dataclass
+class RaggedMetadata:
+    """The attention metadata of a flat step: T tokens in one row, one contiguous segment
+    per sequence (a prefill chunk, a decode token, K + 1 tokens to verify), N sequence
+    slots of which ``num_seqs`` are used (kernels_pallas/ragged_paged_attention.py)."""
+
+    positions: jax.Array  # i32[1, T]     position of each token (padding: 0)
+    slot_mapping: jax.Array  # i32[1, T]  flat slot to write; P*S = drop (padding)
+    cu_q_lens: jax.Array  # i32[N + 1]    segment boundaries
+    kv_lens: jax.Array  # i32[N]          keys valid after this step's writes
+    page_table: jax.Array  # i32[N, W]
+    num_seqs: jax.Array  # i32[1]
+    causal: jax.Array  # bool[N]
+    # Query windows of the XLA path (kernels_pallas/ragged_attention_xla.py): the longest
+    # short segment (decode, verification) and the longest segment of the step's shape.
+    windows: tuple[int, int] = struct.field(pytree_node=False, default=(1, 1))

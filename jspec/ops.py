@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jspec import envs
 from jspec.config import ModelConfig
-from jspec.kv_cache import AttentionMetadata, MixedMetadata
+from jspec.kv_cache import AttentionMetadata, MixedMetadata, RaggedMetadata
 from jspec.parallel.mesh import TP_AXIS, padded_vocab
 from kernels_pallas import fused_linear as _fl
 from kernels_pallas import fused_linear_rows as _flr
@@ -45,9 +45,11 @@ from kernels_pallas import moe_experts as _moe
 from kernels_pallas import moe_router as _router
 from kernels_pallas import paged_attention as _pa
 from kernels_pallas import qkv_rope_kv_write as _qkv
+from kernels_pallas import ragged_paged_attention as _rpa
 from kernels_pallas import rope_kv_write as _rope
 from kernels_pallas.dispatch import GPU_IMPLS, backend_impl, check_impl, shape_fallback
 from kernels_pallas.fused_linear import rms_norm
+from kernels_pallas.ragged_attention_xla import ragged_attention_xla
 
 # Wider projections stay with XLA: gate_up (28672 x 4096) streams at 4.0-4.2 TB/s through
 # XLA's autotuned GEMM against 3.9 in fused_linear's kernel (60.3 vs 55.8-58.2 us on the
@@ -494,6 +496,8 @@ def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata | M
     (kernels_pallas/paged_attention.py for the semantics). With ``MixedMetadata`` q is
     [1, N, H, D], the segments' rows flattened in order: one call per segment, on its
     own [B_i, Q_i] layout."""
+    if isinstance(meta, RaggedMetadata):
+        return _ragged_attention(plan, q[0], k_pages, v_pages, meta, sm_scale)[None]
     if isinstance(meta, MixedMetadata):
         H, D = q.shape[2:]
         outs, off = [], 0
@@ -514,6 +518,30 @@ def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata | M
             return _sharded_attention(plan, impl, q, k_pages, v_pages, meta, sm_scale)
     return _pa.paged_attention(q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions, meta.causal,
                                sm_scale=sm_scale, impl=impl)
+
+
+def _ragged_attention(plan: KernelPlan, q, k_pages, v_pages, meta: RaggedMetadata, sm_scale: float):
+    """q [T, H, D] of a flat step over the cache -> [T, H, D]: the ragged kernels on GPU and
+    TPU (per shard of KV heads under tensor parallelism), the loop over sequences through
+    XLA on a CPU, the gathering reference where an accelerator's kernel cannot take the shape."""
+    impl, kvh = plan.attn, k_pages.shape[2]
+    if impl != "reference":
+        impl = shape_fallback("ragged_paged_attention", impl, _rpa.unsupported_shape(impl, q.shape[-1]))
+    if plan.tp > 1 and impl != "reference":
+        impl = shape_fallback("ragged_paged_attention", impl, None if kvh % plan.tp == 0 else
+                              f"{kvh} KV heads, replicated over tensor parallel size {plan.tp}")
+    args = (meta.cu_q_lens, meta.kv_lens, meta.page_table, meta.num_seqs, meta.causal)
+    if impl == "reference":
+        if jax.default_backend() == "cpu":
+            short, long = meta.windows
+            return ragged_attention_xla(q, k_pages, v_pages, *args, sm_scale=sm_scale, short=short, long=long)
+        return _rpa.ragged_paged_attention(q, k_pages, v_pages, *args, sm_scale=sm_scale, impl="reference")
+    if plan.tp > 1:
+        heads, rep = P(None, TP_AXIS, None), P()
+        local = lambda q, k, v, *a: _rpa.ragged_paged_attention(q, k, v, *a, sm_scale=sm_scale, impl=impl)  # noqa: E731
+        return jax.shard_map(local, mesh=plan.mesh, in_specs=(heads, _KV_HEADS, _KV_HEADS) + (rep,) * 5,
+                             out_specs=heads, check_vma=False)(q, k_pages, v_pages, *args)
+    return _rpa.ragged_paged_attention(q, k_pages, v_pages, *args, sm_scale=sm_scale, impl=impl)
 
 
 # The paged cache [P, S, KVH, D] and q [B, Q, H, D] split by (KV) head over the mesh.

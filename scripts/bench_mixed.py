@@ -36,8 +36,8 @@ sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # bench.py, and this checkout's 
 from bench import LLAMA_8B, TINY, clear, inject, random_tree  # noqa: E402
 
 from jspec.checkpoint.target import target_param_spec  # noqa: E402
+from jspec.engine.flat_input import describe_shapes  # noqa: E402
 from jspec.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from jspec.engine.mixed import describe_shapes  # noqa: E402
 from jspec.sampling_params import SamplingParams  # noqa: E402
 
 

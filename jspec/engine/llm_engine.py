@@ -22,6 +22,8 @@ from jspec.checkpoint.target import auto_dtype, load_target, resolve_dtype
 from jspec.config import load_model_config
 from jspec.engine.block_manager import BlockManager
 from jspec.engine.buckets import Buckets
+from jspec.engine.flat_input import FlatShapes
+from jspec.engine.flat_runner import FlatRunner
 from jspec.engine.kv_memory import (
     claim_device_memory,
     create_pools,
@@ -31,7 +33,6 @@ from jspec.engine.kv_memory import (
 from jspec.engine.logprobs import LOGPROBS_MODES, record_logprobs, record_prompt_logprobs
 from jspec.engine.outputs import CompletionOutput, RequestOutput, SampleGroups, make_output  # noqa: F401 (re-exported)
 from jspec.engine.recovery import restore_after_failure
-from jspec.engine.runner import ModelRunner
 from jspec.engine.runner_base import tokens_of
 from jspec.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jspec.engine.sequence import Sequence, SpecMetrics, Status
@@ -217,7 +218,11 @@ class LLMEngine:
                                  page_widths=page_table_widths(plan, pages_per_seq))
         params = plan_params(plan, params)  # the weight layout the plan's modules declare
         if self.spec is None:
-            self.runner = ModelRunner(mc, params, kv, buckets, dtype=dtype, plan=plan)
+            # the most tokens a step can hold: decode rows and at most ``mix`` chunks when mixing
+            most = (c.max_num_seqs * (self.K + 1) + mix * chunk) if mix else c.max_num_seqs * chunk
+            shapes = FlatShapes.create(c.max_num_seqs, min(sched_cfg.max_num_batched_tokens, most), chunk,
+                                       q=self.K + 1)
+            self.runner = FlatRunner(mc, params, kv, shapes, width=pages_per_seq, dtype=dtype, plan=plan)
         else:
             from jspec.engine.spec_runner import SpecModelRunner
 

@@ -1,6 +1,6 @@
 """The speculative mixed step: verification rows and prefill chunks in one jitted call.
 
-The speculative counterpart of jspec/engine/mixed.py. A step of the mixed scheduler
+A step of the mixed scheduler
 (``SchedulerOutput.kind == "mixed"``) has two row segments, each padded to its own buckets:
   decode segment   [Bd, K + 1]  every running row: last token + its drafts  (Bd: Buckets.batch)
   prefill segment  [Bp, Qp]     chunks of prefilling prompts  (Bp: Buckets.prefill_rows,
@@ -35,11 +35,29 @@ import numpy as np
 from flax import struct
 
 from jspec.engine.buckets import pick
-from jspec.engine.mixed import masked_alike
 from jspec.engine.packing import pack
-from jspec.engine.runner_base import StepShape
+from jspec.engine.runner_base import StepInput, StepShape
 from jspec.engine.scheduler import SchedulerOutput
 from jspec.kv_cache import MixedMetadata
+
+
+def mixed_shapes(buckets) -> list[StepShape]:
+    """Every mixed-step shape of these buckets (none when the engine does not mix)."""
+    return [StepShape(Bd, Qp, buckets.pages[-1], 0, prefill_rows=Bp) for Bd in buckets.batch
+            for Bp in buckets.prefill_rows for Qp in buckets.mixed_q]
+
+
+def masked_alike(a: StepInput, qa: int, b: StepInput, qb: int, allow_all):
+    """Both segments with grammar masks, or neither: where only one segment has a grammar,
+    the other gets masks allowing every token (``allow_all(B, Q)``; qa, qb: each segment's
+    mask positions). So a mixed shape has one masked variant, the one warmup compiles."""
+    if (a.grammar_mask is None) == (b.grammar_mask is None):
+        return a, b
+
+    def fill(s, q):
+        return s if s.grammar_mask is not None else s.replace(grammar_mask=allow_all(s.tokens.shape[0], q))
+
+    return fill(a, qa), fill(b, qb)
 
 
 @struct.dataclass

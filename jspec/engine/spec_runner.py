@@ -33,11 +33,10 @@ from jspec.drafters.propose import ProposeInputs, slots_for
 from jspec.drafters.registry import make_drafter
 from jspec.engine.logits_processing import extend_history
 from jspec.engine.logprobs import info_width
-from jspec.engine.mixed import mixed_shapes
 from jspec.engine.packing import pack
 from jspec.engine.runner_base import RunnerBase, SampleInput, Split, StepInput, StepShape
 from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
-from jspec.engine.spec_mixed import SpecMixedSteps
+from jspec.engine.spec_mixed import SpecMixedSteps, mixed_shapes
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
 from jspec.parallel import replicate

@@ -248,7 +248,7 @@ def describe_drafter(engine) -> str:
 
 def log_shapes(engine) -> str:
     """Log (and return) the compiled step shapes a server can meet: what warmup compiles."""
-    from jspec.engine.mixed import describe_shapes
+    from jspec.engine.flat_input import describe_shapes
 
     line = describe_shapes(engine.warmup_shapes())
     logger.info("step shapes: %s", line)

@@ -65,7 +65,9 @@ def test_async_warmup_compiles_every_decode_shape_once(llama_ckpt):
     llm = jspec.LLM(llama_ckpt[0], max_num_seqs=2, max_model_len=64, page_size=16, max_prefill_chunk=32)
     eng = llm.engine
     shapes = list(eng.runner.warmup_shapes(1, True))
-    assert sorted(s[3] for s in shapes) == [0] * 4 + [1] * 2  # B{1,2} x (Q{16,32} plain, decode fed)
+    # the decode family fed back (N 1, 2), the general family (T 8, 16, 32): no host-fed decode step
+    assert sorted((s.decode, s.steps, s.tokens) for s in shapes) == [(False, 0, 8), (False, 0, 16), (False, 0, 32),
+                                                                      (True, 1, 1), (True, 1, 2)]
     eng.warmup()
     assert eng.runner.num_compilations == len(shapes)
     rng = np.random.default_rng(4)

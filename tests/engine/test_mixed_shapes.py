@@ -1,13 +1,15 @@
-"""The shapes a mixing engine compiles (jspec/engine/mixed.py, buckets.py), counted without
-a model: what a server's warmup compiles and logs at startup (jspec.serve.cli.log_shapes)."""
+"""The shapes an engine compiles (jspec/engine/flat_input.py; with a drafter buckets.py and
+spec_mixed.py), counted without a model: what a server's warmup compiles and logs at startup
+(jspec.serve.cli.log_shapes)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 from jspec.engine.buckets import Buckets
-from jspec.engine.mixed import describe_shapes, mixed_shapes
-from jspec.engine.runner import ModelRunner
+from jspec.engine.flat_input import FlatShapes, describe_shapes
+from jspec.engine.flat_runner import FlatRunner
+from jspec.engine.spec_mixed import mixed_shapes
 from jspec.engine.spec_runner import SpecModelRunner
 from jspec.ops import KernelPlan, page_table_widths
 from jspec.serve.cli import build_parser, engine_kwargs, log_shapes
@@ -22,20 +24,24 @@ def server_shapes(attn: str, partial_prefills: int, *, max_num_seqs=64, max_mode
     # the runners' warmup_shapes read nothing but their buckets (and K)
     if K:
         return SpecModelRunner.warmup_shapes(SimpleNamespace(buckets=b, K=K), 1, True)
-    return ModelRunner.warmup_shapes(SimpleNamespace(buckets=b), 1, True)
+    # LLMEngine's: the step budget, capped by the most tokens a step can hold
+    budget = max(2048, max_num_seqs + chunk) if partial_prefills else max(chunk, max_num_seqs)
+    most = max_num_seqs + partial_prefills * chunk if partial_prefills else max_num_seqs * chunk
+    flat = FlatShapes.create(max_num_seqs, min(budget, most), chunk, 1)
+    return FlatRunner.warmup_shapes(SimpleNamespace(shapes=flat), 1, True)
 
 
-def test_8b_server_shape_count_before_and_after():
-    """``--max-num-seqs 64 --max-model-len 1536``: before, 7 batch x (5 prefill Q + the
-    fed-back decode) x 6 page-table widths = 252 shapes; on GPU one width serves every
-    context, and mixing adds decode x prefill-row x chunk buckets."""
-    assert len(server_shapes("reference", 0)) == 252
-    assert len(server_shapes("gpu", 0)) == 7 * 6
-    gpu = server_shapes("gpu", 2)  # the engine's default max_num_partial_prefills
-    assert describe_shapes(gpu) == "59 shapes (7 decode, 42 mixed, 10 prefill)"
-    assert len(server_shapes("gpu", 1)) == 7 + 5 + 7 * 3
-    # the CPU plan keeps every width but for the mixed steps (the widest: jspec/engine/mixed.py)
-    assert len(server_shapes("reference", 2)) == (7 + 10) * 6 + 42
+def test_8b_server_shape_count():
+    """``--max-num-seqs 64 --max-model-len 1536``: the decode family (7 batch buckets, fed
+    back) and the general family (token buckets 8 .. the step's budget), on every plan:
+    the page table has one width. (The [B, Q] steps before were 252 shapes on the CPU plan,
+    42 on the GPU's; 59 and 42 + 17 when mixing.)"""
+    for attn in ("reference", "gpu"):
+        assert describe_shapes(server_shapes(attn, 0)) == "13 shapes (7 decode, 6 general)"  # T 8 .. 256
+        mixing = server_shapes(attn, 2)  # the engine's default max_num_partial_prefills
+        assert describe_shapes(mixing) == "15 shapes (7 decode, 8 general)"  # T 8 .. 512, 576 (64 rows + 2 chunks)
+    assert {(s.tokens, s.seqs, s.steps) for s in mixing if s.decode} == {(n, n, 1) for n in (1, 2, 4, 8, 16, 32, 64)}
+    assert [(s.tokens, s.seqs) for s in mixing if not s.decode][:4] == [(8, 8), (16, 16), (32, 32), (64, 64)]
 
 
 def test_8b_server_shapes_with_a_drafter():
@@ -72,4 +78,4 @@ def test_server_defaults_mix_and_log_the_shape_count(caplog):
     shapes = server_shapes("gpu", 2)
     with caplog.at_level("INFO", logger="jspec.serve"):
         line = log_shapes(SimpleNamespace(warmup_shapes=lambda: shapes))
-    assert line == "59 shapes (7 decode, 42 mixed, 10 prefill)" and line in caplog.text
+    assert line == "15 shapes (7 decode, 8 general)" and line in caplog.text

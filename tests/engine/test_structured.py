@@ -202,37 +202,38 @@ def test_warmup_compiles_the_masked_steps_when_asked(monkeypatch):
     llm = jspec.LLM(default_model_path(), max_num_seqs=1, max_model_len=32, page_size=16, max_prefill_chunk=16,
                     dtype="float32", warmup_structured_outputs=True)
     eng = llm.engine
-    monkeypatch.setattr(eng.runner, "warmup_shapes", lambda *a: [])  # the unmasked ones: tested elsewhere
     eng.warmup()
     n = eng.runner.num_compilations
-    assert n == 4  # masked: the prefill chunk, the fed decode call, the split step's forward and tail
+    # unmasked and masked: the general steps (T 8, 16), the fed decode call (N 1); the split
+    # step's forward and tail
+    assert len(eng.warmup_shapes()) == 3 and n == 2 * 3 + 2
     llm.generate(["one"], jspec.SamplingParams(temperature=0, max_tokens=8, structured_outputs=SOP(regex="[a-z]{7}")))
     assert eng.runner.num_compilations == n and eng.num_chained_calls > 0
 
 
 def test_warmup_compiles_the_masked_mixed_steps(monkeypatch):
-    """A mixing engine: warmup also compiles the masked mixed steps, and a mixed step with a
-    grammar in one segment masks both (mixed.masked_alike, all tokens allowed in the other),
-    so it runs the compiled variant."""
+    """A mixing engine: warmup also compiles the masked general steps, and a mixed step with a
+    grammar in one row masks every row (all tokens allowed in the others), so it runs the
+    compiled variant."""
     from tests.helpers.engine import drive
 
     llm = jspec.LLM(default_model_path(), max_num_seqs=2, max_model_len=64, page_size=16, max_prefill_chunk=16,
                     dtype="float32", warmup_structured_outputs=True, max_num_partial_prefills=1,
                     async_scheduling=False)
     eng, r = llm.engine, llm.engine.runner
-    monkeypatch.setattr(r, "warmup_shapes", lambda *a: [])  # the unmasked ones: tested elsewhere
     eng.warmup()
-    # the prefill chunk (B 1: max_num_partial_prefills), the decode step at B 1 / 2, the mixed steps
-    assert r.num_compilations == 1 + 2 + 2
-    compiled, run = [], r.run_mixed
+    # unmasked and masked: the general steps (T 8, 16, 18: prefill chunks, mixed steps),
+    # the decode steps at N 1 / 2
+    assert r.num_compilations == 2 * (len(r.shapes.tokens) + 2)
+    compiled, run = [], r.run
 
-    def counting(inp):
+    def counting(inp, steps=0, prev=None):
         n = r.num_compilations
-        out = run(inp)
+        out = run(inp, steps, prev)
         compiled.append(r.num_compilations - n)
         return out
 
-    monkeypatch.setattr(r, "run_mixed", counting)
+    monkeypatch.setattr(r, "run", counting)
     free, prompt = jspec.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), "a longer prompt, " * 3
     so = jspec.SamplingParams(temperature=0, max_tokens=12, structured_outputs=SOP(regex="[a-z]{10}"))
     done = drive(llm, {0: [("add", "g", "one", so)], 1: [("add", "free", prompt, free)]})

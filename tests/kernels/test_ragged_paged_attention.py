@@ -180,3 +180,16 @@ def test_validation_messages():
         ragged_paged_attention_tpu(*args, sm_scale=1.0, block_q=8, interpret=True)
     with pytest.raises(ValueError, match="multiple of page_size"):
         ragged_paged_attention(*args, sm_scale=1.0, impl="tpu_interpret", block_kv=24)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_xla_loop_matches_the_reference(dtype):
+    """The CPU path (kernels_pallas/ragged_attention_xla.py): windows of 4 (short) and 32
+    (long) queries, keys in blocks of 2 pages, on the poisoned mix."""
+    from kernels_pallas.ragged_attention_xla import ragged_attention_xla
+
+    args = make_step(3, MIX, num_tokens=64, max_seqs=10, group=2, dtype=dtype)
+    want = ref_attention(*args, sm_scale=0.1)
+    got = ragged_attention_xla(*args, sm_scale=0.1, short=4, long=32, block_kv=2 * PAGE)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=TOL[dtype],
+                               atol=TOL[dtype])
