@@ -311,9 +311,9 @@ def b1_sweep(reps=5, ctx=4096):
 
 
 def b32_gpu_time():
-    """Decode batch 32, ctx 4096 (defaults) by the profiler's GPU time, against bench.py's
+    """Decode batch 32, ctx 4096 (defaults) by the profiler's GPU time, against bench_common.py's
     probes (also GPU time: copy, column sum, weight-streaming GEMV) at start and end."""
-    from bench import measure_bandwidth as probes
+    from bench_common import measure_bandwidth as probes
     from gpu_trace import device_times
 
     bw0 = probes(False)

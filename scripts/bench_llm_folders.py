@@ -135,7 +135,7 @@ def main(argv=None) -> None:
     ``python scripts/bench_llm_folders.py OUT --method eagle3`` -> OUT/target-llama, OUT/drafter-eagle3."""
     import argparse
 
-    from bench import LLAMA_8B, QWEN3_8B, drafter_config
+    from bench_common import LLAMA_8B, QWEN3_8B, drafter_config
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("out")

@@ -1,6 +1,6 @@
 """Issue 28's scenario: streams decoding when a long prompt arrives, through LLMEngine.step.
 
-Random bf16 Llama-3.1-8B weights made on the device (scripts/bench.py's), ``--streams``
+Random bf16 Llama-3.1-8B weights made on the device (scripts/bench_common.py's), ``--streams``
 sequences injected with ``--ctx`` tokens of random KV already cached, decoding greedily;
 after ``--before`` steps one ``--prompt-len``-token prompt arrives. Reported per engine
 (mixed: decode rows and prefill chunks in one step, jspec/engine/mixed.py; unmixed:
@@ -32,8 +32,8 @@ import jax
 import numpy as np
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # bench.py, and this checkout's jspec
-from bench import LLAMA_8B, TINY, clear, inject, random_tree  # noqa: E402
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # bench_common.py, and this checkout's jspec
+from bench_common import LLAMA_8B, TINY, clear, inject, random_tree  # noqa: E402
 
 from jspec.checkpoint.target import target_param_spec  # noqa: E402
 from jspec.engine.flat_input import describe_shapes  # noqa: E402

@@ -15,7 +15,7 @@ import os
 import tempfile
 
 import numpy as np
-from bench import QWEN3_30B_A3B, llm_engine_kwargs, llm_run
+from bench_common import QWEN3_30B_A3B, llm_engine_kwargs, llm_run
 from bench_llm_folders import write_target_folder
 
 import jspec

@@ -4,10 +4,10 @@
 Random bf16 weights (load_format="dummy": folders holding only config.json, written by
 scripts/bench_llm_folders.py), prompts of --ctx random tokens, --new greedy tokens, timed
 through LLM.generate with the prefill subtracted (a 1-token run of the same prompts;
-bench.py's llm_run). The drafter runs with synthetic acceptance (random weights accept
+bench_common.py's llm_run). The drafter runs with synthetic acceptance (random weights accept
 nothing): --length tokens per verification on average. Each row is printed next to the
 bandwidth bound of one device: (its share of the non-embedding weights + the KV it reads
-per step) / one device's HBM bandwidth measured in the same run (bench.py's
+per step) / one device's HBM bandwidth measured in the same run (bench_common.py's
 measure_bandwidth); a speculative row's bound is the plain bound times the acceptance length.
 
     python scripts/bench_tp.py --model llama-8b --tps 1,2,4,8            # one host, up to 8 GPUs
@@ -70,7 +70,7 @@ def allreduce_latency(tp: int, rows: int, hidden: int, chain: int = 128) -> dict
     program): ``chain`` of them back to back, each on the last one's result."""
     import jax
     import jax.numpy as jnp
-    from bench import timeit
+    from bench_common import timeit
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -169,10 +169,10 @@ def main(argv=None):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
     here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:0] = [here, os.path.dirname(here)]  # bench.py's helpers; this checkout's jspec
+    sys.path[:0] = [here, os.path.dirname(here)]  # bench_common.py's helpers; this checkout's jspec
     import jax
     import numpy as np
-    from bench import LLAMA_8B, QWEN3_8B, TINY, drafter_config, llm_run, measure_bandwidth, physical_ideal
+    from bench_common import LLAMA_8B, QWEN3_8B, TINY, drafter_config, llm_run, measure_bandwidth, physical_ideal
     from bench_llm_folders import write_folders
 
     import jspec

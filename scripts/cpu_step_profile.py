@@ -8,8 +8,8 @@ jax profiler and prints, per engine step:
     runs inline on the calling thread, as it does a plain decode step, adds nothing here),
   - the sum of the device program's op events, and the op kinds that took most of it.
 The trace shows a dot that XLA hands to Eigen's thread pool only as its dispatch, so the
-op sums understate such dots (docs/benchmarks.md, issue 25). Figures in
-docs/benchmarks.md come from this script and from alternating engines in one process.
+op sums understate such dots (docs/decisions.md, issue 25). The CPU step's figures in
+docs/decisions.md come from this script and from alternating engines in one process.
 
     PYTHONPATH=. python3 scripts/cpu_step_profile.py                 # plain
     PYTHONPATH=. python3 scripts/cpu_step_profile.py --method dflash --k 1

@@ -19,7 +19,7 @@ import collections
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench import (
+from bench_common import (
     LLAMA_8B,
     QWEN3_8B,
     QWEN3_30B_A3B,

@@ -15,7 +15,7 @@ def test_bench_tp_quick(monkeypatch, tmp_path):
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
     import bench_tp
-    from bench import physical_ideal
+    from bench_common import physical_ideal
 
     r = bench_tp.main(["--quick", "--tps", "1,2", "--batches", "1", "--methods", "eagle3", "--greedy", "6",
                        "--dtype", "float32", "--allreduce", "--label", "ci"])
