@@ -106,3 +106,13 @@ class RaggedMetadata:
     # Query windows of the XLA path (kernels_pallas/ragged_attention_xla.py): the longest
     # short segment (decode, verification) and the longest segment of the step's shape.
     windows: tuple[int, int] = struct.field(pytree_node=False, default=(1, 1))
+    # > 0: a decode step's rows of this many tokens each, [N, uniform] (row i at i * uniform,
+    # its last tokens padding: written nowhere, their outputs unread). Attention then runs as
+    # paged attention over [N, uniform] rows (positions explicit), with its tuned kernels.
+    uniform: int = struct.field(pytree_node=False, default=0)
+
+    def rows(self) -> AttentionMetadata:
+        """The [N, uniform] rows of a decode step, as paged attention's metadata."""
+        N, Q = self.page_table.shape[0], self.uniform
+        return AttentionMetadata(self.page_table, self.kv_lens, self.positions.reshape(N, Q),
+                                 self.slot_mapping.reshape(N, Q), self.causal)

@@ -521,10 +521,17 @@ def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata | M
 
 
 def _ragged_attention(plan: KernelPlan, q, k_pages, v_pages, meta: RaggedMetadata, sm_scale: float):
-    """q [T, H, D] of a flat step over the cache -> [T, H, D]: the ragged kernels on GPU and
-    TPU (per shard of KV heads under tensor parallelism), the loop over sequences through
-    XLA on a CPU, the gathering reference where an accelerator's kernel cannot take the shape."""
+    """q [T, H, D] of a flat step over the cache -> [T, H, D]: a decode step's [N, Q] rows
+    through paged attention (its kernels, tuned for decode and verification), any other
+    step through the ragged kernels on GPU and TPU (per shard of KV heads under tensor
+    parallelism); on a CPU both through the loop over sequences (XLA), whose work follows
+    kv_len; the gathering reference where an accelerator's kernel cannot take the shape."""
     impl, kvh = plan.attn, k_pages.shape[2]
+    on_cpu = impl == "reference" and jax.default_backend() == "cpu"
+    if meta.uniform and not on_cpu:  # a decode step's [N, Q] rows: paged attention's kernels
+        T, H, D = q.shape
+        return attention(plan, q.reshape(T // meta.uniform, meta.uniform, H, D), k_pages, v_pages, meta.rows(),
+                         sm_scale=sm_scale).reshape(T, H, D)
     if impl != "reference":
         impl = shape_fallback("ragged_paged_attention", impl, _rpa.unsupported_shape(impl, q.shape[-1]))
     if plan.tp > 1 and impl != "reference":
@@ -532,9 +539,10 @@ def _ragged_attention(plan: KernelPlan, q, k_pages, v_pages, meta: RaggedMetadat
                               f"{kvh} KV heads, replicated over tensor parallel size {plan.tp}")
     args = (meta.cu_q_lens, meta.kv_lens, meta.page_table, meta.num_seqs, meta.causal)
     if impl == "reference":
-        if jax.default_backend() == "cpu":
+        if on_cpu:
             short, long = meta.windows
-            return ragged_attention_xla(q, k_pages, v_pages, *args, sm_scale=sm_scale, short=short, long=long)
+            return ragged_attention_xla(q, k_pages, v_pages, *args, meta.positions[0], sm_scale=sm_scale,
+                                        short=short, long=long)
         return _rpa.ragged_paged_attention(q, k_pages, v_pages, *args, sm_scale=sm_scale, impl="reference")
     if plan.tp > 1:
         heads, rep = P(None, TP_AXIS, None), P()

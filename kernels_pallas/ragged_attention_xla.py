@@ -25,8 +25,8 @@ from jax import lax
 from kernels_pallas.ragged_paged_attention import NEG_INF, validate
 
 
-def _window(q, k_pages, v_pages, page_table_row, kv_len, q_len, causal, start, out, *, width: int, block_kv: int,
-            sm_scale: float):
+def _window(q, positions, k_pages, v_pages, page_table_row, kv_len, q_len, causal, start, out, *, width: int,
+            block_kv: int, sm_scale: float):
     """Attention of the ``width`` queries from ``start`` (rows past q_len are left as they
     were in ``out``) over this sequence's keys, block by block up to kv_len."""
     _, H, D = q.shape
@@ -34,7 +34,7 @@ def _window(q, k_pages, v_pages, page_table_row, kv_len, q_len, causal, start, o
     G = H // KVH
     qs = lax.dynamic_slice_in_dim(q, start, width).reshape(width, KVH, G, D).astype(jnp.float32) * sm_scale
     j = jnp.arange(width, dtype=jnp.int32)
-    pos = kv_len - q_len + j  # [width] each query's position
+    pos = lax.dynamic_slice_in_dim(positions, start, width)  # [width] each query's position
     last = jnp.where(causal, jnp.minimum(pos, kv_len - 1), kv_len - 1)  # last key each sees
     pages_per_block = block_kv // S
     table = jnp.clip(page_table_row, 0, P - 1)
@@ -75,6 +75,7 @@ def ragged_attention_xla(
     page_table,  # i32[N, W]
     num_seqs,  # i32[1]
     causal=None,  # bool[N] | None
+    positions=None,  # i32[T] | None: each query's position (None: the contract's kv_len - q_len + j)
     *,
     sm_scale: float,
     short: int,  # query window of short segments (decode, verification): >= their q_len
@@ -82,7 +83,10 @@ def ragged_attention_xla(
     block_kv: int | None = None,  # keys per inner step (a multiple of page_size; None: 8 pages)
 ):  # -> [T, H, D] in q.dtype
     """The contract of ``ragged_paged_attention`` (same arguments) for the CPU: a segment
-    longer than ``long`` queries is not supported (its later queries are left at 0)."""
+    longer than ``long`` queries is not supported (its later queries are left at 0).
+    ``positions`` given: query t sits at positions[t] (causal: it sees keys up to there and
+    below kv_len), which also serves rows of a fixed width whose last tokens are padding (a
+    decode step's [N, K + 1] rows, RaggedMetadata.uniform)."""
     validate(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, num_seqs, causal)
     T = q.shape[0]
     N, W = page_table.shape
@@ -94,8 +98,14 @@ def ragged_attention_xla(
     causal = jnp.ones((N,), bool) if causal is None else causal
     cu = cu_q_lens.astype(jnp.int32)
     kv = jnp.clip(kv_lens.astype(jnp.int32), 0, W * S)
+    if positions is None:
+        from kernels_pallas.ragged_paged_attention import token_layout
+
+        seq, _ = token_layout(cu, kv, num_seqs, None, T, W * S)
+        positions = kv[seq] - (cu[seq + 1] - cu[seq]) + (jnp.arange(T, dtype=jnp.int32) - cu[seq])
     qp = jnp.pad(q, ((0, long), (0, 0), (0, 0)))  # every window stays inside, its rows past T dropped
-    win = functools.partial(_window, qp, k_pages, v_pages, block_kv=block_kv, sm_scale=sm_scale)
+    pp = jnp.pad(positions.astype(jnp.int32), (0, long))
+    win = functools.partial(_window, qp, pp, k_pages, v_pages, block_kv=block_kv, sm_scale=sm_scale)
 
     def seq(i, out):
         q_len = cu[i + 1] - cu[i]

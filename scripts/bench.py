@@ -53,6 +53,7 @@ from bench_common import (
     physical_ideal,
     random_tree,
     spec_step_kernels,
+    step_input,
     target_forward_time,
     timeit,
     weight_bytes,
@@ -115,8 +116,8 @@ def diag_section(args, bw):
     seqs = inject(eng, 1, 512, rng, max_tokens=8)
     sched = SchedulerOutput("decode", [ScheduledSeq(s, 1, True) for s in seqs], [])
     r = eng.runner
-    t_build = timeit(lambda: r.build_input(sched, 1)[0], reps=50)
-    inp, _ = r.build_input(sched, 1)
+    t_build = timeit(lambda: step_input(eng, sched), reps=50)
+    inp = step_input(eng, sched)
     t_jit = timeit(lambda: r.run(inp), reps=30)
 
     def ten():
@@ -151,7 +152,7 @@ def diag_section(args, bw):
     eng8 = make_engine(cfg, params, max_num_seqs=8, ctx=512, dtype="bfloat16", sched_steps=n)
     seqs8 = inject(eng8, 1, 512, rng, max_tokens=64)
     assert all(eng8.blocks.ensure_slots(s, 512 + n) for s in seqs8)
-    inp8, _ = eng8.runner.build_input(SchedulerOutput("decode", [ScheduledSeq(s, 1, True) for s in seqs8], []), 1)
+    inp8 = step_input(eng8, SchedulerOutput("decode", [ScheduledSeq(s, 1, True) for s in seqs8], []), steps=n)
     t_multi = timeit(lambda: eng8.runner.run(inp8, n), reps=10)
     multi = device_times(lambda: eng8.runner.run(inp8, n), [()], reps=5) if gpu else None
     busy_multi = multi and multi["busy_us"] / 1e3

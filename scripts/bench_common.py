@@ -182,6 +182,10 @@ def compile_decode(eng, B, ctx, steps):
     from jspec.engine.buckets import pick
 
     r, c = eng.runner, eng.config
+    if hasattr(r, "shapes"):  # a flat runner: one page-table width, the decode family's shape of B rows
+        N = pick(r.shapes.batch, B)
+        r.warmup(shapes=[s for s in r.warmup_shapes(c.num_scheduler_steps, eng._async) if s.decode and s.seqs == N])
+        return
     pages = lambda n: pick(r.buckets.pages, -(-n // c.page_size))  # noqa: E731
     per_step = eng.K + 1 if eng.spec is not None else c.num_scheduler_steps
     # Async scheduling reserves pages two calls ahead; speculation a lookahead past the step.
@@ -227,11 +231,23 @@ def verify_schedule(seqs, q):
     return SchedulerOutput("decode", [ScheduledSeq(s, q, True) for s in seqs], [])
 
 
+def step_input(eng, sched, q: int = 1, steps: int = 0):
+    """The runner's host-built input of ``sched`` (decode rows of q tokens each), for
+    ``eng.runner.run(inp, steps)``: a flat runner's decode-family input when q is its row
+    width, else its general family's; the speculative runner's [B, q] rows."""
+    r = eng.runner
+    if not hasattr(r, "shapes"):
+        return r.build_input(sched, q)[0]
+    if q == r.shapes.q:
+        return r.build(sched, r.shape_of(sched, steps))
+    return r.build(sched, r.shapes.general_shape(sum(x.num_new for x in sched.seqs)))
+
+
 def target_forward_time(eng, B, ctx, rng, q, gpu_time=False):
     """Time of the jitted target step at Q = q tokens per row (verification width): the
     wall-clock median, or with gpu_time the profiler's GPU busy time (scripts/gpu_trace.py)."""
     seqs = inject(eng, B, ctx, rng, max_tokens=8)
-    inp, _ = eng.runner.build_input(verify_schedule(seqs, q), q)
+    inp = step_input(eng, verify_schedule(seqs, q), q)
     if gpu_time:
         from gpu_trace import device_times
         t = device_times(lambda: eng.runner.run(inp), [()], reps=10)["busy_us"] / 1e6

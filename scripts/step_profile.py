@@ -28,6 +28,7 @@ from bench_common import (
     inject,
     make_engine,
     random_tree,
+    step_input,
     timeit,
     verify_schedule,
 )
@@ -66,7 +67,7 @@ def main():
     print(f"{args.model}: engine step {step * 1e3:.3f} ms ({tps:.1f} tok/s)", flush=True)
     seqs = inject(eng, 1, 512, rng, max_tokens=8)
     r = eng.runner
-    inp, _ = r.build_input(verify_schedule(seqs, args.q), args.q)
+    inp = step_input(eng, verify_schedule(seqs, args.q), args.q)
 
     def ten():
         for _ in range(10):

@@ -9,6 +9,9 @@ slots, ``num_seqs`` of them used. Shapes come from two families of buckets
            a chained call (async scheduling) continues such a step on the device
   general  any mix of prefill chunks and decode rows: T from the token buckets, N = the
            batch bucket of min(T, max_num_seqs)
+A decode step's rows take Q tokens each (row i from i * Q; a row with fewer drafts ends in
+padding), so its attention runs as paged attention over [N, Q] rows with the kernels tuned
+for decode and verification (RaggedMetadata.uniform); a general step's segments are packed.
 The page table is always the whole width (max_model_len's pages): the kernels stop at each
 sequence's kv_len, so one width serves every context.
 
@@ -132,6 +135,9 @@ def build_flat_input(sched: SchedulerOutput, shape: FlatShape, shapes: FlatShape
         start = s.num_computed + advance
         pos = np.arange(start, start + k)
         pages = np.asarray(s.pages, np.int32)
+        if shape.decode:  # rows of Q tokens: a shorter row's last ones are padding, at positions past it
+            off = i * Q
+            positions[0, off : off + Q] = np.arange(start, start + Q)
         tokens[off : off + k] = -1 if advance or tokens_on_device else s.tokens_between(start, start + k)
         positions[0, off : off + k] = pos
         slots[0, off : off + k] = pages[pos // page_size] * page_size + pos % page_size
@@ -147,8 +153,10 @@ def build_flat_input(sched: SchedulerOutput, shape: FlatShape, shapes: FlatShape
         off += k
         cu[i + 1] = off
     cu[len(rows) + 1 :] = off
+    if shape.decode:
+        cu = np.arange(N + 1, dtype=np.int32) * Q
     meta = RaggedMetadata(positions, slots, cu, kv_lens, table, np.array([len(rows)], np.int32),
-                          np.ones((N,), bool), shapes.windows(shape))
+                          np.ones((N,), bool), shapes.windows(shape), Q if shape.decode else 0)
     proc = mask = None
     if not forward_only:
         if any(wants_processing(r.seq) for r in rows):
