@@ -177,23 +177,13 @@ def clear(eng):
 
 
 def compile_decode(eng, B, ctx, steps):
-    """Compile the decode shapes (page-table widths) a batch grows through from ctx over
-    ``steps`` engine steps, so that no bucket crossing recompiles inside the timed loop."""
+    """Compile the decode shapes of a batch of B rows, so that nothing compiles inside the
+    timed loop (``ctx``, ``steps``: unused since the page table has one width)."""
     from jspec.engine.buckets import pick
 
     r, c = eng.runner, eng.config
-    if hasattr(r, "shapes"):  # a flat runner: one page-table width, the decode family's shape of B rows
-        N = pick(r.shapes.batch, B)
-        r.warmup(shapes=[s for s in r.warmup_shapes(c.num_scheduler_steps, eng._async) if s.decode and s.seqs == N])
-        return
-    pages = lambda n: pick(r.buckets.pages, -(-n // c.page_size))  # noqa: E731
-    per_step = eng.K + 1 if eng.spec is not None else c.num_scheduler_steps
-    # Async scheduling reserves pages two calls ahead; speculation a lookahead past the step.
-    hi = min(ctx + (steps + 2) * per_step + eng.lookahead, eng.max_model_len + eng.lookahead)
-    lo, hi = pages(ctx + 1), pages(hi)
-    shapes = [s for s in r.warmup_shapes(c.num_scheduler_steps, eng._async)
-              if s.decode and s.batch == pick(r.buckets.batch, B) and lo <= s.pages <= hi]
-    r.warmup(shapes=shapes)
+    N = pick(r.shapes.batch, B)  # one page-table width: the decode family's shapes of B rows
+    r.warmup(shapes=[s for s in r.warmup_shapes(c.num_scheduler_steps, eng._async) if s.decode and s.seqs == N])
 
 
 def engine_decode(eng, B, ctx, rng, steps):
@@ -233,11 +223,9 @@ def verify_schedule(seqs, q):
 
 def step_input(eng, sched, q: int = 1, steps: int = 0):
     """The runner's host-built input of ``sched`` (decode rows of q tokens each), for
-    ``eng.runner.run(inp, steps)``: a flat runner's decode-family input when q is its row
-    width, else its general family's; the speculative runner's [B, q] rows."""
+    ``eng.runner.run(inp, steps)``: its decode family's input when q is its row width (K + 1),
+    else its general family's."""
     r = eng.runner
-    if not hasattr(r, "shapes"):
-        return r.build_input(sched, q)[0]
     if q == r.shapes.q:
         return r.build(sched, r.shape_of(sched, steps))
     return r.build(sched, r.shapes.general_shape(sum(x.num_new for x in sched.seqs)))
@@ -375,15 +363,15 @@ def llm_engine_kwargs(batches, ctx: int, new: int, ahead: int) -> dict:
 
 def spec_step_kernels(eng, B, ctx, rng, K, top=30):
     """Where a speculative step's GPU time goes: one jitted verify + sample + propose call
-    (SpecModelRunner.run_spec) at batch B, by the profiler's kernel records."""
+    (FlatRunner.run) at batch B, by the profiler's kernel records."""
     from gpu_trace import device_times
 
     r = eng.runner
     seqs = inject(eng, B, ctx, rng, max_tokens=8)
     sched = verify_schedule(seqs, K + 1)
     r.assign_prob_rows(sched, {s.request_id for s in seqs})
-    inp, _, _ = r.build_spec_input(sched)
-    t = device_times(lambda: r.run_spec(inp, True), [()], reps=10)
+    inp = step_input(eng, sched, K + 1)
+    t = device_times(lambda: r.run(inp), [()], reps=10)
     for s in seqs:
         s.draft_token_ids = []
     clear(eng)
@@ -401,17 +389,16 @@ def draft_time(eng, B, ctx, rng, K):
 
     r = eng.runner
     seqs = inject(eng, B, ctx, rng, max_tokens=8)
-    inp, _ = r.build_input(verify_schedule(seqs, K + 1), K + 1)
-    inp = jax.tree.map(jnp.asarray, inp)
-    Bp, Q = inp.tokens.shape
-    aux = jax.random.normal(jax.random.PRNGKey(3), (Bp, Q, r.dcfg.num_aux * r.cfg.hidden_size), jnp.bfloat16)
-    last = jnp.full((Bp,), Q - 1, jnp.int32)
-    active = jnp.ones((Bp,), bool)
-    temp = jnp.zeros((Bp,), jnp.float32)
+    inp = jax.tree.map(jnp.asarray, step_input(eng, verify_schedule(seqs, K + 1), K + 1))
+    T, N = inp.tokens.shape[0], inp.sample.shape[0]
+    aux = jax.random.normal(jax.random.PRNGKey(3), (1, T, r.dcfg.num_aux * r.cfg.hidden_size), jnp.bfloat16)
+    last = inp.logits_idx[:, -1]  # every draft accepted: the bonus pair at each row's last token
+    active = jnp.ones((N,), bool)
+    temp = jnp.zeros((N,), jnp.float32)
     embed, head = r.embedding_table(r.params), r.lm_head_weight(r.params)
     propose = jax.jit(lambda dp, dkv, pin: r.drafter.propose(dp, dkv, pin, num_tokens=K, with_probs=False)[::2],
                       donate_argnums=1)
-    pin = ProposeInputs(inp.tokens, aux, inp.meta, last, embed, head, inp.seeds, temp, active)
+    pin = ProposeInputs(inp.tokens[None], aux, inp.meta, last, embed, head, inp.seeds, temp, active, inp.tokens[None])
 
     def fn():  # the same positions each call: the drafter rewrites the same slots
         drafts, r.dkv = propose(r.dparams, r.dkv, pin)

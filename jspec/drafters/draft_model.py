@@ -4,12 +4,13 @@ ordinary Llama / Qwen3 folder, loaded as a target is (jspec/checkpoint/target.py
 runs as ``Transformer`` over its own paged KV cache (the target's page ids, as every drafter).
 
 Its KV at position p is built from the token at p (not p + 1, as EAGLE's), so the first pass
-reads the step's first token at its position s and then the pairs one position on: the
-tokens at s .. s + Q (``ProposeInputs.first``, then ``tokens``). The bonus token sits at
-index last_idx + 1; its logits give d_1, and K - 1 single-token steps feed each draft back.
+reads the step's own input tokens (``ProposeInputs.inputs``: the verified token and drafts,
+or the prompt chunk) at their positions, with the target's metadata; then K single-token
+steps start from the bonus token (the last pair's token, one position past the pair), each
+writing its K/V and giving the next draft's logits.
 
-Writes: the first pass to one position past the step's last token, the steps to K past the
-bonus pair (``lookahead``: K + 1).
+Writes: the first pass to the step's own positions, the steps to K - 1 past the bonus
+token's (``lookahead``: K + 1 past the step's last verified token).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import jax.numpy as jnp
 from jspec.checkpoint.target import load_target
 from jspec.config import ModelConfig
 from jspec.drafters.config import DrafterConfig
-from jspec.drafters.propose import _gather_rows, _pick, slots_for, span_metadata
-from jspec.kv_cache import AttentionMetadata, KVCache
+from jspec.drafters.propose import _gather_rows, _pick, span_metadata
+from jspec.kv_cache import KVCache
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
 
@@ -67,32 +68,22 @@ class DraftModel:
 
 
 def draft_model_propose(dm: DraftModel, params, kv: KVCache, inp, *, num_tokens: int, with_probs: bool = False):
-    """(drafts i32[B, K], probs f32[B, K, V] | None, KVCache): the first pass over the step's
-    first token and the shifted pairs, then K - 1 single-token steps (module docstring)."""
+    """(drafts i32[N, K], probs f32[N, K, V] | None, KVCache): the first pass over the step's
+    own input tokens at their positions (the target's metadata, either layout), then K
+    single-token steps from the bonus token (module docstring)."""
     model, variables = dm.model, {"params": params}
     meta = inp.meta
     P, S = kv.num_pages, kv.page_size
-    valid = meta.slot_mapping < P * S  # the step's real entries; each pair moves one on with its entry
-    positions = jnp.concatenate([meta.positions[:, :1], meta.positions + 1], axis=1)  # [B, Q + 1]
-    first = AttentionMetadata(
-        page_table=meta.page_table,
-        kv_lens=jnp.where(meta.kv_lens > 0, meta.kv_lens + 1, 0).astype(jnp.int32),
-        positions=positions,
-        slot_mapping=slots_for(meta.page_table, positions, jnp.concatenate([valid[:, :1], valid], 1), S, P),
-        causal=meta.causal,
-    )
-    tokens = jnp.concatenate([inp.first[:, None], inp.tokens], axis=1)
-    h, _, kv = model.apply(variables, tokens, first, kv)
-    h = _gather_rows(h, inp.last_idx + 1)  # [B, H] at the bonus token
-    pos = _gather_rows(positions, inp.last_idx + 1)  # i32[B] the bonus token's position
+    _, _, kv = model.apply(variables, inp.inputs, meta, kv)  # KV of every verified position
+    bonus = _gather_rows(inp.tokens, inp.last_idx)  # i32[N] the bonus token (the last pair's)
+    pos = _gather_rows(meta.positions, inp.last_idx) + 1  # i32[N] its position
     drafts, probs = [], []
+    tok = bonus
     for j in range(num_tokens):
-        logits = model.apply(variables, h, method=Transformer.logits)  # f32[B, V]
-        ids, p = _pick(logits, inp.temperature, inp.seeds, pos + 1 + j, with_probs)  # key: the draft's position
-        drafts.append(ids)
+        step = span_metadata(meta.page_table, pos + j, 1, inp.active, S, P, causal=True)
+        h, _, kv = model.apply(variables, tok[:, None], step, kv)
+        logits = model.apply(variables, h[:, 0], method=Transformer.logits)  # f32[N, V]
+        tok, p = _pick(logits, inp.temperature, inp.seeds, pos + 1 + j, with_probs)  # key: the draft's position
+        drafts.append(tok)
         probs.append(p)
-        if j + 1 < num_tokens:
-            step = span_metadata(meta.page_table, pos + 1 + j, 1, inp.active, S, P, causal=True)
-            h, _, kv = model.apply(variables, ids[:, None], step, kv)
-            h = h[:, 0]
     return jnp.stack(drafts, 1), (jnp.stack(probs, 1) if with_probs else None), kv

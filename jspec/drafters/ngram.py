@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec.config import ModelConfig
 from jspec.drafters.config import DrafterConfig
+from jspec.drafters.propose import _gather_rows
 
 
 @struct.dataclass
@@ -91,11 +92,11 @@ def ngram_propose(proposer: NgramProposer, params, cache: TokenHistory, inp, *, 
     c = proposer.cfg
     P, S = cache.tokens.shape
     flat = cache.tokens.reshape(-1).at[inp.meta.slot_mapping.reshape(-1)].set(inp.tokens.reshape(-1), mode="drop")
-    B = inp.tokens.shape[0]
+    B = inp.last_idx.shape[0]
     pages = jnp.clip(inp.meta.page_table, 0, P - 1)  # [B, W]; entries past a row's pages are masked below
     hist = flat.reshape(P, S)[pages].reshape(B, -1)  # i32[B, N]: history slot i = the token at i + 1
     N = hist.shape[1]
-    last = jnp.take_along_axis(inp.meta.positions, inp.last_idx[:, None], axis=1)[:, 0]  # position of the last pair
+    last = _gather_rows(inp.meta.positions, inp.last_idx)  # position of the last pair
     length = jnp.clip(last + 1, 1, N)  # i32[B] history entries
     idx = jnp.arange(N, dtype=jnp.int32)
     # run[b, j]: the last t + 1 entries end at j too (j - u matches length - 1 - u for u <= t)

@@ -10,24 +10,26 @@ Terms, for one sequence in a step: the target just verified positions s .. s+n (
 (b, aux[s+a]). For a prefill chunk of positions s..e the pairs are (x_{p+1}, aux[p]) with
 the sampled token as the last one.
 
-What the engine passes (all shapes padded to its buckets):
+What the engine passes (all shapes padded to its buckets), in either of two layouts: rows
+[B, Q] (N = B) with AttentionMetadata, or a flat step's tokens [1, T] with the target's
+RaggedMetadata (jspec/engine/flat_input.py; N sequences, index i of last_idx into T):
   tokens   i32[B, Q]      pair tokens, pair i at position positions[b, i]. Rows past the
                           last accepted pair may hold anything (e.g. the rejected drafts):
                           attention is causal by position and later writes overwrite them.
   aux      f[B, Q, n*Ht]  target aux states (Transformer(aux_layers=cfg.aux_layer_ids))
                           at the same positions, concatenated in aux_layer_ids order.
-  meta     AttentionMetadata of those Q positions for the drafter cache: the target's own
-           verification metadata works as is (page_table, positions, slot_mapping with P*S
-           for padding, kv_lens = last written position + 1, causal True).
-  last_idx i32[B]         index along Q of each sequence's last real pair (the bonus pair).
+  meta     the metadata of those positions for the drafter cache: the target's own works
+           as is (page_table, positions, slot_mapping with P*S for padding, kv_lens = last
+           written position + 1, causal True).
+  last_idx i32[N]         index of each sequence's last real pair (the bonus pair).
   seeds, temperature      f32/i32[B]: temperature 0 -> greedy (argmax) drafts; > 0 ->
                           drafts sampled from softmax(logits / T) with
                           kernels_pallas.sampling_utils.sample_from_probs keyed on
                           (seed, draft position, SALT_DRAFT).
-  active   bool[B]        rows that draft (padding rows write nothing).
-  first    i32[B]         the step's first input token (at positions[:, 0]): a draft model's
-                          KV at p is built from the token at p, not p + 1.
-Returned: drafts i32[B, K] (target vocab ids), probs f32[B, K, Vt] (the draft distribution
+  active   bool[N]        rows that draft (padding rows write nothing).
+  inputs   i32[B, Q]      the step's own input tokens (the token at each pair's position):
+                          a draft model's KV at p is built from the token at p, not p + 1.
+Returned: drafts i32[N, K] (target vocab ids), probs f32[B, K, Vt] (the draft distribution
 over the target vocab: one-hot at the draft for greedy rows), and the updated drafter KV.
 
 Lookahead: EAGLE3/PEagle write K-1 positions past the bonus pair (last_pos + 1 ..
@@ -43,7 +45,7 @@ from flax import struct
 
 from jspec.drafters.dflash import DFlashDrafter
 from jspec.drafters.eagle3 import Eagle3Drafter
-from jspec.kv_cache import AttentionMetadata, KVCache
+from jspec.kv_cache import AttentionMetadata, KVCache, MixedMetadata
 from kernels_pallas.sampling_utils import SALT_DRAFT, first_argmax, sample_from_probs
 
 
@@ -59,8 +61,8 @@ class ProposeInputs:
     lm_head: jax.Array  # f[Vt, H]      the target's lm_head (DFlash without its own head)
     seeds: jax.Array  # i32[B]
     temperature: jax.Array  # f32[B]    0: greedy drafts
-    active: jax.Array  # bool[B]        rows that draft (padding rows write nothing)
-    first: jax.Array | None = None  # i32[B]  the step's first token, at meta.positions[:, 0] (draft models)
+    active: jax.Array  # bool[N]        rows that draft (padding rows write nothing)
+    inputs: jax.Array | None = None  # i32[B, Q]  the step's input tokens at the pairs' positions (draft models)
 
 
 def slots_for(page_table, positions, valid, page_size: int, num_pages: int):
@@ -107,7 +109,11 @@ def _pick(logits, temperature, seeds, positions, sample: bool):
     return ids, jnp.where(greedy[:, None], onehot, probs)
 
 
-def _gather_rows(x, idx):  # x: [B, Q, ...], idx: i32[B] -> [B, ...]
+def _gather_rows(x, idx):
+    """Each row's entry at ``idx``: x [B, Q, ...] (rows of a [B, Q] step) with idx i32[B]
+    along Q, or x [1, T, ...] (a flat step's tokens) with idx i32[N] into T -> [B or N, ...]."""
+    if x.shape[0] == 1:
+        return x[0][idx]
     return jnp.take_along_axis(x, idx.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
 
 
@@ -158,25 +164,25 @@ def peagle_propose(
         inp.tokens, inp.aux, inp.meta, inp.last_idx, inp.seeds, inp.temperature, inp.active)
     embed_table = None if drafter.cfg.has_own_embeddings else inp.embed
     c = drafter.cfg
-    B, Q = tokens.shape
-    M = num_tokens - 1
-    pos = _gather_rows(meta.positions, last_idx)  # i32[B] position of the bonus pair
-    masks = span_metadata(meta.page_table, pos + 1, M, active, kv.page_size, kv.num_pages, causal=True)
-    # Mask slots appended after the (padded) pairs: attention is by position, not by index.
-    all_meta = AttentionMetadata(
-        page_table=meta.page_table,
-        kv_lens=jnp.where(active, pos + num_tokens, 0).astype(jnp.int32),
-        positions=jnp.concatenate([meta.positions, masks.positions], 1),
-        slot_mapping=jnp.concatenate([meta.slot_mapping, masks.slot_mapping], 1),
-        causal=meta.causal,
-    )
-    all_tokens = jnp.concatenate([tokens, jnp.full((B, M), c.mask_token_id, tokens.dtype)], 1)
-    all_aux = jnp.concatenate([aux, jnp.zeros((B, M, aux.shape[-1]), aux.dtype)], 1)
-    mask_slots = jnp.concatenate([jnp.zeros((B, Q), bool), jnp.ones((B, M), bool)], 1)
+    N, M = last_idx.shape[0], num_tokens - 1
+    pos = _gather_rows(meta.positions, last_idx)  # i32[N] position of the bonus pair
     variables = {"params": params}
+    if M == 0:
+        h, kv = drafter.apply(variables, tokens, aux, meta, kv, embed_table, hidden_is_fc_input=True)
+        logits = drafter.apply(variables, _gather_rows(h, last_idx)[:, None], method=Eagle3Drafter.logits)
+        return _finish(drafter, variables, logits, pos + 2, temperature, seeds, with_probs, Eagle3Drafter) + (kv,)
+    # The mask slots [N, M] after the pairs, one forward over both (jspec.kv_cache.MixedMetadata:
+    # both written, then attention per part): a slot sees its row's pairs by position.
+    masks = span_metadata(meta.page_table, pos + 1, M, active, kv.page_size, kv.num_pages, causal=True)
+    n_pairs = tokens.size
+    all_meta = MixedMetadata((meta, masks))
+    all_tokens = jnp.concatenate([tokens.reshape(1, -1), jnp.full((1, N * M), c.mask_token_id, tokens.dtype)], 1)
+    all_aux = jnp.concatenate([aux.reshape(1, n_pairs, -1), jnp.zeros((1, N * M, aux.shape[-1]), aux.dtype)], 1)
+    mask_slots = jnp.concatenate([jnp.zeros((1, n_pairs), bool), jnp.ones((1, N * M), bool)], 1)
     h, kv = drafter.apply(variables, all_tokens, all_aux, all_meta, kv, embed_table,
                           hidden_is_fc_input=True, mask_slots=mask_slots)
-    rows = jnp.concatenate([_gather_rows(h, last_idx)[:, None], h[:, Q:]], 1)  # [B, K, H]
+    pairs_h = h[:, :n_pairs].reshape(tokens.shape + h.shape[-1:])
+    rows = jnp.concatenate([_gather_rows(pairs_h, last_idx)[:, None], h[0, n_pairs:].reshape(N, M, -1)], 1)  # [N, K, H]
     logits = drafter.apply(variables, rows, method=Eagle3Drafter.logits)  # [B, K, Vd]
     return _finish(drafter, variables, logits, pos + 2, temperature, seeds, with_probs, Eagle3Drafter) + (kv,)
 

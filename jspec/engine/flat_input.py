@@ -31,6 +31,7 @@ from flax import struct
 
 from jspec.engine.buckets import pick, pow2_buckets
 from jspec.engine.logits_processing import ProcInput, build_proc_input, wants_processing
+from jspec.engine.runner_base import fold_seed
 from jspec.engine.scheduler import SchedulerOutput
 from jspec.engine.structured import build_bitmask
 from jspec.kv_cache import RaggedMetadata
@@ -48,6 +49,13 @@ class FlatInput:
     top_p: jax.Array  # f32[N]
     seeds: jax.Array  # i32[N]           request seed folded to 32 bits
     sample_pos: jax.Array  # i32[N]      position of the first sampled token (its RNG key)
+    # The drafter's pairs (speculation; jspec/drafters/propose.py): the pair at token t is the
+    # token at position + 1: out.reshape(-1)[pair_src[t]] when pair_src[t] >= 0 (a decode
+    # row's emitted tokens; a prefill row's sampled one at its last chunk token), else
+    # pair_next[t] (the prompt's next token, known on the host).
+    pair_src: jax.Array  # i32[T]
+    pair_next: jax.Array  # i32[T]
+    prob_rows: jax.Array  # i32[N]       row of each request in the draft-probability buffer
     # Processors and logprobs (logits_processing.py; per sequence [N], prompt_next per
     # token [T] or [0]); None when no row uses them: the step compiles as without them.
     proc: ProcInput | None = None
@@ -105,13 +113,14 @@ class FlatShapes:
 
 def build_flat_input(sched: SchedulerOutput, shape: FlatShape, shapes: FlatShapes, *, page_size: int, num_pages: int,
                      width: int, vocab_size: int, eos_token_ids, advance: int = 0, tokens_on_device: bool = False,
-                     forward_only: bool = False) -> FlatInput:
+                     forward_only: bool = False, prob_rows: dict | None = None) -> FlatInput:
     """The flat input of ``sched``'s rows in ``shape`` (decode rows first, as scheduled).
 
     ``advance`` > 0: a decode call chained behind one not yet read, which computes that many
     positions per row first (its tokens come from that call's output: host token -1).
     ``tokens_on_device``: every token is -1 (a speculative step chained behind the one that
-    proposed them). ``forward_only``: no processors or masks (a split step's forward)."""
+    proposed them). ``forward_only``: no processors or masks (a split step's forward).
+    ``prob_rows``: request id -> its row of the draft-probability buffer."""
     T, N = shape.tokens, shape.seqs
     Q = shapes.q
     rows = sched.seqs
@@ -127,7 +136,9 @@ def build_flat_input(sched: SchedulerOutput, shape: FlatShape, shapes: FlatShape
     num_draft = np.zeros((N,), np.int32)
     sample = np.zeros((N,), bool)
     temp, top_p = np.zeros((N,), np.float32), np.ones((N,), np.float32)
-    top_k, seeds, sample_pos = (np.zeros((N,), np.int32) for _ in range(3))
+    top_k, seeds, sample_pos, rows_p = (np.zeros((N,), np.int32) for _ in range(4))
+    pair_src = np.full((T,), -1, np.int32)
+    pair_next = np.zeros((T,), np.int32)
     off = 0
     for i, r in enumerate(rows):
         s, k = r.seq, r.num_new
@@ -145,6 +156,14 @@ def build_flat_input(sched: SchedulerOutput, shape: FlatShape, shapes: FlatShape
         kv_lens[i] = start + k
         logits_idx[i] = off + (np.minimum(np.arange(Q), k - 1) if decode else k - 1)
         num_draft[i] = k - 1 if decode else 0
+        if decode:  # pair j: the token emitted at position j
+            pair_src[off : off + k] = i * Q + np.arange(k)
+        else:  # the prompt one on, and at the prompt's last token the sampled one
+            nxt = s.tokens_between(start + 1, start + 1 + k)
+            pair_next[off : off + len(nxt)] = nxt
+            if r.sample:
+                pair_src[off + k - 1] = i * Q
+        rows_p[i] = (prob_rows or {}).get(s.request_id, 0)
         sample[i] = r.sample
         p = s.params
         temp[i], top_k[i], top_p[i] = p.temperature, max(p.top_k, 0), p.top_p
@@ -162,7 +181,8 @@ def build_flat_input(sched: SchedulerOutput, shape: FlatShape, shapes: FlatShape
         if any(wants_processing(r.seq) for r in rows):
             proc = flat_proc_input(sched, n_dec, N, width * page_size, Q, T, eos_token_ids, prefill=not advance)
         mask = build_bitmask(rows, N, Q, vocab_size, chained=bool(advance or tokens_on_device))
-    return FlatInput(tokens, meta, logits_idx, num_draft, sample, temp, top_k, top_p, seeds, sample_pos, proc, mask)
+    return FlatInput(tokens, meta, logits_idx, num_draft, sample, temp, top_k, top_p, seeds, sample_pos, pair_src,
+                     pair_next, rows_p, proc, mask)
 
 
 def flat_proc_input(sched, n_dec: int, N: int, hist: int, Q: int, T: int, eos_token_ids, prefill: bool) -> ProcInput:
@@ -185,19 +205,7 @@ def flat_proc_input(sched, n_dec: int, N: int, hist: int, Q: int, T: int, eos_to
     return proc.replace(prompt_next=prompt_next)
 
 
-def fold_seed(seed: int) -> int:
-    s = (seed ^ (seed >> 32)) & 0xFFFFFFFF
-    return s - (1 << 32) if s >= (1 << 31) else s
-
-
 def describe_shapes(shapes) -> str:
-    """One line for the server's startup log: how many shapes warmup compiles, by kind
-    (a flat runner's decode and general families; the speculative runner's decode, prefill
-    and mixed steps)."""
-    def kind(s):
-        if isinstance(s, FlatShape):
-            return "decode" if s.decode else "general"
-        return "mixed" if s.prefill_rows else ("decode" if s.decode else "prefill")
-
-    kinds = collections.Counter(map(kind, shapes))
+    """One line for the server's startup log: how many shapes warmup compiles, by family."""
+    kinds = collections.Counter("decode" if s.decode else "general" for s in shapes)
     return f"{len(shapes)} shapes (" + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")"

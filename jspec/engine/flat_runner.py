@@ -1,15 +1,17 @@
-"""The plain runner over flat steps: every step one flat token batch (flat_input.py).
+"""The runner: every step one flat token batch (flat_input.py), with or without a drafter.
 
 A step of any kind (prefill chunks, decode rows, both mixed) is one call of one jitted
 function over the step's T tokens, bucketed by the two shape families of ``FlatShapes``:
   tokens i32[T] --Transformer over [1, T] with RaggedMetadata--> hidden [1, T, H]
   hidden at logits_idx [N, Q] --lm_head--> logits f32[N, Q, V]
-  masks, processors, rejection_sample with no drafts --> i32[N] (+ logprob blocks)
+  without a drafter (K = 0, Q = 1): masks, processors, sampling --> i32[N]
+  with one: rejection sampling and the drafter (flat_spec.py) --> packed i32[N, ...]
 Async scheduling's chained decode call is the same function with ``steps`` >= 1: a decode
-step of the decode family, fed back on the device ``steps`` times, its first token taken
-from the previous call's output. A batch with a grammar chained behind another splits in
-two calls (the forward, then masks and sampling once the host has built the masks).
-Three jitted functions in all: ``_step``, ``_fwd`` and ``_tail``.
+step fed from the previous call's output on the device (without a drafter ``steps`` of
+them, each token fed back; with one, the verification of the drafts that call proposed).
+A batch with a grammar chained behind another splits in two calls: the target's forward,
+then masks, sampling (and the drafter) once the host has built the masks. Three jitted
+functions in all: ``_step``, ``_fwd`` and ``_tail``.
 """
 
 from __future__ import annotations
@@ -18,58 +20,116 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.drafters.propose import slots_for
+from jspec.drafters.propose import ProposeInputs, slots_for
+from jspec.engine import flat_spec
 from jspec.engine.flat_input import FlatInput, FlatShape, FlatShapes, build_flat_input
 from jspec.engine.logits_processing import extend_history
 from jspec.engine.logprobs import logprob_info
 from jspec.engine.packing import pack
 from jspec.engine.runner_base import RunnerBase, SampleInput, Split, tokens_of
-from jspec.engine.scheduler import SchedulerOutput
+from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jspec.models.transformer import Transformer
 from jspec.parallel import replicate
+from kernels_pallas.rejection_sampling import rejection_sample
 
 
 class FlatRunner(RunnerBase):
-    def __init__(self, cfg, params, kv, shapes: FlatShapes, *, width: int, dtype, plan):
+    def __init__(self, cfg, params, kv, shapes: FlatShapes, *, width: int, dtype, plan, spec=None, dcfg=None,
+                 dparams=None, dkv=None, max_num_seqs: int = 1):
         """``width``: pages of the longest sequence (max_model_len plus lookahead): the page
-        table's one width."""
-        super().__init__(cfg, params, kv, None, dtype=dtype, plan=plan)
-        self.shapes = shapes
-        self.width = width
+        table's one width. ``spec`` (SpeculativeConfig), ``dcfg``, ``dparams``, ``dkv``: the
+        drafter, K = spec.num_speculative_tokens (None: plain decoding, K = 0)."""
+        super().__init__(cfg, params, kv, dtype=dtype, plan=plan)
+        self.shapes, self.width = shapes, width
         self.num_mixed_steps = 0  # steps with decode rows and prefill chunks (engine stats)
+        self.spec, self.dcfg, self.dparams, self.dkv = spec, dcfg, dparams, dkv
+        self.K = 0 if spec is None else spec.num_speculative_tokens
+        self.drafter = self.probs_buf = self.synthetic_rates = None
+        self.with_probs, self.aux_layers = False, ()
+        self._prob_rows: dict[str, int] = {}  # request id -> its row of probs_buf (assign_prob_rows)
+        if spec is not None:
+            from jspec.drafters.registry import make_drafter
+
+            self.drafter = make_drafter(dcfg, dtype=dtype, plan=plan)
+            self.aux_layers = tuple(dcfg.aux_layer_ids)
+            self.with_probs = spec.draft_sample_method == "probabilistic"
+            if self.with_probs:  # the drafts' probabilities, kept on the device between steps
+                self.probs_buf = replicate(jnp.zeros((max_num_seqs, self.K, cfg.vocab_size), jnp.float32), plan.mesh)
+            if spec.rejection_sample_method == "synthetic":  # traced: benchmarks swap rates without recompiling
+                self.synthetic_rates = jnp.asarray(spec.synthetic_conditional_rates, jnp.float32)
         opts = self.plan.compiler_options
         # `filtering` ("off" | "on": does any request use top-k / top-p) is decided on the
         # host per step: a device-side lax.cond would read its predicate on the host (a
         # ~50 us sync per step on the H200). Top-k / top-p traffic compiles a second variant.
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("layout", "steps", "filtering"),
-                             compiler_options=opts)
+        self._step = jax.jit(self._step_impl, donate_argnums=(2, 3, 4), compiler_options=opts,
+                             static_argnames=("layout", "steps", "filtering"))
         self._fwd = jax.jit(self._forward_impl, donate_argnums=(1,), static_argnames=("layout",),
                             compiler_options=opts)
-        self._tail = jax.jit(self._tail_impl, static_argnames=("layout", "filtering"), compiler_options=opts)
+        self._tail = jax.jit(self._tail_impl, donate_argnums=(1, 2), static_argnames=("layout", "filtering"),
+                             compiler_options=opts)
         self._no_prev: dict = {}  # (N, steps) -> zeros: the ``prev`` of an unchained fed-back call
 
     # ---- device side ------------------------------------------------------------------
-    def _step_impl(self, params, kv, ints, floats, prev, *, layout, steps: int, filtering):
-        """steps = 0: one step over the input's T tokens -> i32[N] (with processors: (tokens,
-        logprob blocks i32[N, F], prompt logprob blocks i32[T, F])). steps >= 1: that many
-        decode steps of a decode-family input, each token fed back -> i32[N, steps] (with
-        processors also i32[N, steps, F])."""
-        self._compiling("plain" if steps == 0 else "plain fed-back", layout)  # runs at trace time only
+    def _step_impl(self, params, dparams, kv, dkv, probs_buf, rates, ints, floats, prev, *, layout, steps: int,
+                   filtering):
+        """-> (kv, dkv, probs_buf, out). Without a drafter: steps = 0, one step over the
+        input's T tokens, out i32[N] (with processors (tokens, logprob blocks i32[N, F],
+        prompt logprob blocks i32[T, F])); steps >= 1, that many decode steps each fed back,
+        out i32[N, steps] (with processors also i32[N, steps, F]). With one: out packed
+        (flat_spec.pack; with processors (packed, prompt blocks i32[T, F], cu_q_lens)); steps
+        = 1 continues ``prev``, a verification step not yet read (flat_spec.continue_flat)."""
+        self._compiling(("speculative" if self.K else "plain") + (" chained" if steps else ""), layout)
         inp: FlatInput = self._unpack(ints, floats, layout)
+        if self.K == 0 and steps:
+            kv, out = self._decode_loop(params, kv, inp, prev, steps, filtering)
+            return kv, dkv, probs_buf, out
         if steps:
-            return self._decode_loop(params, kv, inp, prev, steps, filtering)
-        h, _, kv = self.model.apply({"params": params}, inp.tokens[None], inp.meta, kv)
-        logits = self._lm(params, h[0][inp.logits_idx[:, :1]])  # f32[N, 1, V]: one sampled position per row
-        tokens, lp = self._sample_one(logits, inp, inp.proc, inp.sample_pos, filtering)
-        if lp is None:
-            return kv, tokens[:, 0]
-        return kv, (tokens[:, 0], lp[:, 0], self._flat_prompt_logprobs(params, h[0], inp.proc))
+            inp = flat_spec.continue_flat(inp, prev, self.K, self.page_size, self.num_pages)
+        h, aux, kv = self.model.apply({"params": params}, inp.tokens[None], inp.meta, kv, aux_layers=self.aux_layers)
+        logits = self._lm(params, h[0][inp.logits_idx])  # f32[N, Q, V]
+        if self.K == 0:
+            tokens, lp = self._sample_one(logits, inp, inp.proc, inp.sample_pos, filtering)
+            if lp is None:
+                return kv, dkv, probs_buf, tokens[:, 0]
+            return kv, dkv, probs_buf, (tokens[:, 0], lp[:, 0], self._flat_prompt_logprobs(params, h[0], inp.proc))
+        dkv, probs_buf, out = self._verify_and_propose(params, dparams, dkv, probs_buf, rates, logits, aux, inp, inp,
+                                                       filtering)
+        if inp.proc is None:
+            return kv, dkv, probs_buf, out
+        return kv, dkv, probs_buf, (out, self._flat_prompt_logprobs(params, h[0], inp.proc), inp.meta.cu_q_lens)
 
     def _sample_one(self, logits, s, proc, sample_pos, filtering):
         """``_sample_no_drafts`` -> (i32[N, 1], the logprob blocks i32[N, 1, F] or None without
         ``proc``)."""
         out, _, logits, raw = self._sample_no_drafts(logits, s, proc, sample_pos, filtering)
         return out, None if proc is None else self._token_logprobs(raw, logits, out, s)
+
+    def _verify_and_propose(self, params, dparams, dkv, probs_buf, rates, logits, aux, inp: FlatInput, s, filtering):
+        """Verification after the target (flat_spec's module docstring): masks and processors
+        on ``logits`` f32[N, Q, V], rejection sampling of each decode row's drafts, then the
+        drafter over the step's pairs -> (dkv, probs_buf, packed). ``s``: the sampling
+        fields (the input's own, or a split step's tail's)."""
+        drafts = inp.tokens[inp.logits_idx[:, 1:]]  # i32[N, K]: d_1..d_K of decode rows
+        q = probs_buf[s.prob_rows] if self.with_probs else None
+        logits, raw = self._process(logits, s, s.proc, drafts)  # position j sees the drafts before it
+        out, n_emit = rejection_sample(
+            logits, drafts, s.num_draft, q, s.temperature, s.top_k, s.top_p, s.seeds, s.sample_pos,
+            method=self.spec.rejection_sample_method, synthetic_rates=rates, impl=self.sample_impl,
+            filtering=filtering)
+        N = out.shape[0]
+        aux = None if aux is None else aux.reshape(1, aux.shape[1], -1)  # None: no aux layers (n-gram, a draft model)
+        draft_temp = s.temperature if self.with_probs else jnp.zeros_like(s.temperature)
+        nxt, probs, dkv = self.drafter.propose(
+            dparams, dkv,
+            ProposeInputs(flat_spec.pairs(inp, out), aux, inp.meta, flat_spec.bonus_index(inp, n_emit),
+                          self.embedding_table(params), self.lm_head_weight(params), s.seeds, draft_temp, s.sample,
+                          inp.tokens[None]),
+            num_tokens=self.K, with_probs=self.with_probs)
+        if self.with_probs:
+            rows = jnp.where(s.sample, s.prob_rows, probs_buf.shape[0])  # rows that do not sample: dropped
+            probs_buf = probs_buf.at[rows].set(probs[:, : self.K], mode="drop")  # the registry allows >= K
+        lp = None if s.proc is None else self._token_logprobs(raw, logits, out, s).reshape(N, -1)
+        return dkv, probs_buf, flat_spec.pack(out, n_emit, nxt, self.K, lp)
 
     def _lm(self, params, h):
         return self.model.apply({"params": params}, h, method=Transformer.logits)
@@ -82,9 +142,9 @@ class FlatRunner(RunnerBase):
         return logprob_info(self._lm(params, h), proc.prompt_next, self.n_top_logprobs)
 
     def _decode_loop(self, params, kv, inp: FlatInput, prev, steps: int, filtering):
-        """``steps`` decode steps of N one-token rows (the decode family, T = N), each token
-        fed back on the device; host tokens -1 start from ``prev[:, -1]`` (the call before,
-        not yet read). Same maths and RNG keys as ``steps`` one-step calls."""
+        """``steps`` decode steps of N one-token rows (the decode family, T = N, no drafter),
+        each token fed back on the device; host tokens -1 start from ``prev[:, -1]`` (the call
+        before, not yet read). Same maths and RNG keys as ``steps`` one-step calls."""
         m = inp.meta
         N = inp.sample.shape[0]
         first = jnp.where(inp.tokens < 0, prev[:, -1], inp.tokens)
@@ -115,24 +175,32 @@ class FlatRunner(RunnerBase):
         return kv, (ys[0].T, ys[1].transpose(1, 0, 2))  # i32[N, steps], i32[N, steps, F]
 
     def _forward_impl(self, params, kv, ints, floats, prev, *, layout):
-        """A split decode step's forward: one token per row (host token -1: ``prev[:, -1]``,
-        the call before, still on the device) -> (kv, logits f32[N, 1, V])."""
-        self._compiling("plain split forward", layout)  # runs at trace time only
+        """A split (structured) decode step's forward, chained behind ``prev``: the target over
+        the step's tokens -> (kv, the forward: logits f32[N, Q, V], and with a drafter the aux
+        states and the continued input, what ``_tail_impl`` reads)."""
+        self._compiling(("speculative" if self.K else "plain") + " split forward", layout)
         inp: FlatInput = self._unpack(ints, floats, layout)
-        tok = jnp.where(inp.tokens < 0, prev[:, -1], inp.tokens)
-        h, _, kv = self.model.apply({"params": params}, tok[None], inp.meta, kv)
-        return kv, self._lm(params, h[0][inp.logits_idx[:, :1]])
+        if self.K:
+            inp = flat_spec.continue_flat(inp, prev, self.K, self.page_size, self.num_pages)
+        else:
+            inp = inp.replace(tokens=jnp.where(inp.tokens < 0, prev[:, -1], inp.tokens))
+        h, aux, kv = self.model.apply({"params": params}, inp.tokens[None], inp.meta, kv, aux_layers=self.aux_layers)
+        logits = self._lm(params, h[0][inp.logits_idx])
+        return kv, ((logits, aux, inp) if self.K else logits)
 
-    def _tail_impl(self, logits, ints, floats, *, layout, filtering):
-        """A split decode step's tail: masks, processors and sampling on the forward's logits
-        f32[N, 1, V] -> i32[N, 1] (with processors also the logprob blocks i32[N, 1, F]): the
-        output of a one-step fed-back call, which the next call can chain behind."""
-        self._compiling("plain split sampling", layout)  # runs at trace time only
+    def _tail_impl(self, params, dkv, probs_buf, dparams, rates, fwd, ints, floats, *, layout, filtering):
+        """A split step's tail: masks (and sampling fields) the host built after reading the
+        step before, sampling (and the drafter) on ``fwd``: the output of a one-step chained
+        call, which the next call can chain behind."""
+        self._compiling(("speculative" if self.K else "plain") + " split tail", layout)
         s: SampleInput = self._unpack(ints, floats, layout)
-        out, lp = self._sample_one(logits, s, s.proc, s.sample_pos, filtering)
-        return out if lp is None else (out, lp)
+        if self.K == 0:
+            out, lp = self._sample_one(fwd, s, s.proc, s.sample_pos, filtering)
+            return dkv, probs_buf, (out if lp is None else (out, lp))
+        logits, aux, inp = fwd
+        return self._verify_and_propose(params, dparams, dkv, probs_buf, rates, logits, aux, inp, s, filtering)
 
-    # ---- host side --------------------------------------------------------------------
+    # ---- host side: building and running steps ----------------------------------------
     def shape_of(self, sched: SchedulerOutput, steps: int = 0) -> FlatShape:
         if sched.kind == "decode":
             return self.shapes.decode_shape(len(sched.seqs), steps)
@@ -141,30 +209,36 @@ class FlatRunner(RunnerBase):
     def build(self, sched: SchedulerOutput, shape: FlatShape, **kw) -> FlatInput:
         return build_flat_input(sched, shape, self.shapes, page_size=self.page_size, num_pages=self.num_pages,
                                 width=self.width, vocab_size=self.cfg.vocab_size, eos_token_ids=self.eos_token_ids,
-                                **kw)
+                                prob_rows=self._prob_rows, **kw)
 
     def run(self, inp: FlatInput, steps: int = 0, prev: jax.Array | None = None):
-        """One jitted call on a host-built input (two transfers), returned without waiting
-        for the device (``_step_impl``'s output)."""
+        """One jitted step on a host-built input (two transfers), returned without waiting for
+        the device (``_step_impl``'s out)."""
         fn, args, kw = self._call(inp, steps, prev)
-        self.kv, out = fn(*args, **kw)
+        self.kv, self.dkv, self.probs_buf, out = fn(*args, **kw)
         return out
+
+    def _no_prev_for(self, N: int, steps: int):
+        """Zeros in the shape of the ``prev`` of a call chained behind ``steps`` fed-back decode
+        steps, or a verification step: what an unchained fed-back call (and warmup) passes."""
+        key = (N, steps if self.K == 0 else 2 * self.K + 2)
+        if key not in self._no_prev:
+            self._no_prev[key] = replicate(jnp.zeros(key, jnp.int32), self.plan.mesh)
+        return self._no_prev[key]
 
     def _call(self, inp: FlatInput, steps: int, prev):
         """(jitted function, arguments, static keywords) of ``run``'s call."""
         ints, floats, layout = pack(inp)
         if steps and prev is None:
-            key = (inp.sample.shape[0], steps)
-            if key not in self._no_prev:
-                self._no_prev[key] = replicate(jnp.zeros(key, jnp.int32), self.plan.mesh)
-            prev = self._no_prev[key]
+            prev = self._no_prev_for(inp.sample.shape[0], steps)
         kw = dict(layout=self._layout_id(layout), steps=steps, filtering=self._filtering(inp))
-        return self._step, (self.params, self.kv, ints, floats, prev), kw
+        return self._step, (self.params, self.dparams, self.kv, self.dkv, self.probs_buf, self.synthetic_rates,
+                            ints, floats, prev), kw
 
     def execute(self, sched: SchedulerOutput):
-        """Run one step; returns, per scheduled sequence, the tokens it emitted ([] if none),
-        and with processors the logprob blocks i32[n, 1, F] of those tokens and i32[n, P, F]
-        of the prompt tokens after each position (else None, None)."""
+        """Without a drafter: run one step; per scheduled sequence the tokens it emitted ([] if
+        none), and with processors the logprob blocks i32[n, 1, F] of those tokens and
+        i32[n, P, F] of the prompt tokens after each position (else None, None)."""
         n = len(sched.seqs)
         self.num_mixed_steps += sched.kind == "mixed"
         out = self.run(self.build(sched, self.shape_of(sched)))
@@ -183,41 +257,92 @@ class FlatRunner(RunnerBase):
         return toks, lp, plp
 
     def dispatch_decode(self, sched: SchedulerOutput, steps: int, prev: jax.Array | None = None) -> jax.Array:
-        """Start ``steps`` fed-back decode steps; i32[N, steps] on the device (rows past the
-        scheduled ones are padding). With ``prev`` (the output of a call not yet read) the
-        call continues that one: positions start ``steps`` further, tokens from ``prev``."""
+        """Without a drafter: start ``steps`` fed-back decode steps; i32[N, steps] on the device.
+        With ``prev`` (the output of a call not yet read) the call continues that one:
+        positions start ``steps`` further, tokens from ``prev``."""
         prev = None if prev is None else tokens_of(prev)
         inp = self.build(sched, self.shape_of(sched, steps), advance=0 if prev is None else prev.shape[1])
         return self.run(inp, steps, prev)
 
+    def dispatch_spec(self, sched: SchedulerOutput, running: set | None = None, prev: jax.Array | None = None):
+        """With a drafter: start a step (chained behind ``prev`` when given); its output stays
+        on the device until ``read_spec``. ``running``: the running request ids, for
+        ``assign_prob_rows`` (a chained step keeps the rows of the step it continues)."""
+        if prev is None:
+            self.assign_prob_rows(sched, running)
+            self.num_mixed_steps += sched.kind == "mixed"
+            return self.run(self.build(sched, self.shape_of(sched)))
+        chained = self._chained(sched)
+        return self.run(self.build(chained, self.shape_of(chained, 1), tokens_on_device=True), 1, tokens_of(prev))
+
+    def _chained(self, sched: SchedulerOutput) -> SchedulerOutput:
+        """A verification step continuing the one before (on the device): every row verifies K drafts."""
+        return SchedulerOutput("decode", [ScheduledSeq(r.seq, self.K + 1, True) for r in sched.seqs], [])
+
+    def read_spec(self, out, n: int) -> flat_spec.SpecStepResult:
+        """Wait for a speculative step's output and split its first n rows."""
+        return flat_spec.read_packed(out, n, self.K, self.n_top_logprobs)
+
+    def execute_spec(self, sched: SchedulerOutput, running: set) -> flat_spec.SpecStepResult:
+        """Run one speculative step and read it."""
+        return self.read_spec(self.dispatch_spec(sched, running), len(sched.seqs))
+
+    def assign_prob_rows(self, sched: SchedulerOutput, running: set):
+        """Rows of probs_buf for the scheduled requests: a request keeps its row while it is
+        ``running`` (ids), whose drafts' probabilities the row holds between steps."""
+        if not self.with_probs:
+            return
+        rows = self._prob_rows
+        for rid in [r for r in rows if r not in running]:
+            del rows[rid]
+        free = sorted(set(range(self.probs_buf.shape[0])) - set(rows.values()))
+        for r in sched.seqs:
+            if r.seq.request_id not in rows:
+                rows[r.seq.request_id] = free.pop(0)
+
     def dispatch_forward(self, sched: SchedulerOutput, prev) -> Split:
-        """The forward of the decode step after ``prev`` (a one-step call not yet read),
-        dispatched before the host builds that step's masks (``dispatch_tail``)."""
+        """The forward of the decode step after ``prev`` (a call not yet read), dispatched
+        before the host builds that step's masks (``dispatch_tail``): a structured batch's
+        masks need ``prev``'s tokens (and drafts), which the host reads meanwhile."""
         prev = tokens_of(prev)
-        inp = self.build(sched, self.shape_of(sched, 1), advance=prev.shape[1], forward_only=True)
+        if self.K:
+            chained = self._chained(sched)
+            inp = self.build(chained, self.shape_of(chained, 1), tokens_on_device=True, forward_only=True)
+        else:
+            inp = self.build(sched, self.shape_of(sched, 1), advance=prev.shape[1], forward_only=True)
         return self.run_forward(inp, prev)
 
     def run_forward(self, inp: FlatInput, prev: jax.Array) -> Split:
         ints, floats, layout = pack(inp)
-        self.kv, logits = self._fwd(self.params, self.kv, ints, floats, prev, layout=self._layout_id(layout))
-        return Split(logits, inp.sample.shape[0], 1, self.width * self.page_size)
+        self.kv, fwd = self._fwd(self.params, self.kv, ints, floats, prev, layout=self._layout_id(layout))
+        return Split(fwd, inp.sample.shape[0], self.K + 1, self.width * self.page_size)
 
     def dispatch_tail(self, split: Split, sched: SchedulerOutput):
-        """The rest of a split step, from the host state now (the step before it read): as
-        ``dispatch_decode``'s output, i32[N, 1] on the device."""
-        return self.run_tail(split, self.build_sample_input(sched, split))
+        """The rest of a split step from the host state now (the step before it read): each
+        running row samples (verifying its grammar-valid drafts). The output is a one-step
+        chained call's."""
+        s = self.build_sample_input(sched, split)
+        for i, r in enumerate(sched.seqs):
+            s.prob_rows[i] = self._prob_rows.get(r.seq.request_id, 0)
+        return self.run_tail(split, s)
 
     def run_tail(self, split: Split, s: SampleInput):
         ints, floats, layout = pack(s)
-        return self._tail(split.fwd, ints, floats, layout=self._layout_id(layout), filtering=self._filtering(s))
+        self.dkv, self.probs_buf, out = self._tail(
+            self.params, self.dkv, self.probs_buf, self.dparams, self.synthetic_rates, split.fwd, ints, floats,
+            layout=self._layout_id(layout), filtering=self._filtering(s))
+        return out
 
     # ---- the closed set of shapes -----------------------------------------------------
     def warmup_shapes(self, num_scheduler_steps: int = 1, async_scheduling: bool = False) -> list[FlatShape]:
         """Every shape a step can have: the general family, and the decode family as its
-        decode steps run: with async scheduling fed back one step per call (steps 1: every
-        decode step, chained or not), ``num_scheduler_steps`` > 1 at a time, and the one-step
-        host-fed call (steps 0) where a decode step is neither (async scheduling off, a batch
-        that cannot grow ``num_scheduler_steps`` positions)."""
+        decode steps run. Without a drafter: with async scheduling fed back one step per call
+        (steps 1: every decode step, chained or not), ``num_scheduler_steps`` > 1 at a time,
+        and the one-step host-fed call (steps 0) where a decode step is neither (async
+        scheduling off, a batch that cannot grow ``num_scheduler_steps`` positions). With a
+        drafter: the host-fed verification step, and with async scheduling its chained form."""
+        if self.K:
+            return self.shapes.all((0, 1) if async_scheduling else (0,))
         multi = num_scheduler_steps > 1
         steps = ({0} if multi or not async_scheduling else set()) | ({num_scheduler_steps} if multi else set())
         steps |= {1} if async_scheduling else set()  # with num_scheduler_steps > 1: a batch with a grammar
@@ -225,7 +350,7 @@ class FlatRunner(RunnerBase):
 
     def empty_input(self, shape: FlatShape) -> FlatInput:
         """An input of ``shape`` with no sequence (num_seqs 0, every slot dropped): compiles a
-        shape without touching the cache."""
+        shape without touching the caches."""
         return self.build(SchedulerOutput("decode" if shape.decode else "prefill", [], []), shape)
 
     def lower_shape(self, shape: FlatShape):
@@ -236,17 +361,18 @@ class FlatRunner(RunnerBase):
     def warmup(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None,
                structured: bool = False):
         """Compile every shape (or ``shapes``, a subset of ``warmup_shapes``) with empty
-        inputs (all writes dropped: the cache is unchanged). ``structured``: also the masked steps a batch with a grammar takes."""
+        inputs (every write dropped: the caches keep their contents). ``structured``: also
+        the masked steps a batch with a grammar takes (one step per call; a chained one split
+        in two)."""
         for shape in shapes or self.warmup_shapes(num_scheduler_steps, async_scheduling):
             self.run(self.empty_input(shape), shape.steps)
         for shape in self.warmup_shapes(num_scheduler_steps, async_scheduling) if structured else ():
-            # a batch with a grammar: one step per call, a chained one split in two
             inp = self.empty_input(shape)
             masked = inp.replace(grammar_mask=self.allow_all(shape.seqs, self.shapes.q))
             if shape.steps == 0:
                 self.run(masked)
             elif shape.steps == 1:
                 self.run(masked, 1)
-                split = self.run_forward(inp, jnp.zeros((shape.seqs, 1), jnp.int32))
-                self.run_tail(split, self.empty_sample_input(shape.seqs, 1))
-        jax.block_until_ready(self.kv)
+                split = self.run_forward(inp, self._no_prev_for(shape.seqs, 1))
+                self.run_tail(split, self.empty_sample_input(shape.seqs, self.K + 1))
+        jax.block_until_ready((self.kv, self.dkv))

@@ -21,7 +21,6 @@ from jspec.checkpoint.model_files import generation_eos, load_tokenizer, samplin
 from jspec.checkpoint.target import auto_dtype, load_target, resolve_dtype
 from jspec.config import load_model_config
 from jspec.engine.block_manager import BlockManager
-from jspec.engine.buckets import Buckets
 from jspec.engine.flat_input import FlatShapes
 from jspec.engine.flat_runner import FlatRunner
 from jspec.engine.kv_memory import (
@@ -39,7 +38,7 @@ from jspec.engine.sequence import Sequence, SpecMetrics, Status
 from jspec.engine.stopping import append_tokens
 from jspec.engine.structured import GrammarCompiler, advance, any_grammar
 from jspec.inputs import check_cache_salt, parse_prompt
-from jspec.ops import page_table_widths, plan_kernels, plan_params
+from jspec.ops import plan_kernels, plan_params
 from jspec.sampling_params import SamplingParams
 
 logger = logging.getLogger("jspec.engine")
@@ -214,22 +213,14 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.blocks)
         plan = plan_kernels(mc, attn_impl=c.attn_impl, linear_impl=c.linear_impl, sample_impl=c.sample_impl,
                             **self.par.plan_args())
-        buckets = Buckets.create(c.max_num_seqs, chunk, pages_per_seq, max_prefill_rows=mix,
-                                 page_widths=page_table_widths(plan, pages_per_seq))
         params = plan_params(plan, params)  # the weight layout the plan's modules declare
-        if self.spec is None:
-            # the most tokens a step can hold: decode rows and at most ``mix`` chunks when mixing
-            most = (c.max_num_seqs * (self.K + 1) + mix * chunk) if mix else c.max_num_seqs * chunk
-            shapes = FlatShapes.create(c.max_num_seqs, min(sched_cfg.max_num_batched_tokens, most), chunk,
-                                       q=self.K + 1)
-            self.runner = FlatRunner(mc, params, kv, shapes, width=pages_per_seq, dtype=dtype, plan=plan)
-        else:
-            from jspec.engine.spec_runner import SpecModelRunner
-
-            self.runner = SpecModelRunner(
-                mc, params, kv, buckets, dtype=dtype, plan=plan, spec=self.spec, dcfg=self.dcfg,
-                dparams=plan_params(plan, dparams), dkv=dkv, max_num_seqs=c.max_num_seqs,
-            )
+        # the most tokens a step can hold: decode rows and at most ``mix`` chunks when mixing
+        most = (c.max_num_seqs * (self.K + 1) + mix * chunk) if mix else c.max_num_seqs * chunk
+        shapes = FlatShapes.create(c.max_num_seqs, min(sched_cfg.max_num_batched_tokens, most), chunk, q=self.K + 1)
+        self.runner = FlatRunner(mc, params, kv, shapes, width=pages_per_seq, dtype=dtype, plan=plan, spec=self.spec,
+                                 dcfg=self.dcfg if self.spec else None,
+                                 dparams=plan_params(plan, dparams) if self.spec else None, dkv=dkv,
+                                 max_num_seqs=c.max_num_seqs)
         self.runner.configure_sampling(self.eos_token_ids, c.max_logprobs, c.logprobs_mode)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)  # structured outputs
         self._groups = SampleGroups()  # requests with n > 1

@@ -1,9 +1,6 @@
-"""What both runners share: the step's input types, host rows -> padded device arrays
-(``RunnerBase.build_input``), and the pieces both jitted steps call (processors, sampling
-with no drafts, logprobs).
-
-``ModelRunner`` (runner.py) adds the plain step and the fed-back decode call;
-``SpecModelRunner`` (spec_runner.py) the speculative step. Neither inherits the other's jits.
+"""The sampling half of the runner (jspec/engine/flat_runner.py's base): masks, processors,
+sampling with no drafts and logprobs on the device; a split step's tail input built on the
+host (``SampleInput``); the packed layouts the jitted steps take by index; compiling ahead.
 """
 
 from __future__ import annotations
@@ -18,42 +15,18 @@ import numpy as np
 from flax import struct
 
 from jspec.config import ModelConfig
-from jspec.engine.buckets import Buckets, pick
-from jspec.engine.logits_processing import (
-    ProcInput,
-    apply_processors,
-    build_proc_input,
-    wants_processing,
-)
+from jspec.engine.logits_processing import ProcInput, apply_processors, build_proc_input, wants_processing
 from jspec.engine.logprobs import logprob_info, sampler_logits
 from jspec.engine.packing import unpack
 from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jspec.engine.sequence import Status
 from jspec.engine.structured import apply_bitmask, bitmask_words, build_bitmask
-from jspec.kv_cache import AttentionMetadata, KVCache
+from jspec.kv_cache import KVCache
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
 from kernels_pallas.rejection_sampling import host_filtering, rejection_sample
 
 logger = logging.getLogger("jspec.engine")
-
-
-@struct.dataclass
-class StepInput:
-    tokens: jax.Array  # i32[B, Q]   uncomputed tokens of each sequence (padding: 0)
-    meta: AttentionMetadata
-    q_lens: jax.Array  # i32[B]      real tokens per row (0: empty batch slot)
-    temperature: jax.Array  # f32[B]
-    top_k: jax.Array  # i32[B]
-    top_p: jax.Array  # f32[B]
-    seeds: jax.Array  # i32[B]      request seed folded to 32 bits
-    sample_pos: jax.Array  # i32[B]  position of the token being sampled (RNG key)
-    # Logits processors and logprobs (jspec/engine/logits_processing.py); None when no row of
-    # the step uses them: the step then compiles exactly as without them.
-    proc: ProcInput | None = None
-    # Structured outputs' packed token masks i32[B, Q', ceil(V/32)] (Q' = the sampled
-    # positions: 1, or Q when verifying; jspec/engine/structured.py); None without grammars.
-    grammar_mask: jax.Array | None = None
 
 
 @struct.dataclass
@@ -84,17 +57,6 @@ class Split(NamedTuple):
     hist: int  # history width of the processors (W * page_size)
 
 
-class StepShape(NamedTuple):
-    """One compiled shape of a runner's jitted step (``warmup_shapes``)."""
-
-    batch: int  # B bucket
-    q: int  # Q: tokens per row (1 decode, K + 1 verification, a prefill chunk bucket)
-    pages: int  # W: page-table width bucket
-    steps: int = 0  # ModelRunner: 0 the plain step, >= 1 a fed-back decode call of that many steps
-    decode: bool = False  # a decode (or verification) step, not a prefill chunk
-    prefill_rows: int = 0  # > 0: a mixed step, decode rows [batch, 1] + prefill chunks [prefill_rows, q]
-
-
 def fold_seed(seed: int) -> int:
     s = (seed ^ (seed >> 32)) & 0xFFFFFFFF
     return s - (1 << 32) if s >= (1 << 31) else s
@@ -121,7 +83,6 @@ class RunnerBase:
         cfg: ModelConfig,
         params,
         kv: KVCache,
-        buckets: Buckets,
         *,
         dtype,
         plan: KernelPlan,  # which kernels run (jspec.ops.plan_kernels)
@@ -129,7 +90,6 @@ class RunnerBase:
         self.cfg = cfg
         self.params = params
         self.kv = kv
-        self.buckets = buckets
         self.page_size = kv.page_size
         self.num_pages = kv.num_pages
         self.plan = plan
@@ -162,7 +122,7 @@ class RunnerBase:
                     list(shape), self.num_compilations)
 
     # ---- device side ------------------------------------------------------------------
-    def _process(self, logits, inp: StepInput, proc, drafts):
+    def _process(self, logits, inp, proc, drafts):
         """(logits for the sampler, raw logits): the processors applied when ``proc`` is given,
         after the grammar masks (vLLM's raw logprobs see them too)."""
         logits = apply_bitmask(logits, inp.grammar_mask)
@@ -183,19 +143,11 @@ class RunnerBase:
                                        s.top_p, s.seeds, sample_pos, impl=self.sample_impl, filtering=filtering)
         return out, n_emit, logits, raw
 
-    def _token_logprobs(self, raw, processed, tokens, inp: StepInput):
+    def _token_logprobs(self, raw, processed, tokens, inp):
         """i32[B, Q, F] logprob blocks (jspec/engine/logprobs.py) of the emitted tokens i32[B, Q]."""
         src = raw if self.logprobs_mode == "raw_logprobs" else sampler_logits(
             processed, inp.temperature, inp.top_k, inp.top_p)
         return logprob_info(src, tokens, self.n_top_logprobs)
-
-    def _prompt_logprobs(self, params, h, proc):
-        """i32[B, P, F] logprob blocks of each query position's next prompt token (P = 0
-        unless a row of this prefill step asks for prompt logprobs): raw, as vLLM's."""
-        if proc.prompt_next.shape[1] == 0:
-            return proc.prompt_next[..., None]
-        logits = self.model.apply({"params": params}, h, method=Transformer.logits)  # f32[B, Q, V]
-        return logprob_info(logits, proc.prompt_next, self.n_top_logprobs)
 
     # ---- the target's tables, for the drafters (the runner never names parameters) ----
     def embedding_table(self, params):
@@ -207,71 +159,6 @@ class RunnerBase:
         return self.model.apply({"params": params}, method=Transformer.lm_head_weight)
 
     # ---- host side --------------------------------------------------------------------
-    def chunk_q(self, sched: SchedulerOutput) -> int:
-        """Q of a prefill step: the chunk bucket of its longest row."""
-        return pick(self.buckets.prefill_q, max(r.num_new for r in sched.seqs))
-
-    def build_input(self, sched: SchedulerOutput, Q: int, advance: int = 0,
-                    tokens_on_device: bool = False, forward_only: bool = False,
-                    B: int | None = None, W: int | None = None) -> tuple[StepInput, int]:
-        """Pad the scheduled rows to buckets (B, W; ``Q`` is the runner's: 1 or K + 1 for a
-        decode step, ``chunk_q`` for a prefill). Decode rows carry [last token, drafts...].
-
-        ``advance`` > 0: a decode call chained behind one still running, which computes
-        ``advance`` more positions per row first; its first token is not on the host yet
-        (token -1: take it from the previous call's output on the device). ``B``, ``W``:
-        given buckets (a mixed step's segments, jspec/engine/mixed.py).
-        ``tokens_on_device``: every token is -1 (a speculative step chained behind the one
-        that proposes them; the device also shifts the positions, see spec_runner).
-        ``forward_only``: no processors or masks (a split step's forward: its tail has them)."""
-        rows = sched.seqs
-        n = len(rows)
-        decode = sched.kind == "decode"
-        B = B or pick(self.buckets.batch, n)
-        W = W or pick(self.buckets.pages, max(len(r.seq.pages) for r in rows))
-        ps, drop = self.page_size, self.num_pages * self.page_size
-        tokens = np.zeros((B, Q), np.int32)
-        positions = np.zeros((B, Q), np.int32)
-        slots = np.full((B, Q), drop, np.int32)
-        table = np.zeros((B, W), np.int32)
-        kv_lens = np.zeros((B,), np.int32)
-        q_lens = np.zeros((B,), np.int32)
-        temp = np.zeros((B,), np.float32)
-        top_k = np.zeros((B,), np.int32)
-        top_p = np.ones((B,), np.float32)
-        seeds = np.zeros((B,), np.int32)
-        sample_pos = np.zeros((B,), np.int32)
-        for b, r in enumerate(rows):
-            s, k = r.seq, r.num_new
-            start = s.num_computed + advance
-            pos = np.arange(start, start + k)
-            pages = np.asarray(s.pages, np.int32)
-            tokens[b, :k] = -1 if advance or tokens_on_device else s.tokens_between(start, start + k)
-            positions[b, :k] = pos
-            slots[b, :k] = pages[pos // ps] * ps + pos % ps
-            table[b, : len(pages)] = pages
-            kv_lens[b] = start + k
-            q_lens[b] = k
-            p = s.params
-            temp[b] = p.temperature
-            top_k[b] = p.top_k if p.top_k > 0 else 0
-            top_p[b] = p.top_p
-            seeds[b] = fold_seed(s.seed)
-            # RNG key of the first sampled token: the position right after the last
-            # committed token (verification emits tokens at sample_pos, sample_pos + 1, ...).
-            sample_pos[b] = start + (1 if decode else k)
-        meta = AttentionMetadata(
-            page_table=table, kv_lens=kv_lens, positions=positions, slot_mapping=slots,
-            causal=np.ones((B,), bool),
-        )
-        proc = mask = None
-        if not forward_only:
-            if any(wants_processing(r.seq) for r in rows):
-                proc = build_proc_input(rows, B, W * ps, Q, self.eos_token_ids, prefill=not decode and not advance)
-            mask = build_bitmask(rows, B, Q if decode else 1, self.cfg.vocab_size,
-                                 chained=bool(advance or tokens_on_device))
-        return StepInput(tokens, meta, q_lens, temp, top_k, top_p, seeds, sample_pos, proc, mask), n
-
     def build_sample_input(self, sched: SchedulerOutput, split: Split) -> SampleInput:
         """The tail of a split decode step over ``sched``'s rows, from the host state after
         the step before it was read: each running row samples at num_computed + 1 (verifying
@@ -311,10 +198,6 @@ class RunnerBase:
             for job in jobs:
                 job.result()
 
-    def lower_shape(self, shape: StepShape):
-        """The jitted call ``warmup`` makes for ``shape``, lowered (not compiled), or None."""
-        return None
-
     def _filtering(self, *inps) -> str:
         """"on" when some request of the step (its inputs ``inps``: one, or a mixed step's
         two segments) uses top-k / top-p, else "off"."""
@@ -330,12 +213,3 @@ class RunnerBase:
         zi = np.zeros((B,), np.int32)
         return SampleInput(np.zeros((B,), np.float32), zi, np.ones((B,), np.float32), zi, zi, zi,
                            np.zeros((B,), bool), zi, None, self.allow_all(B, Q))
-
-    def empty_input(self, B: int, Q: int, W: int) -> StepInput:
-        """A step input of B empty rows (q_lens 0, every slot dropped): compiles a shape
-        without touching the caches."""
-        zi = lambda *s: np.zeros(s, np.int32)  # noqa: E731
-        drop = self.num_pages * self.page_size
-        meta = AttentionMetadata(zi(B, W), zi(B), zi(B, Q), np.full((B, Q), drop, np.int32), np.ones((B,), bool))
-        return StepInput(zi(B, Q), meta, zi(B), np.zeros((B,), np.float32), zi(B), np.ones((B,), np.float32),
-                         zi(B), zi(B))

@@ -31,10 +31,11 @@ def _meta(start: int, q: int):
 
 
 def _inputs(first: int, pairs: list[int], start: int, last_idx: int):
+    """The step ran [first, pairs[:-1]] at start ..: its input tokens, each pair one on."""
     z = jnp.zeros((1,), jnp.int32)
     return ProposeInputs(jnp.asarray([pairs], jnp.int32), None, _meta(start, len(pairs)),
                          jnp.asarray([last_idx], jnp.int32), None, None, z, jnp.zeros((1,), jnp.float32),
-                         jnp.ones((1,), bool), jnp.asarray([first], jnp.int32))
+                         jnp.ones((1,), bool), jnp.asarray([[first] + pairs[:-1]], jnp.int32))
 
 
 @torch.no_grad()

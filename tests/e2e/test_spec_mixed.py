@@ -1,13 +1,13 @@
-"""Issue 28 with a drafter: verification rows and prefill chunks in one step
-(jspec/engine/spec_mixed.py).
+"""Issue 28 with a drafter: verification rows and prefill chunks in one flat step
+(jspec/engine/flat_runner.py, flat_spec.py).
 
 One small mixing engine per drafter (EAGLE3 with probabilistic drafts, DFlash), every shape
-compiled by warmup (verification and its chained form at B 1 / 2, the prefill chunk at B 1,
-mixed [B, K + 1] + [1, 16]), serving requests that arrive at random steps in a pool tight
-enough to preempt: greedy outputs equal the target's greedy decoding, seeded T=1 outputs
-equal the request run alone, drafts are accepted, mixed steps ran, nothing compiles after
-warmup and every page is free at the end. With structured outputs, warmup also compiles the
-masked mixed step (both segments masked: jspec/engine/mixed.py ``masked_alike``).
+compiled by warmup (verification and its chained form at N 1 / 2, the general steps),
+serving requests that arrive at random steps in a pool tight enough to preempt: greedy
+outputs equal the target's greedy decoding, seeded T=1 outputs equal the request run alone,
+drafts are accepted, mixed steps ran, nothing compiles after warmup and every page is free
+at the end. With structured outputs, warmup also compiles the masked steps, and a mixed
+step whose decode rows have grammar masks runs that variant.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.engine.mixed import mixed_shapes
 from tests.helpers import spec_e2e as h
 from tests.helpers.engine import drive, precompile_then_warmup
 
@@ -29,21 +28,21 @@ CASES = [("eagle3", 3, {"draft_sample_method": "probabilistic"}), ("dflash4", 3,
 def test_random_arrivals_mix_and_match_greedy_and_alone(name, k, extra, monkeypatch):
     llm = h.llm(name, k, spec_extra=extra, max_num_partial_prefills=1)
     eng, r = llm.engine, llm.engine.runner
-    emitted, run = [], r.execute_spec_mixed
+    emitted, run = [], r.execute_spec
 
-    def recording(sched):  # tokens each decode row of a mixed step emitted
-        res = run(sched)
-        emitted.extend(res.num_emitted[: sched.num_decode].tolist())
+    def recording(sched, running):  # tokens each decode row of a mixed step emitted
+        res = run(sched, running)
+        if sched.kind == "mixed":
+            emitted.extend(res.num_emitted[: sched.num_decode].tolist())
         return res
 
-    monkeypatch.setattr(r, "execute_spec_mixed", recording)
+    monkeypatch.setattr(r, "execute_spec", recording)
     shapes = eng.warmup_shapes()
-    assert sorted((s.batch, s.q, s.prefill_rows, s.steps) for s in shapes if s.prefill_rows or not s.decode) == [
-        (1, 16, 0, 0),
-        (1, 16, 1, 0),
-        (2, 16, 1, 0),
-    ]  # prefill rows: at most max_num_partial_prefills
-    assert len(shapes) == 7 and len(mixed_shapes(r.buckets)) == 2
+    # verification at N 1 / 2 and its chained form; general steps up to 2 rows of K + 1 and a chunk
+    assert sorted((s.tokens, s.seqs, s.steps) for s in shapes if s.decode) == [(4, 1, 0), (4, 1, 1), (8, 2, 0),
+                                                                                (8, 2, 1)]
+    assert [s.tokens for s in shapes if not s.decode] == list(r.shapes.tokens)
+    assert r.shapes.tokens[-1] == 2 * (k + 1) + eng.config.max_prefill_chunk
     if name == "dflash4":  # compiled ahead on two threads, as on an accelerator (RunnerBase.precompile)
         ahead, in_warmup = precompile_then_warmup(eng)
         assert ahead >= len(shapes) and in_warmup == 0
@@ -84,51 +83,45 @@ def test_random_arrivals_mix_and_match_greedy_and_alone(name, k, extra, monkeypa
     assert r.num_compilations == n
 
 
-def test_structured_warmup_compiles_the_masked_mixed_step(monkeypatch):
-    """warmup(structured=True) also compiles the masked mixed steps, and a mixed step whose
-    decode rows have grammar masks (the prefill rows none: mixed.masked_alike fills theirs)
-    runs that variant. The tiny target has no tokenizer, so the rows' masks come from a
-    stand-in grammar that allows every token (real grammars: tests/e2e/test_structured_outputs.py
-    and, for the plain mixed step, tests/engine/test_structured.py): the outputs stay greedy."""
-    from jspec.engine import runner_base
+def test_structured_warmup_compiles_the_masked_steps(monkeypatch):
+    """warmup(structured=True) also compiles the masked steps, and a mixed step whose decode
+    rows have grammar masks (the prefill rows allow every token) runs that variant. The tiny
+    target has no tokenizer, so the rows' masks come from a stand-in grammar that allows every
+    token (real grammars: tests/e2e/test_structured_outputs.py, tests/engine/test_structured.py):
+    the outputs stay greedy."""
+    from jspec.engine import flat_input
 
     llm = h.llm(*CASES[0][:2], spec_extra=CASES[0][2], max_num_partial_prefills=1)
     eng, r = llm.engine, llm.engine.runner
     eng.warmup()  # the unmasked shapes (compiled already when the test above ran)
-    mixed = mixed_shapes(r.buckets)
-    monkeypatch.setattr(r, "warmup_shapes", lambda *a: mixed)  # the other masked shapes: tested elsewhere
     n = r.num_compilations
-    r.warmup(1, True, shapes=mixed, structured=True)
-    assert r.num_compilations == n + len(mixed)  # the masked variants only
-    build, build_mixed, masked, inside = runner_base.build_bitmask, r.build_spec_mixed_input, [], []
+    r.warmup(1, True, shapes=[], structured=True)
+    shapes = eng.warmup_shapes()
+    chained = sum(s.steps == 1 for s in shapes)
+    assert r.num_compilations == n + len(shapes) + 2 * chained  # masked steps; a chained one's split forward and tail
+    build, masked = flat_input.build_bitmask, []
 
-    def allow_all_for_mixed_decode_rows(rows, B, Q, V, chained=False):
-        if not inside or Q == 1:  # other steps (their masked shapes: tested elsewhere), prefill rows
+    def allow_all_for_decode_rows(rows, B, Q, V, chained=False):
+        if not any(r_.seq.draft_token_ids for r_ in rows):  # steps without decode rows: no grammar
             return build(rows, B, Q, V, chained)
         masked.append(B)
         return r.allow_all(B, Q)
 
-    def mixed_input(sched):
-        inside.append(sched)
-        try:
-            return build_mixed(sched)
-        finally:
-            inside.pop()
+    monkeypatch.setattr(flat_input, "build_bitmask", allow_all_for_decode_rows)
+    monkeypatch.setattr(eng, "_chain", lambda f: None)  # masked steps are read before the next (no split here)
+    compiled, run = [], r.run
 
-    monkeypatch.setattr(runner_base, "build_bitmask", allow_all_for_mixed_decode_rows)
-    monkeypatch.setattr(r, "build_spec_mixed_input", mixed_input)
-    compiled, run = [], r.run_spec_mixed
-
-    def counting(inp):
+    def counting(inp, steps=0, prev=None):
         k = r.num_compilations
-        out = run(inp)
-        compiled.append((r.num_compilations - k, inp.prefill.base.grammar_mask is not None))
+        out = run(inp, steps, prev)
+        compiled.append(r.num_compilations - k)
         return out
 
-    monkeypatch.setattr(r, "run_spec_mixed", counting)
+    monkeypatch.setattr(r, "run", counting)
     prompts = sorted(h.varied_prompts(2, 4, 40, seed=5), key=len)  # b: 40 tokens, 3 chunks beside a
     sp = {rid: jspec.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for rid, n in (("a", 24), ("b", 8))}
     done = drive(llm, {0: [("add", "a", prompts[0], sp["a"])], 1: [("add", "b", prompts[1], sp["b"])]})
-    assert masked and len(compiled) >= 2 and compiled == [(0, True)] * len(compiled), compiled
+    assert masked and len(compiled) >= 2 and not any(compiled), compiled
+    assert r.num_mixed_steps > 0
     for rid, p in zip("ab", prompts):
         assert done[rid][0] == h.greedy_reference([p], sp[rid].max_tokens)[0], rid

@@ -22,11 +22,11 @@ def test_warmup_compiles_every_shape_once(name, k, extra):
     llm = h.llm(name, k, spec_extra=extra, seed=1)
     eng = llm.engine
     shapes = eng.warmup_shapes()
-    b = eng.runner.buckets
-    # verification, its chained form (async scheduling) and the prefill buckets
-    assert len(shapes) == len(b.batch) * len(b.pages) * (2 + len(b.prefill_q))
-    assert sum(s.decode for s in shapes) == 2 * len(b.batch) * len(b.pages) and all(
-        s.q == k + 1 for s in shapes if s.decode)
+    b = eng.runner.shapes
+    # verification of [N, K + 1] rows, its chained form (async scheduling), and the general steps
+    assert len(shapes) == 2 * len(b.batch) + len(b.tokens)
+    assert sum(s.decode for s in shapes) == 2 * len(b.batch) and all(
+        s.tokens == s.seqs * (k + 1) for s in shapes if s.decode)
     if name == "peagle":  # compiled ahead on two threads, as on an accelerator (RunnerBase.precompile)
         ahead, in_warmup = precompile_then_warmup(eng)
         assert ahead >= len(shapes) and in_warmup == 0
@@ -137,7 +137,7 @@ def test_a_step_that_fails_on_the_device_leaves_a_working_engine(monkeypatch):
     sp = jspec.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request(f"f{i}", p, sp)
-    real, calls = runner._spec_step, []
+    real, calls = runner._step, []
 
     def failing(*a, **k):  # call 3 fails on the host, before the call; call 6 on the device, after it
         calls.append(1)
@@ -148,7 +148,7 @@ def test_a_step_that_fails_on_the_device_leaves_a_working_engine(monkeypatch):
             raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
         return out
 
-    monkeypatch.setattr(runner, "_spec_step", failing)
+    monkeypatch.setattr(runner, "_step", failing)
     done, errors, preempted = {}, [], []
     while eng.has_unfinished_requests():
         buffers, n0 = (runner.kv, runner.dkv, runner.probs_buf), eng.scheduler.num_preemptions
@@ -206,7 +206,7 @@ def test_the_server_loop_fails_a_failed_steps_request_and_serves_the_next(monkey
     prompts = h.varied_prompts(3, 20, 40, seed=11)
     want = h.greedy_reference(prompts, 12)
     eng = h.llm("eagle3", 3, spec_extra=CASES[0][2], seed=1).engine
-    real, fail = eng.runner._spec_step, [True]
+    real, fail = eng.runner._step, [True]
 
     def failing(*a, **k):  # the first call donates its buffers, then fails
         out = real(*a, **k)
@@ -214,7 +214,7 @@ def test_the_server_loop_fails_a_failed_steps_request_and_serves_the_next(monkey
             raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
         return out
 
-    monkeypatch.setattr(eng.runner, "_spec_step", failing)
+    monkeypatch.setattr(eng.runner, "_step", failing)
     sp = jspec.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     async def main():
@@ -243,15 +243,12 @@ def test_spec_step_updates_the_caches_in_place(name, k):
     """The compiled step writes both caches where they lie: no temporary as large as one
     layer's K or V buffer. (A one-row drafter write was rewritten by XLA into a select over
     the whole buffer, two cache copies per layer: the server with an EAGLE3 drafter ran out
-    of memory on the H200 with the page pool sized to fill the device.) The mixed step
-    (jspec/engine/spec_mixed.py) too, whose two drafter passes share the caches."""
+    of memory on the H200 with the page pool sized to fill the device.) Every shape: the
+    verification steps and the general ones (mixed steps among them)."""
     llm = h.llm(name, k, num_pages=1024, attn_impl="reference", linear_impl="reference", sample_impl="reference",
                 max_num_partial_prefills=1)
     r = llm.engine.runner
     layer_buffer = r.dkv.k[0].nbytes  # 1024 pages x 16 x 2 heads x 16 x 4 bytes = 2 MiB
-    shapes = r.warmup_shapes(1, True)
-    assert any(sh.prefill_rows and sh.batch == 1 for sh in shapes)
-    for sh in shapes:
-        if sh.decode or sh.batch == 1:
-            temp = r.lower_spec(sh).compile().memory_analysis().temp_size_in_bytes
-            assert temp < layer_buffer // 4, (sh, temp, layer_buffer)
+    for sh in r.warmup_shapes(1, True):
+        temp = r.lower_shape(sh).compile().memory_analysis().temp_size_in_bytes
+        assert temp < layer_buffer // 4, (sh, temp, layer_buffer)

@@ -1,0 +1,108 @@
+"""The speculative pieces of a flat step (jspec/engine/flat_runner.py), as plain functions.
+
+Device data flow of a speculative flat step, K drafts (Q = K + 1):
+  tokens [T] --target (aux layers)--> hidden [1, T, H], aux [1, T, n, H]
+  hidden at logits_idx [N, Q] --lm_head--> logits f32[N, Q, V]
+  drafts = tokens at logits_idx[:, 1:] (a decode row's d_1..d_K; num_draft says how many)
+  rejection_sample(logits, drafts, num_draft, q) --> out [N, Q] (-1 padded), n_emit [N]
+    (a prefill row verifies nothing: it samples its one token at its last chunk token)
+  pairs [T] (``pairs``): a decode row's emitted tokens at its positions, a prefill row's
+    next prompt tokens and its sampled one; the bonus pair of row i at
+    logits_idx[i, n_emit - 1]
+  Drafter.propose(pairs, aux, the target's metadata) --> next drafts [N, K] (+ q [N, K, V])
+  --> one packed i32[N, (K + 1) + 1 + K]: tokens | count | next drafts
+Async scheduling: a verification step chained behind one still on the device continues it
+(``continue_flat``): the rows as they stood before that step, moved on by what it emitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.drafters.propose import slots_for
+from jspec.engine.flat_input import FlatInput
+from jspec.engine.logits_processing import extend_history
+from jspec.engine.logprobs import info_width
+
+
+@dataclasses.dataclass
+class SpecStepResult:
+    tokens: np.ndarray  # i32[n, K+1]  emitted tokens, -1 padded
+    num_emitted: np.ndarray  # i32[n]
+    drafts: np.ndarray  # i32[n, K]    next proposals
+    logprobs: np.ndarray | None = None  # i32[n, K+1, F] blocks of the emitted tokens (with processors)
+    prompt_logprobs: np.ndarray | None = None  # i32[n, P, F] of each position's next prompt token
+
+
+def continue_flat(inp: FlatInput, prev, K: int, page_size: int, num_pages: int) -> FlatInput:
+    """The verification input of a decode step (rows [N, K + 1]) chained behind ``prev``
+    (i32[N, (K+1) + 1 + K], the step before's packed output, still on the device). ``inp``
+    holds each row as it stood before ``prev`` (positions from its num_computed then, tokens
+    -1, K drafts): ``prev`` emitted n tokens, so the row moves n positions on and verifies
+    [bonus, prev's drafts]."""
+    m = inp.meta
+    N, Q = inp.sample.shape[0], K + 1
+    active = jnp.arange(N) < m.num_seqs[0]
+    n_prev = jnp.where(active, prev[:, K + 1], 0)  # i32[N]
+    bonus = jnp.take_along_axis(prev[:, :Q], jnp.maximum(n_prev - 1, 0)[:, None], axis=1)  # [N, 1]
+    tokens = jnp.where(active[:, None], jnp.concatenate([bonus, prev[:, Q + 1 : Q + 1 + K]], axis=1), 0)
+    positions = m.positions.reshape(N, Q) + n_prev[:, None]
+    slots = slots_for(m.page_table, positions, jnp.broadcast_to(active[:, None], (N, Q)), page_size, num_pages)
+    meta = m.replace(positions=positions.reshape(1, -1), slot_mapping=slots.reshape(1, -1),
+                     kv_lens=jnp.where(active, m.kv_lens + n_prev, 0))
+    proc = inp.proc
+    if proc is not None:  # the history as the host knew it lacks what prev emitted
+        hist, n_hist = extend_history(proc.hist, proc.n_hist, prev[:, :Q], n_prev)
+        proc = proc.replace(hist=hist, n_hist=n_hist)
+    return inp.replace(tokens=tokens.reshape(-1), meta=meta, sample_pos=inp.sample_pos + n_prev, proc=proc)
+
+
+def pairs(inp: FlatInput, out):
+    """i32[1, T] the drafter's pair tokens (module docstring) from the step's output out [N, Q]."""
+    src = inp.pair_src
+    return jnp.where(src >= 0, jnp.maximum(out, 0).reshape(-1)[jnp.maximum(src, 0)], inp.pair_next)[None]
+
+
+def bonus_index(inp: FlatInput, n_emit):
+    """i32[N] the flat index of each row's bonus pair (its last emitted token's)."""
+    return jnp.take_along_axis(inp.logits_idx, jnp.maximum(n_emit - 1, 0)[:, None], axis=1)[:, 0]
+
+
+def read_packed(out, n: int, K: int, n_top: int) -> SpecStepResult:
+    """Wait for a speculative step's output (packed i32[N, ...], or with processors
+    (packed, prompt logprob blocks i32[T, F], segment offsets i32[N + 1])) and split its
+    first n rows."""
+    plp_flat = cu = None
+    if isinstance(out, tuple):
+        out, plp_flat, cu = out
+    packed = np.asarray(out)[:n]
+    K1 = K + 1
+    res = SpecStepResult(packed[:, :K1], packed[:, K1], packed[:, K1 + 1 : 2 * K1])
+    if packed.shape[1] > 2 * K1:  # with processors: the emitted tokens' logprob blocks
+        F = info_width(n_top)
+        res.logprobs = packed[:, 2 * K1 : 2 * K1 + K1 * F].reshape(n, K1, F)
+        plp_flat, cu = np.asarray(plp_flat), np.asarray(cu)
+        width = int(max(cu[1 : n + 1] - cu[:n], default=0)) if plp_flat.shape[0] else 0
+        res.prompt_logprobs = np.zeros((n, width, F), np.int32)
+        for i in range(n if width else 0):
+            res.prompt_logprobs[i, : cu[i + 1] - cu[i]] = plp_flat[cu[i] : cu[i + 1]]
+    return res
+
+
+def empty_prev(N: int, K: int, mesh):
+    """A stand-in ``prev`` for compiling a chained verification step."""
+    from jspec.parallel import replicate
+
+    return replicate(jnp.zeros((N, 2 * K + 2), jnp.int32), mesh)
+
+
+def pack(out, n_emit, drafts, K: int, lp=None):
+    """One int32 block [N, (K+1) + 1 + K (+ (K+1) F)]: a single device->host read per step."""
+    parts = [out, n_emit[:, None], drafts[:, :K].astype(jnp.int32)]
+    if lp is not None:  # logprob blocks of the emitted tokens ride along
+        parts.append(lp.reshape(lp.shape[0], -1))
+    return jnp.concatenate(parts, axis=1)
+
