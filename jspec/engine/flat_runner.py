@@ -74,10 +74,11 @@ class FlatRunner(RunnerBase):
                    filtering):
         """-> (kv, dkv, probs_buf, out). Without a drafter: steps = 0, one step over the
         input's T tokens, out i32[N] (with processors (tokens, logprob blocks i32[N, F],
-        prompt logprob blocks i32[T, F])); steps >= 1, that many decode steps each fed back,
-        out i32[N, steps] (with processors also i32[N, steps, F]). With one: out packed
-        (flat_spec.pack; with processors (packed, prompt blocks i32[T, F], cu_q_lens)); steps
-        = 1 continues ``prev``, a verification step not yet read (flat_spec.continue_flat)."""
+        prompt logprob blocks i32[T, F], cu_q_lens)); steps >= 1, that many decode steps each
+        fed back, out i32[N, steps] (with processors also i32[N, steps, F]). With one: out
+        packed (flat_spec.pack; with processors (packed, prompt blocks i32[T, F], cu_q_lens));
+        steps = 1: a verification step whose rows with host tokens -1 continue ``prev``, a
+        step not yet read (flat_spec.continue_flat)."""
         self._compiling(("speculative" if self.K else "plain") + (" chained" if steps else ""), layout)
         inp: FlatInput = self._unpack(ints, floats, layout)
         if self.K == 0 and steps:
@@ -91,7 +92,8 @@ class FlatRunner(RunnerBase):
             tokens, lp = self._sample_one(logits, inp, inp.proc, inp.sample_pos, filtering)
             if lp is None:
                 return kv, dkv, probs_buf, tokens[:, 0]
-            return kv, dkv, probs_buf, (tokens[:, 0], lp[:, 0], self._flat_prompt_logprobs(params, h[0], inp.proc))
+            plp = self._flat_prompt_logprobs(params, h[0], inp.proc)
+            return kv, dkv, probs_buf, (tokens[:, 0], lp[:, 0], plp, inp.meta.cu_q_lens)
         dkv, probs_buf, out = self._verify_and_propose(params, dparams, dkv, probs_buf, rates, logits, aux, inp, inp,
                                                        filtering)
         if inp.proc is None:
@@ -235,57 +237,44 @@ class FlatRunner(RunnerBase):
         return self._step, (self.params, self.dparams, self.kv, self.dkv, self.probs_buf, self.synthetic_rates,
                             ints, floats, prev), kw
 
-    def execute(self, sched: SchedulerOutput):
-        """Without a drafter: run one step; per scheduled sequence the tokens it emitted ([] if
-        none), and with processors the logprob blocks i32[n, 1, F] of those tokens and
-        i32[n, P, F] of the prompt tokens after each position (else None, None)."""
-        n = len(sched.seqs)
-        self.num_mixed_steps += sched.kind == "mixed"
-        out = self.run(self.build(sched, self.shape_of(sched)))
-        sampled = np.asarray(tokens_of(out))
-        toks = [[int(sampled[i])] if sched.seqs[i].sample else [] for i in range(n)]
-        if not isinstance(out, tuple):
-            return toks, None, None
-        lp, flat_plp = np.asarray(out[1])[:n, None], np.asarray(out[2])
-        P = max(r.num_new for r in sched.seqs) if flat_plp.shape[0] else 0
-        plp = np.zeros((n, P, flat_plp.shape[-1]), np.int32)
-        off = 0
-        for i, r in enumerate(sched.seqs):
-            if P:
-                plp[i, : r.num_new] = flat_plp[off : off + r.num_new]
-            off += r.num_new
-        return toks, lp, plp
-
-    def dispatch_decode(self, sched: SchedulerOutput, steps: int, prev: jax.Array | None = None) -> jax.Array:
-        """Without a drafter: start ``steps`` fed-back decode steps; i32[N, steps] on the device.
-        With ``prev`` (the output of a call not yet read) the call continues that one:
-        positions start ``steps`` further, tokens from ``prev``."""
+    def dispatch(self, sched: SchedulerOutput, steps: int = 0, prev: jax.Array | None = None,
+                 running: set | None = None):
+        """Start a step over ``sched``'s rows; its output stays on the device until ``read``.
+        steps = 0: one step fed by the host; steps >= 1 (decode rows): without a drafter that
+        many decode steps each fed back, with one a verification step; either continues
+        ``prev`` (the output of a call not yet read) when given. ``running``: the running
+        request ids, for ``assign_prob_rows`` (a chained call keeps the rows of the call it
+        continues)."""
+        if prev is None:
+            self.assign_prob_rows(sched, running or set())
+            self.num_mixed_steps += sched.kind == "mixed"
+        if steps == 0:
+            return self.run(self.build(sched, self.shape_of(sched)))
         prev = None if prev is None else tokens_of(prev)
+        if self.K:
+            rows = sched if prev is None else self._chained(sched)
+            return self.run(self.build(rows, self.shape_of(rows, 1), tokens_on_device=prev is not None), 1, prev)
         inp = self.build(sched, self.shape_of(sched, steps), advance=0 if prev is None else prev.shape[1])
         return self.run(inp, steps, prev)
-
-    def dispatch_spec(self, sched: SchedulerOutput, running: set | None = None, prev: jax.Array | None = None):
-        """With a drafter: start a step (chained behind ``prev`` when given); its output stays
-        on the device until ``read_spec``. ``running``: the running request ids, for
-        ``assign_prob_rows`` (a chained step keeps the rows of the step it continues)."""
-        if prev is None:
-            self.assign_prob_rows(sched, running)
-            self.num_mixed_steps += sched.kind == "mixed"
-            return self.run(self.build(sched, self.shape_of(sched)))
-        chained = self._chained(sched)
-        return self.run(self.build(chained, self.shape_of(chained, 1), tokens_on_device=True), 1, tokens_of(prev))
 
     def _chained(self, sched: SchedulerOutput) -> SchedulerOutput:
         """A verification step continuing the one before (on the device): every row verifies K drafts."""
         return SchedulerOutput("decode", [ScheduledSeq(r.seq, self.K + 1, True) for r in sched.seqs], [])
 
-    def read_spec(self, out, n: int) -> flat_spec.SpecStepResult:
-        """Wait for a speculative step's output and split its first n rows."""
-        return flat_spec.read_packed(out, n, self.K, self.n_top_logprobs)
-
-    def execute_spec(self, sched: SchedulerOutput, running: set) -> flat_spec.SpecStepResult:
-        """Run one speculative step and read it."""
-        return self.read_spec(self.dispatch_spec(sched, running), len(sched.seqs))
+    def read(self, out, n: int, steps: int = 0) -> flat_spec.StepResult:
+        """Wait for a step's output (``dispatch``'s, or ``dispatch_tail``'s with steps 1) and
+        split its first n rows."""
+        if self.K:
+            return flat_spec.read_packed(out, n, self.K, self.n_top_logprobs)
+        tokens = np.asarray(tokens_of(out))[:n]
+        tokens = tokens[:, None] if tokens.ndim == 1 else tokens  # [n, 1], or [n, steps]
+        res = flat_spec.StepResult(tokens, np.full((n,), tokens.shape[1], np.int32), np.zeros((n, 0), np.int32))
+        if isinstance(out, tuple):
+            lp = np.asarray(out[1])[:n]
+            res.logprobs = lp[:, None] if lp.ndim == 2 else lp
+            if len(out) > 2:  # a one-step call: the prompt logprob blocks by segment
+                res.prompt_logprobs = flat_spec.per_row(out[2], out[3], n)
+        return res
 
     def assign_prob_rows(self, sched: SchedulerOutput, running: set):
         """Rows of probs_buf for the scheduled requests: a request keeps its row while it is
@@ -340,9 +329,7 @@ class FlatRunner(RunnerBase):
         (steps 1: every decode step, chained or not), ``num_scheduler_steps`` > 1 at a time,
         and the one-step host-fed call (steps 0) where a decode step is neither (async
         scheduling off, a batch that cannot grow ``num_scheduler_steps`` positions). With a
-        drafter: the host-fed verification step, and with async scheduling its chained form."""
-        if self.K:
-            return self.shapes.all((0, 1) if async_scheduling else (0,))
+        drafter, num_scheduler_steps is 1: the verification step, chained or not."""
         multi = num_scheduler_steps > 1
         steps = ({0} if multi or not async_scheduling else set()) | ({num_scheduler_steps} if multi else set())
         steps |= {1} if async_scheduling else set()  # with num_scheduler_steps > 1: a batch with a grammar

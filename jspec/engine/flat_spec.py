@@ -29,30 +29,35 @@ from jspec.engine.logprobs import info_width
 
 
 @dataclasses.dataclass
-class SpecStepResult:
-    tokens: np.ndarray  # i32[n, K+1]  emitted tokens, -1 padded
-    num_emitted: np.ndarray  # i32[n]
-    drafts: np.ndarray  # i32[n, K]    next proposals
-    logprobs: np.ndarray | None = None  # i32[n, K+1, F] blocks of the emitted tokens (with processors)
+class StepResult:
+    """A step's output on the host, per scheduled row (n rows)."""
+
+    tokens: np.ndarray  # i32[n, W]     emitted tokens, -1 padded (W: K + 1, or a fed-back call's steps)
+    num_emitted: np.ndarray  # i32[n]   of a decode row (a prefill row emits tokens[:, 0] if it samples)
+    drafts: np.ndarray  # i32[n, K]     next proposals (K = 0 without a drafter)
+    logprobs: np.ndarray | None = None  # i32[n, W, F] blocks of the emitted tokens (with processors)
     prompt_logprobs: np.ndarray | None = None  # i32[n, P, F] of each position's next prompt token
 
 
 def continue_flat(inp: FlatInput, prev, K: int, page_size: int, num_pages: int) -> FlatInput:
-    """The verification input of a decode step (rows [N, K + 1]) chained behind ``prev``
-    (i32[N, (K+1) + 1 + K], the step before's packed output, still on the device). ``inp``
-    holds each row as it stood before ``prev`` (positions from its num_computed then, tokens
-    -1, K drafts): ``prev`` emitted n tokens, so the row moves n positions on and verifies
-    [bonus, prev's drafts]."""
+    """The verification input of a decode step (rows [N, K + 1]) whose rows with host
+    tokens -1 continue ``prev`` (i32[N, (K+1) + 1 + K], the step before's packed output,
+    still on the device). Such a row holds its state before ``prev`` (positions from its
+    num_computed then, K drafts): ``prev`` emitted n tokens, so the row moves n positions on
+    and verifies [bonus, prev's drafts]. Rows with host tokens are left as they are (an
+    unchained step takes this call with ``prev`` zeros)."""
     m = inp.meta
     N, Q = inp.sample.shape[0], K + 1
-    active = jnp.arange(N) < m.num_seqs[0]
-    n_prev = jnp.where(active, prev[:, K + 1], 0)  # i32[N]
+    host = inp.tokens.reshape(N, Q)
+    chained = (jnp.arange(N) < m.num_seqs[0]) & (host[:, 0] < 0)
+    n_prev = jnp.where(chained, prev[:, K + 1], 0)  # i32[N]
     bonus = jnp.take_along_axis(prev[:, :Q], jnp.maximum(n_prev - 1, 0)[:, None], axis=1)  # [N, 1]
-    tokens = jnp.where(active[:, None], jnp.concatenate([bonus, prev[:, Q + 1 : Q + 1 + K]], axis=1), 0)
+    tokens = jnp.where(chained[:, None], jnp.concatenate([bonus, prev[:, Q + 1 : Q + 1 + K]], axis=1), host)
     positions = m.positions.reshape(N, Q) + n_prev[:, None]
-    slots = slots_for(m.page_table, positions, jnp.broadcast_to(active[:, None], (N, Q)), page_size, num_pages)
+    slots = jnp.where(chained[:, None], slots_for(m.page_table, positions, jnp.ones((N, Q), bool), page_size,
+                                                   num_pages), m.slot_mapping.reshape(N, Q))
     meta = m.replace(positions=positions.reshape(1, -1), slot_mapping=slots.reshape(1, -1),
-                     kv_lens=jnp.where(active, m.kv_lens + n_prev, 0))
+                     kv_lens=m.kv_lens + n_prev)
     proc = inp.proc
     if proc is not None:  # the history as the host knew it lacks what prev emitted
         hist, n_hist = extend_history(proc.hist, proc.n_hist, prev[:, :Q], n_prev)
@@ -71,7 +76,7 @@ def bonus_index(inp: FlatInput, n_emit):
     return jnp.take_along_axis(inp.logits_idx, jnp.maximum(n_emit - 1, 0)[:, None], axis=1)[:, 0]
 
 
-def read_packed(out, n: int, K: int, n_top: int) -> SpecStepResult:
+def read_packed(out, n: int, K: int, n_top: int) -> StepResult:
     """Wait for a speculative step's output (packed i32[N, ...], or with processors
     (packed, prompt logprob blocks i32[T, F], segment offsets i32[N + 1])) and split its
     first n rows."""
@@ -80,16 +85,22 @@ def read_packed(out, n: int, K: int, n_top: int) -> SpecStepResult:
         out, plp_flat, cu = out
     packed = np.asarray(out)[:n]
     K1 = K + 1
-    res = SpecStepResult(packed[:, :K1], packed[:, K1], packed[:, K1 + 1 : 2 * K1])
+    res = StepResult(packed[:, :K1], packed[:, K1], packed[:, K1 + 1 : 2 * K1])
     if packed.shape[1] > 2 * K1:  # with processors: the emitted tokens' logprob blocks
-        F = info_width(n_top)
-        res.logprobs = packed[:, 2 * K1 : 2 * K1 + K1 * F].reshape(n, K1, F)
-        plp_flat, cu = np.asarray(plp_flat), np.asarray(cu)
-        width = int(max(cu[1 : n + 1] - cu[:n], default=0)) if plp_flat.shape[0] else 0
-        res.prompt_logprobs = np.zeros((n, width, F), np.int32)
-        for i in range(n if width else 0):
-            res.prompt_logprobs[i, : cu[i + 1] - cu[i]] = plp_flat[cu[i] : cu[i + 1]]
+        res.logprobs = packed[:, 2 * K1 : 2 * K1 + K1 * info_width(n_top)].reshape(n, K1, -1)
+        res.prompt_logprobs = per_row(plp_flat, cu, n)
     return res
+
+
+def per_row(flat, cu, n: int) -> np.ndarray:
+    """Prompt logprob blocks i32[T, F] of a flat step -> i32[n, P, F] by segment (P: the
+    longest; 0 when no row asked for them)."""
+    flat, cu = np.asarray(flat), np.asarray(cu)
+    width = int(max(cu[1 : n + 1] - cu[:n], default=0)) if flat.shape[0] else 0
+    out = np.zeros((n, width, flat.shape[-1]), np.int32)
+    for i in range(n if width else 0):
+        out[i, : cu[i + 1] - cu[i]] = flat[cu[i] : cu[i + 1]]
+    return out
 
 
 def empty_prev(N: int, K: int, mesh):

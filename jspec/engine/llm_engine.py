@@ -21,6 +21,7 @@ from jspec.checkpoint.model_files import generation_eos, load_tokenizer, samplin
 from jspec.checkpoint.target import auto_dtype, load_target, resolve_dtype
 from jspec.config import load_model_config
 from jspec.engine.block_manager import BlockManager
+from jspec.engine.engine_config import EngineConfig
 from jspec.engine.flat_input import FlatShapes
 from jspec.engine.flat_runner import FlatRunner
 from jspec.engine.kv_memory import (
@@ -32,7 +33,6 @@ from jspec.engine.kv_memory import (
 from jspec.engine.logprobs import LOGPROBS_MODES, record_logprobs, record_prompt_logprobs
 from jspec.engine.outputs import CompletionOutput, RequestOutput, SampleGroups, make_output  # noqa: F401 (re-exported)
 from jspec.engine.recovery import restore_after_failure
-from jspec.engine.runner_base import tokens_of
 from jspec.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jspec.engine.sequence import Sequence, SpecMetrics, Status
 from jspec.engine.stopping import append_tokens
@@ -45,71 +45,12 @@ logger = logging.getLogger("jspec.engine")
 
 @dataclasses.dataclass
 class _InFlight:
-    """A decode call dispatched but not yet read: fed-back plain decode steps, or one
-    speculative verification step (steps 0)."""
+    """A decode call dispatched but not yet read (async scheduling)."""
 
     sched: SchedulerOutput  # its rows, in the order of the call's batch
-    steps: int
-    tokens: jax.Array  # on the device: i32[B, steps], or the speculative step's packed output
-    spec: bool = False
-    split: object = None  # structured outputs: the forward's Split, tokens None until its tail is dispatched
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    model: str
-    tokenizer: str | None = None  # vLLM's name: a folder with the tokenizer (None: the model's)
-    dtype: str = "auto"  # "auto": the checkpoint's (config.json), else float32 | bfloat16 | float16
-    # "auto": the folder's weights; "dummy" (vLLM's name): config.json alone, random weights
-    # for target and drafter (benchmarks of shapes with no checkpoint at hand).
-    load_format: str = "auto"
-    max_num_seqs: int = 8
-    max_model_len: int | None = None  # None: min(max_position_embeddings, 4096)
-    page_size: int = 16
-    num_pages: int | None = None  # None: from gpu_memory_utilization (accelerators) or full capacity
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    # Tokens per step (vLLM's name): decode rows (+ drafts) and prefill chunks together. None:
-    # 2048 when mixing (vLLM's chunked-prefill default; more if max_num_seqs rows of K + 1 tokens
-    # and a chunk need it), else max(max_prefill_chunk, max_num_seqs).
-    max_num_batched_tokens: int | None = None
-    max_prefill_chunk: int = 256  # tokens of one prompt per step (the widest prefill bucket)
-    # Mixed steps (jspec/engine/mixed.py; with a drafter spec_mixed.py): every decode row (with its
-    # drafts), then chunks of at most this many prompts, in one step. 0: a step is all prefill or all
-    # decode, prefill first (offline generate's throughput); the server mixes by default (--max-num-partial-prefills 2).
-    max_num_partial_prefills: int = 0
-    seed: int = 0
-    # Kernel choice ("auto" | "reference" | "gpu" | "tpu" | "interpret" | "tpu_interpret"),
-    # resolved once by jspec.ops.plan_kernels: "auto" means the Pallas kernels on GPU/TPU and
-    # the jnp references on CPU (interpret mode is for checking kernels, far too slow to
-    # serve with); JSPEC_KERNEL_IMPL (jspec/envs.py) overrides "auto".
-    attn_impl: str = "auto"
-    sample_impl: str = "auto"
-    # The batch-1 decode glue (fused projections, RoPE + KV write; jspec/ops.py): same
-    # choices; GPU kernels only (TPU runs the XLA ops).
-    linear_impl: str = "auto"
-    speculative_config: dict | None = None
-    # Multi-step scheduling (vLLM's name): a stable decode batch with nothing waiting runs
-    # this many steps per jit call, tokens fed back on the device. Trades streaming
-    # granularity for less host overhead per token. Without speculation only.
-    num_scheduler_steps: int = 1
-    # Async scheduling (vLLM's name): a decode call is dispatched before the previous one's
-    # tokens are read (it starts from them on the device), so the host's bookkeeping for
-    # call n runs while the device computes call n + 1. A sequence that stops inside call n
-    # has its tokens of call n + 1 discarded. With speculation, the next verification step
-    # starts from the bonus token and drafts of the one before, on the device.
-    async_scheduling: bool = True
-    # Most log-probabilities a request may ask per token (SamplingParams.logprobs /
-    # prompt_logprobs; -1: the whole vocabulary), and which (vLLM's names): "raw_logprobs",
-    # the model's, or "processed_logprobs", those the sampler draws from.
-    max_logprobs: int = 20
-    logprobs_mode: str = "raw_logprobs"
-    # warmup() also compiles the masked steps of a batch with a grammar (structured outputs),
-    # which otherwise compile on first use.
-    warmup_structured_outputs: bool = False
-    tensor_parallel_size: int = 1  # vLLM's name: devices the model is split over (jspec/parallel)
-    # vLLM's: default sampling parameters from "auto" the model's generation_config.json, "vllm" none, or a folder's.
-    generation_config: str = "auto"
+    steps: int  # FlatRunner.dispatch's: decode steps fed back (1: one step, or a verification)
+    out: object  # on the device: the call's output (None until a split call's tail is dispatched)
+    split: object = None  # structured outputs: the forward's Split
 
 
 class LLMEngine:
@@ -154,6 +95,7 @@ class LLMEngine:
             raise ValueError(f"page_size and max_num_seqs must be >= 1 (got {c.page_size}, {c.max_num_seqs})")
         if c.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {c.num_scheduler_steps}")
+        self.sched_steps = c.num_scheduler_steps  # decode steps per call (1 with a drafter: below)
         if c.logprobs_mode not in LOGPROBS_MODES or not isinstance(c.max_logprobs, int) or c.max_logprobs < -1:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES} (got {c.logprobs_mode!r}) and "
                              f"max_logprobs an integer >= -1 (got {c.max_logprobs!r})")
@@ -179,6 +121,10 @@ class LLMEngine:
                                  f"{self.spec.model!r} does not give one")
             drafter = make_drafter(self.dcfg)
             drafter.check_num_tokens(K)
+            if c.num_scheduler_steps > 1:
+                logger.warning("num_scheduler_steps=%d applies without speculation only: one step per call with "
+                               "a drafter (async scheduling overlaps the host's work)", c.num_scheduler_steps)
+                self.sched_steps = 1
             self.spec = self.spec.resolved(K)
             self.K = K
             self.lookahead = drafter.lookahead(K)
@@ -188,6 +134,7 @@ class LLMEngine:
             drafter = None
             self.K = 0
             self.lookahead = 0
+            self.draft_max_len = math.inf
         pages_per_seq = -(-(self.max_model_len + self.lookahead) // c.page_size)
         dtype = resolve_dtype(c.dtype)
         kv, dkv, num_pages = create_pools(c, mc, self.dcfg if self.spec else None, self.par, pages_per_seq,
@@ -342,8 +289,8 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
 
     def warmup_shapes(self) -> list:
-        """The shapes ``warmup`` compiles (``StepShape``s): every one a request can reach."""
-        return self.runner.warmup_shapes(self.config.num_scheduler_steps, self._async)
+        """The shapes ``warmup`` compiles (``FlatShape``s): every one a request can reach."""
+        return self.runner.warmup_shapes(self.sched_steps, self._async)
 
     def warmup(self):
         """Compile every shape now (several at once on an accelerator): no request compiles."""
@@ -351,7 +298,7 @@ class LLMEngine:
         self.runner.log_compiles = False
         try:
             self.runner.precompile(self.warmup_shapes(), self.runner.plan.compile_threads)
-            self.runner.warmup(self.config.num_scheduler_steps, self._async,
+            self.runner.warmup(self.sched_steps, self._async,
                                structured=self.config.warmup_structured_outputs)
         finally:
             self.runner.log_compiles = True
@@ -385,9 +332,10 @@ class LLMEngine:
         return all(self.blocks.ensure_slots(r.seq, r.seq.num_computed + n) for r in sched.seqs)
 
     def _decode_steps(self, sched) -> int:
-        """Steps of a fed-back decode call for this batch; 0: a plain step."""
-        n = self.config.num_scheduler_steps
-        if self.spec is not None or sched.kind != "decode":
+        """Steps of a fed-back decode call for this batch (with a drafter: 1, a verification
+        step); 0: a step fed by the host and read before the next."""
+        n = self.sched_steps
+        if sched.kind != "decode":
             return 0
         if n <= 1 or any_grammar(sched.seqs):  # a grammar's mask holds for one step
             return 1 if self._async else 0
@@ -399,54 +347,46 @@ class LLMEngine:
     def _chain(self, f: _InFlight) -> _InFlight | None:
         """Dispatch the call after ``f`` (same rows, further on) before ``f`` is read, when
         nothing can change the batch in between: no request waiting, every row still
-        running with room for both calls, pages for both. A speculative step moves each
-        row by up to K + 1 positions (and its drafter writes ``lookahead`` past them)."""
+        running with room and pages for both calls. A call moves each row by up to
+        steps x (K + 1) positions, and a drafter writes ``lookahead`` past them."""
         if not self._async or self.scheduler.waiting or len(self.scheduler.running) != len(f.sched.seqs):
             return None
         if any(r.seq.status is not Status.RUNNING or self._seqs.get(r.seq.request_id) is not r.seq
                for r in f.sched.seqs):
             return None
-        if f.spec:
-            # f's positions are not counted yet. Both steps verify all K drafts, and the drafts
-            # after them are not trimmed (_draft_room): the device drafts K for every row.
-            # max_tokens may cut either step's output (_append drops the rest).
-            K1 = self.K + 1
-            if any(self._draft_room(r.seq.num_tokens + 2 * K1) < self.K for r in f.sched.seqs):
-                return None
-            if not all(self.blocks.ensure_slots(r.seq, r.seq.num_computed + 2 * K1 + self.lookahead)
-                       for r in f.sched.seqs):
-                return None
-        elif not self._can_grow(f.sched, 2 * f.steps):
+        # f's positions are not counted yet. With a drafter both calls verify all K drafts and
+        # the drafts after them are not trimmed (_draft_room): the device drafts K for every
+        # row, and max_tokens may cut either call's output (_advance drops the rest); without
+        # one every row must be able to emit both calls' tokens.
+        grow = 2 * f.steps * (self.K + 1)
+        if any(self._draft_room(r.seq.num_tokens + grow) < self.K for r in f.sched.seqs):
+            return None
+        if self.K == 0 and not self._can_grow(f.sched, grow):
+            return None
+        if not all(self.blocks.ensure_slots(r.seq, r.seq.num_computed + grow + self.lookahead) for r in f.sched.seqs):
             return None
         self.num_chained_calls += 1
         if any_grammar(f.sched.seqs):  # its masks need f's tokens: the forward now, the rest in step()
-            return _InFlight(f.sched, f.steps, None, f.spec, self.runner.dispatch_forward(f.sched, f.tokens))
-        if f.spec:
-            return _InFlight(f.sched, 0, self.runner.dispatch_spec(f.sched, prev=f.tokens), True)
-        return _InFlight(f.sched, f.steps, self.runner.dispatch_decode(f.sched, f.steps, prev=f.tokens))
+            return _InFlight(f.sched, 1, None, self.runner.dispatch_forward(f.sched, f.out))
+        return _InFlight(f.sched, f.steps, self.runner.dispatch(f.sched, f.steps, prev=f.out))
 
     def _collect(self, f: _InFlight) -> list[RequestOutput]:
         """Read a dispatched call (waits for the device) and apply its tokens. Rows that
         stopped or were aborted meanwhile are skipped: a chained call ran past them."""
-        if f.spec:
-            res = self.runner.read_spec(f.tokens, len(f.sched.seqs))
-            live = [r.seq.status is Status.RUNNING for r in f.sched.seqs]
-            return [o for r, (toks, n, lp), ok in zip(f.sched.seqs, self._apply_spec(f.sched, res, live), live)
-                    if ok and (o := self._advance(r.seq, toks, n, lp)) is not None]
-        n = len(f.sched.seqs)
-        toks = np.asarray(tokens_of(f.tokens))[:n].tolist()
-        lps = np.asarray(f.tokens[1])[:n] if isinstance(f.tokens, tuple) else [None] * n
-        return [o for r, t, lp in zip(f.sched.seqs, toks, lps)
-                if r.seq.status is Status.RUNNING and (o := self._advance(r.seq, t, f.steps, lp)) is not None]
+        res = self.runner.read(f.out, len(f.sched.seqs), f.steps)
+        live = [r.seq.status is Status.RUNNING for r in f.sched.seqs]
+        return [o for r, (toks, n, lp), ok in zip(f.sched.seqs, self._apply(f.sched, res, live), live)
+                if ok and (o := self._advance(r.seq, toks, n, lp)) is not None]
 
     def _running_ids(self) -> set:
-        """Ids of the running requests (the speculative runner keeps their draft-probability rows)."""
+        """Ids of the running requests (the runner keeps their draft-probability rows)."""
         return {s.request_id for s in self.scheduler.running}
 
-    def _apply_spec(self, sched, res, live=None) -> list[tuple[list[int], int, np.ndarray | None]]:
-        """Per row of a speculative step: record acceptance, set the next drafts, and return
-        (emitted tokens, positions newly computed, their logprob blocks or None). Rows not
-        ``live`` are left alone."""
+    def _apply(self, sched, res, live=None) -> list[tuple[list[int], int, np.ndarray | None]]:
+        """Per row of a step's result: record acceptance, set the next drafts, and return
+        (emitted tokens, positions newly computed, their logprob blocks or None). A decode
+        row computed the positions of the tokens it emitted; a prefill row its chunk. Rows
+        not ``live`` are left alone."""
         out = []
         for i, r in enumerate(sched.seqs):
             seq = r.seq
@@ -454,7 +394,7 @@ class LLMEngine:
             if live is not None and not live[i]:
                 out.append(([], 0, None))
                 continue
-            if sched.kind == "decode" or i < sched.num_decode:  # a verification row ("mixed": the first rows)
+            if sched.kind == "decode" or i < sched.num_decode:  # a decode row ("mixed": the first rows)
                 n_emit = int(res.num_emitted[i])
                 n_draft = len(seq.draft_token_ids)
                 if n_draft:
@@ -475,17 +415,6 @@ class LLMEngine:
         room = min(self.max_model_len - num_tokens - 1, self.draft_max_len - num_tokens)
         return max(0, min(self.K, room))
 
-    def _run(self, sched) -> list[tuple[list[int], int, np.ndarray | None]]:
-        """Execute a plain step; per scheduled row, (emitted tokens, positions newly computed,
-        their logprob blocks or None)."""
-        if self.spec is None:
-            toks, lps, plp = self.runner.execute(sched)
-            record_prompt_logprobs(sched.seqs, plp, self.runner.n_top_logprobs, self.tokenizer)
-            return [(t, r.num_new, None if lps is None else lps[i]) for i, (r, t) in enumerate(zip(sched.seqs, toks))]
-        res = self.runner.execute_spec(sched, self._running_ids())
-        record_prompt_logprobs(sched.seqs, res.prompt_logprobs, self.runner.n_top_logprobs, self.tokenizer)
-        return self._apply_spec(sched, res)
-
     def step(self) -> list[RequestOutput]:
         f, self._inflight = self._inflight, None
         try:
@@ -493,19 +422,21 @@ class LLMEngine:
                 sched = self.scheduler.schedule()
                 if sched is None or not sched.seqs:
                     return []
-                if self.spec is not None and sched.kind == "decode" and self._async:
-                    f = _InFlight(sched, 0, self.runner.dispatch_spec(sched, self._running_ids()), True)
-                elif (n := self._decode_steps(sched)) == 0:
-                    return self._groups.merge([o for r, (toks, computed, lp) in zip(sched.seqs, self._run(sched))
+                n = self._decode_steps(sched)
+                out = self.runner.dispatch(sched, n, running=self._running_ids())
+                if n == 0:  # read before the next step
+                    res = self.runner.read(out, len(sched.seqs))
+                    record_prompt_logprobs(sched.seqs, res.prompt_logprobs, self.runner.n_top_logprobs,
+                                           self.tokenizer)
+                    return self._groups.merge([o for r, (toks, computed, lp) in zip(sched.seqs, self._apply(sched, res))
                                                if (o := self._advance(r.seq, toks, computed, lp)) is not None])
-                else:
-                    f = _InFlight(sched, n, self.runner.dispatch_decode(sched, n))
+                f = _InFlight(sched, n, out)
             # The next call goes to the device before this one is read: the host work below
             # (and the caller's, until the next step()) overlaps the device's.
             self._inflight = nxt = self._chain(f)
             outs = self._collect(f)
             if nxt is not None and nxt.split is not None:  # structured: masks built while its forward runs
-                nxt.tokens = self.runner.dispatch_tail(nxt.split, nxt.sched)
+                nxt.out = self.runner.dispatch_tail(nxt.split, nxt.sched)
             return self._groups.merge(outs)
         except BaseException:
             self._inflight = None  # a failed step leaves nothing chained behind it
