@@ -63,18 +63,20 @@ class FlatInput:
 
 
 class FlatShape(tuple):
-    """One compiled shape: (tokens T, sequences N, steps, decode). steps >= 1: a decode step
-    fed back on the device that many times (async scheduling's chained call: 1)."""
+    """One compiled program: (tokens T, sequences N, steps, decode, filtering). steps >= 1: a
+    decode step fed from the previous call on the device (async scheduling's), that many
+    steps; filtering "on": some row uses top-k / top-p (the sort over the vocabulary)."""
 
     __slots__ = ()
 
-    def __new__(cls, tokens: int, seqs: int, steps: int = 0, decode: bool = False):
-        return super().__new__(cls, (tokens, seqs, steps, decode))
+    def __new__(cls, tokens: int, seqs: int, steps: int = 0, decode: bool = False, filtering: str = "off"):
+        return super().__new__(cls, (tokens, seqs, steps, decode, filtering))
 
     tokens = property(lambda s: s[0])
     seqs = property(lambda s: s[1])
     steps = property(lambda s: s[2])
     decode = property(lambda s: s[3])
+    filtering = property(lambda s: s[4])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,10 +103,11 @@ class FlatShapes:
         return FlatShape(T, pick(self.batch, min(T, self.batch[-1])))
 
     def all(self, decode_steps: tuple[int, ...] = (0,)) -> list[FlatShape]:
-        """Every shape: the decode family for each ``decode_steps`` (0: one host-fed step),
-        then the general family."""
-        return ([self.decode_shape(n, s) for s in decode_steps for n in self.batch]
-                + [self.general_shape(t) for t in self.tokens])
+        """Every program: the decode family for each ``decode_steps`` (0: one host-fed step),
+        then the general family, each without and with top-k / top-p filtering."""
+        shapes = [self.decode_shape(n, s) for s in decode_steps for n in self.batch]
+        shapes += [self.general_shape(t) for t in self.tokens]
+        return [FlatShape(*s[:4], f) for f in ("off", "on") for s in shapes]
 
     def windows(self, shape: FlatShape) -> tuple[int, int]:
         """The query windows of the XLA attention path (RaggedMetadata.windows)."""
@@ -207,5 +210,6 @@ def flat_proc_input(sched, n_dec: int, N: int, hist: int, Q: int, T: int, eos_to
 
 def describe_shapes(shapes) -> str:
     """One line for the server's startup log: how many shapes warmup compiles, by family."""
-    kinds = collections.Counter("decode" if s.decode else "general" for s in shapes)
+    kinds = collections.Counter(("decode" if s.decode else "general") + (" filtering" if s.filtering == "on" else "")
+                                for s in shapes)
     return f"{len(shapes)} shapes (" + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")"

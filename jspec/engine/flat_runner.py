@@ -228,12 +228,13 @@ class FlatRunner(RunnerBase):
             self._no_prev[key] = replicate(jnp.zeros(key, jnp.int32), self.plan.mesh)
         return self._no_prev[key]
 
-    def _call(self, inp: FlatInput, steps: int, prev):
-        """(jitted function, arguments, static keywords) of ``run``'s call."""
+    def _call(self, inp: FlatInput, steps: int, prev, filtering: str | None = None):
+        """(jitted function, arguments, static keywords) of ``run``'s call (``filtering``:
+        the input's unless given)."""
         ints, floats, layout = pack(inp)
         if steps and prev is None:
             prev = self._no_prev_for(inp.sample.shape[0], steps)
-        kw = dict(layout=self._layout_id(layout), steps=steps, filtering=self._filtering(inp))
+        kw = dict(layout=self._layout_id(layout), steps=steps, filtering=filtering or self._filtering(inp))
         return self._step, (self.params, self.dparams, self.kv, self.dkv, self.probs_buf, self.synthetic_rates,
                             ints, floats, prev), kw
 
@@ -315,11 +316,11 @@ class FlatRunner(RunnerBase):
             s.prob_rows[i] = self._prob_rows.get(r.seq.request_id, 0)
         return self.run_tail(split, s)
 
-    def run_tail(self, split: Split, s: SampleInput):
+    def run_tail(self, split: Split, s: SampleInput, filtering: str | None = None):
         ints, floats, layout = pack(s)
         self.dkv, self.probs_buf, out = self._tail(
             self.params, self.dkv, self.probs_buf, self.dparams, self.synthetic_rates, split.fwd, ints, floats,
-            layout=self._layout_id(layout), filtering=self._filtering(s))
+            layout=self._layout_id(layout), filtering=filtering or self._filtering(s))
         return out
 
     # ---- the closed set of shapes -----------------------------------------------------
@@ -342,7 +343,7 @@ class FlatRunner(RunnerBase):
 
     def lower_shape(self, shape: FlatShape):
         """``warmup``'s call for ``shape``, lowered (``RunnerBase.precompile``)."""
-        fn, args, kw = self._call(self.empty_input(shape), shape.steps, None)
+        fn, args, kw = self._call(self.empty_input(shape), shape.steps, None, shape.filtering)
         return fn.lower(*args, **kw)
 
     def warmup(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None,
@@ -352,14 +353,15 @@ class FlatRunner(RunnerBase):
         the masked steps a batch with a grammar takes (one step per call; a chained one split
         in two)."""
         for shape in shapes or self.warmup_shapes(num_scheduler_steps, async_scheduling):
-            self.run(self.empty_input(shape), shape.steps)
+            fn, args, kw = self._call(self.empty_input(shape), shape.steps, None, shape.filtering)
+            self.kv, self.dkv, self.probs_buf, _ = fn(*args, **kw)
         for shape in self.warmup_shapes(num_scheduler_steps, async_scheduling) if structured else ():
             inp = self.empty_input(shape)
-            masked = inp.replace(grammar_mask=self.allow_all(shape.seqs, self.shapes.q))
-            if shape.steps == 0:
-                self.run(masked)
-            elif shape.steps == 1:
-                self.run(masked, 1)
+            if shape.steps <= 1:
+                masked = inp.replace(grammar_mask=self.allow_all(shape.seqs, self.shapes.q))
+                fn, args, kw = self._call(masked, shape.steps, None, shape.filtering)
+                self.kv, self.dkv, self.probs_buf, _ = fn(*args, **kw)
+            if shape.steps == 1:  # chained: split in two (the forward is the same either way of filtering)
                 split = self.run_forward(inp, self._no_prev_for(shape.seqs, 1))
-                self.run_tail(split, self.empty_sample_input(shape.seqs, self.K + 1))
+                self.run_tail(split, self.empty_sample_input(shape.seqs, self.K + 1), shape.filtering)
         jax.block_until_ready((self.kv, self.dkv))

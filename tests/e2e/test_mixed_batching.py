@@ -1,8 +1,9 @@
 """Issue 28 end to end: decode rows and prefill chunks in the same step (one flat step,
 jspec/engine/flat_runner.py).
 
-One small engine, every shape compiled by warmup (5: decode at N 1 / 2, general steps of
-8, 16 and 18 tokens: 2 decode rows and a 16-token chunk at most), serving requests that arrive at random steps: outputs equal each
+One small engine, every shape compiled by warmup (5, each without and with top-k / top-p
+filtering: decode at N 1 / 2, general steps of 8, 16 and 18 tokens: 2 decode rows and a
+16-token chunk at most), serving requests that arrive at random steps: outputs equal each
 request run alone (greedy and seeded T=1) and transformers' greedy, the running stream gets
 a token in every step while a long prompt prefills, and nothing compiles after warmup.
 """
@@ -30,8 +31,10 @@ def llm(llama_ckpt):
 def test_warmup_compiles_every_shape(llm):
     eng = llm.engine
     shapes = eng.warmup_shapes()
-    assert sorted(shapes) == [(1, 1, 1, True), (2, 2, 1, True), (8, 2, 0, False), (16, 2, 0, False),
-                              (18, 2, 0, False)]
+    assert sorted(s for s in shapes if s.filtering == "off") == [
+        (1, 1, 1, True, "off"), (2, 2, 1, True, "off"), (8, 2, 0, False, "off"), (16, 2, 0, False, "off"),
+        (18, 2, 0, False, "off")]
+    assert len(shapes) == 2 * 5  # and each with top-k / top-p filtering
     assert eng.runner.num_compilations == len(shapes)
 
 

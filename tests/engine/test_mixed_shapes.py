@@ -25,22 +25,24 @@ def test_8b_server_shape_count():
     family (token buckets 8 .. the most a step holds), whatever the plan: the page table has
     one width. (The [B, Q] steps before were 252 shapes on the CPU plan at max_model_len
     1536, 42 on the GPU's; 59 and 42 + 17 when mixing.)"""
-    assert describe_shapes(server_shapes(0)) == "13 shapes (7 decode, 6 general)"  # T 8 .. 256
+    # each shape twice: without and with top-k / top-p filtering
+    assert describe_shapes(server_shapes(0)) == "26 shapes (7 decode, 7 decode filtering, 6 general, " \
+                                                "6 general filtering)"  # T 8 .. 256
     mixing = server_shapes(2)  # the engine's default max_num_partial_prefills
-    assert describe_shapes(mixing) == "15 shapes (7 decode, 8 general)"  # T 8 .. 512, 576 (64 rows + 2 chunks)
+    assert len(mixing) == 2 * (7 + 8)  # T 8 .. 512, 576 (64 rows + 2 chunks)
     assert {(s.tokens, s.seqs, s.steps) for s in mixing if s.decode} == {(n, n, 1) for n in (1, 2, 4, 8, 16, 32, 64)}
     assert [(s.tokens, s.seqs) for s in mixing if not s.decode][:4] == [(8, 8), (16, 16), (32, 32), (64, 64)]
 
 
 def test_8b_server_shapes_with_a_drafter():
-    """EAGLE3 K = 3: the verification step of [N, 4] rows and its chained form per batch
-    bucket, and the general family (prefill chunks, and when mixing verification rows beside
-    them). (The [B, Q] steps before: 49 shapes, 66 when mixing.)"""
-    unmixed = server_shapes(0, K=3)
-    assert describe_shapes(unmixed) == "20 shapes (14 decode, 6 general)"
+    """EAGLE3 K = 3: the verification step of [N, 4] rows per batch bucket (one program,
+    chained or not), and the general family (prefill chunks, and when mixing verification
+    rows beside them), each without and with filtering. (The [B, Q] steps before: 49 shapes,
+    66 when mixing, without their filtering variants.)"""
+    assert len(server_shapes(0, K=3)) == 2 * (7 + 6)
     mixed = server_shapes(2, K=3)
-    assert describe_shapes(mixed) == "22 shapes (14 decode, 8 general)"  # T 8 .. 512, 768 (64 x 4 + 2 x 256)
-    assert {(s.tokens // s.seqs, s.steps) for s in mixed if s.decode} == {(4, 0), (4, 1)}
+    assert len(mixed) == 2 * (7 + 8)  # T 8 .. 512, 768 (64 x 4 + 2 x 256)
+    assert {(s.tokens // s.seqs, s.steps) for s in mixed if s.decode} == {(4, 1)}
 
 
 def test_server_defaults_mix_and_log_the_shape_count(caplog):
@@ -49,4 +51,4 @@ def test_server_defaults_mix_and_log_the_shape_count(caplog):
     shapes = server_shapes(2)
     with caplog.at_level("INFO", logger="jspec.serve"):
         line = log_shapes(SimpleNamespace(warmup_shapes=lambda: shapes))
-    assert line == "15 shapes (7 decode, 8 general)" and line in caplog.text
+    assert line == "30 shapes (7 decode, 7 decode filtering, 8 general, 8 general filtering)" and line in caplog.text

@@ -204,9 +204,9 @@ def test_warmup_compiles_the_masked_steps_when_asked(monkeypatch):
     eng = llm.engine
     eng.warmup()
     n = eng.runner.num_compilations
-    # unmasked and masked: the general steps (T 8, 16), the fed decode call (N 1); the split
-    # step's forward and tail
-    assert len(eng.warmup_shapes()) == 3 and n == 2 * 3 + 2
+    # unmasked and masked, both ways of filtering: the general steps (T 8, 16), the fed decode
+    # call (N 1); the split step's forward and its tail (both ways)
+    assert len(eng.warmup_shapes()) == 2 * 3 and n == 2 * 2 * 3 + 1 + 2
     llm.generate(["one"], jspec.SamplingParams(temperature=0, max_tokens=8, structured_outputs=SOP(regex="[a-z]{7}")))
     assert eng.runner.num_compilations == n and eng.num_chained_calls > 0
 
@@ -224,7 +224,7 @@ def test_warmup_compiles_the_masked_mixed_steps(monkeypatch):
     eng.warmup()
     # unmasked and masked: the general steps (T 8, 16, 18: prefill chunks, mixed steps),
     # the decode steps at N 1 / 2
-    assert r.num_compilations == 2 * (len(r.shapes.tokens) + 2)
+    assert r.num_compilations == 2 * 2 * (len(r.shapes.tokens) + 2)  # both ways of filtering
     compiled, run = [], r.run
 
     def counting(inp, steps=0, prev=None):
