@@ -28,171 +28,38 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-from jspec import envs
-from jspec.config import ModelConfig
-from jspec.kv_cache import AttentionMetadata, MixedMetadata, RaggedMetadata
-from jspec.parallel.mesh import TP_AXIS, padded_vocab
+from jspec.kernel_plan import (  # noqa: F401 (the facade's names: model code reads the plan as ops.KernelPlan)
+    MAX_KERNEL_FEATURES,
+    KernelPlan,
+    _linear_kernel_takes,
+    _norm_handoff,
+    plan_kernels,
+    plan_params,
+    vocab_rows,
+    weight_shape,
+)
+from jspec.ops_attention import _KV_HEADS, attention  # noqa: F401 (re-exported: ops.attention)
+from jspec.parallel.mesh import TP_AXIS
 from kernels_pallas import fused_linear as _fl
 from kernels_pallas import fused_linear_rows as _flr
 from kernels_pallas import moe_experts as _moe
 from kernels_pallas import moe_router as _router
 from kernels_pallas import paged_attention as _pa
 from kernels_pallas import qkv_rope_kv_write as _qkv
-from kernels_pallas import ragged_paged_attention as _rpa
 from kernels_pallas import rope_kv_write as _rope
-from kernels_pallas.dispatch import GPU_IMPLS, backend_impl, check_impl, shape_fallback
+from kernels_pallas.dispatch import GPU_IMPLS, shape_fallback
 from kernels_pallas.fused_linear import rms_norm
-from kernels_pallas.ragged_attention_xla import ragged_attention_xla
 
-# Wider projections stay with XLA: gate_up (28672 x 4096) streams at 4.0-4.2 TB/s through
-# XLA's autotuned GEMM against 3.9 in fused_linear's kernel (60.3 vs 55.8-58.2 us on the
-# H200), more than the RMSNorm kernel it would save (~1.3 us). The lm_head has nothing to fuse.
-MAX_KERNEL_FEATURES = 16384
 # Whether 2-16-row projections take fused_linear_rows' kernel (linear_kernel); scripts A/B it.
 ROWS_KERNEL = True
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelPlan:
-    """Which implementation each op family runs: "reference" (jnp / XLA), "gpu", "tpu",
-    "interpret" or "tpu_interpret" (kernels_pallas.dispatch). The default runs XLA
-    everywhere (CPU serving, module tests)."""
-
-    attn: str = "reference"  # paged attention
-    linear: str = "reference"  # batch-1 glue kernels; GPU kernels only ("tpu": XLA)
-    sample: str = "reference"  # rejection sampling
-    # One-row o_proj hands the post-attention RMSNorm to down_proj (linear_then_norm):
-    # set by plan_kernels where both projections of the model take the kernel.
-    norm_handoff: bool = False
-    # Projection weights held [in, out] (plan_params transposes HF's [out, in] once, at
-    # load; the modules declare them so through weight_shape). Set by plan_kernels on CPU:
-    # XLA:CPU runs a dot of more than one row through YNNPACK, which transposes an [out, in]
-    # right operand on every call. In a K=7 DFlash verification step of the family that
-    # transpose took 44% of the CPU cycles and the dot itself 15% (perf, 2-vCPU EPYC).
-    in_out_weights: bool = False
-    # XLA compiler options of the engine's jitted steps (name, value) pairs; set by
-    # plan_kernels on CPU (_CPU_XLA_OPTIONS). Compile-time only: the same options on every
-    # call, no environment variable.
-    xla_options: tuple = ()
-    # Tensor parallelism (jspec/parallel): the degree the fused projections' weights are
-    # split over (their outputs tp-interleaved: split_fused), the drafter's degree (1: a
-    # replicated drafter; for_drafter) and the mesh (per-shard kernels under shard_map).
-    # A decoder layer whose KV heads tp divides runs once per device under shard_map
-    # (per_shard_layer), with the kernels of ``shard_linear`` on each device's weights and
-    # an all-reduce after o_proj and down_proj. Elsewhere (embedding, lm_head, a replicated
-    # KV cache) tp > 1 runs the projections and the sampler through XLA, which the SPMD
-    # partitioner splits, and the paged-attention kernel per shard of KV heads (attention).
-    tp: int = 1
-    draft_tp: int = 1
-    mesh: object = None  # jax.sharding.Mesh | None
-    shard_linear: str = "reference"  # ``linear`` inside a per-shard layer (tp > 1)
-    # Threads warmup compiles on (RunnerBase.precompile). On an accelerator compilation is
-    # host work that releases the GIL (XLA's passes, LLVM, Triton); XLA:CPU's compiler
-    # already spreads one compilation over the cores, so CPU compiles one at a time.
-    compile_threads: int = 1
-
-    @property
-    def compiler_options(self) -> dict | None:
-        """``jax.jit(..., compiler_options=...)`` for the engine's steps."""
-        return dict(self.xla_options) or None
-
-    def for_draft_model(self, cfg: ModelConfig) -> KernelPlan:
-        """The plan of every drafter: a draft model's (an ordinary Llama / Qwen3 of shape
-        ``cfg``), or EAGLE3's, PEagle's or DFlash's layers' (``cfg``: their layer config): a
-        target's, the glue kernels included, its norm handoff decided by its own shapes, at
-        the drafter's tensor-parallel degree (a replicated one, under a tp > 1 target, on XLA)."""
-        linear = self.linear if self.draft_tp == self.tp else "reference"
-        return dataclasses.replace(self, linear=linear, norm_handoff=_norm_handoff(linear, cfg), tp=self.draft_tp)
-
-
-def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str = "auto",
-                 sample_impl: str = "auto", backend: str | None = None, tp: int = 1, draft_tp: int = 1,
-                 mesh=None) -> KernelPlan:
-    """The engine's plan (made once). "auto": JSPEC_KERNEL_IMPL if set (jspec/envs.py),
-    else by backend: the jnp references on CPU (Pallas' interpreter runs the kernels there
-    for tests, far too slowly to serve with), the GPU / TPU kernels on those backends.
-    ``tp`` > 1 (on ``mesh``): outside per-shard layers the glue kernels and the rejection
-    kernel give way to XLA, which the SPMD partitioner splits over the mesh (the logits stay
-    sharded by vocabulary); inside them (shard_plan) the glue kernels run on each device."""
-    backend = backend or jax.default_backend()
-    attn, linear, sample = (_resolve(i, name, backend) for i, name in
-                            ((attn_impl, "attn_impl"), (linear_impl, "linear_impl"), (sample_impl, "sample_impl")))
-    shard_linear = linear
-    if tp > 1:
-        linear = sample = "reference"
-    handoff = _norm_handoff(linear, cfg)
-    in_out = backend == "cpu" and linear not in GPU_IMPLS  # the GPU kernels read [out, in] weights
-    options = _cpu_xla_options() if backend == "cpu" else ()
-    threads = 1 if backend == "cpu" else min(8, os.cpu_count() or 1)
-    return KernelPlan(attn=attn, linear=linear, sample=sample, norm_handoff=handoff, in_out_weights=in_out,
-                      xla_options=options, tp=tp, draft_tp=draft_tp, mesh=mesh, shard_linear=shard_linear,
-                      compile_threads=threads)
-
-
-# XLA:CPU's YNNPACK fusions off: the dots then run on XLA's own (Eigen) path. On the family
-# (2-vCPU Xeon, float32, batch 1) a greedy DFlash K=3 step took ~15% less time so, the
-# one-row plain step about the same (python -m jspec, 2026-11-25).
-_CPU_XLA_OPTIONS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
-_cpu_options_checked: tuple | None = None
-
-
-def _cpu_xla_options() -> tuple:
-    """_CPU_XLA_OPTIONS where this jaxlib knows them (an unknown option fails the compile:
-    tried once on a one-op function), else none."""
-    global _cpu_options_checked
-    if _cpu_options_checked is None:
-        try:
-            jax.jit(lambda x: x + 1, compiler_options=dict(_CPU_XLA_OPTIONS)).lower(1.0).compile()
-            _cpu_options_checked = _CPU_XLA_OPTIONS
-        except Exception:  # noqa: BLE001  an option this jaxlib does not have
-            _cpu_options_checked = ()
-    return _cpu_options_checked
-
-
-def _resolve(impl: str, name: str, backend: str) -> str:
-    if check_impl(impl, name) != "auto":
-        return impl
-    override = envs.JSPEC_KERNEL_IMPL
-    if override is not None:
-        return check_impl(override, "JSPEC_KERNEL_IMPL")
-    return "reference" if backend == "cpu" else backend_impl(backend)
-
-
-# ---- weight layout ---------------------------------------------------------------------
-def weight_shape(plan: KernelPlan, out_features: int, in_features: int) -> tuple[int, int]:
-    """The shape a projection weight (Linear, an lm_head) is held in under ``plan``."""
-    return (in_features, out_features) if plan.in_out_weights else (out_features, in_features)
-
-
-def vocab_rows(plan: KernelPlan, vocab_size: int) -> int:
-    """The rows a vocabulary table (an embedding, an lm_head) is held with under ``plan``:
-    ``vocab_size`` padded to a multiple of plan.tp (parallel.padded_vocab, as the loader's
-    Placement holds it); ``logits`` slices the padded ones off."""
-    return padded_vocab(vocab_size, plan.tp)
-
-
-def plan_params(plan: KernelPlan, params):
-    """A loaded parameter tree (HF [out, in] projection weights) in the plan's layout: with
-    in_out_weights every projection weight transposed. Projection weights are the 2-D leaves
-    named ``weight`` (Linear) and ``lm_head``; embedding tables (``embedding``,
-    ``embed_tokens``) stay [vocab, hidden], as the gathers read them."""
-    if not plan.in_out_weights:
-        return params
-
-    def relayout(path, x):
-        return x.T if x.ndim == 2 and path[-1].key in ("weight", "lm_head") else x
-
-    return jax.tree_util.tree_map_with_path(relayout, params)
-
-
-# ---- RMSNorm travelling into the next projection ---------------------------------------
 @struct.dataclass
 class Normed:
     """rms_norm(x, weight, eps), not applied yet: the projection it feeds applies it (inside
@@ -215,17 +82,6 @@ class Normed:
 
 
 # ---- decisions (static shapes) ---------------------------------------------------------
-def _norm_handoff(linear: str, cfg: ModelConfig) -> bool:
-    """Whether one-row o_proj hands the post-attention norm to down_proj: both take the kernel."""
-    return (linear in GPU_IMPLS and not cfg.mlp_bias  # a gate_up bias would be scaled by 1 / rms too
-            and _linear_kernel_takes((cfg.hidden_size, cfg.q_size))
-            and _linear_kernel_takes((cfg.hidden_size, cfg.intermediate_size)))
-
-
-def _linear_kernel_takes(w_shape) -> bool:
-    return w_shape[0] <= MAX_KERNEL_FEATURES and _fl.supports(1, w_shape)
-
-
 def _fused_linear(plan: KernelPlan, x, w, *, kernel: bool, prologue="none", norm_w=None, **kw):
     """fused_linear's kernel (one row) or fused_linear_rows' (2-16 rows, no prologue), else
     the reference."""
@@ -479,95 +335,6 @@ def rope_kv_write(plan: KernelPlan, qkv, rope, slot_mapping, k_pages, v_pages, q
     q, k_pages, v_pages = _rope.rope_kv_write(rows(qkv), rows(cos), rows(sin), slot_mapping.reshape(M), k_pages,
                                               v_pages, q_norm_w, k_norm_w, num_heads=num_heads, eps=eps, impl=impl)
     return q.reshape(B, Q, num_heads, D), k_pages, v_pages
-
-
-def page_table_widths(plan: KernelPlan, max_pages: int) -> tuple[int, ...] | None:
-    """The page-table widths W the engine compiles: None for powers of two up to
-    ``max_pages`` (jspec/engine/buckets.py), or the one width ``max_pages``. The jnp
-    reference gathers all W pages of every row, and the TPU kernel steps over the table
-    statically, so both pay for W; the GPU kernel's programs stop at each row's kv_len
-    (its loop bound is dynamic), so one width serves every context there and a server
-    compiles |W buckets| times fewer shapes."""
-    return (max_pages,) if plan.attn in GPU_IMPLS else None
-
-
-def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata | MixedMetadata, *, sm_scale: float):
-    """Paged attention of q [B, Q, H, D] over the cache [P, S, KVH, D] -> [B, Q, H, D]
-    (kernels_pallas/paged_attention.py for the semantics). With ``MixedMetadata`` q is
-    [1, N, H, D], the segments' rows flattened in order: one call per segment, on its
-    own [B_i, Q_i] layout."""
-    if isinstance(meta, RaggedMetadata):
-        return _ragged_attention(plan, q[0], k_pages, v_pages, meta, sm_scale)[None]
-    if isinstance(meta, MixedMetadata):
-        H, D = q.shape[2:]
-        outs, off = [], 0
-        for m in meta.segments:
-            b, n = m.positions.shape
-            qs = q[:, off : off + b * n].reshape(b, n, H, D)
-            outs.append(attention(plan, qs, k_pages, v_pages, m, sm_scale=sm_scale).reshape(1, b * n, H, D))
-            off += b * n
-        return jax.numpy.concatenate(outs, axis=1)
-    impl = plan.attn
-    if impl != "reference":
-        impl = shape_fallback("paged_attention", impl, _pa.unsupported_shape(impl, q.shape[-1]))
-    if plan.tp > 1 and impl != "reference":
-        kvh = k_pages.shape[2]
-        impl = shape_fallback("paged_attention", impl, None if kvh % plan.tp == 0 else
-                              f"{kvh} KV heads, replicated over tensor parallel size {plan.tp}")
-        if impl != "reference":
-            return _sharded_attention(plan, impl, q, k_pages, v_pages, meta, sm_scale)
-    return _pa.paged_attention(q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions, meta.causal,
-                               sm_scale=sm_scale, impl=impl)
-
-
-def _ragged_attention(plan: KernelPlan, q, k_pages, v_pages, meta: RaggedMetadata, sm_scale: float):
-    """q [T, H, D] of a flat step over the cache -> [T, H, D]: a decode step's [N, Q] rows
-    through paged attention (its kernels, tuned for decode and verification), any other
-    step through the ragged kernels on GPU and TPU (per shard of KV heads under tensor
-    parallelism); on a CPU both through the loop over sequences (XLA), whose work follows
-    kv_len; the gathering reference where an accelerator's kernel cannot take the shape."""
-    impl, kvh = plan.attn, k_pages.shape[2]
-    on_cpu = impl == "reference" and jax.default_backend() == "cpu"
-    if meta.uniform and not on_cpu:  # a decode step's [N, Q] rows: paged attention's kernels
-        T, H, D = q.shape
-        return attention(plan, q.reshape(T // meta.uniform, meta.uniform, H, D), k_pages, v_pages, meta.rows(),
-                         sm_scale=sm_scale).reshape(T, H, D)
-    if impl != "reference":
-        impl = shape_fallback("ragged_paged_attention", impl, _rpa.unsupported_shape(impl, q.shape[-1]))
-    if plan.tp > 1 and impl != "reference":
-        impl = shape_fallback("ragged_paged_attention", impl, None if kvh % plan.tp == 0 else
-                              f"{kvh} KV heads, replicated over tensor parallel size {plan.tp}")
-    args = (meta.cu_q_lens, meta.kv_lens, meta.page_table, meta.num_seqs, meta.causal)
-    if impl == "reference":
-        if on_cpu:
-            short, long = meta.windows
-            return ragged_attention_xla(q, k_pages, v_pages, *args, meta.positions[0], sm_scale=sm_scale,
-                                        short=short, long=long)
-        return _rpa.ragged_paged_attention(q, k_pages, v_pages, *args, sm_scale=sm_scale, impl="reference")
-    if plan.tp > 1:
-        heads, rep = P(None, TP_AXIS, None), P()
-        local = lambda q, k, v, *a: _rpa.ragged_paged_attention(q, k, v, *a, sm_scale=sm_scale, impl=impl)  # noqa: E731
-        return jax.shard_map(local, mesh=plan.mesh, in_specs=(heads, _KV_HEADS, _KV_HEADS) + (rep,) * 5,
-                             out_specs=heads, check_vma=False)(q, k_pages, v_pages, *args)
-    return _rpa.ragged_paged_attention(q, k_pages, v_pages, *args, sm_scale=sm_scale, impl=impl)
-
-
-# The paged cache [P, S, KVH, D] and q [B, Q, H, D] split by (KV) head over the mesh.
-_KV_HEADS = P(None, None, TP_AXIS, None)
-
-
-def _sharded_attention(plan: KernelPlan, impl: str, q, k_pages, v_pages, meta: AttentionMetadata, sm_scale: float):
-    """The paged-attention kernel once per device under shard_map: q's heads and the cache's
-    KV heads split alike over the "tp" axis (tp divides the KV heads), the metadata
-    replicated; no collective (each device's heads attend over its own KV heads)."""
-    heads, rep = _KV_HEADS, P()
-
-    def local(q, k, v, table, lens, pos, causal):
-        return _pa.paged_attention(q, k, v, table, lens, pos, causal, sm_scale=sm_scale, impl=impl)
-
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(heads, heads, heads, rep, rep, rep, rep), out_specs=heads,
-                         check_vma=False)(q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions,
-                                          meta.causal)
 
 
 def embed(plan: KernelPlan, table, tokens, *, shards: int):

@@ -97,6 +97,7 @@ from kernels_pallas.rejection_blocks import (  # noqa: F401  (re-exported: tests
     num_blocks,
     sample_block,
 )
+from kernels_pallas.sampling_utils import host_filtering  # noqa: F401 (re-exported: the engine's import)
 from kernels_pallas.tuning import device_tuning
 
 # ----------------------------------------------------------------------------------------
@@ -450,18 +451,6 @@ def _conditionals_on_device() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def host_filtering(temperature, top_k, top_p, v):
-    """"auto" -> "on"/"off" when the sampling params are host values (numpy, lists): no
-    lax.cond then, which on GPU costs a host sync (~50 us on the H200) per call. Device
-    arrays and tracers keep "auto" (decided on the device)."""
-    params = (temperature, top_k, top_p)
-    if any(isinstance(x, (jax.Array, jax.core.Tracer)) for x in params):
-        return "auto"
-    t, k, p = (np.asarray(x) for x in params)
-    used = np.any((t > 0) & (((k > 0) & (k < v)) | (p < 1)))
-    return "on" if used else "off"
-
-
 def rejection_sample(
     target_logits,  # f32|bf16[B, K+1, V]  rows >= num_draft+1 are padding
     draft_tokens,  # i32[B, K]             padded entries arbitrary (never accepted)
@@ -500,7 +489,7 @@ def rejection_sample(
     if synthetic_rates is not None:
         synthetic_rates = jnp.asarray(synthetic_rates, jnp.float32)
     if filtering == "auto":
-        filtering = host_filtering(temperature, top_k, top_p, np.shape(target_logits)[-1])
+        filtering = su.host_filtering(temperature, top_k, top_p, np.shape(target_logits)[-1])
     return _rejection_sample_jit(
         target_logits, jnp.asarray(draft_tokens), jnp.asarray(num_draft), draft_probs,
         jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(seeds),

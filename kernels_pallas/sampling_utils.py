@@ -189,3 +189,15 @@ def sample_from_probs(probs, seeds, positions, salt) -> jax.Array:
     idx = lax.broadcasted_iota(jnp.int32, probs.shape, 1)
     score = jnp.where(probs > 0, jnp.log(probs) + gumbel_from_key(key, idx), -jnp.inf)
     return jnp.argmax(score, axis=-1).astype(jnp.int32)
+
+
+def host_filtering(temperature, top_k, top_p, v):
+    """"auto" -> "on"/"off" when the sampling params are host values (numpy, lists): no
+    lax.cond then, which on GPU costs a host sync (~50 us on the H200) per call. Device
+    arrays and tracers keep "auto" (decided on the device)."""
+    params = (temperature, top_k, top_p)
+    if any(isinstance(x, (jax.Array, jax.core.Tracer)) for x in params):
+        return "auto"
+    t, k, p = (np.asarray(x) for x in params)
+    used = np.any((t > 0) & (((k > 0) & (k < v)) | (p < 1)))
+    return "on" if used else "off"

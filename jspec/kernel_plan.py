@@ -1,0 +1,171 @@
+"""The kernel plan: which implementation each op family runs, made once per engine.
+
+``plan_kernels`` turns the backend, the model config and the requested impls
+(EngineConfig.attn_impl / linear_impl / sample_impl; JSPEC_KERNEL_IMPL for "auto") into a
+frozen ``KernelPlan``, a static attribute of the model modules; jspec/ops.py decides per
+call from it and the call's static shapes. ``plan_params`` puts the weights in the layout
+the plan's modules declare (``weight_shape``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+
+from jspec import envs
+from jspec.config import ModelConfig
+from jspec.parallel.mesh import padded_vocab
+from kernels_pallas import fused_linear as _fl
+from kernels_pallas.dispatch import GPU_IMPLS, backend_impl, check_impl
+
+# Wider projections stay with XLA: gate_up (28672 x 4096) streams at 4.0-4.2 TB/s through
+# XLA's autotuned GEMM against 3.9 in fused_linear's kernel (60.3 vs 55.8-58.2 us on the
+# H200), more than the RMSNorm kernel it would save (~1.3 us). The lm_head has nothing to fuse.
+MAX_KERNEL_FEATURES = 16384
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """Which implementation each op family runs: "reference" (jnp / XLA), "gpu", "tpu",
+    "interpret" or "tpu_interpret" (kernels_pallas.dispatch). The default runs XLA
+    everywhere (CPU serving, module tests)."""
+
+    attn: str = "reference"  # paged attention
+    linear: str = "reference"  # batch-1 glue kernels; GPU kernels only ("tpu": XLA)
+    sample: str = "reference"  # rejection sampling
+    # One-row o_proj hands the post-attention RMSNorm to down_proj (linear_then_norm):
+    # set by plan_kernels where both projections of the model take the kernel.
+    norm_handoff: bool = False
+    # Projection weights held [in, out] (plan_params transposes HF's [out, in] once, at
+    # load; the modules declare them so through weight_shape). Set by plan_kernels on CPU:
+    # XLA:CPU runs a dot of more than one row through YNNPACK, which transposes an [out, in]
+    # right operand on every call. In a K=7 DFlash verification step of the family that
+    # transpose took 44% of the CPU cycles and the dot itself 15% (perf, 2-vCPU EPYC).
+    in_out_weights: bool = False
+    # XLA compiler options of the engine's jitted steps (name, value) pairs; set by
+    # plan_kernels on CPU (_CPU_XLA_OPTIONS). Compile-time only: the same options on every
+    # call, no environment variable.
+    xla_options: tuple = ()
+    # Tensor parallelism (jspec/parallel): the degree the fused projections' weights are
+    # split over (their outputs tp-interleaved: split_fused), the drafter's degree (1: a
+    # replicated drafter; for_drafter) and the mesh (per-shard kernels under shard_map).
+    # A decoder layer whose KV heads tp divides runs once per device under shard_map
+    # (per_shard_layer), with the kernels of ``shard_linear`` on each device's weights and
+    # an all-reduce after o_proj and down_proj. Elsewhere (embedding, lm_head, a replicated
+    # KV cache) tp > 1 runs the projections and the sampler through XLA, which the SPMD
+    # partitioner splits, and the paged-attention kernel per shard of KV heads (attention).
+    tp: int = 1
+    draft_tp: int = 1
+    mesh: object = None  # jax.sharding.Mesh | None
+    shard_linear: str = "reference"  # ``linear`` inside a per-shard layer (tp > 1)
+    # Threads warmup compiles on (RunnerBase.precompile). On an accelerator compilation is
+    # host work that releases the GIL (XLA's passes, LLVM, Triton); XLA:CPU's compiler
+    # already spreads one compilation over the cores, so CPU compiles one at a time.
+    compile_threads: int = 1
+
+    @property
+    def compiler_options(self) -> dict | None:
+        """``jax.jit(..., compiler_options=...)`` for the engine's steps."""
+        return dict(self.xla_options) or None
+
+    def for_draft_model(self, cfg: ModelConfig) -> KernelPlan:
+        """The plan of every drafter: a draft model's (an ordinary Llama / Qwen3 of shape
+        ``cfg``), or EAGLE3's, PEagle's or DFlash's layers' (``cfg``: their layer config): a
+        target's, the glue kernels included, its norm handoff decided by its own shapes, at
+        the drafter's tensor-parallel degree (a replicated one, under a tp > 1 target, on XLA)."""
+        linear = self.linear if self.draft_tp == self.tp else "reference"
+        return dataclasses.replace(self, linear=linear, norm_handoff=_norm_handoff(linear, cfg), tp=self.draft_tp)
+
+
+def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str = "auto",
+                 sample_impl: str = "auto", backend: str | None = None, tp: int = 1, draft_tp: int = 1,
+                 mesh=None) -> KernelPlan:
+    """The engine's plan (made once). "auto": JSPEC_KERNEL_IMPL if set (jspec/envs.py),
+    else by backend: the jnp references on CPU (Pallas' interpreter runs the kernels there
+    for tests, far too slowly to serve with), the GPU / TPU kernels on those backends.
+    ``tp`` > 1 (on ``mesh``): outside per-shard layers the glue kernels and the rejection
+    kernel give way to XLA, which the SPMD partitioner splits over the mesh (the logits stay
+    sharded by vocabulary); inside them (shard_plan) the glue kernels run on each device."""
+    backend = backend or jax.default_backend()
+    attn, linear, sample = (_resolve(i, name, backend) for i, name in
+                            ((attn_impl, "attn_impl"), (linear_impl, "linear_impl"), (sample_impl, "sample_impl")))
+    shard_linear = linear
+    if tp > 1:
+        linear = sample = "reference"
+    handoff = _norm_handoff(linear, cfg)
+    in_out = backend == "cpu" and linear not in GPU_IMPLS  # the GPU kernels read [out, in] weights
+    options = _cpu_xla_options() if backend == "cpu" else ()
+    threads = 1 if backend == "cpu" else min(8, os.cpu_count() or 1)
+    return KernelPlan(attn=attn, linear=linear, sample=sample, norm_handoff=handoff, in_out_weights=in_out,
+                      xla_options=options, tp=tp, draft_tp=draft_tp, mesh=mesh, shard_linear=shard_linear,
+                      compile_threads=threads)
+
+
+# XLA:CPU's YNNPACK fusions off: the dots then run on XLA's own (Eigen) path. On the family
+# (2-vCPU Xeon, float32, batch 1) a greedy DFlash K=3 step took ~15% less time so, the
+# one-row plain step about the same (python -m jspec, 2026-11-25).
+_CPU_XLA_OPTIONS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
+_cpu_options_checked: tuple | None = None
+
+
+def _cpu_xla_options() -> tuple:
+    """_CPU_XLA_OPTIONS where this jaxlib knows them (an unknown option fails the compile:
+    tried once on a one-op function), else none."""
+    global _cpu_options_checked
+    if _cpu_options_checked is None:
+        try:
+            jax.jit(lambda x: x + 1, compiler_options=dict(_CPU_XLA_OPTIONS)).lower(1.0).compile()
+            _cpu_options_checked = _CPU_XLA_OPTIONS
+        except Exception:  # noqa: BLE001  an option this jaxlib does not have
+            _cpu_options_checked = ()
+    return _cpu_options_checked
+
+
+def _resolve(impl: str, name: str, backend: str) -> str:
+    if check_impl(impl, name) != "auto":
+        return impl
+    override = envs.JSPEC_KERNEL_IMPL
+    if override is not None:
+        return check_impl(override, "JSPEC_KERNEL_IMPL")
+    return "reference" if backend == "cpu" else backend_impl(backend)
+
+
+# ---- weight layout ---------------------------------------------------------------------
+def weight_shape(plan: KernelPlan, out_features: int, in_features: int) -> tuple[int, int]:
+    """The shape a projection weight (Linear, an lm_head) is held in under ``plan``."""
+    return (in_features, out_features) if plan.in_out_weights else (out_features, in_features)
+
+
+def vocab_rows(plan: KernelPlan, vocab_size: int) -> int:
+    """The rows a vocabulary table (an embedding, an lm_head) is held with under ``plan``:
+    ``vocab_size`` padded to a multiple of plan.tp (parallel.padded_vocab, as the loader's
+    Placement holds it); ``logits`` slices the padded ones off."""
+    return padded_vocab(vocab_size, plan.tp)
+
+
+def plan_params(plan: KernelPlan, params):
+    """A loaded parameter tree (HF [out, in] projection weights) in the plan's layout: with
+    in_out_weights every projection weight transposed. Projection weights are the 2-D leaves
+    named ``weight`` (Linear) and ``lm_head``; embedding tables (``embedding``,
+    ``embed_tokens``) stay [vocab, hidden], as the gathers read them."""
+    if not plan.in_out_weights:
+        return params
+
+    def relayout(path, x):
+        return x.T if x.ndim == 2 and path[-1].key in ("weight", "lm_head") else x
+
+    return jax.tree_util.tree_map_with_path(relayout, params)
+
+
+# ---- RMSNorm travelling into the next projection ---------------------------------------
+def _norm_handoff(linear: str, cfg: ModelConfig) -> bool:
+    """Whether one-row o_proj hands the post-attention norm to down_proj: both take the kernel."""
+    return (linear in GPU_IMPLS and not cfg.mlp_bias  # a gate_up bias would be scaled by 1 / rms too
+            and _linear_kernel_takes((cfg.hidden_size, cfg.q_size))
+            and _linear_kernel_takes((cfg.hidden_size, cfg.intermediate_size)))
+
+
+def _linear_kernel_takes(w_shape) -> bool:
+    return w_shape[0] <= MAX_KERNEL_FEATURES and _fl.supports(1, w_shape)
