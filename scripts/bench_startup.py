@@ -52,6 +52,9 @@ def main():
     out = {}
     for label in ("empty cache", "warm cache"):
         took, log = start(args, cache)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], f"startup_{a.method}_{label.split()[0]}.log"), "w") as f:
+                f.write(log)
         shapes = re.findall(r"(\d+ shapes \([^)]*\))", log)
         warm = re.findall(r"warmup: [^\n]*", log)
         out[label] = dict(seconds_to_healthy=round(took, 1), shapes=shapes[-1] if shapes else None,
