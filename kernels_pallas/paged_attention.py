@@ -27,20 +27,25 @@ import jax.numpy as jnp
 NEG_INF = -1e30
 
 
-def validate(q, k_pages, v_pages, page_table, kv_lens, positions, causal):
-    """Trace-time shape checks with messages that name the argument."""
-    if q.ndim != 4:
-        raise ValueError(f"q must be [B, Q, num_heads, head_dim], got shape {q.shape}")
-    B, Q, H, D = q.shape
+def validate_cache(num_heads: int, head_dim: int, k_pages, v_pages):
+    """Trace-time checks of one layer's paged cache against the queries' heads."""
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(
             f"k_pages/v_pages must both be [num_pages, page_size, kv_heads, head_dim], "
             f"got {k_pages.shape} and {v_pages.shape}"
         )
-    if k_pages.shape[-1] != D:
-        raise ValueError(f"head_dim mismatch: q has {D}, k_pages has {k_pages.shape[-1]}")
-    if H % k_pages.shape[2]:
-        raise ValueError(f"num_heads={H} is not a multiple of kv_heads={k_pages.shape[2]}")
+    if k_pages.shape[-1] != head_dim:
+        raise ValueError(f"head_dim mismatch: q has {head_dim}, k_pages has {k_pages.shape[-1]}")
+    if num_heads % k_pages.shape[2]:
+        raise ValueError(f"num_heads={num_heads} (q) is not a multiple of kv_heads={k_pages.shape[2]} (k_pages)")
+
+
+def validate(q, k_pages, v_pages, page_table, kv_lens, positions, causal):
+    """Trace-time shape checks with messages that name the argument."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, Q, num_heads, head_dim], got shape {q.shape}")
+    B, Q, H, D = q.shape
+    validate_cache(H, D, k_pages, v_pages)
     if page_table.ndim != 2 or page_table.shape[0] != B:
         raise ValueError(f"page_table must be [B={B}, pages_per_seq], got {page_table.shape}")
     if kv_lens.shape != (B,):

@@ -46,6 +46,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.paged_attention import validate_cache
+
 NEG_INF = -1e30  # finite "minus infinity": exp(NEG_INF - NEG_INF) stays defined
 
 
@@ -54,15 +56,7 @@ def validate(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, num_seqs, caus
     if q.ndim != 3:
         raise ValueError(f"q must be [T, num_heads, head_dim], got shape {q.shape}")
     _, H, D = q.shape
-    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-        raise ValueError(
-            f"k_pages/v_pages must both be [num_pages, page_size, kv_heads, head_dim], "
-            f"got {k_pages.shape} and {v_pages.shape}"
-        )
-    if k_pages.shape[-1] != D:
-        raise ValueError(f"head_dim mismatch: q has {D}, k_pages has {k_pages.shape[-1]}")
-    if H % k_pages.shape[2]:
-        raise ValueError(f"num_heads={H} (q) is not a multiple of kv_heads={k_pages.shape[2]} (k_pages)")
+    validate_cache(H, D, k_pages, v_pages)
     if page_table.ndim != 2:
         raise ValueError(f"page_table must be [max_num_seqs, pages_per_seq], got {page_table.shape}")
     N = page_table.shape[0]

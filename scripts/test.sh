@@ -14,28 +14,47 @@ if [ "$#" -gt 0 ]; then exec python3 -m pytest -q "$@"; fi
 # of the suite (4 clean-clone runs of 4, 2026-11-24), an abort in tests/e2e/test_spec_warmup.py
 # after a third of the suite (2026-11-25). Fewer executables per process, same tests.
 # tests/parallel must be a process of its own anyway: its conftest gives jax 8 virtual CPU
-# devices (XLA_FLAGS, read when jax starts).
+# devices (XLA_FLAGS, read when jax starts). The end-to-end files compile the most step
+# variants: one process each (the e2e folder in one process also died inside XLA's CPU
+# compiler, 2026-11-25).
+# The processes run JSPEC_TEST_JOBS at a time (default: the CPU count, at most 4), longest
+# first: the suite is mostly XLA's CPU compiler, one core a compile, so two processes on the
+# 2-core CI machine take little more than half the time of one after the other.
 # One persistent compilation cache for this run's pytest processes (and the servers they
-# start): a shape compiled in one process is loaded, not compiled again, in the next. Most
-# of the suite's time is XLA's CPU compiler (tests/e2e/test_spec_lossless.py: 230 s cold,
-# 45 s with its shapes cached). Fresh per run, so every run still compiles each shape once.
-# --durations: each group prints its slowest tests, to keep the run under its 40 minutes.
+# start): a shape compiled in one process is loaded, not compiled again, in the next. Fresh
+# per run, so every run still compiles each shape once.
+# --durations: each process prints its slowest tests, to keep the run under its 30 minutes.
 cache_dir=$(mktemp -d)
-trap 'rm -rf "$cache_dir"' EXIT
+logs=$(mktemp -d)
+trap 'rm -rf "$cache_dir" "$logs"' EXIT
 export JAX_COMPILATION_CACHE_DIR="$cache_dir" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.1
-groups=("tests/kernels tests/config tests/checkpoint tests/models tests/drafters" "tests/engine" "tests/e2e"
+groups=("tests/kernels tests/config tests/checkpoint tests/models tests/drafters" "tests/engine"
         "tests/serve" "tests/train" "tests/parallel")
 for dir in tests/*/; do  # a new test folder must join a group, or CI would never run it
   dir=${dir%/}
-  [ "$dir" = tests/helpers ] || [ "$dir" = tests/__pycache__ ] || [[ " ${groups[*]} " == *" $dir "* ]] || { echo "scripts/test.sh: $dir is in no group" >&2; exit 1; }
+  [ "$dir" = tests/helpers ] || [ "$dir" = tests/__pycache__ ] || [ "$dir" = tests/e2e ] \
+    || [[ " ${groups[*]} " == *" $dir "* ]] || { echo "scripts/test.sh: $dir is in no group" >&2; exit 1; }
 done
-for group in "${groups[@]}"; do
-  if [ "$group" = tests/e2e ]; then
-    # The end-to-end files compile the most step variants: one process each (the e2e
-    # folder in one process also died inside XLA's CPU compiler, 2026-11-25).
-    for f in tests/e2e/test_*.py; do python3 -m pytest -q --durations=3 "$f"; done
-  else
-    # shellcheck disable=SC2086
-    python3 -m pytest -q --durations=10 $group
-  fi
+# Longest first (seconds on the CI machine, 2026-11-28), then the rest of the e2e files.
+jobs=("${groups[0]}" "tests/e2e/test_family.py" "tests/engine" "tests/parallel" "tests/serve"
+      "tests/e2e/test_compile_closure.py" "tests/e2e/test_spec_warmup.py" "tests/e2e/test_structured_outputs.py")
+for f in tests/e2e/test_*.py; do
+  [[ " ${jobs[*]} " == *" $f "* ]] || jobs+=("$f")
 done
+jobs+=("tests/train")
+run_job() {  # one pytest process; its output printed whole when it ends (one job's at a time)
+  local log rc=0
+  log="$logs/$(echo "$1" | tr ' /' '__').log"
+  # shellcheck disable=SC2086
+  python3 -m pytest -q --durations=5 $1 > "$log" 2>&1 || rc=$?
+  {
+    flock 9
+    if [ "$rc" = 0 ]; then echo "== ok: $1"; else echo "== FAILED (exit $rc): $1"; fi
+    cat "$log"
+  } 9> "$logs/print.lock"
+  return "$rc"
+}
+export -f run_job
+export logs
+n=${JSPEC_TEST_JOBS:-$(python3 -c "import os; print(min(os.cpu_count() or 1, 4))")}
+printf '%s\n' "${jobs[@]}" | xargs -P "$n" -I{} bash -c 'run_job "$@"' _ {}

@@ -28,15 +28,14 @@ CASES = [("eagle3", 3, {"draft_sample_method": "probabilistic"}), ("dflash4", 3,
 def test_random_arrivals_mix_and_match_greedy_and_alone(name, k, extra, monkeypatch):
     llm = h.llm(name, k, spec_extra=extra, max_num_partial_prefills=1)
     eng, r = llm.engine, llm.engine.runner
-    emitted, run = [], r.execute_spec
+    emitted, apply = [], eng._apply
 
-    def recording(sched, running):  # tokens each decode row of a mixed step emitted
-        res = run(sched, running)
+    def recording(sched, res, live=None):  # tokens each decode row of a mixed step emitted
         if sched.kind == "mixed":
             emitted.extend(res.num_emitted[: sched.num_decode].tolist())
-        return res
+        return apply(sched, res, live)
 
-    monkeypatch.setattr(r, "execute_spec", recording)
+    monkeypatch.setattr(eng, "_apply", recording)
     shapes = eng.warmup_shapes()
     # verification at N 1 / 2 (chained or not); general steps up to 2 rows of K + 1 and a chunk;
     # each without and with top-k / top-p filtering
