@@ -19,13 +19,20 @@ import jax
 from jspec import envs
 
 logger = logging.getLogger("jspec")
+_enabled = False  # enable() ran with the cache on: the runner also keeps whole executables (engine/executables.py)
+
+
+def enabled() -> bool:
+    return _enabled
 
 
 def enable() -> str | None:
     """Point jax's persistent compilation cache at $JSPEC_CACHE/xla unless the user set one
     or turned it off; returns the folder in use (None: off)."""
+    global _enabled
     if not envs.JSPEC_COMPILATION_CACHE:
         return None
+    _enabled = True
     if jax.config.jax_compilation_cache_dir:
         return jax.config.jax_compilation_cache_dir
     from jax.experimental.compilation_cache import compilation_cache as cc

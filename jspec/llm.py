@@ -20,20 +20,31 @@ class LLM:
     family's drafter for M.
     """
 
-    def __init__(self, model: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, *, warmup: bool | None = None, **engine_args):
         """``engine_args``: any field of ``jspec.EngineConfig`` (vLLM's names: dtype,
         max_num_seqs, max_model_len, gpu_memory_utilization, enable_prefix_caching,
         speculative_config, seed, load_format, tokenizer, ...), with EngineConfig's defaults,
         and vLLM's other engine arguments as jspec/vllm_args.py takes them (block_size,
-        trust_remote_code, enforce_eager, ...)."""
+        trust_remote_code, enforce_eager, ...).
+
+        ``warmup``: prepare every step program now, with a progress bar (as vLLM captures its
+        CUDA graphs), so that no ``generate`` call compiles; loaded from disk when a process
+        before made them. None (default): on an accelerator unless ``enforce_eager``; on a
+        CPU a program compiles at its first use instead."""
         if model is None:
             from jspec import family
 
             model = family.TARGET
         known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+        if warmup is None:
+            import jax
+
+            warmup = not engine_args.get("enforce_eager") and jax.default_backend() != "cpu"
         engine_args = vllm_args.translate(engine_args, known)
         compile_cache.enable()
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
+        if warmup:
+            self.engine.warmup(progress=True)
         self._next_id = 0
 
     def generate(

@@ -25,8 +25,9 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # The value is the argparse type of the server's flag (bool: a switch).
 NO_EFFECT = {
     "trust_remote_code": (bool, "jspec runs no code from a checkpoint: its Llama and Qwen3 models are built in"),
-    "enforce_eager": (bool, "jspec has no eager mode: every step is a compiled XLA program (the server's "
-                            "--enforce-eager skips the up-front compile of all shapes, as --warmup off)"),
+    "enforce_eager": (bool, "jspec has no eager mode: every step is a compiled XLA program (enforce_eager "
+                            "skips the up-front compile of all shapes: jspec.LLM's warmup=False, the server's "
+                            "--warmup off)"),
     "disable_log_stats": (bool, "jspec.LLM logs no periodic statistics (the server logs them; its --disable-log-stats turns them off)"),
     "swap_space": (float, "a preempted request is recomputed from its tokens, never swapped to host memory"),
     "max_seq_len_to_capture": (int, "jspec captures no CUDA graphs: each shape bucket is compiled whole"),

@@ -149,8 +149,8 @@ def make_engine(cfg, params, *, max_num_seqs, ctx, dtype, spec=None, drafter=Non
     kv = eng.runner.kv
     keys = jax.random.split(jax.random.PRNGKey(7), 2 * len(kv.k))
     rnd = lambda a, k: jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype)  # noqa: E731
-    eng.runner.kv = type(kv)(k=tuple(rnd(a, k) for a, k in zip(kv.k, keys[::2])),
-                              v=tuple(rnd(a, k) for a, k in zip(kv.v, keys[1::2])))
+    eng.runner.state = eng.runner.state.replace(kv=type(kv)(k=tuple(rnd(a, k) for a, k in zip(kv.k, keys[::2])),
+                                                            v=tuple(rnd(a, k) for a, k in zip(kv.v, keys[1::2]))))
     return eng
 
 

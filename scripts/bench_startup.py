@@ -27,7 +27,9 @@ from bench_serving import LaunchedServer
 
 def start(args: str, cache: str) -> tuple[float, str]:
     """Seconds to healthy and the log of ``python -m jspec.serve ARGS`` with cache ``cache``."""
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    # jax's cache and jspec's (whole executables: jspec/engine/executables.py) in one fresh folder
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=os.path.join(cache, "xla"), JSPEC_CACHE=cache,
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     t = time.monotonic()
     srv = LaunchedServer(args, timeout=1800)
     took = time.monotonic() - t
@@ -57,9 +59,11 @@ def main():
                 f.write(log)
         shapes = re.findall(r"(\d+ shapes \([^)]*\))", log)
         warm = re.findall(r"warmup: [^\n]*", log)
+        stages = re.findall(r"(?:target loaded|drafter loaded|engine ready) in [0-9.]+ s", log)
         out[label] = dict(seconds_to_healthy=round(took, 1), shapes=shapes[-1] if shapes else None,
-                          warmup=warm[-1] if warm else None)
-        print(f"{label}: healthy after {took:.1f} s; {out[label]['shapes']}; {out[label]['warmup']}", flush=True)
+                          warmup=warm[-1] if warm else None, stages=stages)
+        print(f"{label}: healthy after {took:.1f} s; {out[label]['shapes']}; {stages}; {out[label]['warmup']}",
+              flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"startup_{a.method}.json"), "w") as f:
             json.dump(dict(args=args, **out), f, indent=1)

@@ -43,13 +43,13 @@ for f in tests/e2e/test_*.py; do
 done
 jobs+=("tests/train")
 run_job() {  # one pytest process; its output printed whole when it ends (one job's at a time)
-  local log rc=0
+  local log rc=0 t0=$SECONDS
   log="$logs/$(echo "$1" | tr ' /' '__').log"
   # shellcheck disable=SC2086
   python3 -m pytest -q --durations=5 $1 > "$log" 2>&1 || rc=$?
   {
     flock 9
-    if [ "$rc" = 0 ]; then echo "== ok: $1"; else echo "== FAILED (exit $rc): $1"; fi
+    if [ "$rc" = 0 ]; then echo "== ok: $1 ($((SECONDS - t0)) s)"; else echo "== FAILED (exit $rc): $1 ($((SECONDS - t0)) s)"; fi
     cat "$log"
   } 9> "$logs/print.lock"
   return "$rc"

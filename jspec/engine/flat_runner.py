@@ -11,7 +11,11 @@ step fed from the previous call's output on the device (without a drafter ``step
 them, each token fed back; with one, the verification of the drafts that call proposed).
 A batch with a grammar chained behind another splits in two calls: the target's forward,
 then masks, sampling (and the drafter) once the host has built the masks. Three jitted
-functions in all: ``_step``, ``_fwd`` and ``_tail``.
+functions in all: ``_step``, ``_fwd`` and ``_tail``; each takes the device state
+(``EngineState``: the caches, the drafts' probabilities) donated and returns it.
+Warmup prepares an executable for every call a step can make (``prepare``): loaded whole
+from disk when this code, configuration and device compiled it before
+(jspec/engine/executables.py), else compiled, several at once.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import numpy as np
 
 from jspec.drafters.propose import ProposeInputs, slots_for
 from jspec.engine import flat_spec
+from jspec.engine.engine_state import EngineState
+from jspec.engine.executables import Store, compile_or_load, stable_repr
 from jspec.engine.flat_input import FlatInput, FlatShape, FlatShapes, build_flat_input
 from jspec.engine.logits_processing import extend_history
 from jspec.engine.logprobs import logprob_info
@@ -42,9 +48,9 @@ class FlatRunner(RunnerBase):
         super().__init__(cfg, params, kv, dtype=dtype, plan=plan)
         self.shapes, self.width = shapes, width
         self.num_mixed_steps = 0  # steps with decode rows and prefill chunks (engine stats)
-        self.spec, self.dcfg, self.dparams, self.dkv = spec, dcfg, dparams, dkv
+        self.spec, self.dcfg, self.dparams = spec, dcfg, dparams
         self.K = 0 if spec is None else spec.num_speculative_tokens
-        self.drafter = self.probs_buf = self.synthetic_rates = None
+        self.drafter = self.synthetic_rates = probs = None
         self.with_probs, self.aux_layers = False, ()
         self._prob_rows: dict[str, int] = {}  # request id -> its row of probs_buf (assign_prob_rows)
         if spec is not None:
@@ -54,25 +60,41 @@ class FlatRunner(RunnerBase):
             self.aux_layers = tuple(dcfg.aux_layer_ids)
             self.with_probs = spec.draft_sample_method == "probabilistic"
             if self.with_probs:  # the drafts' probabilities, kept on the device between steps
-                self.probs_buf = replicate(jnp.zeros((max_num_seqs, self.K, cfg.vocab_size), jnp.float32), plan.mesh)
+                probs = replicate(jnp.zeros((max_num_seqs, self.K, cfg.vocab_size), jnp.float32), plan.mesh)
             if spec.rejection_sample_method == "synthetic":  # traced: benchmarks swap rates without recompiling
                 self.synthetic_rates = jnp.asarray(spec.synthetic_conditional_rates, jnp.float32)
         opts = self.plan.compiler_options
         # `filtering` ("off" | "on": does any request use top-k / top-p) is decided on the
         # host per step: a device-side lax.cond would read its predicate on the host (a
         # ~50 us sync per step on the H200). Top-k / top-p traffic compiles a second variant.
-        self._step = jax.jit(self._step_impl, donate_argnums=(2, 3, 4), compiler_options=opts,
+        self._step = jax.jit(self._step_impl, donate_argnums=(2,), compiler_options=opts,
                              static_argnames=("layout", "steps", "filtering"))
         self._fwd = jax.jit(self._forward_impl, donate_argnums=(1,), static_argnames=("layout",),
                             compiler_options=opts)
-        self._tail = jax.jit(self._tail_impl, donate_argnums=(1, 2), static_argnames=("layout", "filtering"),
+        self._tail = jax.jit(self._tail_impl, donate_argnums=(1,), static_argnames=("layout", "filtering"),
                              compiler_options=opts)
+        self.state = EngineState(kv, dkv, probs)
         self._no_prev: dict = {}  # (N, steps) -> zeros: the ``prev`` of an unchained fed-back call
+        # (jitted function's name, its static arguments) -> the executable ``prepare`` made
+        self._executables: dict[tuple, object] = {}
+        self.num_loaded = 0  # executables loaded from disk (jspec/engine/executables.py)
+
+    @property
+    def kv(self):
+        return self.state.kv
+
+    @property
+    def dkv(self):
+        return self.state.dkv
+
+    @property
+    def probs_buf(self):
+        return self.state.probs
 
     # ---- device side ------------------------------------------------------------------
-    def _step_impl(self, params, dparams, kv, dkv, probs_buf, rates, ints, floats, prev, *, layout, steps: int,
+    def _step_impl(self, params, dparams, state: EngineState, rates, ints, floats, prev, *, layout, steps: int,
                    filtering):
-        """-> (kv, dkv, probs_buf, out). Without a drafter: steps = 0, one step over the
+        """-> (state, out). Without a drafter: steps = 0, one step over the
         input's T tokens, out i32[N] (with processors (tokens, logprob blocks i32[N, F],
         prompt logprob blocks i32[T, F], cu_q_lens)); steps >= 1, that many decode steps each
         fed back, out i32[N, steps] (with processors also i32[N, steps, F]). With one: out
@@ -82,23 +104,24 @@ class FlatRunner(RunnerBase):
         self._compiling(("speculative" if self.K else "plain") + (" chained" if steps else ""), layout)
         inp: FlatInput = self._unpack(ints, floats, layout)
         if self.K == 0 and steps:
-            kv, out = self._decode_loop(params, kv, inp, prev, steps, filtering)
-            return kv, dkv, probs_buf, out
+            kv, out = self._decode_loop(params, state.kv, inp, prev, steps, filtering)
+            return state.replace(kv=kv), out
         if steps:
             inp = flat_spec.continue_flat(inp, prev, self.K, self.page_size, self.num_pages)
-        h, aux, kv = self.model.apply({"params": params}, inp.tokens[None], inp.meta, kv, aux_layers=self.aux_layers)
+        h, aux, kv = self.model.apply({"params": params}, inp.tokens[None], inp.meta, state.kv,
+                                      aux_layers=self.aux_layers)
+        state = state.replace(kv=kv)
         logits = self._lm(params, h[0][inp.logits_idx])  # f32[N, Q, V]
         if self.K == 0:
             tokens, lp = self._sample_one(logits, inp, inp.proc, inp.sample_pos, filtering)
             if lp is None:
-                return kv, dkv, probs_buf, tokens[:, 0]
+                return state, tokens[:, 0]
             plp = self._flat_prompt_logprobs(params, h[0], inp.proc)
-            return kv, dkv, probs_buf, (tokens[:, 0], lp[:, 0], plp, inp.meta.cu_q_lens)
-        dkv, probs_buf, out = self._verify_and_propose(params, dparams, dkv, probs_buf, rates, logits, aux, inp, inp,
-                                                       filtering)
+            return state, (tokens[:, 0], lp[:, 0], plp, inp.meta.cu_q_lens)
+        state, out = self._verify_and_propose(params, dparams, state, rates, logits, aux, inp, inp, filtering)
         if inp.proc is None:
-            return kv, dkv, probs_buf, out
-        return kv, dkv, probs_buf, (out, self._flat_prompt_logprobs(params, h[0], inp.proc), inp.meta.cu_q_lens)
+            return state, out
+        return state, (out, self._flat_prompt_logprobs(params, h[0], inp.proc), inp.meta.cu_q_lens)
 
     def _sample_one(self, logits, s, proc, sample_pos, filtering):
         """``_sample_no_drafts`` -> (i32[N, 1], the logprob blocks i32[N, 1, F] or None without
@@ -106,12 +129,14 @@ class FlatRunner(RunnerBase):
         out, _, logits, raw = self._sample_no_drafts(logits, s, proc, sample_pos, filtering)
         return out, None if proc is None else self._token_logprobs(raw, logits, out, s)
 
-    def _verify_and_propose(self, params, dparams, dkv, probs_buf, rates, logits, aux, inp: FlatInput, s, filtering):
+    def _verify_and_propose(self, params, dparams, state: EngineState, rates, logits, aux, inp: FlatInput, s,
+                            filtering):
         """Verification after the target (flat_spec's module docstring): masks and processors
         on ``logits`` f32[N, Q, V], rejection sampling of each decode row's drafts, then the
-        drafter over the step's pairs -> (dkv, probs_buf, packed). ``s``: the sampling
-        fields (the input's own, or a split step's tail's)."""
+        drafter over the step's pairs -> (state, packed). ``s``: the sampling fields (the
+        input's own, or a split step's tail's)."""
         drafts = inp.tokens[inp.logits_idx[:, 1:]]  # i32[N, K]: d_1..d_K of decode rows
+        probs_buf = state.probs
         q = probs_buf[s.prob_rows] if self.with_probs else None
         logits, raw = self._process(logits, s, s.proc, drafts)  # position j sees the drafts before it
         out, n_emit = rejection_sample(
@@ -122,7 +147,7 @@ class FlatRunner(RunnerBase):
         aux = None if aux is None else aux.reshape(1, aux.shape[1], -1)  # None: no aux layers (n-gram, a draft model)
         draft_temp = s.temperature if self.with_probs else jnp.zeros_like(s.temperature)
         nxt, probs, dkv = self.drafter.propose(
-            dparams, dkv,
+            dparams, state.dkv,
             ProposeInputs(flat_spec.pairs(inp, out), aux, inp.meta, flat_spec.bonus_index(inp, n_emit),
                           self.embedding_table(params), self.lm_head_weight(params), s.seeds, draft_temp, s.sample,
                           inp.tokens[None]),
@@ -131,7 +156,7 @@ class FlatRunner(RunnerBase):
             rows = jnp.where(s.sample, s.prob_rows, probs_buf.shape[0])  # rows that do not sample: dropped
             probs_buf = probs_buf.at[rows].set(probs[:, : self.K], mode="drop")  # the registry allows >= K
         lp = None if s.proc is None else self._token_logprobs(raw, logits, out, s).reshape(N, -1)
-        return dkv, probs_buf, flat_spec.pack(out, n_emit, nxt, self.K, lp)
+        return state.replace(dkv=dkv, probs=probs_buf), flat_spec.pack(out, n_emit, nxt, self.K, lp)
 
     def _lm(self, params, h):
         return self.model.apply({"params": params}, h, method=Transformer.logits)
@@ -176,9 +201,9 @@ class FlatRunner(RunnerBase):
             return kv, ys.T  # i32[N, steps]
         return kv, (ys[0].T, ys[1].transpose(1, 0, 2))  # i32[N, steps], i32[N, steps, F]
 
-    def _forward_impl(self, params, kv, ints, floats, prev, *, layout):
+    def _forward_impl(self, params, state: EngineState, ints, floats, prev, *, layout):
         """A split (structured) decode step's forward, chained behind ``prev``: the target over
-        the step's tokens -> (kv, the forward: logits f32[N, Q, V], and with a drafter the aux
+        the step's tokens -> (state, the forward: logits f32[N, Q, V], and with a drafter the aux
         states and the continued input, what ``_tail_impl`` reads)."""
         self._compiling(("speculative" if self.K else "plain") + " split forward", layout)
         inp: FlatInput = self._unpack(ints, floats, layout)
@@ -186,11 +211,12 @@ class FlatRunner(RunnerBase):
             inp = flat_spec.continue_flat(inp, prev, self.K, self.page_size, self.num_pages)
         else:
             inp = inp.replace(tokens=jnp.where(inp.tokens < 0, prev[:, -1], inp.tokens))
-        h, aux, kv = self.model.apply({"params": params}, inp.tokens[None], inp.meta, kv, aux_layers=self.aux_layers)
+        h, aux, kv = self.model.apply({"params": params}, inp.tokens[None], inp.meta, state.kv,
+                                      aux_layers=self.aux_layers)
         logits = self._lm(params, h[0][inp.logits_idx])
-        return kv, ((logits, aux, inp) if self.K else logits)
+        return state.replace(kv=kv), ((logits, aux, inp) if self.K else logits)
 
-    def _tail_impl(self, params, dkv, probs_buf, dparams, rates, fwd, ints, floats, *, layout, filtering):
+    def _tail_impl(self, params, state: EngineState, dparams, rates, fwd, ints, floats, *, layout, filtering):
         """A split step's tail: masks (and sampling fields) the host built after reading the
         step before, sampling (and the drafter) on ``fwd``: the output of a one-step chained
         call, which the next call can chain behind."""
@@ -198,9 +224,9 @@ class FlatRunner(RunnerBase):
         s: SampleInput = self._unpack(ints, floats, layout)
         if self.K == 0:
             out, lp = self._sample_one(fwd, s, s.proc, s.sample_pos, filtering)
-            return dkv, probs_buf, (out if lp is None else (out, lp))
+            return state, (out if lp is None else (out, lp))
         logits, aux, inp = fwd
-        return self._verify_and_propose(params, dparams, dkv, probs_buf, rates, logits, aux, inp, s, filtering)
+        return self._verify_and_propose(params, dparams, state, rates, logits, aux, inp, s, filtering)
 
     # ---- host side: building and running steps ----------------------------------------
     def shape_of(self, sched: SchedulerOutput, steps: int = 0) -> FlatShape:
@@ -216,9 +242,14 @@ class FlatRunner(RunnerBase):
     def run(self, inp: FlatInput, steps: int = 0, prev: jax.Array | None = None):
         """One jitted step on a host-built input (two transfers), returned without waiting for
         the device (``_step_impl``'s out)."""
-        fn, args, kw = self._call(inp, steps, prev)
-        self.kv, self.dkv, self.probs_buf, out = fn(*args, **kw)
+        self.state, out = self._invoke(*self._call(inp, steps, prev))
         return out
+
+    def _invoke(self, name: str, args, kw):
+        """Call the jitted function ``name``: the executable ``prepare`` made for these static
+        arguments, else the function itself (traced and compiled on first use)."""
+        exe = self._executables.get((name, *sorted(kw.items())))
+        return exe(*args) if exe is not None else getattr(self, name)(*args, **kw)
 
     def _no_prev_for(self, N: int, steps: int):
         """Zeros in the shape of the ``prev`` of a call chained behind ``steps`` fed-back decode
@@ -229,14 +260,13 @@ class FlatRunner(RunnerBase):
         return self._no_prev[key]
 
     def _call(self, inp: FlatInput, steps: int, prev, filtering: str | None = None):
-        """(jitted function, arguments, static keywords) of ``run``'s call (``filtering``:
-        the input's unless given)."""
+        """(jitted function's name, arguments, static keywords) of ``run``'s call
+        (``filtering``: the input's unless given)."""
         ints, floats, layout = pack(inp)
         if steps and prev is None:
             prev = self._no_prev_for(inp.sample.shape[0], steps)
         kw = dict(layout=self._layout_id(layout), steps=steps, filtering=filtering or self._filtering(inp))
-        return self._step, (self.params, self.dparams, self.kv, self.dkv, self.probs_buf, self.synthetic_rates,
-                            ints, floats, prev), kw
+        return "_step", (self.params, self.dparams, self.state, self.synthetic_rates, ints, floats, prev), kw
 
     def dispatch(self, sched: SchedulerOutput, steps: int = 0, prev: jax.Array | None = None,
                  running: set | None = None):
@@ -303,9 +333,12 @@ class FlatRunner(RunnerBase):
         return self.run_forward(inp, prev)
 
     def run_forward(self, inp: FlatInput, prev: jax.Array) -> Split:
-        ints, floats, layout = pack(inp)
-        self.kv, fwd = self._fwd(self.params, self.kv, ints, floats, prev, layout=self._layout_id(layout))
+        self.state, fwd = self._invoke(*self._forward_call(inp, prev))
         return Split(fwd, inp.sample.shape[0], self.K + 1, self.width * self.page_size)
+
+    def _forward_call(self, inp: FlatInput, prev):
+        ints, floats, layout = pack(inp)
+        return "_fwd", (self.params, self.state, ints, floats, prev), dict(layout=self._layout_id(layout))
 
     def dispatch_tail(self, split: Split, sched: SchedulerOutput):
         """The rest of a split step from the host state now (the step before it read): each
@@ -317,11 +350,13 @@ class FlatRunner(RunnerBase):
         return self.run_tail(split, s)
 
     def run_tail(self, split: Split, s: SampleInput, filtering: str | None = None):
-        ints, floats, layout = pack(s)
-        self.dkv, self.probs_buf, out = self._tail(
-            self.params, self.dkv, self.probs_buf, self.dparams, self.synthetic_rates, split.fwd, ints, floats,
-            layout=self._layout_id(layout), filtering=filtering or self._filtering(s))
+        self.state, out = self._invoke(*self._tail_call(split, s, filtering))
         return out
+
+    def _tail_call(self, split: Split, s: SampleInput, filtering: str | None = None):
+        ints, floats, layout = pack(s)
+        return "_tail", (self.params, self.state, self.dparams, self.synthetic_rates, split.fwd, ints, floats), dict(
+            layout=self._layout_id(layout), filtering=filtering or self._filtering(s))
 
     # ---- the closed set of shapes -----------------------------------------------------
     def warmup_shapes(self, num_scheduler_steps: int = 1, async_scheduling: bool = False) -> list[FlatShape]:
@@ -341,27 +376,93 @@ class FlatRunner(RunnerBase):
         shape without touching the caches."""
         return self.build(SchedulerOutput("decode" if shape.decode else "prefill", [], []), shape)
 
+    def warmup_calls(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, structured: bool = False,
+                     shapes=None):
+        """Every call warmup makes, as (name, make): ``make()`` -> (jitted function's name,
+        arguments, static keywords), built when it runs (its arguments hold the state then).
+        Empty inputs (every write dropped: the caches keep their contents). ``structured``:
+        also the masked steps a batch with a grammar takes (one step per call; a chained one
+        split in two: the forward, then the tail, whose input is the forward's output)."""
+        every = self.warmup_shapes(num_scheduler_steps, async_scheduling)
+        calls = [(lambda sh=sh: self._call(self.empty_input(sh), sh.steps, None, sh.filtering)) for sh in shapes or every]
+        for sh in every if structured else ():
+            if sh.steps <= 1:
+                calls.append(lambda sh=sh: self._call(self.empty_input(sh).replace(
+                    grammar_mask=self.allow_all(sh.seqs, self.shapes.q)), sh.steps, None, sh.filtering))
+            if sh.steps == 1:  # (the forward is one program either way of filtering)
+                calls.append(lambda sh=sh: self._forward_call(self.empty_input(sh), self._no_prev_for(sh.seqs, 1)))
+                calls.append(lambda sh=sh: ("split", sh, None))  # (name, its shape, no keywords)
+        return calls
+
     def lower_shape(self, shape: FlatShape):
-        """``warmup``'s call for ``shape``, lowered (``RunnerBase.precompile``)."""
-        fn, args, kw = self._call(self.empty_input(shape), shape.steps, None, shape.filtering)
-        return fn.lower(*args, **kw)
+        """``warmup``'s call for ``shape``, lowered."""
+        name, args, kw = self._call(self.empty_input(shape), shape.steps, None, shape.filtering)
+        return getattr(self, name).lower(*args, **kw)
+
+    def prepare(self, calls, threads: int = 1, store: Store | None = None, progress: bool = False) -> tuple[int, int]:
+        """An executable for each of ``calls`` (``warmup_calls``): loaded from ``store`` when
+        there, else lowered here and compiled on ``threads`` threads (tracing and lowering
+        hold the GIL; XLA's compiler releases it, so compilations overlap each other and the
+        next call's tracing: an 8B step takes seconds to compile on a GPU), then kept in the
+        store. A split step's tail waits for its forward to run (``warmup``). ``progress``: a
+        progress bar (vLLM's graph capture shows one). -> (compiled, loaded)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tqdm.auto import tqdm
+
+        context = self._trace_context() if store is not None else ""
+        jobs, loaded = [], 0
+        with ThreadPoolExecutor(max(threads, 1)) as pool, tqdm(
+                total=len(calls), desc="compiling steps", unit="step", disable=not progress) as bar:
+            for make in calls:
+                name, args, kw = make()
+                exe_key = None if name == "split" else (name, *sorted(kw.items()))
+                if exe_key is None or exe_key in self._executables:
+                    bar.update(1)
+                    continue
+                key = store.key(context, name, args, kw) if store is not None else None
+                exe = store.load(key) if store is not None else None
+                if exe is not None:
+                    self._executables[exe_key], loaded = exe, loaded + 1
+                    bar.update(1)
+                    continue
+                lowered = getattr(self, name).lower(*args, **kw)
+                job = pool.submit(compile_or_load, store, key, lambda lowered=lowered: lowered)
+                job.add_done_callback(lambda _: bar.update(1))
+                jobs.append((exe_key, job))
+            for exe_key, job in jobs:
+                self._executables[exe_key] = job.result()[0]
+        self.num_loaded += loaded
+        return len(jobs), loaded
+
+    def _trace_context(self) -> str:
+        """What the jitted functions read of the runner while tracing, as a stable string
+        (part of an executable's key on disk)."""
+        return stable_repr((self.cfg, self.dcfg, self.spec, self.plan, self.K, self.page_size, self.num_pages,
+                            self.width, self.shapes, self.eos_token_ids, self.n_top_logprobs, self.logprobs_mode,
+                            self.with_probs, self.aux_layers, self.sample_impl, self.model, self.drafter))
 
     def warmup(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None,
-               structured: bool = False):
-        """Compile every shape (or ``shapes``, a subset of ``warmup_shapes``) with empty
-        inputs (every write dropped: the caches keep their contents). ``structured``: also
-        the masked steps a batch with a grammar takes (one step per call; a chained one split
-        in two)."""
-        for shape in shapes or self.warmup_shapes(num_scheduler_steps, async_scheduling):
-            fn, args, kw = self._call(self.empty_input(shape), shape.steps, None, shape.filtering)
-            self.kv, self.dkv, self.probs_buf, _ = fn(*args, **kw)
-        for shape in self.warmup_shapes(num_scheduler_steps, async_scheduling) if structured else ():
-            inp = self.empty_input(shape)
-            if shape.steps <= 1:
-                masked = inp.replace(grammar_mask=self.allow_all(shape.seqs, self.shapes.q))
-                fn, args, kw = self._call(masked, shape.steps, None, shape.filtering)
-                self.kv, self.dkv, self.probs_buf, _ = fn(*args, **kw)
-            if shape.steps == 1:  # chained: split in two (the forward is the same either way of filtering)
-                split = self.run_forward(inp, self._no_prev_for(shape.seqs, 1))
-                self.run_tail(split, self.empty_sample_input(shape.seqs, self.K + 1), shape.filtering)
-        jax.block_until_ready((self.kv, self.dkv))
+               structured: bool = False, threads: int = 1, store: Store | None = None,
+               progress: bool = False) -> tuple[int, int]:
+        """Run every call of ``warmup_calls`` once on empty inputs, each through the
+        executable ``prepare`` made for it. -> (compiled, loaded) by ``prepare``."""
+        calls = self.warmup_calls(num_scheduler_steps, async_scheduling, structured, shapes)
+        compiled, loaded = self.prepare(calls, threads, store, progress)
+        fwd = None
+        for make in calls:
+            name, *rest = make()
+            if name == "split":  # the tail of the last forward run
+                sh = rest[0]
+                split = Split(fwd, sh.seqs, self.K + 1, self.width * self.page_size)
+                def tail(split=split, sh=sh):
+                    return self._tail_call(split, self.empty_sample_input(sh.seqs, self.K + 1), sh.filtering)
+
+                c, n = self.prepare([tail], 1, store)
+                compiled, loaded = compiled + c, loaded + n
+                self.state, _ = self._invoke(*tail())
+                continue
+            self.state, out = self._invoke(name, *rest)
+            fwd = out if name == "_fwd" else fwd
+        jax.block_until_ready(self.state)
+        return compiled, loaded

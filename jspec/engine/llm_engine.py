@@ -57,6 +57,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, sharding=None, *, preloaded=None, preloaded_drafter=None):
         """``preloaded=(ModelConfig, params)`` (and ``preloaded_drafter=(DrafterConfig,
         params)``) skip the checkpoint: benchmarks use random weights made on the device."""
+        t0 = time.monotonic()
         claim_device_memory(config.gpu_memory_utilization)  # before anything starts jax's backend
         if config.dtype == "auto":
             mc_dtype = preloaded[0].dtype if preloaded is not None else load_model_config(config.model).dtype
@@ -73,8 +74,10 @@ class LLMEngine:
         self.par = parallel.EngineMesh.create(c.tensor_parallel_size, sharding, preloaded)
         self.default_sampling = {} if preloaded is not None else sampling_defaults(c.generation_config, c.model)
         if preloaded is None:
+            t = time.monotonic()
             self.model_cfg, params = load_target(c.model, c.dtype, self.par.placement(sharding),
                                                  load_format=c.load_format)
+            logger.info("target loaded in %.1f s (%s)", time.monotonic() - t, c.load_format)
             self.tokenizer = load_tokenizer(c.tokenizer or c.model, required=c.tokenizer is not None)
             gen_eos = generation_eos(c.model)
         else:
@@ -108,8 +111,10 @@ class LLMEngine:
             if preloaded_drafter is not None and method.needs_model:
                 self.dcfg, dparams = preloaded_drafter
             else:
+                t = time.monotonic()
                 self.dcfg, dparams = method.load(self.spec, mc, c.dtype, self.par.placement(sharding, True),
                                                  c.load_format)
+                logger.info("drafter loaded in %.1f s", time.monotonic() - t)
             if self.dcfg.method != self.spec.method:
                 raise ValueError(
                     f"speculative_config.method={self.spec.method!r} but the checkpoint at "
@@ -179,6 +184,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_chained_calls = 0  # decode calls dispatched before the previous one was read
+        logger.info("engine ready in %.1f s", time.monotonic() - t0)
 
     @staticmethod
     def _spec_config(d, model: str):
@@ -292,18 +298,23 @@ class LLMEngine:
         """The shapes ``warmup`` compiles (``FlatShape``s): every one a request can reach."""
         return self.runner.warmup_shapes(self.sched_steps, self._async)
 
-    def warmup(self):
-        """Compile every shape now (several at once on an accelerator): no request compiles."""
-        t, n = time.monotonic(), self.runner.num_compilations
+    def warmup(self, progress: bool = False):
+        """Prepare every step's executable now: loaded from disk when this code, model,
+        configuration and device made it before (with jspec's compilation cache on:
+        jspec/engine/executables.py), else compiled (several at once on an accelerator).
+        After it no request compiles. ``progress``: a progress bar."""
+        from jspec.engine.executables import Store
+
+        t = time.monotonic()
         self.runner.log_compiles = False
         try:
-            self.runner.precompile(self.warmup_shapes(), self.runner.plan.compile_threads)
-            self.runner.warmup(self.sched_steps, self._async,
-                               structured=self.config.warmup_structured_outputs)
+            compiled, loaded = self.runner.warmup(
+                self.sched_steps, self._async, structured=self.config.warmup_structured_outputs,
+                threads=self.runner.plan.compile_threads, store=Store.open(), progress=progress)
         finally:
             self.runner.log_compiles = True
-        logger.info("warmup: %d step shapes compiled in %.1f s", self.runner.num_compilations - n,
-                    time.monotonic() - t)
+        logger.info("warmup: %d step programs ready in %.1f s (%d compiled, %d loaded from the cache)",
+                    compiled + loaded, time.monotonic() - t, compiled, loaded)
 
     @property
     def _async(self) -> bool:

@@ -1,7 +1,7 @@
 """After a step that failed on the device: the engine's buffers back, its requests recomputed.
 
-A jitted step donates the KV caches (and the speculative runner its drafter cache and
-draft-probability buffer). When the step fails on the device (out of memory, a driver
+A jitted step donates the device state (the KV caches, the drafter's cache, the drafts'
+probabilities: ``EngineState``). When the step fails on the device (out of memory, a driver
 error) those buffers are gone (donated) or poisoned (the failed call's outputs), and every
 later step fails on them: the engine would be dead for every request, not only for the
 failed step's (seen on an H200: after an out-of-memory step the engine held 0.04 GB).
@@ -17,8 +17,6 @@ import gc
 import jax
 import jax.numpy as jnp
 
-DONATED = ("kv", "dkv", "probs_buf")  # the runner's buffers its jitted steps donate
-
 
 def _lost(tree) -> bool:
     """True when a buffer of ``tree`` was donated to a call, or made by a call that failed."""
@@ -33,20 +31,16 @@ def _lost(tree) -> bool:
 
 
 def restore_after_failure(runner, scheduler) -> int | None:
-    """After ``LLMEngine.step`` raised: if the runner's donated buffers were lost, zeroed
-    ones in their place, every running sequence preempted and the prefix cache emptied;
-    the number preempted then. None (nothing changed) when the buffers are intact (the step
-    failed on the host)."""
-    names = [n for n in DONATED if getattr(runner, n, None) is not None]
-    if not any(_lost(getattr(runner, n)) for n in names):
+    """After ``LLMEngine.step`` raised: if the runner's device state (``EngineState``,
+    donated to every step) was lost, a zeroed one in its place, every running sequence
+    preempted and the prefix cache emptied; the number preempted then. None (nothing
+    changed) when the state is intact (the step failed on the host)."""
+    if not _lost(runner.state):
         return None
-    specs = {n: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                             getattr(runner, n)) for n in names}
-    for n in names:  # the old buffers go back before the new ones are made
-        setattr(runner, n, None)
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), runner.state)
+    runner.state = None  # the old buffers go back before the new ones are made
     gc.collect()
-    for n in names:
-        setattr(runner, n, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), specs[n]))
+    runner.state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), spec)
     running = list(scheduler.running)
     for seq in reversed(running):  # each goes to the waiting queue's front: their order kept
         scheduler.preempt(seq)

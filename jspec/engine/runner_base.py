@@ -1,12 +1,11 @@
 """The sampling half of the runner (jspec/engine/flat_runner.py's base): masks, processors,
 sampling with no drafts and logprobs on the device; a split step's tail input built on the
-host (``SampleInput``); the packed layouts the jitted steps take by index; compiling ahead.
+host (``SampleInput``); the packed layouts the jitted steps take by index.
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
@@ -89,7 +88,6 @@ class RunnerBase:
     ):
         self.cfg = cfg
         self.params = params
-        self.kv = kv
         self.page_size = kv.page_size
         self.num_pages = kv.num_pages
         self.plan = plan
@@ -180,23 +178,6 @@ class RunnerBase:
             proc = build_proc_input(rows, B, split.hist, Q, self.eos_token_ids, prefill=False)
         mask = build_bitmask(rows, B, Q, self.cfg.vocab_size)
         return SampleInput(temp, top_k, top_p, seeds, sample_pos, num_draft, sample, prob_rows, proc, mask)
-
-    def precompile(self, shapes, threads: int):
-        """Compile the executables ``warmup`` runs for ``shapes`` on ``threads`` threads first.
-
-        Tracing and lowering hold the GIL (one shape at a time, here); XLA's compiler
-        releases it, so the compilations overlap each other and the next shape's tracing.
-        An 8B step takes seconds to compile on a GPU (the server's startup is mostly that).
-        jax keeps an executable compiled ahead of time under the key a call looks up, so
-        warmup's calls of the same arguments then only run. Shapes whose call this runner
-        cannot lower ahead (``lower_shape`` -> None) compile in warmup as before. One
-        thread: nothing to gain, warmup's calls compile as they go."""
-        if threads <= 1:
-            return
-        with ThreadPoolExecutor(threads) as pool:
-            jobs = [pool.submit(low.compile) for sh in shapes if (low := self.lower_shape(sh)) is not None]
-            for job in jobs:
-                job.result()
 
     def _filtering(self, *inps) -> str:
         """"on" when some request of the step (its inputs ``inps``: one, or a mixed step's

@@ -283,7 +283,7 @@ def main(argv=None) -> int:
 
     prometheus_client.disable_created_metrics()
     try:
-        llm = LLM(args.model, **engine_kwargs(args))
+        llm = LLM(args.model, warmup=False, **engine_kwargs(args))  # the server warms up below, per --warmup
     except (ValueError, OSError) as e:  # a bad folder, checkpoint, config key or value: one line, no traceback
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     if chat_template is not None:
@@ -297,8 +297,8 @@ def main(argv=None) -> int:
             import time
 
             t = time.monotonic()
-            llm.engine.warmup()
-            logger.info("warmup: compiled all shape buckets in %.1fs", time.monotonic() - t)
+            llm.engine.warmup(progress=True)
+            logger.info("warmup: every shape bucket ready in %.1fs", time.monotonic() - t)
     app = create_app(llm.engine, served_model_names(args), api_key=args.api_key or envs.VLLM_API_KEY,
                      enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                      enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,

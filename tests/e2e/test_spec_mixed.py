@@ -43,7 +43,7 @@ def test_random_arrivals_mix_and_match_greedy_and_alone(name, k, extra, monkeypa
     assert sorted({s.tokens for s in shapes if not s.decode}) == list(r.shapes.tokens)
     assert len(shapes) == 2 * (2 + len(r.shapes.tokens))
     assert r.shapes.tokens[-1] == 2 * (k + 1) + eng.config.max_prefill_chunk
-    if name == "dflash4":  # compiled ahead on two threads, as on an accelerator (RunnerBase.precompile)
+    if name == "dflash4":  # compiled ahead on two threads, as on an accelerator (FlatRunner.prepare)
         ahead, in_warmup = precompile_then_warmup(eng)
         assert ahead >= len(shapes) and in_warmup == 0
     else:

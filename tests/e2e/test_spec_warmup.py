@@ -28,7 +28,7 @@ def test_warmup_compiles_every_shape_once(name, k, extra):
     assert len(shapes) == 2 * (len(b.batch) + len(b.tokens))
     assert sum(s.decode for s in shapes) == 2 * len(b.batch) and all(
         s.tokens == s.seqs * (k + 1) for s in shapes if s.decode)
-    if name == "peagle":  # compiled ahead on two threads, as on an accelerator (RunnerBase.precompile)
+    if name == "peagle":  # compiled ahead on two threads, as on an accelerator (FlatRunner.prepare)
         ahead, in_warmup = precompile_then_warmup(eng)
         assert ahead >= len(shapes) and in_warmup == 0
     else:
@@ -138,7 +138,7 @@ def test_a_step_that_fails_on_the_device_leaves_a_working_engine(monkeypatch):
     sp = jspec.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request(f"f{i}", p, sp)
-    real, calls = runner._step, []
+    real, calls = runner._invoke, []
 
     def failing(*a, **k):  # call 3 fails on the host, before the call; call 6 on the device, after it
         calls.append(1)
@@ -149,7 +149,7 @@ def test_a_step_that_fails_on_the_device_leaves_a_working_engine(monkeypatch):
             raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
         return out
 
-    monkeypatch.setattr(runner, "_step", failing)
+    monkeypatch.setattr(runner, "_invoke", failing)
     done, errors, preempted = {}, [], []
     while eng.has_unfinished_requests():
         buffers, n0 = (runner.kv, runner.dkv, runner.probs_buf), eng.scheduler.num_preemptions
@@ -207,7 +207,7 @@ def test_the_server_loop_fails_a_failed_steps_request_and_serves_the_next(monkey
     prompts = h.varied_prompts(3, 20, 40, seed=11)
     want = h.greedy_reference(prompts, 12)
     eng = h.llm("eagle3", 3, spec_extra=CASES[0][2], seed=1).engine
-    real, fail = eng.runner._step, [True]
+    real, fail = eng.runner._invoke, [True]
 
     def failing(*a, **k):  # the first call donates its buffers, then fails
         out = real(*a, **k)
@@ -215,7 +215,7 @@ def test_the_server_loop_fails_a_failed_steps_request_and_serves_the_next(monkey
             raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
         return out
 
-    monkeypatch.setattr(eng.runner, "_step", failing)
+    monkeypatch.setattr(eng.runner, "_invoke", failing)
     sp = jspec.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     async def main():

@@ -39,9 +39,9 @@ def _on_duration(name, _secs, **_kw):
 
 
 def precompile_then_warmup(eng, threads=2) -> tuple[int, int]:
-    """``RunnerBase.precompile`` on ``threads`` threads (the accelerator path; the CPU plan
-    compiles in warmup's calls), then ``eng.warmup()``: (compile requests during precompile,
-    during warmup; small helper computations count too). Warmup's calls should find every
+    """``FlatRunner.prepare`` on ``threads`` threads (the accelerator path; the CPU plan
+    compiles on one), then ``eng.warmup()``: (compile requests during prepare, during
+    warmup; small helper computations count too). Warmup's calls should find every
     executable compiled."""
     import jax
 
@@ -50,7 +50,9 @@ def precompile_then_warmup(eng, threads=2) -> tuple[int, int]:
         jax.monitoring.register_event_duration_secs_listener(_on_duration)
         precompile_then_warmup.listening = True
     counts = []
-    for run in (lambda: eng.runner.precompile(eng.warmup_shapes(), threads), eng.warmup):
+    r, c = eng.runner, eng.config
+    calls = r.warmup_calls(eng.sched_steps, c.async_scheduling, c.warmup_structured_outputs)
+    for run in (lambda: r.prepare(calls, threads), eng.warmup):
         _compile_log = []
         try:
             run()

@@ -1,0 +1,189 @@
+"""Compiled steps kept on disk whole (jax's serialize_executable), so that a process starting
+again with the same code, model, configuration and devices loads its step programs instead
+of tracing, lowering and compiling them. jax's persistent compilation cache
+(jspec/compile_cache.py) skips XLA's compiler only: an 8B step still took ~0.8 s to trace
+and lower on the H200 (31 shapes: 25 of a warm server start's 40 s).
+
+An entry is loaded only under the key of everything its trace reads (``Store.key``):
+  the environment: jspec's and kernels_pallas' source files, jax's and the platform's
+    versions, the devices, jax's configuration, the XLA_ / JAX_ / JSPEC_ / LIBTPU_ variables;
+  the runner's trace-time state (``context``: its configs, kernel plan, modules, sampling
+    settings, as stable reprs);
+  the call: the jitted function's name, its static arguments and the abstract value of each
+    argument (pytree structure, shapes, dtypes, shardings and their devices).
+Entries of other environments are removed (the code changed: they can never load again),
+and the folder is held under JSPEC_COMPILATION_CACHE_MAX_GB, least recently used first.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import re
+import sys
+import time
+
+import jax
+import numpy as np
+
+from jspec import envs
+
+logger = logging.getLogger("jspec.engine")
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # a function's or object's repr: differs per process
+_ENV_PREFIXES = ("XLA_", "JAX_", "JSPEC_", "LIBTPU_", "TPU_", "NVIDIA_TF32", "CUDA_VISIBLE")
+
+
+def stable_repr(obj) -> str:
+    """repr without memory addresses (functions in a registry entry, ...)."""
+    return _ADDRESS.sub("", repr(obj))
+
+
+@functools.cache
+def environment_digest() -> str:
+    """What every trace of this process reads besides its own inputs (module docstring)."""
+    h = hashlib.sha256()
+    roots = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # jspec/
+    roots.append(os.path.join(os.path.dirname(roots[0]), "kernels_pallas"))
+    for root in roots:
+        for folder, dirs, files in sorted(os.walk(root)):
+            dirs.sort()
+            for name in sorted(f for f in files if f.endswith(".py")):
+                with open(os.path.join(folder, name), "rb") as f:
+                    h.update(name.encode() + hashlib.sha256(f.read()).digest())
+    import jaxlib
+
+    devices = jax.devices()
+    h.update(stable_repr((sys.version_info[:2], jax.__version__, jaxlib.__version__, jax.default_backend(),
+                          devices[0].client.platform_version, [(d.id, d.device_kind) for d in devices])).encode())
+    config = {k: v for k, v in jax.config.values.items() if isinstance(v, (str, int, float, bool, type(None)))}
+    h.update(stable_repr(sorted(config.items())).encode())
+    h.update(repr(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES))).encode())
+    return h.hexdigest()[:24]
+
+
+def _abstract(x):
+    if isinstance(x, jax.Array):
+        return (x.shape, str(x.dtype), stable_repr(x.sharding), tuple(sorted(d.id for d in x.sharding.device_set)))
+    if isinstance(x, (np.ndarray, np.generic)):
+        return (x.shape, str(x.dtype))
+    return stable_repr(x)
+
+
+class Store:
+    """A folder of serialized step executables: ``$JSPEC_CACHE/executables/<environment>``."""
+
+    def __init__(self, root: str, max_gb: float):
+        self.root = root
+        self.folder = os.path.join(root, environment_digest())
+        self.max_bytes = int(max_gb * 2**30) if max_gb > 0 else None
+        self.loaded = self.saved = 0
+
+    @classmethod
+    def open(cls) -> Store | None:
+        """The store when jspec's compilation cache is on (``compile_cache.enable`` ran in
+        this process, as jspec.LLM and the server do), else None."""
+        from jspec import compile_cache
+
+        if not (envs.JSPEC_COMPILATION_CACHE and compile_cache.enabled()):
+            return None
+        return cls(os.path.join(envs.JSPEC_CACHE, "executables"), envs.JSPEC_COMPILATION_CACHE_MAX_GB)
+
+    def key(self, context: str, name: str, args, static: dict) -> str:
+        leaves, tree = jax.tree.flatten(args, is_leaf=lambda x: x is None)
+        sig = (context, name, sorted(static.items()), stable_repr(tree), [_abstract(x) for x in leaves])
+        return hashlib.sha256(stable_repr(sig).encode()).hexdigest()[:32]
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.folder, key + ".exe")
+
+    def load(self, key: str):
+        """The executable stored under ``key`` (a ``jax.stages.Compiled``), or None."""
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                blob, in_tree, out_tree = pickle.load(f)
+            compiled = deserialize_and_load(blob, in_tree, out_tree)
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # a truncated or foreign file: compile instead, and replace it
+            logger.warning("compiled step %s could not be loaded (%s: %s); compiling it again", path,
+                           type(e).__name__, e)
+            return None
+        os.utime(path)  # its last use, for the size limit
+        self.loaded += 1
+        return compiled
+
+    def save(self, key: str, compiled) -> None:
+        from jax.experimental.serialize_executable import serialize
+
+        try:
+            blob = pickle.dumps(serialize(compiled))
+        except Exception as e:  # an executable the platform cannot serialize: nothing kept
+            logger.debug("compiled step not kept (%s: %s)", type(e).__name__, e)
+            return
+        fresh = not os.path.isdir(self.folder)
+        os.makedirs(self.folder, exist_ok=True)
+        tmp = f"{self._path(key)}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, self._path(key))  # whole or not at all, for another process reading it
+        self.saved += 1
+        if fresh:
+            self._remove_other_environments()
+        self._limit_size()
+
+    def _remove_other_environments(self):
+        for name in os.listdir(self.root):
+            path = os.path.join(self.root, name)
+            if name != os.path.basename(self.folder) and os.path.isdir(path):
+                for f in os.listdir(path):
+                    _remove(os.path.join(path, f))
+                try:
+                    os.rmdir(path)
+                except OSError:
+                    pass
+
+    def _limit_size(self):
+        if self.max_bytes is None:
+            return
+        entries = []
+        for name in os.listdir(self.folder):
+            try:
+                st = os.stat(os.path.join(self.folder, name))
+            except FileNotFoundError:
+                continue
+            entries.append((st.st_mtime, st.st_size, name))
+        total = sum(e[1] for e in entries)
+        for _, size, name in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            _remove(os.path.join(self.folder, name))
+            total -= size
+
+
+def _remove(path):
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def compile_or_load(store: Store | None, key: str | None, lowered_fn):
+    """(executable, loaded?): the stored one under ``key``, else ``lowered_fn()`` compiled
+    (and stored)."""
+    if store is not None and key is not None:
+        compiled = store.load(key)
+        if compiled is not None:
+            return compiled, True
+    t = time.monotonic()
+    compiled = lowered_fn().compile()
+    if store is not None and key is not None:
+        store.save(key, compiled)
+    logger.debug("compiled a step in %.1f s", time.monotonic() - t)
+    return compiled, False
