@@ -4,6 +4,7 @@ the model's default sampling parameters, as in vLLM)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -21,9 +22,30 @@ def load_tokenizer(path, required: bool = False):
         if required:
             raise ValueError(f"tokenizer={path!r}: no tokenizer in that folder (none of {list(TOKENIZER_FILES)})")
         return None
+    cls = (_read_json(os.path.join(path, "tokenizer_config.json")) or {}).get("tokenizer_class")
+    if cls in FAST_TOKENIZER_CLASSES and os.path.exists(os.path.join(path, "tokenizer.json")):
+        # AutoTokenizer's class for these, without AutoTokenizer's imports: they pull in torch
+        # (9 s of a server's start on the H200; jspec never runs torch).
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+# tokenizer_config.json's tokenizer_class values AutoTokenizer builds as transformers'
+# tokenizers-backed base class itself (Llama 3's, jspec's family's)
+FAST_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _read_json(fn: str):
+    try:
+        with open(fn) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None  # AutoTokenizer reads it again, and says what is wrong with it
+    return data if isinstance(data, dict) else None
 
 
 def generation_config_path(folder) -> str:

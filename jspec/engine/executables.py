@@ -13,6 +13,8 @@ An entry is loaded only under the key of everything its trace reads (``Store.key
     argument (pytree structure, shapes, dtypes, shardings and their devices).
 Entries of other environments are removed (the code changed: they can never load again),
 and the folder is held under JSPEC_COMPILATION_CACHE_MAX_GB, least recently used first.
+A step compiled while jax's persistent cache holds it is not kept here (``compile_and_keep``):
+such a process loads it from jax's cache, as before.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import pickle
 import re
 import sys
+import threading
 import time
 
 import jax
@@ -174,16 +177,30 @@ def _remove(path):
         pass
 
 
-def compile_or_load(store: Store | None, key: str | None, lowered_fn):
-    """(executable, loaded?): the stored one under ``key``, else ``lowered_fn()`` compiled
-    (and stored)."""
-    if store is not None and key is not None:
-        compiled = store.load(key)
-        if compiled is not None:
-            return compiled, True
+_compiling = threading.local()  # .hit: jax's persistent cache answered this thread's compile
+_listening = False
+
+
+def _on_event(event: str, **_kw):
+    if event == "/jax/compilation_cache/cache_hits" and getattr(_compiling, "active", False):
+        _compiling.hit = True  # jax records it on the thread that compiles
+
+
+def compile_and_keep(store: Store | None, key: str | None, lowered):
+    """``lowered`` compiled, and kept in ``store`` under ``key``, unless jax's persistent
+    cache answered the compile: an executable loaded from jax's cache is not serialized
+    again (on XLA:CPU such a copy fails to run: "Function ... not found", jax 0.10.2)."""
+    global _listening
+    if not _listening:
+        jax.monitoring.register_event_listener(_on_event)
+        _listening = True
     t = time.monotonic()
-    compiled = lowered_fn().compile()
-    if store is not None and key is not None:
+    _compiling.active, _compiling.hit = True, False
+    try:
+        compiled = lowered.compile()
+    finally:
+        _compiling.active = False
+    if store is not None and key is not None and not _compiling.hit:
         store.save(key, compiled)
     logger.debug("compiled a step in %.1f s", time.monotonic() - t)
-    return compiled, False
+    return compiled

@@ -27,7 +27,7 @@ import numpy as np
 from jspec.drafters.propose import ProposeInputs, slots_for
 from jspec.engine import flat_spec
 from jspec.engine.engine_state import EngineState
-from jspec.engine.executables import Store, compile_or_load, stable_repr
+from jspec.engine.executables import Store, compile_and_keep, stable_repr
 from jspec.engine.flat_input import FlatInput, FlatShape, FlatShapes, build_flat_input
 from jspec.engine.logits_processing import extend_history
 from jspec.engine.logprobs import logprob_info
@@ -401,19 +401,28 @@ class FlatRunner(RunnerBase):
 
     def prepare(self, calls, threads: int = 1, store: Store | None = None, progress: bool = False) -> tuple[int, int]:
         """An executable for each of ``calls`` (``warmup_calls``): loaded from ``store`` when
-        there, else lowered here and compiled on ``threads`` threads (tracing and lowering
-        hold the GIL; XLA's compiler releases it, so compilations overlap each other and the
-        next call's tracing: an 8B step takes seconds to compile on a GPU), then kept in the
-        store. A split step's tail waits for its forward to run (``warmup``). ``progress``: a
-        progress bar (vLLM's graph capture shows one). -> (compiled, loaded)."""
+        there (one at a time: XLA:CPU's executables loaded on two threads at once failed to
+        run, "Function ... not found", jax 0.10.2), else lowered here and
+        compiled on ``threads`` threads (tracing and lowering hold the GIL; XLA's compiler
+        releases it, so compilations overlap each other and the next call's tracing: an 8B
+        step takes seconds to compile on a GPU), then kept in the store. A split step's tail
+        waits for its forward to run (``warmup``). ``progress``: a progress bar (vLLM's
+        graph capture shows one). -> (compiled, loaded)."""
         from concurrent.futures import ThreadPoolExecutor
 
         from tqdm.auto import tqdm
 
         context = self._trace_context() if store is not None else ""
-        jobs, loaded = [], 0
+        loads, compiles = [], []
         with ThreadPoolExecutor(max(threads, 1)) as pool, tqdm(
                 total=len(calls), desc="compiling steps", unit="step", disable=not progress) as bar:
+
+            def compile_later(exe_key, name, args, kw, key):
+                lowered = getattr(self, name).lower(*args, **kw)
+                job = pool.submit(compile_and_keep, store, key, lowered)
+                job.add_done_callback(lambda _: bar.update(1))
+                compiles.append((exe_key, job))
+
             for make in calls:
                 name, args, kw = make()
                 exe_key = None if name == "split" else (name, *sorted(kw.items()))
@@ -421,19 +430,16 @@ class FlatRunner(RunnerBase):
                     bar.update(1)
                     continue
                 key = store.key(context, name, args, kw) if store is not None else None
-                exe = store.load(key) if store is not None else None
-                if exe is not None:
-                    self._executables[exe_key], loaded = exe, loaded + 1
+                if key is not None and (exe := store.load(key)) is not None:
+                    self._executables[exe_key] = exe
+                    loads.append(exe_key)
                     bar.update(1)
-                    continue
-                lowered = getattr(self, name).lower(*args, **kw)
-                job = pool.submit(compile_or_load, store, key, lambda lowered=lowered: lowered)
-                job.add_done_callback(lambda _: bar.update(1))
-                jobs.append((exe_key, job))
-            for exe_key, job in jobs:
-                self._executables[exe_key] = job.result()[0]
-        self.num_loaded += loaded
-        return len(jobs), loaded
+                else:  # not stored, or damaged: compiled (again)
+                    compile_later(exe_key, name, args, kw, key)
+            for exe_key, job in compiles:
+                self._executables[exe_key] = job.result()
+        self.num_loaded += len(loads)
+        return len(compiles), len(loads)
 
     def _trace_context(self) -> str:
         """What the jitted functions read of the runner while tracing, as a stable string
