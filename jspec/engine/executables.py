@@ -14,7 +14,9 @@ An entry is loaded only under the key of everything its trace reads (``Store.key
 Entries of other environments are removed (the code changed: they can never load again),
 and the folder is held under JSPEC_COMPILATION_CACHE_MAX_GB, least recently used first.
 A step compiled while jax's persistent cache holds it is not kept here (``compile_and_keep``):
-such a process loads it from jax's cache, as before.
+such a process loads it from jax's cache, as before. Nor is one the platform cannot serialize
+(XLA:CPU: the top-k / top-p variants, "`LessThan` is not serializable"), which jax's cache
+still holds.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class Store:
         self.folder = os.path.join(root, environment_digest())
         self.max_bytes = int(max_gb * 2**30) if max_gb > 0 else None
         self.loaded = self.saved = 0
+        self._pending: list = []  # (key, executable) compiled, not yet written (``keep``, ``flush``)
+        self._lock = threading.Lock()
 
     @classmethod
     def open(cls) -> Store | None:
@@ -121,6 +125,33 @@ class Store:
         os.utime(path)  # its last use, for the size limit
         self.loaded += 1
         return compiled
+
+    def keep(self, key: str, compiled) -> None:
+        """``compiled`` to be written under ``key`` by ``flush``: serializing an executable
+        holds the host for a moment (~0.4 s of a cold 8B step's start on the H200, each),
+        which warmup's compilations should not wait for."""
+        with self._lock:
+            self._pending.append((key, compiled))
+
+    def flush(self, background: bool = False):
+        """Write what ``keep`` holds; ``background``: on a daemon thread (the server answers
+        meanwhile; a file is replaced whole, so one cut short by the process's exit is never
+        read)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+
+        def write():
+            t = time.monotonic()
+            for key, compiled in pending:
+                self.save(key, compiled)
+            logger.info("kept %d compiled steps in %s (%.1f s)", len(pending), self.folder, time.monotonic() - t)
+
+        if background:
+            threading.Thread(target=write, name="jspec-keep-executables", daemon=True).start()
+        else:
+            write()
 
     def save(self, key: str, compiled) -> None:
         from jax.experimental.serialize_executable import serialize
@@ -187,7 +218,7 @@ def _on_event(event: str, **_kw):
 
 
 def compile_and_keep(store: Store | None, key: str | None, lowered):
-    """``lowered`` compiled, and kept in ``store`` under ``key``, unless jax's persistent
+    """``lowered`` compiled, and kept in ``store`` under ``key`` (``Store.keep``), unless jax's persistent
     cache answered the compile: an executable loaded from jax's cache is not serialized
     again (on XLA:CPU such a copy fails to run: "Function ... not found", jax 0.10.2)."""
     global _listening
@@ -201,6 +232,6 @@ def compile_and_keep(store: Store | None, key: str | None, lowered):
     finally:
         _compiling.active = False
     if store is not None and key is not None and not _compiling.hit:
-        store.save(key, compiled)
+        store.keep(key, compiled)
     logger.debug("compiled a step in %.1f s", time.monotonic() - t)
     return compiled
