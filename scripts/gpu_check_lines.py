@@ -165,7 +165,7 @@ def pool_from_memory() -> str:
     handler.emit = lambda rec: retries.append(rec.getMessage()) if "did not fit" in rec.getMessage() else None
     logging.getLogger("jspec.engine").addHandler(handler)
     try:
-        llm = jspec.LLM(dtype="float32", max_num_seqs=8, max_model_len=256)
+        llm = jspec.LLM(warmup=False, dtype="float32", max_num_seqs=8, max_model_len=256)
     finally:
         logging.getLogger("jspec.engine").removeHandler(handler)
     eng = llm.engine
@@ -184,7 +184,7 @@ retries = []
 handler = logging.Handler()
 handler.emit = lambda rec: retries.append(1) if "did not fit" in rec.getMessage() else None
 logging.getLogger("jspec.engine").addHandler(handler)
-llm = jspec.LLM(dtype="float32", max_num_seqs=8, max_model_len=256, gpu_memory_utilization=0.5)
+llm = jspec.LLM(warmup=False, dtype="float32", max_num_seqs=8, max_model_len=256, gpu_memory_utilization=0.5)
 s, kv = jax.devices()[0].memory_stats(), llm.engine.runner.kv
 print("@@" + json.dumps({"limit": s["bytes_limit"], "in_use": s["bytes_in_use"], "retries": len(retries),
                          "kv": sum(a.nbytes for a in kv.k + kv.v), "pages": llm.engine.num_pages}))
@@ -259,8 +259,8 @@ def structured(method: str) -> str:
         json=s, disable_any_whitespace=True)) for s in sch]
     # A fixed page pool (the pool line checks one sized from memory): this line runs beside others.
     kw = dict(dtype="float32", max_num_seqs=8, max_model_len=256, num_pages=512)
-    want = [o.outputs[0].text for o in jspec.LLM(**kw).generate(prompts, sp)]
-    llm = jspec.LLM(speculative_config={"method": method}, **kw)
+    want = [o.outputs[0].text for o in jspec.LLM(warmup=False, **kw).generate(prompts, sp)]
+    llm = jspec.LLM(speculative_config={"method": method}, warmup=False, **kw)
     _on_gpu_kernels(llm.engine)
     outs = llm.generate(prompts, sp)
     got = [o.outputs[0].text for o in outs]
@@ -305,7 +305,7 @@ def fallback(refs) -> str:
     r = refs["qwen3_hd24"]
     # A fixed small page pool: sized from free memory it would keep most of the device
     # (until collected) from the server this script starts later.
-    llm = jspec.LLM(os.path.join(ckpts, "qwen3_hd24"), max_num_seqs=1, max_model_len=64, page_size=8, num_pages=32)
+    llm = jspec.LLM(os.path.join(ckpts, "qwen3_hd24"), warmup=False, max_num_seqs=1, max_model_len=64, page_size=8, num_pages=32)
     _on_gpu_kernels(llm.engine)
     out = llm.generate([r["prompt"]], jspec.SamplingParams(temperature=0, max_tokens=FALLBACK_TOKENS,
                                                            ignore_eos=True))[0].token_ids
@@ -321,7 +321,7 @@ def moe_target(refs, method: str | None) -> str:
 
     r = refs["qwen3_moe"]
     spec = None if method is None else h.spec_config(method, 3)
-    llm = jspec.LLM(os.path.join(ckpts, "qwen3_moe"), max_num_seqs=2, max_model_len=64, page_size=8, num_pages=32,
+    llm = jspec.LLM(os.path.join(ckpts, "qwen3_moe"), warmup=False, max_num_seqs=2, max_model_len=64, page_size=8, num_pages=32,
                     speculative_config=spec)
     _on_gpu_kernels(llm.engine)
     before = llm.engine.stats()

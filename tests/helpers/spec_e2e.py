@@ -231,7 +231,8 @@ def llm(name: str | None, k: int | None = None, *, spec_extra: dict | None = Non
     if key not in _CACHE:
         folder, _ = target()
         sc = None if name is None else spec_config(name, k, **(spec_extra or {}))
-        _CACHE[key] = jspec.LLM(folder, speculative_config=sc, **args)
+        # compiled on first use, as on the CPU (gpu_check builds dozens of engines on the GPU)
+        _CACHE[key] = jspec.LLM(folder, speculative_config=sc, **{"warmup": False, **args})
     return _CACHE[key]
 
 
