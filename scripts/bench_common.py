@@ -401,7 +401,8 @@ def draft_time(eng, B, ctx, rng, K):
     pin = ProposeInputs(inp.tokens[None], aux, inp.meta, last, embed, head, inp.seeds, temp, active, inp.tokens[None])
 
     def fn():  # the same positions each call: the drafter rewrites the same slots
-        drafts, r.dkv = propose(r.dparams, r.dkv, pin)
+        drafts, dkv = propose(r.dparams, r.dkv, pin)
+        r.state = r.state.replace(dkv=dkv)
         return drafts
 
     t = timeit(fn, reps=15)

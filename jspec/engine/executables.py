@@ -133,25 +133,15 @@ class Store:
         with self._lock:
             self._pending.append((key, compiled))
 
-    def flush(self, background: bool = False):
-        """Write what ``keep`` holds; ``background``: on a daemon thread (the server answers
-        meanwhile; a file is replaced whole, so one cut short by the process's exit is never
-        read)."""
+    def flush(self):
+        """Write what ``keep`` holds."""
         with self._lock:
             pending, self._pending = self._pending, []
-        if not pending:
-            return
-
-        def write():
-            t = time.monotonic()
-            for key, compiled in pending:
-                self.save(key, compiled)
+        t = time.monotonic()
+        for key, compiled in pending:
+            self.save(key, compiled)
+        if pending:
             logger.info("kept %d compiled steps in %s (%.1f s)", len(pending), self.folder, time.monotonic() - t)
-
-        if background:
-            threading.Thread(target=write, name="jspec-keep-executables", daemon=True).start()
-        else:
-            write()
 
     def save(self, key: str, compiled) -> None:
         from jax.experimental.serialize_executable import serialize

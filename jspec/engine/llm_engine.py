@@ -298,12 +298,11 @@ class LLMEngine:
         """The shapes ``warmup`` compiles (``FlatShape``s): every one a request can reach."""
         return self.runner.warmup_shapes(self.sched_steps, self._async)
 
-    def warmup(self, progress: bool = False, keep_in_background: bool = False):
+    def warmup(self, progress: bool = False):
         """Prepare every step's executable now: loaded from disk when this code, model,
         configuration and device made it before (with jspec's compilation cache on:
         jspec/engine/executables.py), else compiled (several at once on an accelerator) and
-        then written there (``keep_in_background``: on a thread, while the caller goes on:
-        the server). After it no request compiles. ``progress``: a progress bar."""
+        then written there. After it no request compiles. ``progress``: a progress bar."""
         from jspec.engine.executables import Store
 
         t = time.monotonic()
@@ -316,7 +315,7 @@ class LLMEngine:
         finally:
             self.runner.log_compiles = True
             if store is not None:
-                store.flush(background=keep_in_background)
+                store.flush()
         logger.info("warmup: %d step programs ready in %.1f s (%d compiled, %d loaded from the cache)",
                     compiled + loaded, time.monotonic() - t, compiled, loaded)
 

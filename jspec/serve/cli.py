@@ -297,7 +297,7 @@ def main(argv=None) -> int:
             import time
 
             t = time.monotonic()
-            llm.engine.warmup(progress=True, keep_in_background=True)
+            llm.engine.warmup(progress=True)
             logger.info("warmup: every shape bucket ready in %.1fs", time.monotonic() - t)
     app = create_app(llm.engine, served_model_names(args), api_key=args.api_key or envs.VLLM_API_KEY,
                      enable_prompt_tokens_details=args.enable_prompt_tokens_details,
