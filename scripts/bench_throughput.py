@@ -1,0 +1,195 @@
+"""Offline throughput, vLLM's benchmark_throughput in meaning (issue 58): N prompts of I tokens,
+O new tokens each, one ``jspec.LLM.generate`` call; requests/s, output and total tok/s, each
+beside the workload's hardware bound from the bandwidth and matrix-peak probes of the same run
+(``workload_bound``). Plain, and each drafter with synthetic acceptance.
+
+    # the 8B shape, random weights, 512 x (1,024 -> 256), plain then EAGLE3 at tau 3.5
+    PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --methods none,eagle3 --tau 3.5
+    # text prompts from a file (one per line), the model's tokenizer when the folder has one
+    PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --dataset prompts.txt --num-prompts 200
+    PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --quick     # tiny shapes (CPU smoke)
+
+The bound (../shared/reference/performance.md, "Bounds"): prefill FLOPs (2 x the
+non-embedding parameters a token passes, plus causal attention) over the matrix peak, plus
+every decode step's bytes (the streamed weights and the KV its rows read, at most
+max_num_seqs rows a step) over the bandwidth: a lower bound on the time, as neither term
+waits for the other. A speculative run is held to the same bound: the work is the
+workload's, however it is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from bench_common import LLAMA_1B, LLAMA_8B, QWEN3_8B, TINY, drafter_config, measure_bandwidth, timeit
+from bench_llm_folders import write_folders, write_target_folder
+
+# Drafters as the llm section runs them: EAGLE3 / n-gram / a draft model on the Llama shape,
+# DFlash / PEagle on Qwen3's (their published drafters' targets).
+LLAMA_METHODS = ("none", "eagle3", "ngram", "draft_model")
+DEFAULT_K = {"eagle3": 3, "peagle": 7, "dflash": 15, "ngram": 3, "draft_model": 3}
+
+
+def measure_matrix_peak(quick: bool) -> float:
+    """bf16 matrix-multiply FLOP/s: the best of square GEMMs through XLA (the prefill's op)."""
+    best, mm = 0.0, jax.jit(lambda x, y: x @ y)
+    for n in ((256,) if quick else (4096, 8192)):
+        a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
+        b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
+        best = max(best, 2 * n**3 / timeit(lambda a=a, b=b: mm(a, b), reps=10))
+    return best
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_s + self.decode_s
+
+
+def workload_bound(cfg, n: int, inp: int, out: int, max_seqs: int, peak_flops: float, bw: float,
+                   itemsize: int = 2) -> Bound:
+    """The hardware bound of ``n`` prompts of ``inp`` tokens -> ``out`` new tokens each at most
+    ``max_seqs`` at a time, for a dense target ``cfg``: prefill FLOPs / ``peak_flops`` +
+    decode bytes / ``bw`` (bytes/s). The first new token comes from the prefill; each of the
+    other out - 1 is a decode step of the wave's rows, streaming the layers' and the
+    lm_head's weights once and reading each row's KV so far."""
+    H, L = cfg.hidden_size, cfg.num_layers
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = H * (q + 2 * kv) + q * H + 3 * H * cfg.intermediate_size  # a layer's matrices (norms: negligible)
+    head = cfg.vocab_size * H
+    # causal attention: position p's query meets p + 1 keys, in QK^T and in PV (2 FLOPs a MAC)
+    flops_prompt = 2 * L * layer * inp + 2 * 2 * L * q * (inp * (inp + 1) // 2) + 2 * head
+    kv_token = 2 * L * kv * itemsize  # K and V of one token, every layer
+    decode_bytes = 0.0
+    for start in range(0, n, max_seqs):
+        rows = min(max_seqs, n - start)
+        steps = out - 1
+        # step j (1..out-1) writes its token's K and V at position inp + j - 1 and reads inp + j
+        kv_read = rows * kv_token * (steps * inp + steps * (steps + 1) // 2)
+        decode_bytes += steps * (L * layer + head) * itemsize + kv_read
+    return Bound(n * flops_prompt / peak_flops, decode_bytes / bw)
+
+
+def prompts_of(args, cfg, rng, tokenizer):
+    """Token-id prompts: random ids (specials excluded), or lines of ``--dataset`` encoded by
+    the folder's tokenizer, cut or repeated to --input-len tokens."""
+    if args.dataset == "random":
+        return [rng.integers(0, cfg.vocab_size - 8, args.input_len).tolist() for _ in range(args.num_prompts)]
+    if tokenizer is None:
+        raise SystemExit(f"--dataset {args.dataset}: the model folder has no tokenizer to encode it with")
+    with open(args.dataset) as f:
+        lines = [ln.strip() for ln in f if ln.strip()]
+    out = []
+    for i in range(args.num_prompts):
+        ids = tokenizer.encode(lines[i % len(lines)], add_special_tokens=False) or [0]
+        out.append((ids * (-(-args.input_len // len(ids))))[: args.input_len])
+    return out
+
+
+def run(args, method: str, folders, cfg, bw, peak, plain_s):
+    import jspec
+
+    K = args.k or DEFAULT_K.get(method, 0)
+    tdir, ddir = folders
+    spec = None
+    if method != "none":
+        spec = {"method": method, **({} if method == "ngram" else {"model": ddir}), "num_speculative_tokens": K,
+                "rejection_sample_method": "synthetic", "synthetic_acceptance_length": args.tau}
+    kw = dict(dtype="bfloat16", load_format="dummy", max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
+              max_model_len=args.input_len + args.output_len + 2 * (K + 1) + 16,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.quick:  # a CPU: every shape compiled before the timed call, as an accelerator does at construction
+        kw.update(num_pages=args.max_num_seqs * (-(-kw["max_model_len"] // 16) + 2) + 8, warmup=True)
+    llm = jspec.LLM(tdir, speculative_config=spec, **kw)
+    rng = np.random.default_rng(0)
+    prompts = prompts_of(args, cfg, rng, llm.engine.tokenizer)
+    sp = jspec.SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[: min(len(prompts), args.max_num_seqs)], sp, use_tqdm=False)  # shapes compiled
+    llm.engine.spec_metrics.__init__()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    secs = time.perf_counter() - t
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(p) for p in prompts)
+    bound = workload_bound(cfg, len(prompts), args.input_len, args.output_len, args.max_num_seqs, peak, bw)
+    tau = llm.engine.spec_metrics.mean_acceptance_length if spec else None
+    row = dict(method=method, K=K if spec else 0, synthetic_tau=args.tau if spec else None, tau=tau,
+               num_prompts=len(prompts), input_len=args.input_len, output_len=args.output_len,
+               max_num_seqs=args.max_num_seqs, seconds=secs, requests_per_s=len(prompts) / secs,
+               output_tok_s=n_out / secs, total_tok_s=(n_in + n_out) / secs, bound_s=bound.seconds,
+               bound_prefill_s=bound.prefill_s, bound_decode_s=bound.decode_s, of_bound=bound.seconds / secs,
+               vs_plain=None if plain_s is None else plain_s / secs)
+    label = "plain" if spec is None else f"{method} K={K} tau {tau:.2f}"
+    vs = "" if row["vs_plain"] is None else f"; {row['vs_plain']:.2f}x plain"
+    print(f"{label}: {len(prompts)} x ({args.input_len} -> {args.output_len}), {secs:.2f} s: "
+          f"{row['requests_per_s']:.2f} req/s, {row['output_tok_s']:.0f} output tok/s, {row['total_tok_s']:.0f} "
+          f"total tok/s; hardware bound {bound.seconds:.2f} s (prefill {bound.prefill_s:.2f} s at "
+          f"{peak / 1e12:.0f} TFLOP/s + decode {bound.decode_s:.2f} s at {bw / 1e12:.2f} TB/s) -> "
+          f"{row['of_bound']:.2f} of it{vs}", flush=True)
+    del llm, outs
+    gc.collect()
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default="none,eagle3", help="'none' (plain) and drafters: eagle3, peagle, "
+                    "dflash, ngram, draft_model (each beside the plain run of its target)")
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--num-prompts", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--dataset", default="random", help="'random' token ids, or a text file of prompts (a line each)")
+    ap.add_argument("--tau", type=float, default=3.5, help="synthetic acceptance length of the drafters")
+    ap.add_argument("-k", "--k", type=int, default=0, help="num_speculative_tokens (default: the method's)")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes and workload (a CPU smoke run)")
+    ap.add_argument("--json", default=None, help="write the rows here (default $OUT/bench_throughput.json)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.input_len, args.output_len, args.num_prompts, args.max_num_seqs = 24, 8, 6, 4
+    bwd = measure_bandwidth(args.quick)
+    bw, peak = bwd["best_TBps"] * 1e12, measure_matrix_peak(args.quick)
+    print(f"{jax.devices()[0].device_kind}: bandwidth {bwd}, bf16 matrix peak {peak / 1e12:.1f} TFLOP/s", flush=True)
+    root = tempfile.mkdtemp(prefix="jspec_bench_throughput_")
+    methods = args.methods.split(",")
+    rows, plain = [], {}
+    for family in ("llama", "qwen3"):
+        mine = [m for m in methods if (m in LLAMA_METHODS) == (family == "llama")]
+        if not mine:
+            continue
+        cfg = dataclasses.replace(TINY, family=family, qk_norm=family == "qwen3") if args.quick else \
+            (LLAMA_8B if family == "llama" else QWEN3_8B)
+        for method in ["none"] + [m for m in mine if m != "none"]:
+            dc = drafter_config("eagle3" if method in ("none", "ngram", "draft_model") else method, cfg, args.quick)
+            folders = write_folders(os.path.join(root, method), cfg, dc, DEFAULT_K.get(method, 3))
+            if method == "draft_model":
+                small = dataclasses.replace(TINY, num_layers=2) if args.quick else LLAMA_1B
+                folders = (folders[0], write_target_folder(os.path.join(root, "draft-model"), small))
+            row = run(args, method, folders, cfg, bw, peak, plain.get(family))
+            if method == "none":
+                plain[family] = row["seconds"]
+            rows.append(dict(row, family=family))
+    out = args.json or (os.path.join(os.environ["OUT"], "bench_throughput.json") if os.environ.get("OUT") else None)
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, bandwidth=bwd,
+                           matrix_peak_tflops=peak / 1e12, rows=rows), f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
