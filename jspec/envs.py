@@ -100,6 +100,16 @@ environment_variables: dict[str, Callable[[], Any]] = {
 }
 
 
+# Prefixes of the variables that can change what XLA compiles, or how (jax's, XLA's, the TPU
+# runtime's, jspec's): a stored executable's key holds them (jspec/engine/executables.py).
+_COMPILER_PREFIXES = ("XLA_", "JAX_", "JSPEC_", "LIBTPU_", "TPU_", "NVIDIA_TF32", "CUDA_VISIBLE")
+
+
+def compiler_environment() -> list[tuple[str, str]]:
+    """The set variables of those prefixes, sorted by name."""
+    return sorted((k, v) for k, v in os.environ.items() if k.startswith(_COMPILER_PREFIXES))
+
+
 def __getattr__(name: str):
     if name in environment_variables:
         return environment_variables[name]()

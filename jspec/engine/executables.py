@@ -39,7 +39,6 @@ from jspec import envs
 logger = logging.getLogger("jspec.engine")
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # a function's or object's repr: differs per process
-_ENV_PREFIXES = ("XLA_", "JAX_", "JSPEC_", "LIBTPU_", "TPU_", "NVIDIA_TF32", "CUDA_VISIBLE")
 
 
 def stable_repr(obj) -> str:
@@ -66,7 +65,7 @@ def environment_digest() -> str:
                           devices[0].client.platform_version, [(d.id, d.device_kind) for d in devices])).encode())
     config = {k: v for k, v in jax.config.values.items() if isinstance(v, (str, int, float, bool, type(None)))}
     h.update(stable_repr(sorted(config.items())).encode())
-    h.update(repr(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES))).encode())
+    h.update(repr(envs.compiler_environment()).encode())
     return h.hexdigest()[:24]
 
 
