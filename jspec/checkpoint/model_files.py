@@ -4,7 +4,6 @@ the model's default sampling parameters, as in vLLM)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
@@ -22,7 +21,10 @@ def load_tokenizer(path, required: bool = False):
         if required:
             raise ValueError(f"tokenizer={path!r}: no tokenizer in that folder (none of {list(TOKENIZER_FILES)})")
         return None
-    cls = (_read_json(os.path.join(path, "tokenizer_config.json")) or {}).get("tokenizer_class")
+    try:
+        cls = read_json_object(os.path.join(path, "tokenizer_config.json")).get("tokenizer_class")
+    except (OSError, ValueError):  # none, or not a JSON object: AutoTokenizer reads it and says what is wrong
+        cls = None
     if cls in FAST_TOKENIZER_CLASSES and os.path.exists(os.path.join(path, "tokenizer.json")):
         # AutoTokenizer's class for these, without AutoTokenizer's imports: they pull in torch
         # (9 s of a server's start on the H200; jspec never runs torch).
@@ -37,15 +39,6 @@ def load_tokenizer(path, required: bool = False):
 # tokenizer_config.json's tokenizer_class values AutoTokenizer builds as transformers'
 # tokenizers-backed base class itself (Llama 3's, jspec's family's)
 FAST_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
-
-
-def _read_json(fn: str):
-    try:
-        with open(fn) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None  # AutoTokenizer reads it again, and says what is wrong with it
-    return data if isinstance(data, dict) else None
 
 
 def generation_config_path(folder) -> str:

@@ -84,7 +84,6 @@ class Store:
         self.root = root
         self.folder = os.path.join(root, environment_digest())
         self.max_bytes = int(max_gb * 2**30) if max_gb > 0 else None
-        self.loaded = self.saved = 0
         self._pending: list = []  # (key, executable) compiled, not yet written (``keep``, ``flush``)
         self._lock = threading.Lock()
 
@@ -94,7 +93,7 @@ class Store:
         this process, as jspec.LLM and the server do), else None."""
         from jspec import compile_cache
 
-        if not (envs.JSPEC_COMPILATION_CACHE and compile_cache.enabled()):
+        if not compile_cache.enabled():  # (enable() turns it on only when JSPEC_COMPILATION_CACHE is)
             return None
         return cls(os.path.join(envs.JSPEC_CACHE, "executables"), envs.JSPEC_COMPILATION_CACHE_MAX_GB)
 
@@ -122,7 +121,6 @@ class Store:
                            type(e).__name__, e)
             return None
         os.utime(path)  # its last use, for the size limit
-        self.loaded += 1
         return compiled
 
     def keep(self, key: str, compiled) -> None:
@@ -156,7 +154,6 @@ class Store:
         with open(tmp, "wb") as f:
             f.write(blob)
         os.replace(tmp, self._path(key))  # whole or not at all, for another process reading it
-        self.saved += 1
         if fresh:
             self._remove_other_environments()
         self._limit_size()

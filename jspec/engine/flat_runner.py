@@ -248,7 +248,7 @@ class FlatRunner(RunnerBase):
     def _invoke(self, name: str, args, kw):
         """Call the jitted function ``name``: the executable ``prepare`` made for these static
         arguments, else the function itself (traced and compiled on first use)."""
-        exe = self._executables.get((name, *sorted(kw.items())))
+        exe = self._executables.get(_exe_key(name, kw))
         return exe(*args) if exe is not None else getattr(self, name)(*args, **kw)
 
     def _no_prev_for(self, N: int, steps: int):
@@ -378,8 +378,9 @@ class FlatRunner(RunnerBase):
 
     def warmup_calls(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, structured: bool = False,
                      shapes=None):
-        """Every call warmup makes, as (name, make): ``make()`` -> (jitted function's name,
-        arguments, static keywords), built when it runs (its arguments hold the state then).
+        """Every call warmup makes, as a list of ``make``: ``make()`` -> (jitted function's
+        name, arguments, static keywords), built when it runs (its arguments hold the state
+        then), or ("split", shape, None): the tail of the forward made just before it.
         Empty inputs (every write dropped: the caches keep their contents). ``structured``:
         also the masked steps a batch with a grammar takes (one step per call; a chained one
         split in two: the forward, then the tail, whose input is the forward's output)."""
@@ -425,7 +426,7 @@ class FlatRunner(RunnerBase):
 
             for make in calls:
                 name, args, kw = make()
-                exe_key = None if name == "split" else (name, *sorted(kw.items()))
+                exe_key = None if name == "split" else _exe_key(name, kw)
                 if exe_key is None or exe_key in self._executables:
                     bar.update(1)
                     continue
@@ -472,3 +473,9 @@ class FlatRunner(RunnerBase):
             fwd = out if name == "_fwd" else fwd
         jax.block_until_ready(self.state)
         return compiled, loaded
+
+
+def _exe_key(name: str, kw: dict) -> tuple:
+    """The key of a prepared executable in ``FlatRunner._executables``: the jitted function's
+    name and its static arguments (the other arguments' shapes follow from them)."""
+    return (name, *sorted(kw.items()))
