@@ -225,11 +225,15 @@ def _emit(obj: dict):
     print(MARK + json.dumps(obj), flush=True)
 
 
-def _pytest_args() -> list[str]:
-    # -s: the lines' output streams to the worker's stdout as they run (and this plugin's MARK
-    # lines are not captured); plain asserts: a failed line's detail is its assert's message.
-    return ["-q", "-s", "--assert=plain", "--tb=short", "-p", "no:cacheprovider",
-            "-c", os.path.join(ROOT, "pyproject.toml")]  # its rootdir and markers wherever this runs
+def _pytest(args: list[str], plugin) -> int:
+    """pytest in this process on ``args`` with ``plugin``, as the GPU check runs it: -s, the
+    lines' output streams to the worker's stdout as they run (and the plugin's MARK lines are
+    not captured); plain asserts, a failed line's detail is its assert's message; the
+    repository's pyproject.toml (rootdir, markers) wherever this runs."""
+    # Only pytest's own plugins: the GPU machine's image may carry others the lines never need.
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    return pytest.main(args + ["-q", "-s", "--assert=plain", "--tb=short", "-p", "no:cacheprovider",
+                               "-c", os.path.join(ROOT, "pyproject.toml")], plugins=[plugin])
 
 
 def collect() -> list[tuple[str, str, str]]:
@@ -246,7 +250,7 @@ def collect() -> list[tuple[str, str, str]]:
                     self.found.append((m.kwargs["group"], m.kwargs["line"], item.nodeid))
 
     c = Collect()
-    rc = pytest.main([os.path.join(ROOT, "tests", "gpu"), "--collect-only", "-qq", *_pytest_args()], plugins=[c])
+    rc = _pytest([os.path.join(ROOT, "tests", "gpu"), "--collect-only", "-qq"], c)
     if rc != 0 or not c.found:
         sys.exit(f"gpu_check: collecting tests/gpu failed (pytest exit code {rc})")
     return c.found
@@ -297,8 +301,7 @@ def worker(args, names: dict[str, str]):
     _check_backend(args.cpu)
     _emit({"device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})", "jax": jax.__version__})
     ids = [os.path.join(ROOT, n) for n in names]
-    pytest.main([*ids, "-m", "gpu", "--gpu-ckpts", args.ckpts, "--gpu-perf-steps", str(args.perf_steps),
-                 *_pytest_args()], plugins=[Relay(names)])
+    _pytest([*ids, "-m", "gpu", "--gpu-ckpts", args.ckpts, "--gpu-perf-steps", str(args.perf_steps)], Relay(names))
 
 
 def spawn(group: str, names: dict[str, str], args, rep: Report | None, lock) -> dict[str, dict]:

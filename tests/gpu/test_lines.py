@@ -62,7 +62,7 @@ def _server_env() -> dict:
 
 # ---- the server, and the page pool sized from the device's memory ------------------------
 @line("serve", "python -m jspec.serve with a drafter answers a completion")
-def test_serve(gpu_refs, record_property):
+def test_serve(gpu_refs, on_gpu, record_property):
     import httpx
 
     import jspec
@@ -80,7 +80,9 @@ def test_serve(gpu_refs, record_property):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_server_env())
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
+        # A CPU (the smoke run) compiles the server's 14 step shapes in ~6 minutes.
+        limit = 300 if on_gpu else 1200
+        deadline = time.monotonic() + limit
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode} (log: gpu_check_serve.log)")
@@ -90,7 +92,7 @@ def test_serve(gpu_refs, record_property):
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError("server not healthy after 300 s")
+                raise TimeoutError(f"server not healthy after {limit} s")
             time.sleep(1)
         prompt = h.varied_prompts(1, 20, 20, seed=5)[0]
         r = httpx.post(f"{url}/v1/completions", timeout=120, json={
