@@ -81,7 +81,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "JSPEC_ALLOW_LONG_MAX_MODEL_LEN": lambda: any(
         os.environ.get(k, "").strip().lower() in ("1", "true")
         for k in ("JSPEC_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")),
-    # Folder of the generated default model (jspec/default_model.py); ~/.cache/jspec if unset.
+    # jspec's cache folder (compiled steps, below; the tests' tiny model,
+    # tests/helpers/default_model.py); ~/.cache/jspec if unset.
     "JSPEC_CACHE": lambda: os.environ.get("JSPEC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jspec")),
     # "0" / "false": jspec.LLM and the server leave jax's persistent compilation cache off
     # (jspec/compile_cache.py); otherwise compiled steps are kept in $JSPEC_CACHE/xla.

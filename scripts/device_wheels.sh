@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Wheels for the lent GPU machine (no package index there; Python 3.12, x86-64): the
-# packages jspec's server, the OpenAI client and gpu_check's structured line need that its
-# image lacks, at the versions installed here. Into .whl/ (ignored by git; carried with the
-# device tool's `carry: [".whl"]`), then on the device:
+# packages jspec's server, the OpenAI client, gpu_check's structured line and pytest (which
+# runs gpu_check's lines, tests/gpu) need that its image lacks, at the versions installed
+# here. Into .whl/ (ignored by git; carried with the device tool's `carry: [".whl"]`), then
+# on the device:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:.:scripts
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 names=(fastapi starlette uvicorn opentelemetry-api pydantic pydantic_core annotated-types typing-inspection
        typing_extensions openai jiter sniffio httpx2 httpcore2 truststore anyio h11 idna llguidance
-       jsonschema jsonschema-specifications referencing rpds-py)
+       jsonschema jsonschema-specifications referencing rpds-py pytest pluggy iniconfig pygments)
 specs=()
 for n in "${names[@]}"; do
   v=$(python3 -m pip show "$n" 2>/dev/null | sed -n 's/^Version: //p')

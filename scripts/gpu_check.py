@@ -3,10 +3,10 @@
     # 1. On a CPU machine with the test extra (torch, speculators): build the tiny checkpoints
     #    and the transformers references once (a few MB; carried to the GPU machine).
     python scripts/gpu_check.py --build .gpu_check
-    # 2. On the GPU machine (the packages its image lacks as wheels: scripts/device_wheels.sh;
-    #    JSPEC_COMMIT names the commit checked where the tree has no .git, or a stale one: the
-    #    lent machine's copy kept the session's first commit; the report's code digest, which
-    #    `--digest` prints at any checkout, says which code ran):
+    # 2. On the GPU machine (the packages its image lacks, pytest among them, as wheels:
+    #    scripts/device_wheels.sh; JSPEC_COMMIT names the commit checked where the tree has no
+    #    .git, or a stale one: the lent machine's copy kept the session's first commit; the
+    #    report's code digest, which `--digest` prints at any checkout, says which code ran):
     JSPEC_COMMIT=<hash> python scripts/gpu_check.py --ckpts .gpu_check --md $OUT/gpu_check.md
     # The lines run in worker processes, their groups side by side (they are mostly
     # compilation, on the host's cores); then the performance table, alone. The report is
@@ -14,6 +14,7 @@
     # back and go on in a second call with --resume (it keeps the report's passing lines and
     # runs the rest). --no-perf leaves the table out; --perf-only rewrites only the table's
     # section of an existing report: cp docs/gpu_check.md $OUT/ && ... --perf-only
+    # --cpu: a smoke run on a CPU machine (the lines that need a GPU skip; no table).
 
 Run it whenever jspec/ or kernels_pallas/ change, and commit its docs/gpu_check.md with
 the change (overwritten each run). Each line passes or fails on its own:
@@ -34,16 +35,17 @@ the change (overwritten each run). Each line passes or fails on its own:
     finishes its requests with the greedy outputs;
   - a quick performance table (scripts/bench.py's measurements, batch 1, bf16 8B shape).
 
-The lines are in gpu_check_lines.py (``line_table``: each line's worker group, name and
-check); this file builds the checkpoints, runs the workers, the performance table and
-writes the report.
+The lines are pytest tests marked ``gpu`` (tests/gpu/test_lines.py; the table:
+tests/gpu/test_perf.py), which CI collects and skips: each marker names the line's worker
+group and its name in the report, and each test records its figures with pytest's
+``record_property``. This file collects them, runs each group's in a worker process
+(pytest in-process, a plugin relaying each outcome to this one), and writes the report.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import hashlib
 import json
 import os
@@ -51,11 +53,8 @@ import re
 import subprocess
 import sys
 import time
-import traceback
 
-import gpu_check_lines
-import numpy as np
-from gpu_check_lines import ALONE, DRAFTERS, FALLBACK_PROMPT_LEN, FALLBACK_TOKENS, MOE_TOKENS, line_table
+import pytest
 
 # This process shares the device with the server it starts (the serve line): without this,
 # its XLA client would hold 75% of the device and the server would size its KV page pool
@@ -65,6 +64,9 @@ from gpu_check_lines import ALONE, DRAFTERS, FALLBACK_PROMPT_LEN, FALLBACK_TOKEN
 if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     os.environ["_GPU_CHECK_PREALLOC_UNSET"] = "1"
+# tests/conftest.py makes the CPU jax's platform where JAX_PLATFORMS is unset (CI has no
+# accelerator); "" keeps jax's own choice, the GPU, in the workers and the processes they start.
+os.environ.setdefault("JAX_PLATFORMS", "")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -72,44 +74,9 @@ for p in (ROOT, HERE):  # ROOT: jspec and the tests package (tests.helpers)
     if p not in sys.path:
         sys.path.insert(0, p)
 
-
-def build(folder: str):
-    """Tiny checkpoints and the transformers references (CPU; needs torch + speculators)."""
-    from tests.helpers import spec_e2e as h
-    from tests.helpers.targets import build_hf_model, hf_greedy
-
-    os.makedirs(folder, exist_ok=True)
-    h._CACHE["root"] = os.path.abspath(folder)
-    h.target()
-    for name, _, _ in DRAFTERS:
-        h.drafter(name)
-    qwen = build_hf_model("qwen3")  # head_dim 24: no GPU kernel takes it
-    qwen.save_pretrained(os.path.join(folder, "qwen3_hd24"))
-    prompt = [int(t) for t in np.random.default_rng(4).integers(3, 384, size=FALLBACK_PROMPT_LEN)]
-    refs = {"qwen3_hd24": {"prompt": prompt, "greedy": hf_greedy(qwen, prompt, FALLBACK_TOKENS)}}
-    moe = build_hf_model("qwen3_moe")  # a Qwen3 mixture-of-experts target (8 experts, 2 a token)
-    moe.save_pretrained(os.path.join(folder, "qwen3_moe"))
-    prompts = [[int(t) for t in np.random.default_rng(5 + i).integers(3, 384, size=n)] for i, n in enumerate((7, 30))]
-    refs["qwen3_moe"] = {"prompts": prompts, "greedy": [hf_greedy(moe, p, MOE_TOKENS) for p in prompts]}
-    with open(os.path.join(folder, "references.json"), "w") as f:
-        json.dump(refs, f)
-    print(f"built {sorted(os.listdir(folder))} under {folder}")
-
-
-def use_checkpoints(folder: str):
-    """Point tests/helpers/spec_e2e.py at the prebuilt folders (no torch model is rebuilt)."""
-    from tests.helpers import spec_e2e as h
-
-    folder = os.path.abspath(folder)
-    h._CACHE["root"] = folder
-    h._CACHE["target"] = (os.path.join(folder, "target"), None)
-    for name, _, _ in DRAFTERS:
-        path = os.path.join(folder, name)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"{path}: run `python scripts/gpu_check.py --build {folder}` on a CPU machine first")
-        h._CACHE[("drafter", name)] = path
-    with open(os.path.join(folder, "references.json")) as f:
-        return json.load(f)
+ALONE = "pool"  # the group that runs first, with the device to itself (tests/gpu/test_lines.py)
+PERF = "perf"  # the performance table's group: alone, after the lines
+PERF_LINE = "quick performance table"
 
 
 class Report:
@@ -119,13 +86,13 @@ class Report:
 
     def __init__(self, names: list[str], md: str | None = None):
         self.names = names
-        self.results: dict[str, tuple[bool, str]] = {}
+        self.results: dict[str, tuple[bool | None, str]] = {}  # None: skipped
         self.md = md
         self.device = "unknown"
         self.jax = "unknown"
 
     @property
-    def lines(self) -> list[tuple[str, bool, str]]:
+    def lines(self) -> list[tuple[str, bool | None, str]]:
         return [(n, *self.results[n]) for n in self.names if n in self.results]
 
     def resume(self, path: str):
@@ -143,75 +110,16 @@ class Report:
             if m := re.search(rf"^- {key}: (.+)$", text, re.M):
                 setattr(self, key, m.group(1))
 
-    def record(self, name: str, ok: bool, detail: str):
+    def record(self, name: str, ok: bool | None, detail: str):
         self.results[name] = (ok, detail)
-        print(f"[{'PASS' if ok else 'FAIL'}] {name}: {detail}", flush=True)
+        print(f"[{'SKIP' if ok is None else 'PASS' if ok else 'FAIL'}] {name}: {detail}", flush=True)
         if self.md:
             write_md(self.md, self, [])
 
 
-def run_line(fn) -> tuple[bool, str]:
-    """One line in this process: (passed, detail with its time). A failed line is reported
-    with its exception; the worker's other lines still run."""
-    t = time.perf_counter()
-    try:
-        detail = fn() or ""
-        ok = True
-    except Exception as e:
-        ok, detail = False, f"{type(e).__name__}: {e}"
-        traceback.print_exc()
-    gc.collect()  # engines of this line (reference cycles) give their device memory back
-    return ok, f"{detail} ({time.perf_counter() - t:.1f} s)"
-
-
-# ---- quick performance table ------------------------------------------------------------
-def perf(steps: int) -> list[dict]:
-    """Batch 1, ctx 512, bf16, through LLMEngine.step (bench_common.py's engine_decode): plain
-    Llama-3.1-8B, EAGLE3 K=3 at synthetic acceptance length 3.5, DFlash block 16 at 6.5
-    (on the same Llama shape, to keep the call short), each beside the physical ideal
-    tau * T(1) / (T(1) + drafter weight bytes / bandwidth), bandwidth probed here."""
-    import bench_common as bench
-    import jax
-    import jax.numpy as jnp
-
-    from jspec.checkpoint.target import target_param_spec
-    from kernels_pallas.synthetic import conditional_rates, synthetic_rates_from_length
-
-    bw = bench.measure_bandwidth(False)["best_TBps"] * 1e12
-    cfg = bench.LLAMA_8B
-    params = bench.random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
-    rng = np.random.default_rng(0)
-    ctx = 512
-    base = bench.make_engine(cfg, params, max_num_seqs=1, ctx=ctx, dtype="bfloat16")
-    t1, tps1, _ = bench.engine_decode(base, 1, ctx, rng, steps)
-    rows = [dict(method="plain", K=0, tau=1.0, tok_s=tps1, speedup=1.0, t1_ms=t1 * 1e3, bw_TBps=bw / 1e12,
-                 roofline_frac=bench.weight_bytes(params) / bw / t1)]
-    for kind, K, length in (("eagle3", 3, 3.5), ("dflash", 15, 6.5)):
-        # The target forward verifying K + 1 tokens against decoding one, by GPU time (what
-        # the device spends; a synchronised single call's wall time adds the host's launches).
-        gpu = jax.default_backend() == "gpu"
-        tk = bench.target_forward_time(base, 1, ctx, rng, K + 1, gpu_time=gpu)
-        tk = tk / bench.target_forward_time(base, 1, ctx, rng, 1, gpu_time=gpu)
-        dc, dparams = bench.drafter_setup(kind, cfg, False)
-        dbytes = bench.drafter_stream_bytes(cfg, dc, dparams)
-        spec = {"method": kind, "model": f"random-{kind}", "num_speculative_tokens": K,
-                "rejection_sample_method": "synthetic", "synthetic_acceptance_length": length}
-        eng = bench.make_engine(cfg, params, max_num_seqs=1, ctx=ctx, dtype="bfloat16", spec=spec,
-                                drafter=(dc, dparams), extra=(steps + 8) * (K + 1) + 64)
-        td = bench.draft_time(eng, 1, ctx, rng, K)
-        eng.runner.synthetic_rates = jnp.asarray(conditional_rates(synthetic_rates_from_length(length, K)), jnp.float32)
-        _, tps, _ = bench.engine_decode(eng, 1, ctx, rng, steps)
-        tau = eng.spec_metrics.mean_acceptance_length
-        ideal = bench.physical_ideal(tau, t1, dbytes, bw)
-        rows.append(dict(method=f"{kind} K={K}", K=K, tau=tau, tok_s=tps, speedup=tps / tps1, ideal=ideal,
-                         frac_of_ideal=tps / tps1 / ideal, tk1_over_t1=tk, draft_ms=td * 1e3,
-                         draft_bound_ms=dbytes / bw * 1e3, draft_over_bound=td / (dbytes / bw)))
-        del eng
-        jax.clear_caches()
-    return rows
-
-
+# ---- the report ---------------------------------------------------------------------------
 def perf_table(rows) -> list[str]:
+    """The report's performance section (markdown lines) of tests/gpu/test_perf.py's rows."""
     p = rows[0]
     out = [f"Bandwidth probe (best of f32 copy, bf16 column sum, bf16 GEMV): {p['bw_TBps']:.2f} TB/s. "
            f"Plain decode: {p['tok_s']:.1f} tok/s, T(1) {p['t1_ms']:.2f} ms, {p['roofline_frac']:.1%} of the "
@@ -259,16 +167,23 @@ def code_digest() -> str:
 
 def write_md(path: str, report: Report, perf_lines: list[str]):
     commit = _commit()
-    passed = sum(ok for _, ok, _ in report.lines)
+    passed = sum(ok is True for _, ok, _ in report.lines)
+    skipped = sum(ok is None for _, ok, _ in report.lines)
     lines = ["# GPU check", "",
              "Written by `scripts/gpu_check.py` (see its docstring for how to run it); overwritten each run.", "",
              f"- commit: {commit}", f"- code digest (`--digest`): {code_digest()}", f"- date: {datetime.date.today().isoformat()}",
              f"- device: {report.device}", f"- jax: {report.jax}",
-             f"- result: {passed} of {len(report.lines)} lines pass", "",
+             f"- result: {passed} of {len(report.lines)} lines pass" + (f", {skipped} skipped" if skipped else ""), "",
              "| check | result | detail |", "| --- | --- | --- |"]
-    lines += [f"| {n} | {'pass' if ok else '**FAIL**'} | {d.replace('|', '/')} |" for n, ok, d in report.lines]
+    result = {True: "pass", False: "**FAIL**", None: "skipped"}
+    lines += [f"| {n} | {result[ok]} | {_cell(d)} |" for n, ok, d in report.lines]
     with open(path, "w") as f:
         f.write("\n".join(lines + _perf_section(perf_lines)) + "\n")
+
+
+def _cell(text: str) -> str:
+    """``text`` as one markdown table cell: no column separator, on one line."""
+    return re.sub(r"\s*\n\s*", " ", text.replace("|", "/")).strip()
 
 
 PERF_HEADING = "## Quick performance table (batch 1, ctx 512, bf16, random Llama-3.1-8B shape)"
@@ -291,7 +206,8 @@ def replace_perf(path: str, perf_lines: list[str]):
 
 
 
-# ---- the workers: each runs its group's lines of gpu_check_lines.line_table ---------------
+
+# ---- the workers: each runs its group's tests of tests/gpu in-process ----------------------
 _workers: list = []  # their processes, stopped with this one (a device call's time limit)
 
 
@@ -302,67 +218,135 @@ def _stop_workers(signum, frame):
     sys.exit(128 + signum)
 
 
-MARK = "@@gpu_check "  # a worker's results on its stdout, one JSON object a line
+MARK = "@@gpu_check "  # a worker's results on its stdout, one JSON object after it to the line's end
 
 
 def _emit(obj: dict):
     print(MARK + json.dumps(obj), flush=True)
 
 
-def _check_backend():
+def _pytest(args: list[str], plugin) -> int:
+    """pytest in this process on ``args`` with ``plugin``, as the GPU check runs it: -s, the
+    lines' output streams to the worker's stdout as they run (and the plugin's MARK lines are
+    not captured); plain asserts, a failed line's detail is its assert's message; the
+    repository's pyproject.toml (rootdir, markers) wherever this runs."""
+    # Only pytest's own plugins: the GPU machine's image may carry others the lines never need.
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    return pytest.main(args + ["-q", "-s", "--assert=plain", "--tb=short", "-p", "no:cacheprovider",
+                               "-c", os.path.join(ROOT, "pyproject.toml")], plugins=[plugin])
+
+
+def collect() -> list[tuple[str, str, str]]:
+    """(group, line name, pytest node id) of every test marked gpu under tests/gpu, in the
+    report's order (the files' order; the performance table's last)."""
+    class Collect:
+        def __init__(self):
+            self.found = []
+
+        def pytest_collection_finish(self, session):
+            for item in session.items:
+                m = item.get_closest_marker("gpu")
+                if m is not None and "line" in m.kwargs:
+                    self.found.append((m.kwargs["group"], m.kwargs["line"], item.nodeid))
+
+    c = Collect()
+    rc = _pytest([os.path.join(ROOT, "tests", "gpu"), "--collect-only", "-qq"], c)
+    if rc != 0 or not c.found:
+        sys.exit(f"gpu_check: collecting tests/gpu failed (pytest exit code {rc})")
+    return c.found
+
+
+class Relay:
+    """A worker's pytest plugin: each line's outcome on stdout (a MARK line) as it ends:
+    passed with the detail it recorded, failed with its exception, or skipped with the
+    reason; each with its time. ``names``: node id -> line name."""
+
+    def __init__(self, names: dict[str, str]):
+        self.names, self.done = names, set()
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        report = yield
+        name = self.names.get(item.nodeid)
+        # One message a line: from its call, or from the setup that failed or skipped it.
+        if name is None or item.nodeid in self.done or (call.when != "call" and report.passed):
+            return report
+        self.done.add(item.nodeid)
+        props, e = dict(item.user_properties), call.excinfo
+        if report.skipped:
+            ok, detail = None, str(e.value) if e else "skipped"
+        elif report.failed:
+            ok, detail = False, f"{e.typename}: {e.value}" if e else str(report.longrepr)[-800:]
+        else:
+            ok, detail = True, str(props.get("detail", ""))
+        msg = {"name": name, "ok": ok, "detail": f"{detail} ({call.duration:.1f} s)"}
+        if ok and "perf" in props:
+            msg["perf"] = props["perf"]
+        _emit(msg)
+        return report
+
+
+def _check_backend(cpu: bool):
     import jax
 
-    if jax.default_backend() != "gpu" and not gpu_check_lines.cpu_smoke:
-        sys.exit(f"gpu_check needs a GPU; jax's backend is {jax.default_backend()!r}")
+    if jax.default_backend() != "gpu" and not cpu:
+        sys.exit(f"gpu_check needs a GPU; jax's backend is {jax.default_backend()!r} (--cpu: a smoke run)")
 
 
-def worker(group: str, names: list[str], perf_steps: int):
-    """--worker: run ``names`` of ``group`` (or the performance table) in this process and
-    report each on stdout."""
+def worker(args, names: dict[str, str]):
+    """--worker: run the tests ``names`` (node id -> line name) in this process through
+    pytest, reporting each on stdout."""
     import jax
 
-    _check_backend()
+    _check_backend(args.cpu)
     _emit({"device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})", "jax": jax.__version__})
-    if group == "perf":
-        return _emit({"perf": perf_table(perf(perf_steps))})
-    refs = use_checkpoints(gpu_check_lines.ckpts)
-    for g, name, fn in line_table(refs):
-        if g == group and name in names:
-            ok, detail = run_line(fn)
-            _emit({"name": name, "ok": ok, "detail": detail})
+    ids = [os.path.join(ROOT, n) for n in names]
+    _pytest([*ids, "-m", "gpu", "--gpu-ckpts", args.ckpts, "--gpu-perf-steps", str(args.perf_steps)], Relay(names))
 
 
-def spawn(group: str, names: list[str], args, rep: Report | None, lock) -> dict:
-    """Run a worker process for ``group``; relay its output (each line prefixed with the
-    group) and record its results. Lines it never reported (it died) are failures. Returns
-    its last non-line message (the performance table's)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", group, "--ckpts", gpu_check_lines.ckpts,
-           "--perf-steps", str(args.perf_steps)] + (["--cpu"] if gpu_check_lines.cpu_smoke else [])
+def spawn(group: str, names: dict[str, str], args, rep: Report | None, lock) -> dict[str, dict]:
+    """Run a worker process for ``group``'s tests ``names`` (node id -> line name); relay its
+    output (each line prefixed with the group) and record its results in ``rep``. Lines it
+    never reported (it died) are failures. Returns its messages by line name."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", group, "--ckpts", args.ckpts,
+           "--perf-steps", str(args.perf_steps)] + (["--cpu"] if args.cpu else [])
     env = {**os.environ, "_GPU_CHECK_LINES": json.dumps(names)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
     _workers.append(proc)
-    last, seen = {}, set()
+    got: dict[str, dict] = {}
     for ln in proc.stdout:
-        if not ln.startswith(MARK):
-            print(f"[{group}] {ln}", end="", flush=True)
+        text, mark, body = ln.partition(MARK)  # a MARK can follow pytest's progress on its line
+        if text.strip() or not mark:
+            print(f"[{group}] {text}", end="" if not mark else "\n", flush=True)
+        if not mark:
             continue
-        msg = json.loads(ln[len(MARK):])
+        msg = json.loads(body)
         with lock:
-            if "name" in msg and rep is not None:
-                seen.add(msg["name"])
-                rep.record(msg["name"], msg["ok"], msg["detail"])
+            if "name" in msg:
+                got[msg["name"]] = msg
+                if rep is not None:
+                    rep.record(msg["name"], msg["ok"], msg["detail"])
             elif "device" in msg and rep is not None:
                 rep.device, rep.jax = msg["device"], msg["jax"]
-            else:
-                last = msg
     rc = proc.wait()
     with lock:
-        for name in names:
-            if name not in seen and rep is not None:
-                rep.record(name, False, f"its worker ({group}) exited with code {rc} before reporting it")
-    if group == "perf" and "perf" not in last:
-        raise RuntimeError(f"the performance table's worker exited with code {rc}")
-    return last
+        for name in names.values():
+            if name not in got:
+                got[name] = {"name": name, "ok": False, "detail": f"its worker ({group}) exited with code {rc} "
+                             "before reporting it"}
+                if rep is not None:
+                    rep.record(name, False, got[name]["detail"])
+    return got
+
+
+def run_perf(args, perf_ids: dict[str, str]) -> list[str]:
+    """The performance table's test alone in a worker: its table's lines (raises if it failed)."""
+    import threading
+
+    msg = spawn(PERF, perf_ids, args, None, threading.Lock())[PERF_LINE]
+    if not msg["ok"]:
+        raise RuntimeError(("skipped: " if msg["ok"] is None else "") + msg["detail"])
+    return perf_table(msg["perf"])
 
 
 def main():
@@ -378,41 +362,48 @@ def main():
                     "run of this commit cut short by a time limit) and run only the others")
     ap.add_argument("--only", default="", help="run only the lines matching this regex (debugging)")
     ap.add_argument("--workers", type=int, default=8, help="worker processes at once (1: one group at a time)")
-    ap.add_argument("--cpu", action="store_true", help="smoke-test this script on CPU (jnp references, no perf)")
+    ap.add_argument("--cpu", action="store_true", help="smoke-test the lines on CPU (those needing a GPU skip; no perf)")
     ap.add_argument("--digest", action="store_true", help="print this checkout's code digest (a report's header) and exit")
     ap.add_argument("--worker", metavar="GROUP", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.digest:
         return print(code_digest())
     if args.build:
+        from tests.helpers.gpu_lines import build
+
         return build(args.build)
-    gpu_check_lines.cpu_smoke = args.cpu
-    gpu_check_lines.ckpts = os.path.abspath(args.ckpts)
+    args.ckpts = os.path.abspath(args.ckpts)
     if args.worker:
-        return worker(args.worker, json.loads(os.environ.get("_GPU_CHECK_LINES", "[]")), args.perf_steps)
-    if args.perf_only:
-        _check_backend()
-        if not os.path.exists(args.md):
-            sys.exit(f"--perf-only rewrites an existing report; {args.md} does not exist")
-        lines = perf_table(perf(args.perf_steps))
-        print("\n".join(lines), flush=True)
-        return replace_perf(args.md, lines)
+        return worker(args, json.loads(os.environ.get("_GPU_CHECK_LINES", "{}")))
     # This process touches no device: the workers do, and the serve line's server sizes its
     # page pool from what the device has.
     import signal
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    signal.signal(signal.SIGTERM, _stop_workers)
+    from tests.helpers.gpu_lines import use_checkpoints
 
-    table = [(g, n) for g, n, _ in line_table(use_checkpoints(gpu_check_lines.ckpts))]
-    rep = Report([n for _, n in table], args.md)
+    signal.signal(signal.SIGTERM, _stop_workers)
+    use_checkpoints(args.ckpts)  # the folders are there (a clear error before any worker starts)
+    table = collect()
+    perf_ids = {i: n for g, n, i in table if g == PERF}
+    table = [(g, n, i) for g, n, i in table if g != PERF]
+    if args.perf_only:
+        if not os.path.exists(args.md):
+            sys.exit(f"--perf-only rewrites an existing report; {args.md} does not exist")
+        try:
+            lines = run_perf(args, perf_ids)
+        except (RuntimeError, KeyError) as e:
+            sys.exit(f"--perf-only: no performance table: {e}")
+        print("\n".join(lines), flush=True)
+        return replace_perf(args.md, lines)
+    rep = Report([n for _, n, _ in table], args.md)
     if args.resume and os.path.exists(args.md):
         rep.resume(args.md)
-    todo: dict[str, list[str]] = {}
-    for g, n in table:
+    todo: dict[str, dict[str, str]] = {}
+    for g, n, i in table:
         if (not args.only or re.search(args.only, n)) and n not in rep.results:
-            todo.setdefault(g, []).append(n)
+            todo.setdefault(g, {})[i] = n
     lock = threading.Lock()
     t0 = time.perf_counter()
     if ALONE in todo:
@@ -422,17 +413,16 @@ def main():
             job.result()
     print(f"lines done in {time.perf_counter() - t0:.0f} s", flush=True)
     perf_lines = []
-    if not (args.no_perf or gpu_check_lines.cpu_smoke):
+    if not (args.no_perf or args.cpu):
         try:  # alone on the device, in a process of its own
-            perf_lines = spawn("perf", [], args, None, lock)["perf"]
+            perf_lines = run_perf(args, perf_ids)
         except Exception as e:
-            traceback.print_exc()
-            rep.results["quick performance table"] = (False, f"{type(e).__name__}: {e}")
-            rep.names.append("quick performance table")
+            rep.results[PERF_LINE] = (False, f"{type(e).__name__}: {e}")
+            rep.names.append(PERF_LINE)
         print("\n".join(perf_lines), flush=True)
     write_md(args.md, rep, perf_lines)
     print(f"wrote {args.md}")
-    sys.exit(0 if all(ok for _, ok, _ in rep.lines) else 1)
+    sys.exit(0 if all(ok is not False for _, ok, _ in rep.lines) else 1)
 
 
 if __name__ == "__main__":

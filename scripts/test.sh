@@ -28,7 +28,8 @@ cache_dir=$(mktemp -d)
 logs=$(mktemp -d)
 trap 'rm -rf "$cache_dir" "$logs"' EXIT
 export JAX_COMPILATION_CACHE_DIR="$cache_dir" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.1
-groups=("tests/kernels tests/config tests/checkpoint tests/models tests/drafters" "tests/engine"
+# tests/gpu: the GPU check's lines, collected and skipped here (scripts/gpu_check.py runs them).
+groups=("tests/kernels tests/config tests/checkpoint tests/models tests/drafters tests/gpu" "tests/engine"
         "tests/serve" "tests/train" "tests/parallel")
 for dir in tests/*/; do  # a new test folder must join a group, or CI would never run it
   dir=${dir%/}

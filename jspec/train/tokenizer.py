@@ -1,8 +1,9 @@
 """Byte-level BPE tokenizer (HF ``tokenizers``) with jspec's Llama 3 style chat template.
 
-The special tokens and the chat template are the embedded default model's
-(jspec.default_model), plus ``<|mask|>``: the mask token PEagle and DFlash drafters put in
-the slots they draft. Specials take ids 0..5, so they mean the same thing at any vocab size.
+The special tokens are Llama 3's (``SPECIAL_TOKENS``; the tests' tiny default model,
+tests/helpers/default_model.py, takes them and ``CHAT_TEMPLATE`` from here), plus
+``<|mask|>``: the mask token PEagle and DFlash drafters put in the slots they draft.
+Specials take ids 0..5, so they mean the same thing at any vocab size.
 Pre-tokenization is Llama 3's split pattern (whitespace runs stay together, which suits
 indented code), then the byte-level alphabet, so every byte string round-trips.
 
@@ -17,7 +18,12 @@ import os
 
 import numpy as np
 
-from jspec.default_model import CHAT_TEMPLATE, SPECIAL_TOKENS
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
 
 MASK_TOKEN = "<|mask|>"
 ALL_SPECIAL_TOKENS = [*SPECIAL_TOKENS, MASK_TOKEN]

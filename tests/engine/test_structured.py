@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.default_model import default_model_path
 from jspec.engine import structured
 from jspec.engine.sequence import Sequence
 from jspec.sampling_params import SamplingParamsError
 from jspec.sampling_params import StructuredOutputsParams as SOP
+from tests.helpers.default_model import default_model_path
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "b": {"enum": ["x", "yy"]}},

@@ -4,6 +4,8 @@
   references from transformers;
 - drafters: tiny targets, speculators drafters and their PyTorch references (parity tests);
 - spec_e2e: the planted-feature target and drafters of the end-to-end speculative tests;
+- default_model: the tiny random Llama (byte-level tokenizer) built on first use;
+- gpu_lines: the checkpoints of the GPU check's lines (tests/gpu), built and found;
 - serve: a real ``python -m jspec.serve`` subprocess, /metrics parsing;
 - engine: an engine driven by hand, requests added and aborted at chosen steps;
 - lowering: the custom calls (Pallas kernels) of a function lowered for GPU or TPU;

@@ -13,12 +13,12 @@ import time
 
 import httpx
 
-from jspec.default_model import default_model_path
+from tests.helpers.default_model import default_model_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Small engine: few shape buckets to compile on CPU, yet room for real batching.
-# The tiny random model (jspec.default_model), not jspec.LLM's default (the trained family):
+# The tiny random model (tests/helpers/default_model.py), not jspec.LLM's default (the trained family):
 # the server tests are about the serving machinery, and the tiny model compiles and runs fastest.
 TINY_MODEL = default_model_path()
 ENGINE_ARGS = ["--model", TINY_MODEL, "--max-num-seqs", "16", "--max-model-len", "128", "--page-size", "16"]
@@ -28,7 +28,7 @@ ENGINE_KWARGS = dict(model=TINY_MODEL, max_num_seqs=16, max_model_len=128, page_
 def jax_cache_env() -> dict:
     """Share compiled executables between the test process and server subprocesses (and
     across runs): most of a CPU server test's time is XLA compilation."""
-    from jspec.default_model import cache_dir
+    from tests.helpers.default_model import cache_dir
 
     return {"JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR")
             or os.path.join(cache_dir(), "jax-cache-tests"),

@@ -16,7 +16,7 @@ from jspec.serve.text import Detokenizer
 def tok():
     from transformers import AutoTokenizer
 
-    from jspec.default_model import default_model_path
+    from tests.helpers.default_model import default_model_path
 
     return AutoTokenizer.from_pretrained(default_model_path())
 

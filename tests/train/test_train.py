@@ -80,7 +80,7 @@ def test_token_stream_pack_and_batches():
 def test_tokenizer_specials_roundtrip_and_chat_template(family):
     from transformers import AutoTokenizer
 
-    from jspec.default_model import CHAT_TEMPLATE
+    from jspec.train.tokenizer import CHAT_TEMPLATE
 
     folder = os.path.join(family, "target")
     at = AutoTokenizer.from_pretrained(folder)

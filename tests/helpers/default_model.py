@@ -2,9 +2,10 @@
 
 (``jspec.LLM()`` with no model serves the trained family, jspec.family.) No download is
 possible on the project's machines, so this builds a HF-format folder (config.json,
-model.safetensors, a byte-level tokenizer with a Llama 3 style chat template) under the
-cache dir, loaded through the ordinary checkpoint path. Weights are random (fixed seed):
-the text is noise, the machinery is real.
+model.safetensors, a byte-level tokenizer with jspec's Llama 3 style special tokens and
+chat template, those of jspec/train/tokenizer.py) under $JSPEC_CACHE, loaded through the
+ordinary checkpoint path. Weights are random (fixed seed): the text is noise, the machinery
+is real.
 """
 
 from __future__ import annotations
@@ -17,14 +18,9 @@ import tempfile
 import numpy as np
 
 from jspec import envs
+from jspec.train.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 VERSION = 2
-SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-    "{{ m['content'] }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-)
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -54,6 +50,7 @@ CONFIG = {
 
 
 def cache_dir() -> str:
+    """The folder the model is built in: $JSPEC_CACHE (jspec/envs.py)."""
     return envs.JSPEC_CACHE
 
 

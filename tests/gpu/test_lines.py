@@ -1,0 +1,512 @@
+"""The lines of the GPU check (scripts/gpu_check.py writes them to docs/gpu_check.md): what
+CI, on the CPU, cannot see. Each test is marked ``gpu(group=..., line=...)``: ``line`` is its
+name in the report, ``group`` the worker process gpu_check runs it in (the lines of a group
+share engines: tests/helpers/spec_e2e.py caches them per process; the groups run side by
+side, ``ALONE`` first with the device to itself). The report lists the lines in this
+file's order. Each records its figures with ``record_property("detail", ...)``.
+
+Skipped unless pytest is given ``--gpu-ckpts DIR`` (tests/conftest.py). On a CPU the lines
+that need a GPU skip; the others run as a smoke test (jnp references, interpreted kernels,
+the GPU-kernel assertions left out).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.helpers.gpu_lines import DRAFTERS, FALLBACK_TOKENS, MOE_TOKENS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MAX_TOKENS = 16
+NEAR_TIE_ULPS = 4  # bfloat16 lines: a divergence passes only where float32 puts the two tokens this close
+# The group that runs first and alone: its lines size page pools from the device's free memory.
+ALONE = "pool"
+# The worker group of each drafter's lines.
+GROUPS = {"eagle3": "eagle3", "eagle3_full": "eagle3_more", "eagle3_orig": "eagle3_more", "peagle": "peagle",
+          "dflash4": "dflash", "dflash8_zlab": "dflash", "draft_llama": "draft_model", "ngram": "peagle"}
+
+
+def line(group: str, name: str):
+    """The marker of a GPU check line: its worker group and its name in the report."""
+    return pytest.mark.gpu(group=group, line=name)
+
+
+def _on_gpu_kernels(eng, on_gpu: bool):
+    """On a GPU, the engine picked the GPU kernels ("auto"); a CPU smoke run has none."""
+    plan = eng.runner.plan
+    assert not on_gpu or (plan.attn, plan.linear) == ("gpu", "gpu"), plan
+
+
+def _needs_gpu(on_gpu: bool, what: str):
+    if not on_gpu:
+        pytest.skip(f"needs a GPU: {what}")
+
+
+def _server_env() -> dict:
+    """The server runs as it would alone: XLA's default preallocation, not the check's
+    (scripts/gpu_check.py turns it off, marking that the user had not set it), and jspec and
+    the tests importable."""
+    env = dict(os.environ)
+    if env.pop("_GPU_CHECK_PREALLOC_UNSET", None):
+        env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    return env
+
+
+# ---- the server, and the page pool sized from the device's memory ------------------------
+@line("serve", "python -m jspec.serve with a drafter answers a completion")
+def test_serve(gpu_refs, on_gpu, record_property):
+    import httpx
+
+    import jspec
+    from tests.helpers import spec_e2e as h
+
+    name, k = "eagle3", 3
+    folder, _ = h.target()
+    port = 8765
+    spec = json.dumps({"method": h.METHOD[name], "model": h.drafter(name), "num_speculative_tokens": k})
+    # 0.75 of the device, JAX's default pool: vLLM's 0.9 would leave the side-by-side workers ~8 GB
+    cmd = [sys.executable, "-m", "jspec.serve", "--model", folder, "--port", str(port), "--max-num-seqs", "2",
+           "--max-model-len", "56", "--page-size", "16", "--warmup", "on", "--speculative-config", spec,
+           "--gpu-memory-utilization", "0.75"]
+    log = open(os.path.join(os.environ.get("OUT", "/tmp"), "gpu_check_serve.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_server_env())
+    try:
+        url = f"http://127.0.0.1:{port}"
+        # A CPU (the smoke run) compiles the server's 14 step shapes in ~6 minutes.
+        limit = 300 if on_gpu else 1200
+        deadline = time.monotonic() + limit
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode} (log: gpu_check_serve.log)")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not healthy after {limit} s")
+            time.sleep(1)
+        prompt = h.varied_prompts(1, 20, 20, seed=5)[0]
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": folder, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        r.raise_for_status()
+        got = r.json()["choices"][0]["token_ids"]
+        sp = jspec.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        want = h.llm(None, enable_prefix_caching=False).generate([prompt], sp)[0].token_ids
+        assert got == want, f"{got} vs {want}"
+        warm = [ln.strip() for ln in open(log.name) if "warmup:" in ln]
+        assert warm, "the server did not warm up"
+        record_property("detail", f"warmed up ({warm[-1].split('warmup:')[-1].strip()}), one completion == plain greedy")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+MEMORY_CHILD = """
+import json, logging, jax, jspec
+retries = []
+handler = logging.Handler()
+handler.emit = lambda rec: retries.append(1) if "did not fit" in rec.getMessage() else None
+logging.getLogger("jspec.engine").addHandler(handler)
+llm = jspec.LLM(warmup=False, dtype="float32", max_num_seqs=8, max_model_len=256, gpu_memory_utilization=0.5)
+s, kv = jax.devices()[0].memory_stats(), llm.engine.runner.kv
+print("@@" + json.dumps({"limit": s["bytes_limit"], "in_use": s["bytes_in_use"], "retries": len(retries),
+                         "kv": sum(a.nbytes for a in kv.k + kv.v), "pages": llm.engine.num_pages}))
+"""
+
+
+@line(ALONE, "gpu_memory_utilization=0.5 in a fresh process: JAX's pool and the KV cache are that share of the device")
+def test_memory_share(on_gpu, record_property):
+    """vLLM's gpu_memory_utilization is a share of the whole device: in a fresh process the
+    first engine sets JAX's pool to it, and its KV cache takes what the share leaves after
+    the weights and 10% for XLA's temporaries (jspec/engine/kv_memory.py). Run before this
+    process allocates anything (its group runs alone and first), so the child preallocates
+    its pool as a user's process would (with XLA_PYTHON_CLIENT_PREALLOCATE=false the pool
+    grows in pieces, and the KV arrays found no free block until 3 tries of 5% fewer pages)."""
+    _needs_gpu(on_gpu, "JAX's pool is a share of the device's memory")
+    import jax
+
+    from jspec import envs
+
+    total = jax.devices()[0].memory_stats()["bytes_limit"] / envs.XLA_PYTHON_CLIENT_MEM_FRACTION
+    env = _server_env()
+    env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
+    out = subprocess.run([sys.executable, "-c", MEMORY_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    got = [ln for ln in out.stdout.splitlines() if ln.startswith("@@")]
+    assert out.returncode == 0 and got, f"child exited with {out.returncode}: {out.stderr[-800:]}"
+    r = json.loads(got[0][2:])
+    pool, used = r["limit"] / total, r["in_use"] / total
+    assert abs(pool - 0.5) < 0.01, f"JAX's pool is {pool:.3f} of the device, not 0.5"
+    assert 0.43 < used <= 0.455 and r["retries"] == 0, \
+        f"weights + KV cache hold {used:.3f} of the device, not ~0.45 ({r['retries']} smaller tries)"
+    record_property("detail", f"pool {pool:.3f} of the {total / 2**30:.1f} GiB device; weights + KV cache {used:.3f} "
+                              f"({r['pages']} pages, {r['kv'] / 2**30:.1f} GiB of KV, at the first try)")
+
+
+@line(ALONE, "the page pool sized from memory is allocated and runs: the family, float32")
+def test_pool_from_memory(on_gpu, record_property):
+    """The page pool sized from memory (default gpu_memory_utilization) is allocated and the
+    engine runs: the embedded family (16 K/V arrays of ~6 GB on an H200) in float32. Its last
+    array once found no free block in XLA's allocator and the first step ran out of memory
+    (jspec/engine/kv_memory.py create_pools, which now tries again with fewer pages)."""
+    _needs_gpu(on_gpu, "the page pool is sized from the device's free memory")
+    import logging
+
+    import jspec
+
+    retries = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: retries.append(rec.getMessage()) if "did not fit" in rec.getMessage() else None
+    logging.getLogger("jspec.engine").addHandler(handler)
+    try:
+        llm = jspec.LLM(warmup=False, dtype="float32", max_num_seqs=8, max_model_len=256)
+    finally:
+        logging.getLogger("jspec.engine").removeHandler(handler)
+    eng = llm.engine
+    r = eng.runner
+    _on_gpu_kernels(eng, on_gpu)
+    outs = llm.generate([f"def f{i}(x):" for i in range(8)], jspec.SamplingParams(temperature=0, max_tokens=32))
+    assert all(o.outputs[0].token_ids for o in outs)
+    arrays = len(r.kv.k) + len(r.kv.v)
+    record_property("detail", f"{eng.num_pages} pages ({arrays} arrays of {r.kv.k[0].nbytes / 2**30:.2f} GiB) after "
+                              f"{len(retries)} smaller tries; 8 of 8 requests generated")
+
+
+# ---- speculative greedy == plain greedy --------------------------------------------------
+LOSSLESS = [pytest.param(name, k, dtype, id=f"{name}-{dtype}",
+                         marks=line(GROUPS[name], f"spec greedy == plain greedy: {what}, K={k}, {dtype}"))
+            for name, k, what in DRAFTERS for dtype in ("float32", "bfloat16")]
+LOSSLESS += [pytest.param("ngram", 3, dtype, id=f"ngram-{dtype}",  # no checkpoint: drafts come from the sequence
+                          marks=line("peagle", f"spec greedy == plain greedy: n-gram (prompt lookup 1..3), K=3, {dtype}"))
+             for dtype in ("float32", "bfloat16")]
+
+
+@pytest.mark.parametrize("name,k,dtype", LOSSLESS)
+def test_lossless(name, k, dtype, gpu_refs, on_gpu, record_property):
+    """Speculative greedy == plain greedy with prefix caching on and a page pool small enough
+    to preempt. float32: every token equal; bfloat16: equal, or parted only at a near-tie."""
+    import jspec
+    from tests.helpers import spec_e2e as h
+
+    prompts = h.varied_prompts(8, 1, 50, seed=0)
+    # Prompts sharing a 40-token prefix with the longest one: prefix-cache hits.
+    longest = max(prompts, key=len)
+    prompts += [longest[:40] + [9 + i] for i in range(3)]
+    sp = jspec.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    # The reference: plain greedy decoding under the same engine settings (prefix caching
+    # on, the same page pool).
+    want = [o.token_ids for o in h.llm(None, dtype=dtype).generate(prompts, sp)]
+    llm = h.llm(name, k, dtype=dtype)
+    eng = llm.engine
+    _on_gpu_kernels(eng, on_gpu)
+    before = eng.stats()
+    got = [o.token_ids for o in llm.generate(prompts, sp)]
+    d = h.stats_delta(before, eng.stats())
+    after = eng.stats()
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    ties = []
+    for i in bad:
+        text, gap, top = _divergence(prompts[i], got[i], want[i], dtype)
+        # bfloat16: two schedules of the same maths (batch rows, chunking, kernels) round
+        # differently, so a token whose float32 lead is within NEAR_TIE_ULPS bf16 steps of
+        # the top logit may flip; anything wider is a verification bug.
+        assert dtype == "bfloat16" and abs(gap) <= NEAR_TIE_ULPS * 2.0 ** (np.floor(np.log2(top)) - 7), \
+            f"prompt {i} differs: {text}"
+        ties.append(f"prompt {i} parts at a near-tie: {text}")
+    pre = after["num_preemptions"] - before["num_preemptions"]
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    assert pre > 0 and hits > 0, f"preemptions {pre}, prefix hits {hits}"
+    assert d["mean_acceptance_length"] > 1.3, d
+    record_property("detail", f"mean acceptance length {d['mean_acceptance_length']:.2f}, preemptions {pre}, "
+                              f"prefix-cache hits {hits}; {len(prompts) - len(bad)} of {len(prompts)} outputs equal"
+                              + "".join(f"; {t}" for t in ties))
+
+
+def _divergence(prompt, got, want, dtype):
+    """Where a speculative output leaves the plain one, and the target's logit gap between
+    the two tokens there, from one single-sequence forward in ``dtype`` and in float32 (a
+    gap at the dtype's rounding level is a near-tie, not a verification bug). Returns
+    (text, the float32 gap, the float32 top logit)."""
+    import jax.numpy as jnp
+
+    from jspec.kv_cache import AttentionMetadata, KVCache
+    from jspec.models.transformer import Transformer
+    from tests.helpers import spec_e2e as h
+
+    j = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    ids = prompt + want[:j]
+    gaps = []
+    for dt in dict.fromkeys((dtype, "float32")):
+        r = h.llm(None, dtype=dt).engine.runner
+        c = r.cfg
+        n = -(-len(ids) // 16)
+        kv = KVCache.create(c.num_layers, n, 16, c.num_kv_heads, c.head_dim, r.kv.k[0].dtype)
+        meta = AttentionMetadata.for_single_sequence(list(range(n)), 16, 0, len(ids), n)
+        hid, _, _ = r.model.apply({"params": r.params}, jnp.asarray([ids], jnp.int32), meta, kv)
+        lg = np.asarray(r.model.apply({"params": r.params}, hid[:, -1], method=Transformer.logits)[0], np.float64)
+        gap, top = lg[want[j]] - lg[got[j]], lg.max()
+        gaps.append(f"{dt} logit[{want[j]}] - logit[{got[j]}] = {gap:+.4f} (top logit {top:.3f})")
+    return f"first at output {j}: spec {got[j]} vs plain {want[j]}; " + "; ".join(gaps), gap, top
+
+
+# ---- SamplingParams' processors, structured outputs ----------------------------------------
+@pytest.mark.parametrize("name,k", [
+    pytest.param(n, k, id=n, marks=line(GROUPS[n], f"penalties, logit_bias, logprobs: spec greedy == plain greedy: "
+                                                   f"{n}, K={k}, float32"))
+    for n, k in (("eagle3", 3), ("dflash4", 3))])
+def test_processors(name, k, gpu_refs, on_gpu, record_property):
+    """Penalties, logit_bias and logprobs (issue 26) on the GPU kernels: speculative greedy ==
+    plain greedy token for token, and the emitted tokens' logprobs equal (float32)."""
+    import jspec
+    from tests.helpers import spec_e2e as h
+
+    prompts = h.varied_prompts(6, 4, 40, seed=3)
+    sp = jspec.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=0.05,
+                              frequency_penalty=0.02, repetition_penalty=1.02, logit_bias={5: 1.5, 9: -2.0},
+                              logprobs=2)
+    want = h.llm(None, dtype="float32").generate(prompts, sp)
+    llm = h.llm(name, k, dtype="float32")
+    _on_gpu_kernels(llm.engine, on_gpu)
+    before = llm.engine.stats()
+    got = llm.generate(prompts, sp)
+    d = h.stats_delta(before, llm.engine.stats())
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g.token_ids != w.token_ids]
+    assert not bad, f"prompts {bad} differ"
+    err = max(abs(gl[t].logprob - wl[t].logprob) for g, w in zip(got, want)
+              for t, gl, wl in zip(g.token_ids, g.outputs[0].logprobs, w.outputs[0].logprobs))
+    # float32 dots on the GPU run in TF32 by default (XLA's GEMMs for the K + 1 verification
+    # rows, Triton's tl.dot in the one-row kernels): a 10-bit mantissa, so the two paths'
+    # logits part by ~1e-3 (2.0e-3 seen on the H200, 82abd62); the CPU tests hold 1e-4.
+    assert err < 1e-2, f"logprobs differ by up to {err}"
+    assert d["mean_acceptance_length"] > 1.2, d
+    record_property("detail", f"mean acceptance length {d['mean_acceptance_length']:.2f}; {len(prompts)} of "
+                              f"{len(prompts)} outputs equal; emitted logprobs within {err:.1e}")
+
+
+@pytest.mark.parametrize("method", [
+    pytest.param(m, id=m, marks=line(f"structured_{m}", "structured outputs (16 JSON schemas): spec greedy == plain "
+                                                        f"greedy, all valid: family {m}, float32"))
+    for m in ("eagle3", "dflash")])
+def test_structured(method, on_gpu, record_property):
+    """Structured outputs (issue 27) on the GPU kernels, the shipped family (its real tokenizer
+    and drafters), float32: 16 JSON schemas, speculative greedy == plain greedy, every output
+    valid."""
+    import jspec
+    from tests.helpers.structured import schemas, valid
+
+    sch = schemas(16)
+    prompts = [f"# config {i}\nsettings = " for i in range(len(sch))]
+    sp = [jspec.SamplingParams(temperature=0, max_tokens=120, structured_outputs=jspec.StructuredOutputsParams(
+        json=s, disable_any_whitespace=True)) for s in sch]
+    # A fixed page pool (the pool line checks one sized from memory): this line runs beside others.
+    kw = dict(dtype="float32", max_num_seqs=8, max_model_len=256, num_pages=512)
+    want = [o.outputs[0].text for o in jspec.LLM(warmup=False, **kw).generate(prompts, sp)]
+    llm = jspec.LLM(speculative_config={"method": method}, warmup=False, **kw)
+    _on_gpu_kernels(llm.engine, on_gpu)
+    outs = llm.generate(prompts, sp)
+    got = [o.outputs[0].text for o in outs]
+    bad = [i for i, (o, s) in enumerate(zip(outs, sch)) if o.outputs[0].finish_reason != "stop" or not valid(got[i], s)]
+    assert not bad, f"outputs {bad} unfinished or invalid: {[got[i] for i in bad[:2]]}"
+    differ = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert not differ, f"outputs {differ} differ from plain: {got[differ[0]]!r} vs {want[differ[0]]!r}"
+    record_property("detail", f"mean acceptance length {llm.engine.stats()['mean_acceptance_length']:.2f}; "
+                              f"{len(sch)} of {len(sch)} outputs valid and equal")
+
+
+# ---- mixed steps, a failed step ------------------------------------------------------------
+@pytest.mark.parametrize("name,k", [
+    pytest.param(n, k, id=n or "plain", marks=line(g, f"mixed steps: greedy == unmixed plain greedy: {n or 'plain'}, "
+                                                      "float32"))
+    for n, k, g in ((None, None, "eagle3_more"), ("eagle3", 3, "eagle3"), ("dflash8_zlab", 7, "dflash"),
+                    ("ngram", 3, "peagle"), ("draft_llama", 3, "draft_model"))])
+def test_mixed(name, k, gpu_refs, on_gpu, record_property):
+    """Mixed steps (issue 28: every decode row and a prefill chunk in one call) on the GPU
+    kernels, plain or speculative: greedy == the unmixed plain engine's."""
+    import jspec
+    from tests.helpers import spec_e2e as h
+
+    prompts = h.varied_prompts(8, 1, 50, seed=5)
+    sp = jspec.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = [o.token_ids for o in h.llm(None, dtype="float32").generate(prompts, sp)]
+    llm = h.llm(name, k, dtype="float32", max_num_partial_prefills=1)
+    eng = llm.engine
+    _on_gpu_kernels(eng, on_gpu)
+    before = eng.stats()
+    got = [o.token_ids for o in llm.generate(prompts, sp)]
+    after = eng.stats()
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert not bad, f"outputs {bad} differ"
+    n = after["num_mixed_steps"] - before["num_mixed_steps"]
+    assert n > 0, "no mixed step ran"
+    record_property("detail", f"{n} mixed steps, {after['num_preemptions'] - before['num_preemptions']} preemptions; "
+                              "8 of 8 outputs equal")
+
+
+@line("eagle3", "a step that fails on the device after its call: the engine serves on: eagle3, K=3, float32")
+def test_failed_step(gpu_refs, on_gpu, record_property):
+    """A step whose call took the donated buffers and then failed (as on the device's out of
+    memory): the engine restores zeroed buffers (jspec/engine/recovery.py), preempts its
+    running requests and finishes them with the plain greedy outputs, on the GPU kernels."""
+    import jax
+
+    import jspec
+    from tests.helpers import spec_e2e as h
+
+    prompts = h.varied_prompts(8, 1, 50, seed=0)
+    sp = jspec.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    want = [o.token_ids for o in h.llm(None, dtype="float32").generate(prompts, sp)]
+    eng = h.llm("eagle3", 3, dtype="float32").engine  # the lossless line's engine: compiled
+    _on_gpu_kernels(eng, on_gpu)
+    r = eng.runner
+    real, calls = r._invoke, []
+
+    def failing(*a, **kw):
+        out = real(*a, **kw)
+        calls.append(1)
+        if len(calls) == 5:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: (gpu_check) a failure after the call")
+        return out
+
+    r._invoke = failing
+    try:
+        for i, p in enumerate(prompts):
+            eng.add_request(f"failed_step{i}", p, sp)
+        done, failures = {}, []
+        while eng.has_unfinished_requests():
+            n0 = eng.scheduler.num_preemptions
+            try:
+                done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+            except jax.errors.JaxRuntimeError:
+                failures.append(eng.scheduler.num_preemptions - n0)
+    finally:
+        del r._invoke  # the class's method again
+    assert len(failures) == 1 and failures[0] > 0, failures
+    got = [done[f"failed_step{i}"] for i in range(len(prompts))]
+    same = sum(g == w for g, w in zip(got, want))
+    assert same == len(prompts), f"{same} of {len(prompts)} outputs equal"
+    record_property("detail", f"step 5 failed after its call; {failures[0]} requests preempted, {same} of {same} "
+                              "outputs == plain greedy")
+
+
+# ---- targets the GPU kernels cannot take, or take through other kernels --------------------
+@line("peagle", "head_dim 24 runs on the XLA path == transformers")
+def test_fallback(gpu_ckpts, gpu_refs, on_gpu, record_property):
+    import jspec
+
+    r = gpu_refs["qwen3_hd24"]
+    # A fixed small page pool: sized from free memory it would keep most of the device
+    # (until collected) from the server the serve line starts.
+    llm = jspec.LLM(os.path.join(gpu_ckpts, "qwen3_hd24"), warmup=False, max_num_seqs=1, max_model_len=64,
+                    page_size=8, num_pages=32)
+    _on_gpu_kernels(llm.engine, on_gpu)
+    out = llm.generate([r["prompt"]], jspec.SamplingParams(temperature=0, max_tokens=FALLBACK_TOKENS,
+                                                           ignore_eos=True))[0].token_ids
+    assert out == r["greedy"], f"{out} vs transformers {r['greedy']}"
+    record_property("detail", f"{FALLBACK_TOKENS} greedy tokens == transformers (float32)")
+
+
+@pytest.mark.parametrize("method", [
+    pytest.param(None, id="plain", marks=line("draft_model", "a Qwen3 mixture-of-experts target == transformers: "
+                                                             "plain, float32")),
+    pytest.param("ngram", id="ngram", marks=line("draft_model", "a Qwen3 mixture-of-experts target == transformers: "
+                                                                "n-gram K=3, float32"))])
+def test_moe_target(method, gpu_ckpts, gpu_refs, on_gpu, record_property):
+    """The Qwen3-MoE target's greedy output on the GPU == transformers' (float32), plain or
+    speculating (``method`` "ngram": the K+1-row verification through the experts too)."""
+    import jspec
+    from tests.helpers import spec_e2e as h
+
+    r = gpu_refs["qwen3_moe"]
+    spec = None if method is None else h.spec_config(method, 3)
+    llm = jspec.LLM(os.path.join(gpu_ckpts, "qwen3_moe"), warmup=False, max_num_seqs=2, max_model_len=64,
+                    page_size=8, num_pages=32, speculative_config=spec)
+    _on_gpu_kernels(llm.engine, on_gpu)
+    before = llm.engine.stats()
+    outs = llm.generate(r["prompts"], jspec.SamplingParams(temperature=0, max_tokens=MOE_TOKENS, ignore_eos=True))
+    for o, want in zip(outs, r["greedy"]):
+        assert o.token_ids == want, f"{o.token_ids} vs transformers {want}"
+    d = h.stats_delta(before, llm.engine.stats())
+    extra = "" if spec is None else f"; mean acceptance length {d['mean_acceptance_length']:.2f}"
+    record_property("detail", f"{len(outs)} x {MOE_TOKENS} greedy tokens == transformers (float32){extra}")
+
+
+# ---- the rejection kernel ---------------------------------------------------------------
+@pytest.mark.parametrize("method,with_probs", [
+    pytest.param(m, p, id=i, marks=line("peagle", f"rejection kernel == reference: {what}"))
+    for m, p, i, what in (("standard", False, "standard", "greedy + sampled rows, no draft probs"),
+                          ("standard", True, "standard-probs", "probabilistic, with draft probs"),
+                          ("synthetic", False, "synthetic", "synthetic acceptance"))])
+def test_rejection(method, with_probs, on_gpu, record_property):
+    """The GPU rejection-sampling kernel == its jnp reference on seeded inputs, at a Llama-3
+    vocabulary (a CPU smoke run: the kernel interpreted, a smaller vocabulary)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas.rejection_sampling import ref_rejection_sample, rejection_sample
+
+    B, K, V = (16, 7, 128256) if on_gpu else (16, 7, 3000)
+    rng = np.random.default_rng(11)
+    key = jax.random.PRNGKey(5)
+    logits = 3.0 * jax.random.normal(key, (B, K + 1, V), jnp.float32)
+    drafts = jnp.asarray(rng.integers(0, V, (B, K)), jnp.int32)
+    # Half the drafts are the target's argmax, so greedy rows accept some and reject some.
+    top = jnp.argmax(logits[:, :K], -1).astype(jnp.int32)
+    drafts = jnp.where(jnp.asarray(rng.random((B, K)) < 0.7), top, drafts)
+    nd = jnp.asarray(rng.integers(0, K + 1, B), jnp.int32)
+    temp = jnp.asarray(np.where(np.arange(B) % 2, rng.uniform(0.5, 1.5, B), 0.0), jnp.float32)
+    top_k = jnp.asarray(np.where(np.arange(B) % 4 == 1, 50, 0), jnp.int32)
+    top_p = jnp.asarray(np.where(np.arange(B) % 4 == 3, 0.9, 1.0), jnp.float32)
+    q = None
+    if with_probs:
+        q = jax.nn.softmax(logits[:, :K] + jax.random.normal(jax.random.PRNGKey(6), (B, K, V)), -1)
+    seeds = jnp.asarray(rng.integers(0, 2**31, B), jnp.int32)
+    pos = jnp.asarray(rng.integers(0, 4000, B), jnp.int32)
+    args = (logits, drafts, nd, q, temp, top_k, top_p, seeds, pos)
+    kw = dict(method=method, synthetic_rates=(0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3) if method == "synthetic" else None)
+    want = ref_rejection_sample(*args, **kw)
+    impl = "gpu" if on_gpu else "interpret"
+    got = jax.jit(lambda *a: rejection_sample(*a, impl=impl, **kw))(*args)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    n = np.asarray(want[1])
+    assert len(set(n.tolist())) > 2, n  # several acceptance lengths: not a vacuous batch
+    record_property("detail", f"B={B} K={K} V={V}: tokens and counts equal; counts {sorted(set(n.tolist()))}")
+
+
+# ---- warmup ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,k", [
+    pytest.param("eagle3", 3, id="eagle3", marks=line("eagle3", "LLMEngine.warmup() with a drafter (EAGLE3)")),
+    pytest.param("dflash4", 3, id="dflash4", marks=line("dflash", "LLMEngine.warmup() with a drafter (DFlash)"))])
+def test_warmup(name, k, gpu_refs, record_property):
+    """LLMEngine.warmup() with a drafter compiles every shape bucket; requests compile none."""
+    import jspec
+    from tests.helpers import spec_e2e as h
+
+    prompts = h.varied_prompts(4, 1, 40, seed=3)
+    sp = jspec.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    # The reference first: a plain engine built and run for the first time in this process
+    # between the warmup and the requests costs the speculative step one retrace on
+    # jax 0.11.2 (seen on the H100; not in a server, which runs one engine).
+    want = [o.token_ids for o in h.llm(None, enable_prefix_caching=False).generate(prompts, sp)]
+    llm = h.llm(name, k, seed=2)  # a fresh engine
+    eng = llm.engine
+    shapes = eng.warmup_shapes()
+    eng.warmup()
+    n = eng.runner.num_compilations
+    assert n == len(shapes), (n, len(shapes))
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    assert eng.runner.num_compilations == n, "a request compiled a new shape after warmup"
+    record_property("detail", f"{n} shapes compiled, none after; outputs == plain greedy")

@@ -1,0 +1,72 @@
+"""The checkpoints of the GPU check's lines (tests/gpu, run by scripts/gpu_check.py) and what
+the lines share with their builder.
+
+The GPU machine has no torch models to build from and little time, so ``build`` writes the
+tiny checkpoints of tests/helpers/spec_e2e.py and the transformers references once on a
+CPU machine (``python scripts/gpu_check.py --build DIR``); ``use_checkpoints`` points
+spec_e2e at that folder on the GPU machine, so that no torch model is rebuilt there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+# (drafter name in tests/helpers/spec_e2e.py, K, what it covers)
+DRAFTERS = [
+    ("eagle3", 3, "EAGLE3 speculators, reduced vocabulary (d2t)"),
+    ("eagle3_full", 3, "EAGLE3 speculators, full vocabulary"),
+    ("eagle3_orig", 7, "EAGLE3 original layout (midlayer.*)"),
+    ("peagle", 7, "PEagle speculators"),
+    ("dflash4", 3, "DFlash speculators"),
+    ("dflash8_zlab", 7, "DFlash z-lab layout"),
+    ("draft_llama", 3, "a draft model (2-layer Llama, method draft_model)"),
+]
+FALLBACK_PROMPT_LEN, FALLBACK_TOKENS = 12, 12  # the head_dim 24 line's prompt and greedy tokens
+MOE_TOKENS = 16  # greedy tokens of each of the mixture-of-experts line's two prompts
+
+
+def build(folder: str):
+    """Tiny checkpoints and the transformers references into ``folder`` (CPU; needs torch +
+    speculators): spec_e2e's target (``target/``) and every drafter of ``DRAFTERS`` (one
+    folder each), a head_dim 24 Qwen3 (``qwen3_hd24/``), a Qwen3 mixture of experts
+    (``qwen3_moe/``), and ``references.json``: transformers' greedy tokens of both."""
+    from tests.helpers import spec_e2e as h
+    from tests.helpers.targets import build_hf_model, hf_greedy
+
+    os.makedirs(folder, exist_ok=True)
+    h._CACHE["root"] = os.path.abspath(folder)
+    h.target()
+    for name, _, _ in DRAFTERS:
+        h.drafter(name)
+    qwen = build_hf_model("qwen3")  # head_dim 24: no GPU kernel takes it
+    qwen.save_pretrained(os.path.join(folder, "qwen3_hd24"))
+    prompt = [int(t) for t in np.random.default_rng(4).integers(3, 384, size=FALLBACK_PROMPT_LEN)]
+    refs = {"qwen3_hd24": {"prompt": prompt, "greedy": hf_greedy(qwen, prompt, FALLBACK_TOKENS)}}
+    moe = build_hf_model("qwen3_moe")  # a Qwen3 mixture-of-experts target (8 experts, 2 a token)
+    moe.save_pretrained(os.path.join(folder, "qwen3_moe"))
+    prompts = [[int(t) for t in np.random.default_rng(5 + i).integers(3, 384, size=n)] for i, n in enumerate((7, 30))]
+    refs["qwen3_moe"] = {"prompts": prompts, "greedy": [hf_greedy(moe, p, MOE_TOKENS) for p in prompts]}
+    with open(os.path.join(folder, "references.json"), "w") as f:
+        json.dump(refs, f)
+    print(f"built {sorted(os.listdir(folder))} under {folder}")
+
+
+def use_checkpoints(folder: str) -> dict:
+    """Point tests/helpers/spec_e2e.py at the folders ``build`` wrote under ``folder`` (no
+    torch model is rebuilt) and return its references.json. Raises FileNotFoundError, with
+    the command that builds them, if a drafter's folder is missing."""
+    from tests.helpers import spec_e2e as h
+
+    folder = os.path.abspath(folder)
+    h._CACHE["root"] = folder
+    h._CACHE["target"] = (os.path.join(folder, "target"), None)
+    for name, _, _ in DRAFTERS:
+        path = os.path.join(folder, name)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{path}: run `python scripts/gpu_check.py --build {folder}` on a CPU machine first")
+        h._CACHE[("drafter", name)] = path
+    with open(os.path.join(folder, "references.json")) as f:
+        return json.load(f)
