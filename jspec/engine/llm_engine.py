@@ -37,6 +37,7 @@ from jspec.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jspec.engine.sequence import Sequence, SpecMetrics, Status
 from jspec.engine.stopping import append_tokens
 from jspec.engine.structured import GrammarCompiler, advance, any_grammar
+from jspec.engine.warmup import run_warmup
 from jspec.inputs import check_cache_salt, parse_prompt
 from jspec.ops import plan_kernels, plan_params
 from jspec.sampling_params import SamplingParams
@@ -309,8 +310,8 @@ class LLMEngine:
         self.runner.log_compiles = False
         store = Store.open()
         try:
-            compiled, loaded = self.runner.warmup(
-                self.sched_steps, self._async, structured=self.config.warmup_structured_outputs,
+            compiled, loaded = run_warmup(
+                self.runner, self.sched_steps, self._async, structured=self.config.warmup_structured_outputs,
                 threads=self.runner.plan.compile_threads, store=store, progress=progress)
         finally:
             self.runner.log_compiles = True
