@@ -105,11 +105,13 @@ class FlatRunner:
                              compiler_options=opts)
         self.state = EngineState(kv, dkv, probs)
         self._no_prev: dict = {}  # (N, steps) -> zeros: the ``prev`` of an unchained fed-back call
-        # (jitted function's name, its static arguments) -> the executable ``prepare`` made
+        # (jitted function's name, its static arguments) -> the executable warmup.prepare made
         self._executables: dict[tuple, object] = {}
         self.num_loaded = 0  # executables loaded from disk (jspec/engine/executables.py)
 
     def configure_sampling(self, eos_token_ids, max_logprobs: int, logprobs_mode: str):
+        """What the processors and logprobs read: the eos ids min_tokens bans, the top
+        logprobs per token (``max_logprobs``; -1: the whole vocabulary), ``logprobs_mode``."""
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         self.n_top_logprobs = self.cfg.vocab_size if max_logprobs == -1 else min(max_logprobs, self.cfg.vocab_size)
         self.logprobs_mode = logprobs_mode
