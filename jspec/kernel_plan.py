@@ -60,7 +60,7 @@ class KernelPlan:
     draft_tp: int = 1
     mesh: object = None  # jax.sharding.Mesh | None
     shard_linear: str = "reference"  # ``linear`` inside a per-shard layer (tp > 1)
-    # Threads warmup compiles on (FlatRunner.prepare). On an accelerator compilation is
+    # Threads warmup compiles on (jspec/engine/warmup.py, prepare). On an accelerator compilation is
     # host work that releases the GIL (XLA's passes, LLVM, Triton); XLA:CPU's compiler
     # already spreads one compilation over the cores, so CPU compiles one at a time.
     compile_threads: int = 1

@@ -62,6 +62,7 @@ from bench_llm import llm_section, moe_section, structured_section
 
 from jspec.checkpoint.target import target_param_spec
 from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
+from jspec.engine.warmup import run_warmup
 
 
 def plain_section(args, bw):
@@ -264,7 +265,7 @@ def spec_section(args, bw, kind):
 
 def warmup_section(args, bw):
     """Engine warmup (every shape compiled) of the 8B plain engine at max_num_seqs
-    --warm-batch, one compilation at a time and on the plan's threads (FlatRunner.prepare),
+    --warm-batch, one compilation at a time and on the plan's threads (jspec/engine/warmup.py, prepare),
     each on a fresh engine with jax's caches cleared (no persistent cache)."""
     cfg = LLAMA_8B
     params = random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
@@ -275,7 +276,7 @@ def warmup_section(args, bw):
         n = len(eng.warmup_shapes())
         threads = threads or eng.runner.plan.compile_threads
         t = time.perf_counter()
-        eng.runner.warmup(1, True, threads=threads)
+        run_warmup(eng.runner, 1, True, threads=threads)
         t = time.perf_counter() - t
         rows.append(dict(threads=threads, shapes=n, seconds=t, compilations=eng.runner.num_compilations))
         print(f"warmup, {n} shapes, {threads} compile thread(s): {t:.1f} s", flush=True)

@@ -180,10 +180,11 @@ def compile_decode(eng, B, ctx, steps):
     """Compile the decode shapes of a batch of B rows, so that nothing compiles inside the
     timed loop (``ctx``, ``steps``: unused since the page table has one width)."""
     from jspec.engine.buckets import pick
+    from jspec.engine.warmup import run_warmup
 
     r, c = eng.runner, eng.config
     N = pick(r.shapes.batch, B)  # one page-table width: the decode family's shapes of B rows
-    r.warmup(shapes=[s for s in r.warmup_shapes(c.num_scheduler_steps, eng._async) if s.decode and s.seqs == N])
+    run_warmup(r, shapes=[s for s in r.warmup_shapes(c.num_scheduler_steps, eng._async) if s.decode and s.seqs == N])
 
 
 def engine_decode(eng, B, ctx, rng, steps):

@@ -31,7 +31,7 @@ from flax import struct
 
 from jspec.engine.buckets import pick, pow2_buckets
 from jspec.engine.logits_processing import ProcInput, build_proc_input, wants_processing
-from jspec.engine.runner_base import fold_seed
+from jspec.engine.sampling_step import fold_seed
 from jspec.engine.scheduler import SchedulerOutput
 from jspec.engine.structured import build_bitmask
 from jspec.kv_cache import RaggedMetadata

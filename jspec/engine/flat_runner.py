@@ -13,39 +13,69 @@ A batch with a grammar chained behind another splits in two calls: the target's 
 then masks, sampling (and the drafter) once the host has built the masks. Three jitted
 functions in all: ``_step``, ``_fwd`` and ``_tail``; each takes the device state
 (``EngineState``: the caches, the drafts' probabilities) donated and returns it.
-Warmup prepares an executable for every call a step can make (``prepare``): loaded whole
-from disk when this code, configuration and device compiled it before
-(jspec/engine/executables.py), else compiled, several at once.
+Warmup (jspec/engine/warmup.py) prepares an executable for every call a step can make,
+which ``_invoke`` then calls instead of the jitted function.
 """
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.config import ModelConfig
 from jspec.drafters.propose import ProposeInputs, slots_for
 from jspec.engine import flat_spec
 from jspec.engine.engine_state import EngineState
-from jspec.engine.executables import Store, compile_and_keep, stable_repr
 from jspec.engine.flat_input import FlatInput, FlatShape, FlatShapes, build_flat_input
 from jspec.engine.logits_processing import extend_history
 from jspec.engine.logprobs import logprob_info
-from jspec.engine.packing import pack
-from jspec.engine.runner_base import RunnerBase, SampleInput, Split, tokens_of
+from jspec.engine.packing import pack, unpack
+from jspec.engine.sampling_step import (
+    SampleInput,
+    Split,
+    build_sample_input,
+    filtering_mode,
+    process,
+    sample_no_drafts,
+    token_logprobs,
+    tokens_of,
+)
 from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
+from jspec.engine.warmup import exe_key
+from jspec.kv_cache import KVCache
 from jspec.models.transformer import Transformer
+from jspec.ops import KernelPlan
 from jspec.parallel import replicate
 from kernels_pallas.rejection_sampling import rejection_sample
 
+logger = logging.getLogger("jspec.engine")
 
-class FlatRunner(RunnerBase):
-    def __init__(self, cfg, params, kv, shapes: FlatShapes, *, width: int, dtype, plan, spec=None, dcfg=None,
-                 dparams=None, dkv=None, max_num_seqs: int = 1):
+
+class FlatRunner:
+    # Set by the engine (configure_sampling): what the processors and logprobs need.
+    eos_token_ids: tuple = ()  # banned by min_tokens
+    n_top_logprobs: int = 20  # top logprobs computed per token (EngineConfig.max_logprobs)
+    logprobs_mode: str = "raw_logprobs"
+
+    def __init__(self, cfg: ModelConfig, params, kv: KVCache, shapes: FlatShapes, *, width: int, dtype,
+                 plan: KernelPlan, spec=None, dcfg=None, dparams=None, dkv=None, max_num_seqs: int = 1):
         """``width``: pages of the longest sequence (max_model_len plus lookahead): the page
-        table's one width. ``spec`` (SpeculativeConfig), ``dcfg``, ``dparams``, ``dkv``: the
-        drafter, K = spec.num_speculative_tokens (None: plain decoding, K = 0)."""
-        super().__init__(cfg, params, kv, dtype=dtype, plan=plan)
+        table's one width. ``plan``: which kernels run (jspec.ops.plan_kernels). ``spec``
+        (SpeculativeConfig), ``dcfg``, ``dparams``, ``dkv``: the drafter, K =
+        spec.num_speculative_tokens (None: plain decoding, K = 0)."""
+        self.cfg, self.params, self.plan = cfg, params, plan
+        self.page_size, self.num_pages = kv.page_size, kv.num_pages
+        self.model = Transformer(cfg, dtype=dtype, plan=plan)
+        self.sample_impl = plan.sample  # the rejection sampler's impl, read by the jitted steps
+        self.num_compilations = 0  # traces of the step function (one per new shape)
+        self.log_compiles = True  # each on first use (warmup says how many it compiled instead)
+        # Packed layouts by index: the jitted steps take the small int as their static
+        # argument, which is far cheaper to hash per call than the layout itself.
+        self._layout_ids: dict = {}
+        self._layouts: list = []
         self.shapes, self.width = shapes, width
         self.num_mixed_steps = 0  # steps with decode rows and prefill chunks (engine stats)
         self.spec, self.dcfg, self.dparams = spec, dcfg, dparams
@@ -75,9 +105,16 @@ class FlatRunner(RunnerBase):
                              compiler_options=opts)
         self.state = EngineState(kv, dkv, probs)
         self._no_prev: dict = {}  # (N, steps) -> zeros: the ``prev`` of an unchained fed-back call
-        # (jitted function's name, its static arguments) -> the executable ``prepare`` made
+        # (jitted function's name, its static arguments) -> the executable warmup.prepare made
         self._executables: dict[tuple, object] = {}
         self.num_loaded = 0  # executables loaded from disk (jspec/engine/executables.py)
+
+    def configure_sampling(self, eos_token_ids, max_logprobs: int, logprobs_mode: str):
+        """What the processors and logprobs read: the eos ids min_tokens bans, the top
+        logprobs per token (``max_logprobs``; -1: the whole vocabulary), ``logprobs_mode``."""
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
+        self.n_top_logprobs = self.cfg.vocab_size if max_logprobs == -1 else min(max_logprobs, self.cfg.vocab_size)
+        self.logprobs_mode = logprobs_mode
 
     @property
     def kv(self):
@@ -90,6 +127,25 @@ class FlatRunner(RunnerBase):
     @property
     def probs_buf(self):
         return self.state.probs
+
+    def _layout_id(self, layout) -> int:
+        if layout not in self._layout_ids:
+            self._layout_ids[layout] = len(self._layouts)
+            self._layouts.append(layout)
+        return self._layout_ids[layout]
+
+    def _unpack(self, ints, floats, layout_id):
+        return unpack(ints, floats, self._layouts[layout_id])
+
+    def _compiling(self, what: str, layout_id: int):
+        """Count a trace of a jitted step (one per new shape) and say so: on a CPU a first
+        call of a shape compiles for seconds, which a user should not take for a hang."""
+        self.num_compilations += 1
+        if not self.log_compiles:
+            return
+        shape = self._layouts[layout_id][1][0][1]  # the first packed leaf: the step's tokens [B, Q]
+        logger.info("compiling a %s step for tokens %s (its first call; %d step shapes compiled)", what,
+                    list(shape), self.num_compilations)
 
     # ---- device side ------------------------------------------------------------------
     def _step_impl(self, params, dparams, state: EngineState, rates, ints, floats, prev, *, layout, steps: int,
@@ -124,10 +180,14 @@ class FlatRunner(RunnerBase):
         return state, (out, self._flat_prompt_logprobs(params, h[0], inp.proc), inp.meta.cu_q_lens)
 
     def _sample_one(self, logits, s, proc, sample_pos, filtering):
-        """``_sample_no_drafts`` -> (i32[N, 1], the logprob blocks i32[N, 1, F] or None without
+        """``sample_no_drafts`` -> (i32[N, 1], the logprob blocks i32[N, 1, F] or None without
         ``proc``)."""
-        out, _, logits, raw = self._sample_no_drafts(logits, s, proc, sample_pos, filtering)
+        out, _, logits, raw = sample_no_drafts(logits, s, proc, sample_pos, filtering, self.sample_impl)
         return out, None if proc is None else self._token_logprobs(raw, logits, out, s)
+
+    def _token_logprobs(self, raw, processed, tokens, inp):
+        """``token_logprobs`` under the engine's logprobs settings (configure_sampling)."""
+        return token_logprobs(raw, processed, tokens, inp, self.n_top_logprobs, self.logprobs_mode)
 
     def _verify_and_propose(self, params, dparams, state: EngineState, rates, logits, aux, inp: FlatInput, s,
                             filtering):
@@ -138,7 +198,7 @@ class FlatRunner(RunnerBase):
         drafts = inp.tokens[inp.logits_idx[:, 1:]]  # i32[N, K]: d_1..d_K of decode rows
         probs_buf = state.probs
         q = probs_buf[s.prob_rows] if self.with_probs else None
-        logits, raw = self._process(logits, s, s.proc, drafts)  # position j sees the drafts before it
+        logits, raw = process(logits, s, s.proc, drafts)  # position j sees the drafts before it
         out, n_emit = rejection_sample(
             logits, drafts, s.num_draft, q, s.temperature, s.top_k, s.top_p, s.seeds, s.sample_pos,
             method=self.spec.rejection_sample_method, synthetic_rates=rates, impl=self.sample_impl,
@@ -160,6 +220,15 @@ class FlatRunner(RunnerBase):
 
     def _lm(self, params, h):
         return self.model.apply({"params": params}, h, method=Transformer.logits)
+
+    # ---- the target's tables, for the drafters (the runner never names parameters) ----
+    def embedding_table(self, params):
+        """The target's input embedding [V, H]."""
+        return self.model.apply({"params": params}, method=Transformer.embedding_table)
+
+    def lm_head_weight(self, params):
+        """The target's output projection, in the plan's layout."""
+        return self.model.apply({"params": params}, method=Transformer.lm_head_weight)
 
     def _flat_prompt_logprobs(self, params, h, proc):
         """i32[T, F] logprob blocks of each token's next prompt token (T = 0 unless a row of
@@ -248,7 +317,7 @@ class FlatRunner(RunnerBase):
     def _invoke(self, name: str, args, kw):
         """Call the jitted function ``name``: the executable ``prepare`` made for these static
         arguments, else the function itself (traced and compiled on first use)."""
-        exe = self._executables.get(_exe_key(name, kw))
+        exe = self._executables.get(exe_key(name, kw))
         return exe(*args) if exe is not None else getattr(self, name)(*args, **kw)
 
     def _no_prev_for(self, N: int, steps: int):
@@ -265,7 +334,8 @@ class FlatRunner(RunnerBase):
         ints, floats, layout = pack(inp)
         if steps and prev is None:
             prev = self._no_prev_for(inp.sample.shape[0], steps)
-        kw = dict(layout=self._layout_id(layout), steps=steps, filtering=filtering or self._filtering(inp))
+        filtering = filtering or filtering_mode(self.cfg.vocab_size, inp)
+        kw = dict(layout=self._layout_id(layout), steps=steps, filtering=filtering)
         return "_step", (self.params, self.dparams, self.state, self.synthetic_rates, ints, floats, prev), kw
 
     def dispatch(self, sched: SchedulerOutput, steps: int = 0, prev: jax.Array | None = None,
@@ -344,7 +414,7 @@ class FlatRunner(RunnerBase):
         """The rest of a split step from the host state now (the step before it read): each
         running row samples (verifying its grammar-valid drafts). The output is a one-step
         chained call's."""
-        s = self.build_sample_input(sched, split)
+        s = build_sample_input(sched, split, self.eos_token_ids, self.cfg.vocab_size)
         for i, r in enumerate(sched.seqs):
             s.prob_rows[i] = self._prob_rows.get(r.seq.request_id, 0)
         return self.run_tail(split, s)
@@ -356,7 +426,7 @@ class FlatRunner(RunnerBase):
     def _tail_call(self, split: Split, s: SampleInput, filtering: str | None = None):
         ints, floats, layout = pack(s)
         return "_tail", (self.params, self.state, self.dparams, self.synthetic_rates, split.fwd, ints, floats), dict(
-            layout=self._layout_id(layout), filtering=filtering or self._filtering(s))
+            layout=self._layout_id(layout), filtering=filtering or filtering_mode(self.cfg.vocab_size, s))
 
     # ---- the closed set of shapes -----------------------------------------------------
     def warmup_shapes(self, num_scheduler_steps: int = 1, async_scheduling: bool = False) -> list[FlatShape]:
@@ -370,112 +440,3 @@ class FlatRunner(RunnerBase):
         steps = ({0} if multi or not async_scheduling else set()) | ({num_scheduler_steps} if multi else set())
         steps |= {1} if async_scheduling else set()  # with num_scheduler_steps > 1: a batch with a grammar
         return self.shapes.all(tuple(sorted(steps)))
-
-    def empty_input(self, shape: FlatShape) -> FlatInput:
-        """An input of ``shape`` with no sequence (num_seqs 0, every slot dropped): compiles a
-        shape without touching the caches."""
-        return self.build(SchedulerOutput("decode" if shape.decode else "prefill", [], []), shape)
-
-    def warmup_calls(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, structured: bool = False,
-                     shapes=None):
-        """Every call warmup makes, as a list of ``make``: ``make()`` -> (jitted function's
-        name, arguments, static keywords), built when it runs (its arguments hold the state
-        then), or ("split", shape, None): the tail of the forward made just before it.
-        Empty inputs (every write dropped: the caches keep their contents). ``structured``:
-        also the masked steps a batch with a grammar takes (one step per call; a chained one
-        split in two: the forward, then the tail, whose input is the forward's output)."""
-        every = self.warmup_shapes(num_scheduler_steps, async_scheduling)
-        calls = [(lambda sh=sh: self._call(self.empty_input(sh), sh.steps, None, sh.filtering)) for sh in shapes or every]
-        for sh in every if structured else ():
-            if sh.steps <= 1:
-                calls.append(lambda sh=sh: self._call(self.empty_input(sh).replace(
-                    grammar_mask=self.allow_all(sh.seqs, self.shapes.q)), sh.steps, None, sh.filtering))
-            if sh.steps == 1:  # (the forward is one program either way of filtering)
-                calls.append(lambda sh=sh: self._forward_call(self.empty_input(sh), self._no_prev_for(sh.seqs, 1)))
-                calls.append(lambda sh=sh: ("split", sh, None))  # (name, its shape, no keywords)
-        return calls
-
-    def lower_shape(self, shape: FlatShape):
-        """``warmup``'s call for ``shape``, lowered."""
-        name, args, kw = self._call(self.empty_input(shape), shape.steps, None, shape.filtering)
-        return getattr(self, name).lower(*args, **kw)
-
-    def prepare(self, calls, threads: int = 1, store: Store | None = None, progress: bool = False) -> tuple[int, int]:
-        """An executable for each of ``calls`` (``warmup_calls``): loaded from ``store`` when
-        there (one at a time: XLA:CPU's executables loaded on two threads at once failed to
-        run, "Function ... not found", jax 0.10.2), else lowered here and
-        compiled on ``threads`` threads (tracing and lowering hold the GIL; XLA's compiler
-        releases it, so compilations overlap each other and the next call's tracing: an 8B
-        step takes seconds to compile on a GPU), then kept in the store. A split step's tail
-        waits for its forward to run (``warmup``). ``progress``: a progress bar (vLLM's
-        graph capture shows one). -> (compiled, loaded)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from tqdm.auto import tqdm
-
-        context = self._trace_context() if store is not None else ""
-        loads, compiles = [], []
-        with ThreadPoolExecutor(max(threads, 1)) as pool, tqdm(
-                total=len(calls), desc="compiling steps", unit="step", disable=not progress) as bar:
-
-            def compile_later(exe_key, name, args, kw, key):
-                lowered = getattr(self, name).lower(*args, **kw)
-                job = pool.submit(compile_and_keep, store, key, lowered)
-                job.add_done_callback(lambda _: bar.update(1))
-                compiles.append((exe_key, job))
-
-            for make in calls:
-                name, args, kw = make()
-                exe_key = None if name == "split" else _exe_key(name, kw)
-                if exe_key is None or exe_key in self._executables:
-                    bar.update(1)
-                    continue
-                key = store.key(context, name, args, kw) if store is not None else None
-                if key is not None and (exe := store.load(key)) is not None:
-                    self._executables[exe_key] = exe
-                    loads.append(exe_key)
-                    bar.update(1)
-                else:  # not stored, or damaged: compiled (again)
-                    compile_later(exe_key, name, args, kw, key)
-            for exe_key, job in compiles:
-                self._executables[exe_key] = job.result()
-        self.num_loaded += len(loads)
-        return len(compiles), len(loads)
-
-    def _trace_context(self) -> str:
-        """What the jitted functions read of the runner while tracing, as a stable string
-        (part of an executable's key on disk)."""
-        return stable_repr((self.cfg, self.dcfg, self.spec, self.plan, self.K, self.page_size, self.num_pages,
-                            self.width, self.shapes, self.eos_token_ids, self.n_top_logprobs, self.logprobs_mode,
-                            self.with_probs, self.aux_layers, self.sample_impl, self.model, self.drafter))
-
-    def warmup(self, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None,
-               structured: bool = False, threads: int = 1, store: Store | None = None,
-               progress: bool = False) -> tuple[int, int]:
-        """Run every call of ``warmup_calls`` once on empty inputs, each through the
-        executable ``prepare`` made for it. -> (compiled, loaded) by ``prepare``."""
-        calls = self.warmup_calls(num_scheduler_steps, async_scheduling, structured, shapes)
-        compiled, loaded = self.prepare(calls, threads, store, progress)
-        fwd = None
-        for make in calls:
-            name, *rest = make()
-            if name == "split":  # the tail of the last forward run
-                sh = rest[0]
-                split = Split(fwd, sh.seqs, self.K + 1, self.width * self.page_size)
-                def tail(split=split, sh=sh):
-                    return self._tail_call(split, self.empty_sample_input(sh.seqs, self.K + 1), sh.filtering)
-
-                c, n = self.prepare([tail], 1, store)
-                compiled, loaded = compiled + c, loaded + n
-                self.state, _ = self._invoke(*tail())
-                continue
-            self.state, out = self._invoke(name, *rest)
-            fwd = out if name == "_fwd" else fwd
-        jax.block_until_ready(self.state)
-        return compiled, loaded
-
-
-def _exe_key(name: str, kw: dict) -> tuple:
-    """The key of a prepared executable in ``FlatRunner._executables``: the jitted function's
-    name and its static arguments (the other arguments' shapes follow from them)."""
-    return (name, *sorted(kw.items()))

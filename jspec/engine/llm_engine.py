@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
 
@@ -35,8 +34,10 @@ from jspec.engine.outputs import CompletionOutput, RequestOutput, SampleGroups, 
 from jspec.engine.recovery import restore_after_failure
 from jspec.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jspec.engine.sequence import Sequence, SpecMetrics, Status
+from jspec.engine.speculation import load_speculation
 from jspec.engine.stopping import append_tokens
 from jspec.engine.structured import GrammarCompiler, advance, any_grammar
+from jspec.engine.warmup import run_warmup
 from jspec.inputs import check_cache_salt, parse_prompt
 from jspec.ops import plan_kernels, plan_params
 from jspec.sampling_params import SamplingParams
@@ -102,51 +103,20 @@ class LLMEngine:
         if c.logprobs_mode not in LOGPROBS_MODES or not isinstance(c.max_logprobs, int) or c.max_logprobs < -1:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES} (got {c.logprobs_mode!r}) and "
                              f"max_logprobs an integer >= -1 (got {c.max_logprobs!r})")
-        self.spec = self._spec_config(c.speculative_config, c.model)
-        if self.spec is not None:
-            from jspec.drafters.registry import make_drafter, method_of
-
-            self.par.draft_tp = parallel.resolve_draft_tp(self.spec.draft_tensor_parallel_size, self.par.tp)
-            method = method_of(self.spec.method)
-            if preloaded_drafter is not None and method.needs_model:
-                self.dcfg, dparams = preloaded_drafter
-            else:
-                t = time.monotonic()
-                self.dcfg, dparams = method.load(self.spec, mc, c.dtype, self.par.placement(sharding, True),
-                                                 c.load_format)
-                logger.info("drafter loaded in %.1f s", time.monotonic() - t)
-            if self.dcfg.method != self.spec.method:
-                raise ValueError(
-                    f"speculative_config.method={self.spec.method!r} but the checkpoint at "
-                    f"{self.spec.model!r} is a {self.dcfg.method!r} drafter"
-                )
-            K = self.spec.num_speculative_tokens or self.dcfg.num_speculative_tokens
-            if K is None:  # a draft model's config.json has no proposal length
-                raise ValueError(f"speculative_config 'num_speculative_tokens' is required: the checkpoint at "
-                                 f"{self.spec.model!r} does not give one")
-            drafter = make_drafter(self.dcfg)
-            drafter.check_num_tokens(K)
-            if c.num_scheduler_steps > 1:
-                logger.warning("num_scheduler_steps=%d applies without speculation only: one step per call with "
-                               "a drafter (async scheduling overlaps the host's work)", c.num_scheduler_steps)
-                self.sched_steps = 1
-            self.spec = self.spec.resolved(K)
-            self.K = K
-            self.lookahead = drafter.lookahead(K)
-            # no draft past the drafter's trained positions, nor speculative_config's max_model_len
-            self.draft_max_len = min(self.dcfg.max_position_embeddings, self.spec.max_model_len or math.inf)
-        else:
-            drafter = None
-            self.K = 0
-            self.lookahead = 0
-            self.draft_max_len = math.inf
+        sp = load_speculation(c, mc, self.par, sharding, preloaded_drafter)
+        self.spec, self.dcfg, self.K, self.lookahead = sp.spec, sp.dcfg, sp.K, sp.lookahead
+        self.draft_max_len = sp.draft_max_len
+        if self.spec is not None and c.num_scheduler_steps > 1:
+            logger.warning("num_scheduler_steps=%d applies without speculation only: one step per call with "
+                           "a drafter (async scheduling overlaps the host's work)", c.num_scheduler_steps)
+            self.sched_steps = 1
         pages_per_seq = -(-(self.max_model_len + self.lookahead) // c.page_size)
         dtype = resolve_dtype(c.dtype)
-        kv, dkv, num_pages = create_pools(c, mc, self.dcfg if self.spec else None, self.par, pages_per_seq,
-                                          self.max_model_len, dtype, own_bytes=device_bytes_in_use() - own_before)
+        kv, dkv, num_pages = create_pools(c, mc, self.dcfg, self.par, pages_per_seq, self.max_model_len, dtype,
+                                          own_bytes=device_bytes_in_use() - own_before)
         chunk = min(c.max_prefill_chunk, self.max_model_len)
         # EAGLE-style drafters: their KV at p depends on token p + 1 (see BlockManager).
-        eagle_style = drafter is not None and drafter.reads_next_token
+        eagle_style = sp.reads_next_token
         mix = c.max_num_partial_prefills
         sched_cfg = SchedulerConfig(
             max_num_seqs=c.max_num_seqs,
@@ -170,8 +140,7 @@ class LLMEngine:
         most = (c.max_num_seqs * (self.K + 1) + mix * chunk) if mix else c.max_num_seqs * chunk
         shapes = FlatShapes.create(c.max_num_seqs, min(sched_cfg.max_num_batched_tokens, most), chunk, q=self.K + 1)
         self.runner = FlatRunner(mc, params, kv, shapes, width=pages_per_seq, dtype=dtype, plan=plan, spec=self.spec,
-                                 dcfg=self.dcfg if self.spec else None,
-                                 dparams=plan_params(plan, dparams) if self.spec else None, dkv=dkv,
+                                 dcfg=self.dcfg, dparams=plan_params(plan, sp.dparams) if self.spec else None, dkv=dkv,
                                  max_num_seqs=c.max_num_seqs)
         self.runner.configure_sampling(self.eos_token_ids, c.max_logprobs, c.logprobs_mode)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)  # structured outputs
@@ -185,27 +154,6 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_chained_calls = 0  # decode calls dispatched before the previous one was read
         logger.info("engine ready in %.1f s", time.monotonic() - t0)
-
-    @staticmethod
-    def _spec_config(d, model: str):
-        if d is None:
-            return None
-        from jspec.speculative_config import SpeculativeConfig
-
-        spec = d if isinstance(d, SpeculativeConfig) else SpeculativeConfig.from_dict(d)
-        if spec.method is None and spec.model:  # vLLM infers the method from the checkpoint
-            from jspec.drafters.loader import infer_method
-
-            spec = dataclasses.replace(spec, method=infer_method(spec.model))
-        if not spec.enabled:
-            return None
-        from jspec.drafters.registry import method_of
-
-        if not spec.model and method_of(spec.method).needs_model:  # the embedded family's drafter (else a clear error)
-            from jspec import family
-
-            spec = dataclasses.replace(spec, model=family.drafter_for(model, spec.method))
-        return spec
 
     # ---- requests ---------------------------------------------------------------------
     @property
@@ -309,8 +257,8 @@ class LLMEngine:
         self.runner.log_compiles = False
         store = Store.open()
         try:
-            compiled, loaded = self.runner.warmup(
-                self.sched_steps, self._async, structured=self.config.warmup_structured_outputs,
+            compiled, loaded = run_warmup(
+                self.runner, self.sched_steps, self._async, structured=self.config.warmup_structured_outputs,
                 threads=self.runner.plan.compile_threads, store=store, progress=progress)
         finally:
             self.runner.log_compiles = True

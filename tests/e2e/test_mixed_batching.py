@@ -22,7 +22,7 @@ from tests.helpers.targets import hf_greedy, random_prompt
 def llm(llama_ckpt):
     llm = jspec.LLM(llama_ckpt[0], max_num_seqs=2, max_model_len=64, page_size=16, max_prefill_chunk=16,
                     max_num_partial_prefills=1)
-    # compiled ahead on two threads, as warmup does on an accelerator (FlatRunner.prepare)
+    # compiled ahead on two threads, as warmup does on an accelerator (jspec/engine/warmup.py, prepare)
     ahead, in_warmup = precompile_then_warmup(llm.engine)
     assert ahead >= len(llm.engine.warmup_shapes()) and in_warmup == 0
     return llm

@@ -43,7 +43,7 @@ def test_random_arrivals_mix_and_match_greedy_and_alone(name, k, extra, monkeypa
     assert sorted({s.tokens for s in shapes if not s.decode}) == list(r.shapes.tokens)
     assert len(shapes) == 2 * (2 + len(r.shapes.tokens))
     assert r.shapes.tokens[-1] == 2 * (k + 1) + eng.config.max_prefill_chunk
-    if name == "dflash4":  # compiled ahead on two threads, as on an accelerator (FlatRunner.prepare)
+    if name == "dflash4":  # compiled ahead on two threads, as on an accelerator (jspec/engine/warmup.py, prepare)
         ahead, in_warmup = precompile_then_warmup(eng)
         assert ahead >= len(shapes) and in_warmup == 0
     else:
@@ -84,18 +84,20 @@ def test_random_arrivals_mix_and_match_greedy_and_alone(name, k, extra, monkeypa
 
 
 def test_structured_warmup_compiles_the_masked_steps(monkeypatch):
-    """warmup(structured=True) also compiles the masked steps, and a mixed step whose decode
+    """run_warmup(structured=True) also compiles the masked steps, and a mixed step whose decode
     rows have grammar masks (the prefill rows allow every token) runs that variant. The tiny
     target has no tokenizer, so the rows' masks come from a stand-in grammar that allows every
     token (real grammars: tests/e2e/test_structured_outputs.py, tests/engine/test_structured.py):
     the outputs stay greedy."""
     from jspec.engine import flat_input
+    from jspec.engine.sampling_step import allow_all
+    from jspec.engine.warmup import run_warmup
 
     llm = h.llm(*CASES[0][:2], spec_extra=CASES[0][2], max_num_partial_prefills=1)
     eng, r = llm.engine, llm.engine.runner
     eng.warmup()  # the unmasked shapes (compiled already when the test above ran)
     n = r.num_compilations
-    r.warmup(1, True, shapes=[], structured=True)
+    run_warmup(r, 1, True, shapes=[], structured=True)
     shapes = eng.warmup_shapes()
     chained = sum(s.steps == 1 for s in shapes)
     # masked steps; a chained one's split forward (one either way of filtering) and tail
@@ -106,7 +108,7 @@ def test_structured_warmup_compiles_the_masked_steps(monkeypatch):
         if not any(r_.seq.draft_token_ids for r_ in rows):  # steps without decode rows: no grammar
             return build(rows, B, Q, V, chained)
         masked.append(B)
-        return r.allow_all(B, Q)
+        return allow_all(B, Q, V)
 
     monkeypatch.setattr(flat_input, "build_bitmask", allow_all_for_decode_rows)
     monkeypatch.setattr(eng, "_chain", lambda f: None)  # masked steps are read before the next (no split here)

@@ -8,6 +8,7 @@ import pytest
 
 import jspec
 from jspec.engine.kv_memory import TEMP_RESERVE
+from jspec.engine.warmup import lower_shape
 from tests.helpers import spec_e2e as h
 from tests.helpers.engine import precompile_then_warmup
 
@@ -28,7 +29,7 @@ def test_warmup_compiles_every_shape_once(name, k, extra):
     assert len(shapes) == 2 * (len(b.batch) + len(b.tokens))
     assert sum(s.decode for s in shapes) == 2 * len(b.batch) and all(
         s.tokens == s.seqs * (k + 1) for s in shapes if s.decode)
-    if name == "peagle":  # compiled ahead on two threads, as on an accelerator (FlatRunner.prepare)
+    if name == "peagle":  # compiled ahead on two threads, as on an accelerator (jspec/engine/warmup.py, prepare)
         ahead, in_warmup = precompile_then_warmup(eng)
         assert ahead >= len(shapes) and in_warmup == 0
     else:
@@ -253,5 +254,5 @@ def test_spec_step_updates_the_caches_in_place(name, k):
     for sh in r.warmup_shapes(1, True):
         if sh.filtering == "on":  # the sampler's sort: nothing of the caches
             continue
-        temp = r.lower_shape(sh).compile().memory_analysis().temp_size_in_bytes
+        temp = lower_shape(r, sh).compile().memory_analysis().temp_size_in_bytes
         assert temp < layer_buffer // 4, (sh, temp, layer_buffer)

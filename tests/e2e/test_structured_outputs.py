@@ -12,7 +12,7 @@ import pytest
 
 import jspec
 from jspec import family
-from jspec.engine import runner_base as runner_mod
+from jspec.engine import sampling_step
 from tests.helpers.structured import schemas, valid
 
 SCHEMAS = schemas(50)
@@ -67,7 +67,7 @@ def test_speculative_outputs_validate_and_greedy_equals_plain(plain, method, mon
         assert [o.outputs[0].text for o in llm.generate(PROMPTS[:8], params(1.0, seed=100)[:8])] == sampled[:8]
     # The control: masks at the first verification position only (later ones allow every
     # token), same compiled shapes: the checks above catch it.
-    build = runner_mod.build_bitmask
+    build = sampling_step.build_bitmask
 
     def first_position_only(rows, B, Q, V, chained=False):
         m = build(rows, B, Q, V, chained)
@@ -75,7 +75,7 @@ def test_speculative_outputs_validate_and_greedy_equals_plain(plain, method, mon
             m[:, 1:] = -1
         return m
 
-    monkeypatch.setattr(runner_mod, "build_bitmask", first_position_only)
+    monkeypatch.setattr(sampling_step, "build_bitmask", first_position_only)
     outs = llm.generate(PROMPTS, params(0.0))
     broken = [o.outputs[0].finish_reason != "stop" or not valid(o.outputs[0].text, s) for o, s in zip(outs, SCHEMAS)]
     assert np.mean(broken) > 0.2 or [o.outputs[0].text for o in outs] != greedy

@@ -177,15 +177,15 @@ def test_engine_modes_mixed_batch_and_the_grammar_cache(llm):
 def test_a_structured_step_is_dispatched_before_its_masks_are_built(llm, monkeypatch):
     """The chained step of a masked batch: its forward goes to the device, then the host
     reads the step before it and builds the masks (while the forward runs), then the tail."""
-    from jspec.engine import runner_base
+    from jspec.engine import sampling_step
 
     eng, events = llm.engine, []
     fwd, tail, collect, build = eng.runner.dispatch_forward, eng.runner.dispatch_tail, eng._collect, \
-        runner_base.build_bitmask
+        sampling_step.build_bitmask
     monkeypatch.setattr(eng.runner, "dispatch_forward", lambda *a: events.append("forward") or fwd(*a))
     monkeypatch.setattr(eng.runner, "dispatch_tail", lambda *a: events.append("tail") or tail(*a))
     monkeypatch.setattr(eng, "_collect", lambda *a: events.append("read") or collect(*a))
-    monkeypatch.setattr(runner_base, "build_bitmask", lambda *a, **k: events.append("mask") or build(*a, **k))
+    monkeypatch.setattr(sampling_step, "build_bitmask", lambda *a, **k: events.append("mask") or build(*a, **k))
     so = SOP(regex="[a-z]{6}")
     outs = llm.generate(["one", "two", "three"], [jspec.SamplingParams(temperature=t, seed=3, max_tokens=10,
                                                                       structured_outputs=so) for t in (0.0, 1.0, 1.0)])

@@ -39,11 +39,13 @@ def _on_duration(name, _secs, **_kw):
 
 
 def precompile_then_warmup(eng, threads=2) -> tuple[int, int]:
-    """``FlatRunner.prepare`` on ``threads`` threads (the accelerator path; the CPU plan
-    compiles on one), then ``eng.warmup()``: (compile requests during prepare, during
-    warmup; small helper computations count too). Warmup's calls should find every
-    executable compiled."""
+    """``warmup.prepare`` (jspec/engine/warmup.py) on ``threads`` threads (the accelerator
+    path; the CPU plan compiles on one), then ``eng.warmup()``: (compile requests during
+    prepare, during warmup; small helper computations count too). Warmup's calls should
+    find every executable compiled."""
     import jax
+
+    from jspec.engine import warmup
 
     global _compile_log
     if not getattr(precompile_then_warmup, "listening", False):
@@ -51,8 +53,8 @@ def precompile_then_warmup(eng, threads=2) -> tuple[int, int]:
         precompile_then_warmup.listening = True
     counts = []
     r, c = eng.runner, eng.config
-    calls = r.warmup_calls(eng.sched_steps, c.async_scheduling, c.warmup_structured_outputs)
-    for run in (lambda: r.prepare(calls, threads), eng.warmup):
+    calls = warmup.warmup_calls(r, eng.sched_steps, c.async_scheduling, c.warmup_structured_outputs)
+    for run in (lambda: warmup.prepare(r, calls, threads), eng.warmup):
         _compile_log = []
         try:
             run()

@@ -45,7 +45,7 @@ def test_auto_resolves_by_backend(monkeypatch):
     assert (tpu.attn, tpu.linear, tpu.sample, tpu.norm_handoff) == ("tpu", "tpu", "tpu", False)
     assert not gpu.in_out_weights and not tpu.in_out_weights  # HF [out, in] weights off the CPU
     assert gpu.compiler_options is None and tpu.compiler_options is None  # XLA's defaults there
-    # warmup compiles on several threads off the CPU (FlatRunner.prepare)
+    # warmup compiles on several threads off the CPU (jspec/engine/warmup.py, prepare)
     assert cpu.compile_threads == 1 and gpu.compile_threads == tpu.compile_threads == min(8, os.cpu_count() or 1)
     # an impl named in the config wins; the hand-over needs the GPU projection kernels
     mixed = plan_kernels(LLAMA, attn_impl="interpret", linear_impl="reference", backend="gpu")
