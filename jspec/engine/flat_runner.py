@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import ops
 from jspec.drafters.propose import ProposeInputs, slots_for
 from jspec.engine import flat_spec
 from jspec.engine.engine_state import EngineState
@@ -36,7 +37,6 @@ from jspec.engine.runner_base import RunnerBase, SampleInput, Split, tokens_of
 from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jspec.models.transformer import Transformer
 from jspec.parallel import replicate
-from kernels_pallas.rejection_sampling import rejection_sample
 
 
 class FlatRunner(RunnerBase):
@@ -139,10 +139,9 @@ class FlatRunner(RunnerBase):
         probs_buf = state.probs
         q = probs_buf[s.prob_rows] if self.with_probs else None
         logits, raw = self._process(logits, s, s.proc, drafts)  # position j sees the drafts before it
-        out, n_emit = rejection_sample(
-            logits, drafts, s.num_draft, q, s.temperature, s.top_k, s.top_p, s.seeds, s.sample_pos,
-            method=self.spec.rejection_sample_method, synthetic_rates=rates, impl=self.sample_impl,
-            filtering=filtering)
+        out, n_emit = ops.rejection_sample(
+            self.plan, logits, drafts, s.num_draft, q, s.temperature, s.top_k, s.top_p, s.seeds, s.sample_pos,
+            method=self.spec.rejection_sample_method, synthetic_rates=rates, filtering=filtering)
         N = out.shape[0]
         aux = None if aux is None else aux.reshape(1, aux.shape[1], -1)  # None: no aux layers (n-gram, a draft model)
         draft_temp = s.temperature if self.with_probs else jnp.zeros_like(s.temperature)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jspec import ops
 from jspec.config import ModelConfig
 from jspec.engine.logits_processing import ProcInput, apply_processors, build_proc_input, wants_processing
 from jspec.engine.logprobs import logprob_info, sampler_logits
@@ -23,7 +24,7 @@ from jspec.engine.structured import apply_bitmask, bitmask_words, build_bitmask
 from jspec.kv_cache import KVCache
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
-from kernels_pallas.rejection_sampling import host_filtering, rejection_sample
+from kernels_pallas.rejection_sampling import host_filtering
 
 logger = logging.getLogger("jspec.engine")
 
@@ -137,8 +138,8 @@ class RunnerBase:
         B = logits.shape[0]
         none = jnp.zeros((B, 0), jnp.int32)
         logits, raw = self._process(logits, s, proc, none)
-        out, n_emit = rejection_sample(logits, none, jnp.zeros((B,), jnp.int32), None, s.temperature, s.top_k,
-                                       s.top_p, s.seeds, sample_pos, impl=self.sample_impl, filtering=filtering)
+        out, n_emit = ops.rejection_sample(self.plan, logits, none, jnp.zeros((B,), jnp.int32), None, s.temperature,
+                                           s.top_k, s.top_p, s.seeds, sample_pos, filtering=filtering)
         return out, n_emit, logits, raw
 
     def _token_logprobs(self, raw, processed, tokens, inp):
