@@ -43,8 +43,10 @@ cpu_smoke = False
 
 def _on_gpu_kernels(eng):
     """The engine picked the GPU kernels ("auto" on a GPU); --cpu smoke runs skip this."""
+    from jspec.ops import GPU
+
     plan = eng.runner.plan
-    assert cpu_smoke or (plan.attn, plan.linear) == ("gpu", "gpu"), plan
+    assert cpu_smoke or (plan.attn, plan.linear) == (GPU(), GPU()), plan
 
 
 # ---- speculative greedy == plain greedy --------------------------------------------------
@@ -338,7 +340,7 @@ def rejection(method: str, with_probs: bool) -> str:
     import jax
     import jax.numpy as jnp
 
-    from kernels_pallas.rejection_sampling import ref_rejection_sample, rejection_sample
+    from kernels_pallas.rejection_sampling import gpu_kernels, ref_rejection_sample, rejection_sample
 
     B, K, V = (16, 7, 3000) if cpu_smoke else (16, 7, 128256)
     rng = np.random.default_rng(11)
@@ -360,8 +362,8 @@ def rejection(method: str, with_probs: bool) -> str:
     args = (logits, drafts, nd, q, temp, top_k, top_p, seeds, pos)
     kw = dict(method=method, synthetic_rates=(0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3) if method == "synthetic" else None)
     want = ref_rejection_sample(*args, **kw)
-    impl = "interpret" if cpu_smoke else "gpu"
-    got = jax.jit(lambda *a: rejection_sample(*a, impl=impl, **kw))(*args)
+    kernels = gpu_kernels(interpret=cpu_smoke)
+    got = jax.jit(lambda *a: rejection_sample(*a, kernels=kernels, **kw))(*args)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     n = np.asarray(want[1])
