@@ -3,8 +3,8 @@
 ``plan_kernels`` turns the platform, the model config and the requested impls
 (EngineConfig.attn_impl / linear_impl / sample_impl; JSPEC_KERNEL_IMPL for "auto") into a
 frozen ``KernelPlan`` of typed backends (jspec/kernel_backend.py), a static attribute of the
-model modules; jspec/ops.py decides per call from it and the call's static shapes. ``plan_params`` puts the weights in the layout
-the plan's modules declare (``weight_shape``).
+model modules; jspec/ops.py decides per call from it and the call's static shapes.
+``plan_params`` puts the weights in the layout the plan's modules declare (``weight_shape``).
 """
 
 from __future__ import annotations
