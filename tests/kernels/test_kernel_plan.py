@@ -139,6 +139,31 @@ def test_model_reaches_the_planned_gpu_kernels(cfg, B, Q, expected, gpu_target):
     assert _forward_calls(cfg, KernelPlan(), B, Q) == []  # the reference plan: XLA only
 
 
+def _sampling_calls(backend, platform):
+    """Kernel names in ops.rejection_sample's lowering under a plan sampling on ``backend``."""
+    B, K, V = 2, 3, 300
+    shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (((B, K + 1, V), jnp.float32), ((B, K), jnp.int32),
+                                                      ((B,), jnp.int32), ((B, K, V), jnp.float32),
+                                                      ((B,), jnp.float32), ((B,), jnp.int32), ((B,), jnp.float32),
+                                                      ((B,), jnp.int32), ((B,), jnp.int32))]
+
+    def fn(*a):
+        return ops.rejection_sample(KernelPlan(sample=backend), *a, filtering="on")
+
+    return [name for _, name in custom_calls(lower(fn, shapes, platform))]
+
+
+def test_sampling_follows_the_plan_on_gpu(gpu_target):
+    """ops.rejection_sample: the plan's sample backend picks the block kernels (the runner
+    passes only the plan); XLA() lowers to plain XLA."""
+    assert _sampling_calls(GPU(), "cuda") == ["rejection_stats_gpu", "rejection_resid_gpu"]
+    assert _sampling_calls(XLA(), "cuda") == []
+
+
+def test_sampling_follows_the_plan_on_tpu(tpu_chip):
+    assert _sampling_calls(TPU(), "tpu") == ["rejection_stats_tpu", "rejection_resid_tpu"]
+
+
 def test_environment_is_read_in_envs_only():
     """jspec/envs.py is the one module that reads os.environ (scripts and tests may set
     variables for subprocesses)."""
