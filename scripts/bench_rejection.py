@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jspec.kernel_backend import GPU, TPU, parse_impl  # noqa: E402
+from jspec.kernel_backend import GPU, TPU, parse_impl, platform_kernels  # noqa: E402
 from kernels_pallas.rejection_sampling import gpu_kernels, rejection_sample, tpu_kernels  # noqa: E402
 
 
@@ -89,8 +89,8 @@ def timeit(fn, sets, warmup=2, iters=7, calls=16):
 
 def jitted(impl, filtering="auto", **tuning):
     """rejection_sample, jitted, on the kernels ``impl`` names (an EngineConfig.sample_impl
-    name; "reference": the jnp path) with the GPU kernels' ``tuning``."""
-    match parse_impl(impl, "--impl"):
+    name; "reference": the jnp path; "auto": this backend's kernels) with the GPU kernels' ``tuning``."""
+    match parse_impl(impl, "--impl") or platform_kernels(jax.default_backend()):
         case GPU(interpret=interpret):
             kernels = gpu_kernels(interpret=interpret, **tuning)
         case TPU(interpret=interpret):
