@@ -72,7 +72,7 @@ def set_pool_fraction(fraction: float) -> bool:
 environment_variables: dict[str, Callable[[], Any]] = {
     # The kernel implementation wherever an EngineConfig asks for "auto" (attn_impl,
     # linear_impl, sample_impl): "reference" | "gpu" | "tpu" | "interpret" | "tpu_interpret"
-    # (kernels_pallas.dispatch.IMPLS; jspec.ops.plan_kernels rejects other names). Unset or
+    # (jspec.kernel_backend.IMPLS; jspec.ops.plan_kernels rejects other names). Unset or
     # "auto": chosen by backend. An impl named in the EngineConfig wins over it.
     "JSPEC_KERNEL_IMPL": _kernel_impl,
     # "1" / "true": accept a max_model_len beyond the model's max_position_embeddings (its

@@ -1,10 +1,10 @@
 """The kernel plan: which implementation each op family runs, made once per engine.
 
-``plan_kernels`` turns the backend, the model config and the requested impls
+``plan_kernels`` turns the platform, the model config and the requested impls
 (EngineConfig.attn_impl / linear_impl / sample_impl; JSPEC_KERNEL_IMPL for "auto") into a
-frozen ``KernelPlan``, a static attribute of the model modules; jspec/ops.py decides per
-call from it and the call's static shapes. ``plan_params`` puts the weights in the layout
-the plan's modules declare (``weight_shape``).
+frozen ``KernelPlan`` of typed backends (jspec/kernel_backend.py), a static attribute of the
+model modules; jspec/ops.py decides per call from it and the call's static shapes.
+``plan_params`` puts the weights in the layout the plan's modules declare (``weight_shape``).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import jax
 
 from jspec import envs
 from jspec.config import ModelConfig
+from jspec.kernel_backend import GPU, XLA, Backend, parse_impl, platform_kernels
 from jspec.parallel.mesh import padded_vocab
 from kernels_pallas import fused_linear as _fl
-from kernels_pallas.dispatch import GPU_IMPLS, backend_impl, check_impl
 
 # Wider projections stay with XLA: gate_up (28672 x 4096) streams at 4.0-4.2 TB/s through
 # XLA's autotuned GEMM against 3.9 in fused_linear's kernel (60.3 vs 55.8-58.2 us on the
@@ -28,13 +28,12 @@ MAX_KERNEL_FEATURES = 16384
 
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
-    """Which implementation each op family runs: "reference" (jnp / XLA), "gpu", "tpu",
-    "interpret" or "tpu_interpret" (kernels_pallas.dispatch). The default runs XLA
-    everywhere (CPU serving, module tests)."""
+    """Which backend each op family runs (jspec/kernel_backend.py: XLA(), GPU(interpret),
+    TPU(interpret)). The default runs XLA everywhere (CPU serving, module tests)."""
 
-    attn: str = "reference"  # paged attention
-    linear: str = "reference"  # batch-1 glue kernels; GPU kernels only ("tpu": XLA)
-    sample: str = "reference"  # rejection sampling
+    attn: Backend = XLA()  # paged attention
+    linear: Backend = XLA()  # batch-1 glue kernels; GPU kernels only (TPU(): XLA)
+    sample: Backend = XLA()  # rejection sampling
     # One-row o_proj hands the post-attention RMSNorm to down_proj (linear_then_norm):
     # set by plan_kernels where both projections of the model take the kernel.
     norm_handoff: bool = False
@@ -59,7 +58,7 @@ class KernelPlan:
     tp: int = 1
     draft_tp: int = 1
     mesh: object = None  # jax.sharding.Mesh | None
-    shard_linear: str = "reference"  # ``linear`` inside a per-shard layer (tp > 1)
+    shard_linear: Backend = XLA()  # ``linear`` inside a per-shard layer (tp > 1)
     # Threads warmup compiles on (jspec/engine/warmup.py, prepare). On an accelerator compilation is
     # host work that releases the GIL (XLA's passes, LLVM, Triton); XLA:CPU's compiler
     # already spreads one compilation over the cores, so CPU compiles one at a time.
@@ -75,16 +74,17 @@ class KernelPlan:
         ``cfg``), or EAGLE3's, PEagle's or DFlash's layers' (``cfg``: their layer config): a
         target's, the glue kernels included, its norm handoff decided by its own shapes, at
         the drafter's tensor-parallel degree (a replicated one, under a tp > 1 target, on XLA)."""
-        linear = self.linear if self.draft_tp == self.tp else "reference"
+        linear = self.linear if self.draft_tp == self.tp else XLA()
         return dataclasses.replace(self, linear=linear, norm_handoff=_norm_handoff(linear, cfg), tp=self.draft_tp)
 
 
 def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str = "auto",
                  sample_impl: str = "auto", backend: str | None = None, tp: int = 1, draft_tp: int = 1,
                  mesh=None) -> KernelPlan:
-    """The engine's plan (made once). "auto": JSPEC_KERNEL_IMPL if set (jspec/envs.py),
-    else by backend: the jnp references on CPU (Pallas' interpreter runs the kernels there
-    for tests, far too slowly to serve with), the GPU / TPU kernels on those backends.
+    """The engine's plan (made once): each impl name parsed into its backend
+    (kernel_backend.parse_impl; a bad name is a ValueError naming its field). "auto":
+    JSPEC_KERNEL_IMPL if set (jspec/envs.py), else by backend (kernel_backend.platform_kernels):
+    the jnp references on CPU, the GPU / TPU kernels on those backends.
     ``tp`` > 1 (on ``mesh``): outside per-shard layers the glue kernels and the rejection
     kernel give way to XLA, which the SPMD partitioner splits over the mesh (the logits stay
     sharded by vocabulary); inside them (shard_plan) the glue kernels run on each device."""
@@ -93,9 +93,9 @@ def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str 
                             ((attn_impl, "attn_impl"), (linear_impl, "linear_impl"), (sample_impl, "sample_impl")))
     shard_linear = linear
     if tp > 1:
-        linear = sample = "reference"
+        linear = sample = XLA()
     handoff = _norm_handoff(linear, cfg)
-    in_out = backend == "cpu" and linear not in GPU_IMPLS  # the GPU kernels read [out, in] weights
+    in_out = backend == "cpu" and not isinstance(linear, GPU)  # the GPU kernels read [out, in] weights
     options = _cpu_xla_options() if backend == "cpu" else ()
     threads = 1 if backend == "cpu" else min(8, os.cpu_count() or 1)
     return KernelPlan(attn=attn, linear=linear, sample=sample, norm_handoff=handoff, in_out_weights=in_out,
@@ -123,13 +123,14 @@ def _cpu_xla_options() -> tuple:
     return _cpu_options_checked
 
 
-def _resolve(impl: str, name: str, backend: str) -> str:
-    if check_impl(impl, name) != "auto":
-        return impl
+def _resolve(impl: str, name: str, backend: str) -> Backend:
+    chosen = parse_impl(impl, name)
+    if chosen is not None:
+        return chosen
     override = envs.JSPEC_KERNEL_IMPL
     if override is not None:
-        return check_impl(override, "JSPEC_KERNEL_IMPL")
-    return "reference" if backend == "cpu" else backend_impl(backend)
+        chosen = parse_impl(override, "JSPEC_KERNEL_IMPL")
+    return platform_kernels(backend) if chosen is None else chosen
 
 
 # ---- weight layout ---------------------------------------------------------------------
@@ -160,9 +161,9 @@ def plan_params(plan: KernelPlan, params):
 
 
 # ---- RMSNorm travelling into the next projection ---------------------------------------
-def _norm_handoff(linear: str, cfg: ModelConfig) -> bool:
+def _norm_handoff(linear: Backend, cfg: ModelConfig) -> bool:
     """Whether one-row o_proj hands the post-attention norm to down_proj: both take the kernel."""
-    return (linear in GPU_IMPLS and not cfg.mlp_bias  # a gate_up bias would be scaled by 1 / rms too
+    return (isinstance(linear, GPU) and not cfg.mlp_bias  # a gate_up bias would be scaled by 1 / rms too
             and _linear_kernel_takes((cfg.hidden_size, cfg.q_size))
             and _linear_kernel_takes((cfg.hidden_size, cfg.intermediate_size)))
 

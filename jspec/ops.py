@@ -19,8 +19,11 @@ Where kernels run (with the GPU plan):
   epilogue, the residual adds in o_proj's and down_proj's; RoPE and the KV write as above.
   More rows (prefill, larger batches) run the XLA ops, where a GEMM, not launch count,
   dominates;
-- rejection sampling: ``KernelPlan.sample``, passed to kernels_pallas.rejection_sample.
-A shape a kernel cannot tile runs the XLA path with one log line (dispatch.shape_fallback).
+- rejection sampling (``rejection_sample``): the plan's ``sample`` backend's block kernels.
+Each kernel file holds its jnp reference and its kernels' entries; the plan's typed backends
+(jspec/kernel_backend.py: XLA(), GPU(interpret), TPU(interpret)) pick among them here and in
+jspec/ops_attention.py. A shape a kernel cannot tile runs the XLA path with one log line
+(kernel_backend.shape_fallback).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
+from jspec.kernel_backend import GPU, TPU, XLA, Backend, shape_fallback  # noqa: F401 (ops.GPU, ... for callers)
 from jspec.kernel_plan import (  # noqa: F401 (the facade's names: model code reads the plan as ops.KernelPlan)
     MAX_KERNEL_FEATURES,
     KernelPlan,
@@ -52,8 +56,8 @@ from kernels_pallas import moe_experts as _moe
 from kernels_pallas import moe_router as _router
 from kernels_pallas import paged_attention as _pa
 from kernels_pallas import qkv_rope_kv_write as _qkv
+from kernels_pallas import rejection_sampling as _rs
 from kernels_pallas import rope_kv_write as _rope
-from kernels_pallas.dispatch import GPU_IMPLS, shape_fallback
 from kernels_pallas.fused_linear import rms_norm
 
 # Whether 2-16-row projections take fused_linear_rows' kernel (linear_kernel); scripts A/B it.
@@ -83,11 +87,13 @@ class Normed:
 
 # ---- decisions (static shapes) ---------------------------------------------------------
 def _fused_linear(plan: KernelPlan, x, w, *, kernel: bool, prologue="none", norm_w=None, **kw):
-    """fused_linear's kernel (one row) or fused_linear_rows' (2-16 rows, no prologue), else
-    the reference."""
-    if kernel and _rows(x) > 1:
-        return _flr.fused_linear_rows(x, w, impl=plan.linear, **kw)
-    return _fl.fused_linear(x, w, impl=plan.linear if kernel else "reference", prologue=prologue, norm_w=norm_w, **kw)
+    """With ``kernel`` (linear_kernel said yes: the plan's GPU kernels) fused_linear's kernel
+    (one row) or fused_linear_rows' (2-16 rows, no prologue), else the reference."""
+    if not kernel:
+        return _fl.ref_fused_linear(x, w, prologue=prologue, norm_w=norm_w, **kw)
+    if _rows(x) > 1:
+        return _flr.fused_linear_rows(x, w, interpret=plan.linear.interpret, **kw)
+    return _fl.fused_linear(x, w, prologue=prologue, norm_w=norm_w, interpret=plan.linear.interpret, **kw)
 
 
 def linear_kernel(plan: KernelPlan, rows: int, w_shape, *, fused: bool, dtype=None, prologue: str = "none") -> bool:
@@ -97,7 +103,7 @@ def linear_kernel(plan: KernelPlan, rows: int, w_shape, *, fused: bool, dtype=No
     fused_linear's kernel) or 2 to 16 rows of a ``dtype`` weight with no prologue
     (fused_linear_rows' kernel: a verification step's K + 1 rows; more rows are a GEMM,
     faster through XLA, and its in-kernel RMSNorm or SwiGLU was slower than XLA's: see there)."""
-    if not (plan.linear in GPU_IMPLS and fused and w_shape[0] <= MAX_KERNEL_FEATURES):
+    if not (isinstance(plan.linear, GPU) and fused and w_shape[0] <= MAX_KERNEL_FEATURES):
         return False
     if rows == 1:
         return _fl.supports(1, w_shape)
@@ -107,7 +113,7 @@ def linear_kernel(plan: KernelPlan, rows: int, w_shape, *, fused: bool, dtype=No
 def qkv_kernel(plan: KernelPlan, rows: int, w_shape, head_dim: int, dtype) -> bool:
     """Whether norm + qkv + RoPE + KV write run as one kernel (for an input norm and no
     qk-norm): the plan's GPU kernels, one token, a head the projection's tile splits."""
-    return plan.linear in GPU_IMPLS and _qkv.supports(rows, w_shape, head_dim, dtype)
+    return isinstance(plan.linear, GPU) and _qkv.supports(rows, w_shape, head_dim, dtype)
 
 
 def _rows(x) -> int:
@@ -206,7 +212,8 @@ def mlp(plan: KernelPlan, x, w_gate_up, b_gate_up, w_down, b_down, *, residual=N
         # norm's hand-over]. SwiGLU as down_proj's prologue recomputed it in every program.
         if isinstance(x, Normed) and x.sumsq is not None and b_gate_up is None and _flr.supports(
                 rows, w_gate_up.shape, w_gate_up.dtype, swiglu=True):
-            a = _flr.fused_linear_rows(x.scaled, w_gate_up, sumsq=x.sumsq, eps=x.eps, swiglu=True, impl=plan.linear)
+            a = _flr.fused_linear_rows(x.scaled, w_gate_up, sumsq=x.sumsq, eps=x.eps, swiglu=True,
+                                       interpret=plan.linear.interpret)
         else:
             a = _fl.silu_mul(linear(plan, x, w_gate_up, b_gate_up))
         if next_norm is None:
@@ -263,14 +270,20 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
     xf = x.reshape(-1, H)  # [N, H]
     N, E = xf.shape[0], w_gate_up.shape[0]
     logits = linear(plan, xf, w_router).astype(jnp.float32)  # [N, E]
-    router_impl = plan.linear if plan.linear in GPU_IMPLS and _router.supports(E, top_k) else "reference"
-    weights, experts = _router.router_top_k(logits, top_k=top_k, norm=norm_topk_prob, impl=router_impl)  # [N, k]
+    gpu = isinstance(plan.linear, GPU)
+    if gpu and _router.supports(E, top_k):
+        weights, experts = _router.router_top_k(logits, top_k=top_k, norm=norm_topk_prob,
+                                                interpret=plan.linear.interpret)  # [N, k]
+    else:
+        weights, experts = _router.ref_router_top_k(logits, top_k=top_k, norm=norm_topk_prob)
     weights = weights.astype(x.dtype)
-    if N * top_k <= E:
-        kernel = (plan.linear in GPU_IMPLS and N * top_k >= MOE_KERNEL_MIN_FRACTION * E
-                  and _moe.supports(w_gate_up.shape, w_down.shape, w_gate_up.dtype))
-        y = _moe.moe_experts(xf, experts.reshape(-1), w_gate_up, w_down, top_k=top_k,
-                             impl=plan.linear if kernel else "reference")  # [N k, H]: pair j is token j // k
+    if N * top_k <= E:  # y [N k, H]: pair j is token j // k
+        if (gpu and N * top_k >= MOE_KERNEL_MIN_FRACTION * E
+                and _moe.supports(w_gate_up.shape, w_down.shape, w_gate_up.dtype)):
+            y = _moe.moe_experts(xf, experts.reshape(-1), w_gate_up, w_down, top_k=top_k,
+                                 interpret=plan.linear.interpret)
+        else:
+            y = _moe.ref_moe_experts(xf, experts.reshape(-1), w_gate_up, w_down, top_k=top_k)
         out = (y.reshape(N, top_k, H) * weights[..., None]).sum(1)
     else:
         rows = jnp.arange(N)[:, None]
@@ -313,7 +326,7 @@ def qkv_rope_write(plan: KernelPlan, x, w, b, rope, slot_mapping, k_pages, v_pag
     if isinstance(x, Normed) and q_norm_w is None and qkv_kernel(plan, M, w.shape, D, w.dtype):
         q, k_pages, v_pages = _qkv.qkv_rope_kv_write(rows(x.x), w, x.weight, b, rows(cos), rows(sin),
                                                      slot_mapping.reshape(M), k_pages, v_pages, num_heads=num_heads,
-                                                     eps=x.eps, impl=plan.linear)
+                                                     eps=x.eps, interpret=plan.linear.interpret)
         return q.reshape(B, Q, num_heads, D), k_pages, v_pages
     return rope_kv_write(plan, linear(plan, x, w, b), rope, slot_mapping, k_pages, v_pages, q_norm_w, k_norm_w,
                          num_heads=num_heads, eps=eps)
@@ -329,11 +342,15 @@ def rope_kv_write(plan: KernelPlan, qkv, rope, slot_mapping, k_pages, v_pages, q
     B, Q, _ = qkv.shape
     M, D = B * Q, k_pages.shape[-1]
     (cos, sin), rows = rope, lambda a: a.reshape(M, -1)
-    impl = plan.linear if plan.linear in GPU_IMPLS else "reference"
-    if impl != "reference":
-        impl = shape_fallback("rope_kv_write", impl, _rope.unsupported_shape(D))
-    q, k_pages, v_pages = _rope.rope_kv_write(rows(qkv), rows(cos), rows(sin), slot_mapping.reshape(M), k_pages,
-                                              v_pages, q_norm_w, k_norm_w, num_heads=num_heads, eps=eps, impl=impl)
+    args = (rows(qkv), rows(cos), rows(sin), slot_mapping.reshape(M), k_pages, v_pages, q_norm_w, k_norm_w)
+    backend = XLA()  # the kernel is a GPU one
+    if isinstance(plan.linear, GPU):
+        backend = shape_fallback("rope_kv_write", plan.linear, _rope.unsupported_shape(D))
+    match backend:
+        case GPU(interpret=interpret):
+            q, k_pages, v_pages = _rope.rope_kv_write(*args, num_heads=num_heads, eps=eps, interpret=interpret)
+        case _:
+            q, k_pages, v_pages = _rope.ref_rope_kv_write(*args, num_heads=num_heads, eps=eps)
     return q.reshape(B, Q, num_heads, D), k_pages, v_pages
 
 
@@ -355,6 +372,28 @@ def embed(plan: KernelPlan, table, tokens, *, shards: int):
 
     return jax.shard_map(local, mesh=plan.mesh, in_specs=(P(TP_AXIS, None), P()), out_specs=P(),
                          check_vma=False)(table, tokens)
+
+
+def rejection_sample(plan: KernelPlan, target_logits, draft_tokens, num_draft, draft_probs, temperature, top_k,
+                     top_p, seeds, positions, *, method: str = "standard", synthetic_rates=None,
+                     filtering: str = "auto"):
+    """Speculative verification (and, with no drafts, plain sampling) on the plan's ``sample``
+    backend: kernels_pallas/rejection_sampling.py's contract (target_logits f[B, K+1, V],
+    draft_tokens i32[B, K], num_draft i32[B], draft_probs f32[B, K, V] | None, the
+    per-row sampling params [B], method "standard" | "synthetic" with synthetic_rates
+    f32[K], filtering "auto" | "off" | "on") -> (tokens i32[B, K+1] padded with -1,
+    num_emitted i32[B]). The GPU / TPU block kernels at the device's tuning, or the jnp
+    path (XLA)."""
+    match plan.sample:
+        case GPU(interpret=interpret):
+            kernels = _rs.gpu_kernels(interpret=interpret)
+        case TPU(interpret=interpret):
+            kernels = _rs.tpu_kernels(interpret=interpret)
+        case _:
+            kernels = None
+    return _rs.rejection_sample(target_logits, draft_tokens, num_draft, draft_probs, temperature, top_k, top_p, seeds,
+                                positions, method=method, synthetic_rates=synthetic_rates, kernels=kernels,
+                                filtering=filtering)
 
 
 # ---- decoder layers once per device (tensor parallelism) -------------------------------

@@ -6,12 +6,12 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jspec.kernel_backend import GPU, TPU, XLA, Backend, shape_fallback
 from jspec.kernel_plan import KernelPlan
 from jspec.kv_cache import AttentionMetadata, MixedMetadata, RaggedMetadata
 from jspec.parallel.mesh import TP_AXIS
 from kernels_pallas import paged_attention as _pa
 from kernels_pallas import ragged_paged_attention as _rpa
-from kernels_pallas.dispatch import shape_fallback
 from kernels_pallas.ragged_attention_xla import ragged_attention_xla
 
 
@@ -31,17 +31,48 @@ def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata | M
             outs.append(attention(plan, qs, k_pages, v_pages, m, sm_scale=sm_scale).reshape(1, b * n, H, D))
             off += b * n
         return jax.numpy.concatenate(outs, axis=1)
-    impl = plan.attn
-    if impl != "reference":
-        impl = shape_fallback("paged_attention", impl, _pa.unsupported_shape(impl, q.shape[-1]))
-    if plan.tp > 1 and impl != "reference":
+    backend = shape_fallback("paged_attention", plan.attn, _unsupported(plan.attn, _pa, q.shape[-1]))
+    if plan.tp > 1 and not isinstance(backend, XLA):
         kvh = k_pages.shape[2]
-        impl = shape_fallback("paged_attention", impl, None if kvh % plan.tp == 0 else
-                              f"{kvh} KV heads, replicated over tensor parallel size {plan.tp}")
-        if impl != "reference":
-            return _sharded_attention(plan, impl, q, k_pages, v_pages, meta, sm_scale)
-    return _pa.paged_attention(q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions, meta.causal,
-                               sm_scale=sm_scale, impl=impl)
+        backend = shape_fallback("paged_attention", backend, None if kvh % plan.tp == 0 else
+                                 f"{kvh} KV heads, replicated over tensor parallel size {plan.tp}")
+        if not isinstance(backend, XLA):
+            return _sharded_attention(plan, backend, q, k_pages, v_pages, meta, sm_scale)
+    return _paged(backend, q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions, meta.causal,
+                  sm_scale=sm_scale)
+
+
+def _unsupported(backend: Backend, kernels, head_dim: int) -> str | None:
+    """Why ``backend``'s kernel in the kernel file ``kernels`` (paged or ragged attention)
+    cannot take head_dim, or None (XLA takes any)."""
+    match backend:
+        case GPU():
+            return kernels.unsupported_shape_gpu(head_dim)
+        case TPU():
+            return kernels.unsupported_shape_tpu(head_dim)
+    return None
+
+
+def _paged(backend: Backend, *args, sm_scale: float):
+    """kernels_pallas/paged_attention.py's implementation for ``backend`` on args (q, the
+    cache, page_table, kv_lens, positions, causal)."""
+    match backend:
+        case GPU(interpret=interpret):
+            return _pa.kernel_gpu(*args, sm_scale=sm_scale, interpret=interpret)
+        case TPU(interpret=interpret):
+            return _pa.kernel_tpu(*args, sm_scale=sm_scale, interpret=interpret)
+    return _pa.ref_paged_attention(*args, sm_scale=sm_scale)
+
+
+def _ragged(backend: Backend, *args, sm_scale: float):
+    """kernels_pallas/ragged_paged_attention.py's implementation for ``backend`` on args (q,
+    the cache, cu_q_lens, kv_lens, page_table, num_seqs, causal)."""
+    match backend:
+        case GPU(interpret=interpret):
+            return _rpa.kernel_gpu(*args, sm_scale=sm_scale, interpret=interpret)
+        case TPU(interpret=interpret):
+            return _rpa.kernel_tpu(*args, sm_scale=sm_scale, interpret=interpret)
+    return _rpa.ref_ragged_paged_attention(*args, sm_scale=sm_scale)
 
 
 def _ragged_attention(plan: KernelPlan, q, k_pages, v_pages, meta: RaggedMetadata, sm_scale: float):
@@ -50,44 +81,42 @@ def _ragged_attention(plan: KernelPlan, q, k_pages, v_pages, meta: RaggedMetadat
     step through the ragged kernels on GPU and TPU (per shard of KV heads under tensor
     parallelism); on a CPU both through the loop over sequences (XLA), whose work follows
     kv_len; the gathering reference where an accelerator's kernel cannot take the shape."""
-    impl, kvh = plan.attn, k_pages.shape[2]
-    on_cpu = impl == "reference" and jax.default_backend() == "cpu"
+    kvh = k_pages.shape[2]
+    on_cpu = isinstance(plan.attn, XLA) and jax.default_backend() == "cpu"
     if meta.uniform and not on_cpu:  # a decode step's [N, Q] rows: paged attention's kernels
         T, H, D = q.shape
         return attention(plan, q.reshape(T // meta.uniform, meta.uniform, H, D), k_pages, v_pages, meta.rows(),
                          sm_scale=sm_scale).reshape(T, H, D)
-    if impl != "reference":
-        impl = shape_fallback("ragged_paged_attention", impl, _rpa.unsupported_shape(impl, q.shape[-1]))
-    if plan.tp > 1 and impl != "reference":
-        impl = shape_fallback("ragged_paged_attention", impl, None if kvh % plan.tp == 0 else
-                              f"{kvh} KV heads, replicated over tensor parallel size {plan.tp}")
+    backend = shape_fallback("ragged_paged_attention", plan.attn, _unsupported(plan.attn, _rpa, q.shape[-1]))
+    if plan.tp > 1 and not isinstance(backend, XLA):
+        backend = shape_fallback("ragged_paged_attention", backend, None if kvh % plan.tp == 0 else
+                                 f"{kvh} KV heads, replicated over tensor parallel size {plan.tp}")
     args = (meta.cu_q_lens, meta.kv_lens, meta.page_table, meta.num_seqs, meta.causal)
-    if impl == "reference":
-        if on_cpu:
-            short, long = meta.windows
-            return ragged_attention_xla(q, k_pages, v_pages, *args, meta.positions[0], sm_scale=sm_scale,
-                                        short=short, long=long)
-        return _rpa.ragged_paged_attention(q, k_pages, v_pages, *args, sm_scale=sm_scale, impl="reference")
-    if plan.tp > 1:
+    if isinstance(backend, XLA) and on_cpu:
+        short, long = meta.windows
+        return ragged_attention_xla(q, k_pages, v_pages, *args, meta.positions[0], sm_scale=sm_scale,
+                                    short=short, long=long)
+    if plan.tp > 1 and not isinstance(backend, XLA):
         heads, rep = P(None, TP_AXIS, None), P()
-        local = lambda q, k, v, *a: _rpa.ragged_paged_attention(q, k, v, *a, sm_scale=sm_scale, impl=impl)  # noqa: E731
+        local = lambda q, k, v, *a: _ragged(backend, q, k, v, *a, sm_scale=sm_scale)  # noqa: E731
         return jax.shard_map(local, mesh=plan.mesh, in_specs=(heads, _KV_HEADS, _KV_HEADS) + (rep,) * 5,
                              out_specs=heads, check_vma=False)(q, k_pages, v_pages, *args)
-    return _rpa.ragged_paged_attention(q, k_pages, v_pages, *args, sm_scale=sm_scale, impl=impl)
+    return _ragged(backend, q, k_pages, v_pages, *args, sm_scale=sm_scale)
 
 
 # The paged cache [P, S, KVH, D] and q [B, Q, H, D] split by (KV) head over the mesh.
 _KV_HEADS = P(None, None, TP_AXIS, None)
 
 
-def _sharded_attention(plan: KernelPlan, impl: str, q, k_pages, v_pages, meta: AttentionMetadata, sm_scale: float):
+def _sharded_attention(plan: KernelPlan, backend: Backend, q, k_pages, v_pages, meta: AttentionMetadata,
+                       sm_scale: float):
     """The paged-attention kernel once per device under shard_map: q's heads and the cache's
     KV heads split alike over the "tp" axis (tp divides the KV heads), the metadata
     replicated; no collective (each device's heads attend over its own KV heads)."""
     heads, rep = _KV_HEADS, P()
 
     def local(q, k, v, table, lens, pos, causal):
-        return _pa.paged_attention(q, k, v, table, lens, pos, causal, sm_scale=sm_scale, impl=impl)
+        return _paged(backend, q, k, v, table, lens, pos, causal, sm_scale=sm_scale)
 
     return jax.shard_map(local, mesh=plan.mesh, in_specs=(heads, heads, heads, rep, rep, rep, rep), out_specs=heads,
                          check_vma=False)(q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions,

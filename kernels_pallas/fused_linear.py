@@ -95,6 +95,7 @@ def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None,
       weight), and x @ w.T, in float32, is scaled by 1 / rms = rsqrt(sum(sumsq) / K + eps)
       before its rounding: the RMSNorm factored out of the dot, as the kernels do.
     """
+    validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq, next_norm_w, w_in_out)
     if prologue == "rmsnorm":
         x = rms_norm(x, norm_w, eps)
     elif prologue == "silu_mul":
@@ -340,20 +341,13 @@ def supports(rows: int, w_shape) -> bool:
 
 
 def fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, residual=None, out_dtype=None,
-                 impl="reference", sumsq=None, next_norm_w=None, w_in_out=False, blocks=None):
-    """Public entry: impl "reference" runs ref_fused_linear (XLA), "gpu" / "interpret" the
-    kernel, which takes what ``supports`` says. With next_norm_w -> (y, y * next_norm_w,
-    f32[..., n] partial sums of y^2). w_in_out ([K, F] weights): the reference only.
-    blocks: the kernel's tiles (fused_linear_gpu's; None: one_row_blocks), for tests of each
-    weight stream at any shape."""
-    validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq, next_norm_w, w_in_out)
-    if impl == "reference":
-        return ref_fused_linear(x, w, prologue=prologue, norm_w=norm_w, eps=eps, bias=bias, residual=residual,
-                                out_dtype=out_dtype, sumsq=sumsq, next_norm_w=next_norm_w, w_in_out=w_in_out)
-    if impl not in ("gpu", "interpret"):
-        raise ValueError(f"fused_linear: impl must be 'reference', 'gpu' or 'interpret', got {impl!r}")
-    if w_in_out:
-        raise ValueError("fused_linear: the kernel reads [out_features, in_features] weights (w_in_out=False)")
+                 sumsq=None, next_norm_w=None, interpret=False, blocks=None):
+    """Public entry: the kernel (ref_fused_linear's arguments and results, [out, in] weights
+    only), on what ``supports`` says; ``interpret``: its body in Pallas' interpreter. With
+    next_norm_w -> (y, y * next_norm_w, f32[..., n] partial sums of y^2). blocks: the
+    kernel's tiles (fused_linear_gpu's; None: one_row_blocks), for tests of each weight
+    stream at any shape."""
+    validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq, next_norm_w)
     rows = math.prod(x.shape[:-1])
     if sumsq is not None and prologue == "none":
         raise ValueError("fused_linear: the one-row kernel takes a handed-over sumsq with the silu_mul prologue only")
@@ -364,7 +358,7 @@ def fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, res
     out = fused_linear_gpu(
         x.reshape(1, x.shape[-1]), w, norm_w, bias, None if residual is None else residual.reshape(1, F),
         prologue=prologue, eps=float(eps), out_dtype=None if out_dtype is None else jnp.dtype(out_dtype).name,
-        interpret=impl == "interpret", sumsq=None if sumsq is None else sumsq.reshape(1, sumsq.shape[-1]),
+        interpret=interpret, sumsq=None if sumsq is None else sumsq.reshape(1, sumsq.shape[-1]),
         next_norm_w=next_norm_w, blocks=blocks,
     )
     if next_norm_w is None:

@@ -177,29 +177,29 @@ def supports(rows: int, w_shape, dtype, swiglu: bool = False) -> bool:
 def ref_fused_linear_rows(x, w, *, swiglu=False, **kw):
     """The reference: fused_linear.ref_fused_linear, then with swiglu silu(g) * u of its
     gate|up output."""
+    _validate_swiglu(w, swiglu, kw.get("bias"), kw.get("residual"), kw.get("next_norm_w"), kw.get("out_dtype"))
     y = ref_fused_linear(x, w, **kw)
     return silu_mul(y) if swiglu else y
 
 
-def fused_linear_rows(x, w, *, eps=1e-6, bias=None, residual=None, out_dtype=None, impl="reference", sumsq=None,
-                      next_norm_w=None, blocks=None, swiglu=False):
-    """Public entry, fused_linear's arguments without a prologue (x [..., K] of 2..MAX_ROWS
-    rows in all; sumsq: a handed-over input RMSNorm): impl "reference" runs
-    fused_linear.ref_fused_linear (XLA), "gpu" / "interpret" the kernel, which takes what
-    ``supports`` says (``blocks`` given: any bf16 / f16 weight they divide). With
-    next_norm_w -> (y, y * next_norm_w, f32[..., n] partial sums of y^2). swiglu: w is a
-    gate|up weight [2I, K] and the result silu(g) * u [..., I] (no bias, residual, hand-over
-    out or out_dtype)."""
-    validate(x, w, "none", None, bias, residual, out_dtype, sumsq, next_norm_w)
+def _validate_swiglu(w, swiglu, bias, residual, next_norm_w, out_dtype):
     if swiglu and (w.shape[0] % 2 or bias is not None or residual is not None or next_norm_w is not None
                    or out_dtype is not None):
         raise ValueError(f"fused_linear_rows: swiglu takes a gate|up weight of even rows (got {w.shape}) and no "
                          "bias, residual, next_norm_w or out_dtype")
-    if impl == "reference":
-        return ref_fused_linear_rows(x, w, eps=eps, bias=bias, residual=residual, out_dtype=out_dtype, sumsq=sumsq,
-                                     next_norm_w=next_norm_w, swiglu=swiglu)
-    if impl not in ("gpu", "interpret"):
-        raise ValueError(f"fused_linear_rows: impl must be 'reference', 'gpu' or 'interpret', got {impl!r}")
+
+
+def fused_linear_rows(x, w, *, eps=1e-6, bias=None, residual=None, out_dtype=None, sumsq=None, next_norm_w=None,
+                      blocks=None, swiglu=False, interpret=False):
+    """Public entry: the kernel, fused_linear's arguments without a prologue (x [..., K] of
+    2..MAX_ROWS rows in all; sumsq: a handed-over input RMSNorm; the reference:
+    ref_fused_linear_rows), on what ``supports`` says (``blocks`` given: any bf16 / f16
+    weight they divide); ``interpret``: its body in Pallas' interpreter. With next_norm_w
+    -> (y, y * next_norm_w, f32[..., n] partial sums of y^2). swiglu: w is a gate|up weight
+    [2I, K] and the result silu(g) * u [..., I] (no bias, residual, hand-over out or
+    out_dtype)."""
+    validate(x, w, "none", None, bias, residual, out_dtype, sumsq, next_norm_w)
+    _validate_swiglu(w, swiglu, bias, residual, next_norm_w, out_dtype)
     lead, F = x.shape[:-1], w.shape[0]
     R = math.prod(lead)
     ok = (2 <= R <= MAX_ROWS and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -210,7 +210,7 @@ def fused_linear_rows(x, w, *, eps=1e-6, bias=None, residual=None, out_dtype=Non
                          f"tiles divide, got {R} rows and a {w.dtype} {w.shape} weight")
     out = fused_linear_rows_gpu(
         x.reshape(R, x.shape[-1]), w, bias, None if residual is None else residual.reshape(R, F), eps=float(eps),
-        out_dtype=None if out_dtype is None else jnp.dtype(out_dtype).name, interpret=impl == "interpret",
+        out_dtype=None if out_dtype is None else jnp.dtype(out_dtype).name, interpret=interpret,
         sumsq=None if sumsq is None else sumsq.reshape(R, sumsq.shape[-1]), next_norm_w=next_norm_w, blocks=blocks,
         swiglu=swiglu,
     )

@@ -53,6 +53,7 @@ from kernels_pallas.fused_linear import one_row_blocks, silu_mul_rounded, stream
 def ref_moe_experts(x, experts, w_gate_up, w_down, *, top_k: int):
     """The jnp reference (and the path on the CPU, the TPU and for many pairs): each pair's
     expert weights gathered, then applied. x [N, H]; experts i32[N * top_k] -> [N * top_k, H]."""
+    validate(x, experts, w_gate_up, w_down, top_k)
     xs = jnp.repeat(x, top_k, axis=0)  # [P, H]: pair p is token p // top_k
     g, u = jnp.split(jnp.einsum("mh,mih->mi", xs, w_gate_up[experts]), 2, axis=-1)
     return jnp.einsum("mi,mhi->mh", jax.nn.silu(g) * u, w_down[experts])
@@ -120,20 +121,21 @@ def moe_experts_gpu(x, experts, w_gate_up, w_down, *, top_k: int, interpret: boo
     )(experts, act, w_down.reshape(E * H, I))
 
 
-def moe_experts(x, experts, w_gate_up, w_down, *, top_k: int, impl: str = "reference"):
-    """Public entry: impl "reference" runs ref_moe_experts (XLA), "gpu" / "interpret" the
-    kernels, which take what ``supports`` says. x [N, H]; experts i32[N * top_k]."""
+def validate(x, experts, w_gate_up, w_down, top_k: int):
+    """The shapes: x [N, H], experts [N * top_k], w_gate_up [E, 2I, H], w_down [E, H, I]."""
     N, H = x.shape
     E, I2, Hw = w_gate_up.shape
     if Hw != H or tuple(w_down.shape) != (E, H, I2 // 2) or experts.shape != (N * top_k,):
         raise ValueError(f"moe_experts: x {x.shape}, experts {experts.shape} (top_k {top_k}), w_gate_up "
                          f"{w_gate_up.shape} and w_down {w_down.shape} do not fit [N, H], [N top_k], [E, 2I, H], "
                          f"[E, H, I]")
-    if impl == "reference":
-        return ref_moe_experts(x, experts, w_gate_up, w_down, top_k=top_k)
-    if impl not in ("gpu", "interpret"):
-        raise ValueError(f"moe_experts: impl must be 'reference', 'gpu' or 'interpret', got {impl!r}")
+
+
+def moe_experts(x, experts, w_gate_up, w_down, *, top_k: int, interpret: bool = False):
+    """Public entry: the kernels (ref_moe_experts' arguments and result), on what ``supports``
+    says; ``interpret``: their bodies in Pallas' interpreter. x [N, H]; experts i32[N * top_k]."""
+    validate(x, experts, w_gate_up, w_down, top_k)
     if not supports(w_gate_up.shape, w_down.shape, w_gate_up.dtype):
         raise ValueError(f"moe_experts: no kernel tile divides w_gate_up {w_gate_up.shape} / w_down {w_down.shape}")
     return moe_experts_gpu(x, experts.astype(jnp.int32), w_gate_up, w_down, top_k=top_k,
-                           interpret=impl == "interpret")
+                           interpret=interpret)

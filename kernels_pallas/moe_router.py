@@ -42,6 +42,7 @@ MAX_EXPERTS = 4096  # one program holds a row of E (padded) f32 values in regist
 def ref_router_top_k(logits, *, top_k: int, norm: bool):
     """The jnp reference (and the path on the CPU and the TPU). logits f32[N, E] ->
     (weights f32[N, top_k], experts i32[N, top_k])."""
+    validate(logits, top_k)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = lax.top_k(probs, top_k)
     if norm:
@@ -95,17 +96,18 @@ def supports(num_experts: int, top_k: int) -> bool:
     return 1 <= top_k <= num_experts <= MAX_EXPERTS
 
 
-def router_top_k(logits, *, top_k: int, norm: bool, impl: str = "reference"):
-    """Public entry: impl "reference" runs ref_router_top_k (XLA), "gpu" / "interpret" the
-    kernel, which takes what ``supports`` says. logits [N, E]."""
+def validate(logits, top_k: int):
+    """logits [N, E] and 1 <= top_k <= E."""
     if logits.ndim != 2:
         raise ValueError(f"router_top_k: logits must be [tokens, experts], got shape {logits.shape}")
     if not 1 <= top_k <= logits.shape[1]:
         raise ValueError(f"router_top_k: top_k={top_k} must be between 1 and the {logits.shape[1]} experts")
-    if impl == "reference":
-        return ref_router_top_k(logits, top_k=top_k, norm=norm)
-    if impl not in ("gpu", "interpret"):
-        raise ValueError(f"router_top_k: impl must be 'reference', 'gpu' or 'interpret', got {impl!r}")
+
+
+def router_top_k(logits, *, top_k: int, norm: bool, interpret: bool = False):
+    """Public entry: the kernel (ref_router_top_k's arguments and results), on what
+    ``supports`` says; ``interpret``: its body in Pallas' interpreter. logits [N, E]."""
+    validate(logits, top_k)
     if not supports(logits.shape[1], top_k):
         raise ValueError(f"router_top_k: the kernel takes at most {MAX_EXPERTS} experts, got {logits.shape[1]}")
-    return router_top_k_gpu(logits, top_k=top_k, norm=norm, interpret=impl == "interpret")
+    return router_top_k_gpu(logits, top_k=top_k, norm=norm, interpret=interpret)

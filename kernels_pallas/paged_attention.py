@@ -1,4 +1,4 @@
-"""Ragged paged attention over jspec's KV layout: the jnp reference and the public entry.
+"""Paged attention over jspec's KV layout: the jnp reference and the kernels' public entries.
 
 Layout (per layer): ``k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim]``.
 A flat slot index ``page * page_size + offset`` addresses one token's K/V, so writing new
@@ -67,6 +67,7 @@ def ref_paged_attention(
     *,
     sm_scale: float,
 ):  # -> [B, Q, H, D] in q.dtype
+    validate(q, k_pages, v_pages, page_table, kv_lens, positions, causal)
     B, Q, H, D = q.shape
     P, S, KVH, _ = k_pages.shape
     G = H // KVH
@@ -118,41 +119,48 @@ def write_kv(
     return k.reshape(P, S, KVH, D), v.reshape(P, S, KVH, D)
 
 
-def unsupported_shape(impl: str, head_dim: int) -> str | None:
-    """Why ``impl``'s kernel cannot take this head_dim (GPU: a power of 2 >= 16; TPU: a
-    multiple of 128), or None; the reference takes any."""
+def unsupported_shape_gpu(head_dim: int) -> str | None:
+    """Why the GPU kernel cannot take this head_dim (its dot tiles are powers of 2 >= 16), or None."""
     from kernels_pallas import paged_attention_gpu as gpu  # local: light imports
-    from kernels_pallas import paged_attention_tpu as tpu
 
-    if impl == "reference":
-        return None
-    return (gpu if impl in ("gpu", "interpret") else tpu).unsupported_shape(head_dim)
+    return gpu.unsupported_shape(head_dim)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "impl"))
-def paged_attention(q, k_pages, v_pages, page_table, kv_lens, positions, causal=None, *, sm_scale, impl="reference"):
-    """Public entry. ``impl`` picks the jnp reference or a Pallas kernel.
+def unsupported_shape_tpu(head_dim: int) -> str | None:
+    """Why the TPU kernel cannot take this head_dim (a multiple of 128 lanes), or None."""
+    from kernels_pallas import paged_attention_tpu as tpu  # local: light imports
 
-    impl: "reference" (jnp), "gpu" (Triton-backend Pallas kernel), "tpu" (Mosaic TPU),
-    "interpret" (the GPU kernel body in Pallas' interpreter, any backend), "tpu_interpret"
-    (the TPU kernel under pltpu.InterpretParams), or "auto" (kernels_pallas.dispatch: by
-    jax.default_backend()). A kernel takes the head_dims ``unsupported_shape`` passes.
-    Kernels run in the KV cache dtype; the output is in q.dtype like the reference's.
-    """
-    from kernels_pallas import paged_attention_gpu as gpu  # local: light imports
-    from kernels_pallas import paged_attention_tpu as tpu
-    from kernels_pallas.dispatch import resolve_impl
+    return tpu.unsupported_shape(head_dim)
 
+
+def _check(unsupported, q, k_pages, v_pages, page_table, kv_lens, positions, causal):
     validate(q, k_pages, v_pages, page_table, kv_lens, positions, causal)
-    impl = resolve_impl(impl)
-    reason = unsupported_shape(impl, q.shape[-1])
+    reason = unsupported(q.shape[-1])
     if reason is not None:
-        raise ValueError(f"paged_attention: {reason} (impl={impl!r})")
-    if impl == "reference":
-        return ref_paged_attention(q, k_pages, v_pages, page_table, kv_lens, positions, causal, sm_scale=sm_scale)
-    args = (q.astype(k_pages.dtype), k_pages, v_pages, page_table, kv_lens, positions, causal)
-    if impl in ("gpu", "interpret"):
-        out = gpu.paged_attention_gpu(*args, sm_scale=sm_scale, interpret=impl == "interpret")
-    else:  # "tpu" | "tpu_interpret"
-        out = tpu.paged_attention_tpu(*args, sm_scale=sm_scale, interpret=impl == "tpu_interpret")
+        raise ValueError(f"paged_attention: {reason}")
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret"))
+def kernel_gpu(q, k_pages, v_pages, page_table, kv_lens, positions, causal=None, *, sm_scale, interpret=False):
+    """Public GPU entry: ref_paged_attention's arguments and result, through the Triton-backend
+    kernel (paged_attention_gpu.py, its tuning at the defaults; ``interpret``: its body in
+    Pallas' interpreter, any platform) on the head_dims ``unsupported_shape_gpu`` passes. The
+    kernel runs in the KV cache dtype; the output is in q.dtype like the reference's."""
+    from kernels_pallas import paged_attention_gpu as gpu  # local: light imports
+
+    _check(unsupported_shape_gpu, q, k_pages, v_pages, page_table, kv_lens, positions, causal)
+    out = gpu.paged_attention_gpu(q.astype(k_pages.dtype), k_pages, v_pages, page_table, kv_lens, positions, causal,
+                                  sm_scale=sm_scale, interpret=interpret)
+    return out.astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret"))
+def kernel_tpu(q, k_pages, v_pages, page_table, kv_lens, positions, causal=None, *, sm_scale, interpret=False):
+    """Public TPU entry: as ``kernel_gpu``, through the Mosaic TPU kernel
+    (paged_attention_tpu.py; ``interpret``: under pltpu.InterpretParams, on a CPU)."""
+    from kernels_pallas import paged_attention_tpu as tpu  # local: light imports
+
+    _check(unsupported_shape_tpu, q, k_pages, v_pages, page_table, kv_lens, positions, causal)
+    out = tpu.paged_attention_tpu(q.astype(k_pages.dtype), k_pages, v_pages, page_table, kv_lens, positions, causal,
+                                  sm_scale=sm_scale, interpret=interpret)
     return out.astype(q.dtype)

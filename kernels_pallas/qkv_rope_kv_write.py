@@ -38,6 +38,7 @@ def ref_qkv_rope_kv_write(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v
     """jnp reference: the two references composed. x [M, K]; w [(H + 2 KVH) D, K]; norm_w [K];
     bias [(H + 2 KVH) D] | None; cos, sin f32[M, D/2]; slot_mapping i32[M]; caches
     [P, S, KVH, D]. -> (q [M, H, D], k_pages, v_pages)."""
+    validate(x, w, norm_w, bias, cos, slot_mapping, k_pages, v_pages, num_heads)
     qkv = ref_fused_linear(x, w, prologue="rmsnorm", norm_w=norm_w, eps=eps, bias=bias)
     return ref_rope_kv_write(qkv, cos, sin, slot_mapping, k_pages, v_pages, num_heads=num_heads, eps=eps)
 
@@ -169,17 +170,12 @@ def supports(rows: int, w_shape, head_dim: int, dtype) -> bool:
 
 
 def qkv_rope_kv_write(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v_pages, *, num_heads, eps,
-                      impl="reference"):
-    """Public entry: impl "reference" runs the reference, "gpu" / "interpret" the kernel
-    (on what ``supports`` says)."""
+                      interpret=False):
+    """Public entry: the kernel (ref_qkv_rope_kv_write's arguments and results) on what
+    ``supports`` says; ``interpret``: its body in Pallas' interpreter."""
     validate(x, w, norm_w, bias, cos, slot_mapping, k_pages, v_pages, num_heads)
-    if impl == "reference":
-        return ref_qkv_rope_kv_write(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v_pages,
-                                     num_heads=num_heads, eps=eps)
-    if impl not in ("gpu", "interpret"):
-        raise ValueError(f"qkv_rope_kv_write: impl must be 'reference', 'gpu' or 'interpret', got {impl!r}")
     if not supports(x.shape[0], w.shape, k_pages.shape[3], w.dtype):
         raise ValueError(f"qkv_rope_kv_write: the kernel takes one token and a head_dim its tiles split, got "
                          f"{x.shape[0]} tokens, head_dim {k_pages.shape[3]} and a {w.shape} {w.dtype} weight")
     return qkv_rope_kv_write_gpu(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v_pages,
-                                 num_heads=num_heads, eps=float(eps), interpret=impl == "interpret")
+                                 num_heads=num_heads, eps=float(eps), interpret=interpret)

@@ -1,5 +1,5 @@
 """Paged attention over one flat token batch (vLLM V1's "ragged" layout): contract, jnp
-reference and the public entry.
+reference and the kernels' public entries (kernel_gpu, kernel_tpu).
 
 A step is one flat batch of T tokens (T a bucket). Each sequence contributes one
 contiguous segment of them: a prefill chunk, one decode token, K + 1 tokens to verify, or a
@@ -116,6 +116,7 @@ def ref_ragged_paged_attention(
     It gathers every token's keys ([T, W * S, KVH, D]): for tests and tiny models, not for
     long contexts (the kernels stream pages instead).
     """
+    validate(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, num_seqs, causal)
     T, H, D = q.shape
     P, S, KVH, _ = k_pages.shape
     G = H // KVH
@@ -137,18 +138,29 @@ def ref_ragged_paged_attention(
     return o.reshape(T, H, D).astype(q.dtype)
 
 
-def unsupported_shape(impl: str, head_dim: int) -> str | None:
-    """Why ``impl``'s kernel cannot take this head_dim, or None (the reference takes any)."""
+def unsupported_shape_gpu(head_dim: int) -> str | None:
+    """Why the GPU kernel cannot take this head_dim (its dot tiles are powers of 2 >= 16), or None."""
     from kernels_pallas import ragged_paged_attention_gpu as gpu  # local: light imports
-    from kernels_pallas import ragged_paged_attention_tpu as tpu
 
-    if impl == "reference":
-        return None
-    return (gpu if impl in ("gpu", "interpret") else tpu).unsupported_shape(head_dim)
+    return gpu.unsupported_shape(head_dim)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "block_q", "block_kv"))
-def ragged_paged_attention(
+def unsupported_shape_tpu(head_dim: int) -> str | None:
+    """Why the TPU kernel cannot take this head_dim (a multiple of 128 lanes), or None."""
+    from kernels_pallas import ragged_paged_attention_tpu as tpu  # local: light imports
+
+    return tpu.unsupported_shape(head_dim)
+
+
+def _check(unsupported, q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, num_seqs, causal):
+    validate(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, num_seqs, causal)
+    reason = unsupported(q.shape[-1])
+    if reason is not None:
+        raise ValueError(f"ragged_paged_attention: {reason}")
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "block_q", "block_kv"))
+def kernel_gpu(
     q,  # [T, H, D]
     k_pages,  # [P, S, KVH, D]
     v_pages,  # [P, S, KVH, D]
@@ -159,36 +171,37 @@ def ragged_paged_attention(
     causal=None,  # bool[N] | None
     *,
     sm_scale: float,
-    impl: str = "reference",
-    block_q: int | None = None,  # kernels: query tokens per program (None: the kernel's default)
-    block_kv: int | None = None,  # kernels: keys per inner step (TPU: a multiple of page_size)
+    interpret: bool = False,  # the kernel body in Pallas' interpreter (any platform)
+    block_q: int | None = None,  # query tokens per program (None: the kernel's default)
+    block_kv: int | None = None,  # keys per inner step
 ):  # -> [T, H, D] in q.dtype
-    """Public entry (contract in the module docstring). ``impl``: "reference" (jnp), "gpu"
-    (Triton-backend Pallas), "tpu" (Mosaic TPU), "interpret" (the GPU kernel body in Pallas'
-    interpreter), "tpu_interpret" (the TPU kernel under pltpu.InterpretParams), or "auto"
-    (kernels_pallas.dispatch). Kernels run in the KV cache dtype; the output is in q.dtype.
-    Further tuning: the kernel modules' own entries."""
+    """Public GPU entry (contract in the module docstring; the reference:
+    ref_ragged_paged_attention): the Triton-backend kernel (ragged_paged_attention_gpu.py)
+    in the KV cache dtype, on the head_dims ``unsupported_shape_gpu`` passes. Further
+    tuning: the kernel module's own entry."""
     from kernels_pallas import ragged_paged_attention_gpu as gpu  # local: light imports
-    from kernels_pallas import ragged_paged_attention_tpu as tpu
-    from kernels_pallas.dispatch import resolve_impl
 
-    validate(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, num_seqs, causal)
-    impl = resolve_impl(impl)
-    reason = unsupported_shape(impl, q.shape[-1])
-    if reason is not None:
-        raise ValueError(f"ragged_paged_attention: {reason} (impl={impl!r})")
     meta = (cu_q_lens, kv_lens, page_table, num_seqs, causal)
-    if impl == "reference":
-        return ref_ragged_paged_attention(q, k_pages, v_pages, *meta, sm_scale=sm_scale)
-    args = (q.astype(k_pages.dtype), k_pages, v_pages, *meta)
-    if impl in ("gpu", "interpret"):
-        out = gpu.ragged_paged_attention_gpu(*args, sm_scale=sm_scale, block_q=block_q, block_kv=block_kv,
-                                             interpret=impl == "interpret")
-    else:  # "tpu" | "tpu_interpret"
-        S = k_pages.shape[1]
-        if block_kv is not None and block_kv % S:
-            raise ValueError(f"block_kv={block_kv} must be a multiple of page_size={S} for the TPU kernel")
-        ppb = {} if block_kv is None else dict(pages_per_block=block_kv // S)
-        out = tpu.ragged_paged_attention_tpu(*args, sm_scale=sm_scale, block_q=block_q,
-                                             interpret=impl == "tpu_interpret", **ppb)
+    _check(unsupported_shape_gpu, q, k_pages, v_pages, *meta)
+    out = gpu.ragged_paged_attention_gpu(q.astype(k_pages.dtype), k_pages, v_pages, *meta, sm_scale=sm_scale,
+                                         block_q=block_q, block_kv=block_kv, interpret=interpret)
+    return out.astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "block_q", "block_kv"))
+def kernel_tpu(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, num_seqs, causal=None, *, sm_scale: float,
+               interpret: bool = False, block_q: int | None = None, block_kv: int | None = None):
+    """Public TPU entry: as ``kernel_gpu``, through the Mosaic TPU kernel
+    (ragged_paged_attention_tpu.py; ``interpret``: under pltpu.InterpretParams, on a CPU);
+    block_kv a multiple of page_size."""
+    from kernels_pallas import ragged_paged_attention_tpu as tpu  # local: light imports
+
+    meta = (cu_q_lens, kv_lens, page_table, num_seqs, causal)
+    _check(unsupported_shape_tpu, q, k_pages, v_pages, *meta)
+    S = k_pages.shape[1]
+    if block_kv is not None and block_kv % S:
+        raise ValueError(f"block_kv={block_kv} must be a multiple of page_size={S} for the TPU kernel")
+    ppb = {} if block_kv is None else dict(pages_per_block=block_kv // S)
+    out = tpu.ragged_paged_attention_tpu(q.astype(k_pages.dtype), k_pages, v_pages, *meta, sm_scale=sm_scale,
+                                         block_q=block_q, interpret=interpret, **ppb)
     return out.astype(q.dtype)

@@ -14,13 +14,17 @@ and the accept decisions that consume them are jnp, shared with the reference.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+
+from kernels_pallas.tuning import device_tuning
 
 # Row modes (what row i of a request needs).
 _PAD, _GREEDY, _BONUS, _RESIDUAL = 0, 1, 2, 3
@@ -321,3 +325,46 @@ def _resid_tpu(x, q, d, mode, inv_t, thr, m, s, *, interpret, poison=False):
     (r,) = _tpu_call(_tpu_resid_kernel, [ip, fp], [x, q], [jnp.float32], k, v=v,
                      interpret=interpret, poison=poison, name="rejection_resid_tpu")
     return r
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockKernels:
+    """One platform's per-block statistics kernels (``_stats_*`` and ``_resid_*`` above)
+    with their static options; made by gpu_kernels / tpu_kernels. Hashable and compared by
+    value: a static jit argument."""
+
+    stats: Callable
+    resid: Callable
+    options: tuple = ()  # (name, value) pairs passed to both
+
+    def block_stats(self, x, q, d, mode, inv_t, thr):
+        """(the stats kernel's per-block statistics of x [B, K+1, V], resid(m, s): the
+        residual kernel's of rows < K against q [B, K, V]), as rejection_sampling's
+        _select takes them."""
+        k, kw = x.shape[1] - 1, dict(self.options)
+
+        def resid(m, s):
+            return self.resid(x, q, d[:, :k], mode[:, :k], inv_t[:, :k], thr[:, :k], m, s, **kw)
+
+        return self.stats(x, d, mode, inv_t, thr, **kw), resid
+
+
+def gpu_kernels(*, interpret: bool = False, blocks_per_program: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None) -> BlockKernels:
+    """The Triton-backend kernels (``interpret``: their bodies in Pallas' interpreter). Tuning,
+    None: the device's row (kernels_pallas/tuning.py; H200: 1, 2, 1): vocabulary blocks per
+    program (a power of two: a loop), Triton warps per program, pipelining depth of the
+    block loop. It changes speed only, never the tokens."""
+    bpp, num_warps, num_stages = (d if a is None else a for a, d in zip(
+        (blocks_per_program, num_warps, num_stages), device_tuning().rejection))
+    if not isinstance(bpp, int) or bpp < 1 or bpp & (bpp - 1):
+        raise ValueError(f"blocks_per_program must be a power of two >= 1, got {bpp!r}")
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    return BlockKernels(_stats_gpu, _resid_gpu, (("interpret", interpret), ("bpp", bpp), ("num_warps", num_warps),
+                                                 ("num_stages", num_stages)))
+
+
+def tpu_kernels(*, interpret: bool = False) -> BlockKernels:
+    """The Mosaic TPU kernels (``interpret``: under pltpu.InterpretParams, on a CPU)."""
+    return BlockKernels(_stats_tpu, _resid_tpu, (("interpret", interpret),))

@@ -3,15 +3,16 @@
 Public API
 ----------
 rejection_sample(target_logits, draft_tokens, num_draft, draft_probs, temperature, top_k, top_p,
-                 seeds, positions, *, method="standard", synthetic_rates=None, impl="auto",
-                 blocks_per_program=None, num_warps=None, num_stages=None, filtering="auto")
+                 seeds, positions, *, method="standard", synthetic_rates=None, kernels=None,
+                 filtering="auto")
     -> (tokens i32[B, K+1] padded with -1, num_emitted i32[B])
-ref_rejection_sample(...): same signature minus the tuning arguments, pure jnp.
+    kernels: gpu_kernels(interpret=..., <tuning>) | tpu_kernels(interpret=...) | None (jnp)
+ref_rejection_sample(...): same signature minus kernels and filtering, pure jnp.
 The GPU and TPU kernels (per-block statistics of the logits) are in
 kernels_pallas/rejection_blocks.py; this file holds the contract, the reference, the
 shared jnp draw and the jitted wrapper. Helpers: kernels_pallas/sampling_utils.py,
-synthetic-rate conversions in kernels_pallas/synthetic.py, the impl choice in
-kernels_pallas/dispatch.py (impl="auto" -> gpu / tpu / interpret by backend).
+synthetic-rate conversions in kernels_pallas/synthetic.py. Which kernels the engine runs:
+jspec/ops.py (rejection_sample).
 
 Design
 ------
@@ -49,7 +50,7 @@ params are host values, else by a lax.cond on the device -- which on GPU reads i
 predicate on the host: ~50 us per call on the H200, half the kernel time at B=64, K=7
 (scripts/bench_rejection.py). Callers that know (filtering="off"/"on") skip it: the engine
 decides it per step on the host (a static jit argument). The kernels have no all-greedy fast
-path for the same reason; the reference impl has one behind a lax.cond on the CPU only.
+path for the same reason; the jnp path has one behind a lax.cond on the CPU only.
 
 Random numbers: a stateless int32 hash (sampling_utils) keyed on (seed, position, salt):
 u1, u2 per row for the draw and u_i for the accept test, so results do not depend on batch
@@ -77,7 +78,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import sampling_utils as su
-from kernels_pallas.dispatch import resolve_impl
 from kernels_pallas.rejection_blocks import (  # noqa: F401  (re-exported: tests and scripts reach them here)
     _BIG,
     _BONUS,
@@ -86,6 +86,7 @@ from kernels_pallas.rejection_blocks import (  # noqa: F401  (re-exported: tests
     _PAD,
     _RESIDUAL,
     SAMPLE_BLOCK,
+    BlockKernels,
     _greedy_math,
     _poison_inputs,
     _resid_gpu,
@@ -94,11 +95,12 @@ from kernels_pallas.rejection_blocks import (  # noqa: F401  (re-exported: tests
     _sampled_math,
     _stats_gpu,
     _stats_tpu,
+    gpu_kernels,
     num_blocks,
     sample_block,
+    tpu_kernels,
 )
 from kernels_pallas.sampling_utils import host_filtering  # noqa: F401 (re-exported: the engine's import)
-from kernels_pallas.tuning import device_tuning
 
 # ----------------------------------------------------------------------------------------
 # Validation
@@ -395,28 +397,9 @@ def _ref_jit(target_logits, draft_tokens, num_draft, draft_probs, temperature, t
 # ----------------------------------------------------------------------------------------
 
 
-def _kernel_rows(x, q, d, mode, key, inv_t, thr, *, impl, bpp, num_warps, num_stages):
-    """(cand, p_d) with the per-block statistics from the chosen kernel."""
-    k = x.shape[1] - 1
-    if impl in ("tpu", "tpu_interpret"):
-        kw = dict(interpret=impl == "tpu_interpret")
-        stats_fn, resid_fn = _stats_tpu, _resid_tpu
-    else:
-        kw = dict(interpret=impl == "interpret", bpp=bpp, num_warps=num_warps, num_stages=num_stages)
-        stats_fn, resid_fn = _stats_gpu, _resid_gpu
-    stats = stats_fn(x, d, mode, inv_t, thr, **kw)
-
-    def resid(m, s):
-        return resid_fn(x, q, d[:, :k], mode[:, :k], inv_t[:, :k], thr[:, :k], m, s, **kw)
-
-    return _select(x, q, d, mode, key, inv_t, thr, stats, resid)
-
-
-@functools.partial(jax.jit, static_argnames=("method", "impl", "blocks_per_program", "num_warps",
-                                             "num_stages", "filtering"))
+@functools.partial(jax.jit, static_argnames=("method", "kernels", "filtering"))
 def _rejection_sample_jit(target_logits, draft_tokens, num_draft, draft_probs, temperature,
-                          top_k, top_p, seeds, positions, synthetic_rates, *, method, impl,
-                          blocks_per_program, num_warps, num_stages, filtering):
+                          top_k, top_p, seeds, positions, synthetic_rates, *, method, kernels, filtering):
     temperature = temperature.astype(jnp.float32)
     # No lax.cond for all-greedy batches on the kernels: on GPU a conditional reads its
     # predicate on the host (a sync per call), and greedy rows cost one argmax pass in the kernel.
@@ -424,7 +407,7 @@ def _rejection_sample_jit(target_logits, draft_tokens, num_draft, draft_probs, t
                                            top_k, top_p, seeds, positions,
                                            filtering=filtering)
     rest = (d, num_draft, draft_probs, temperature, seeds, positions, method, synthetic_rates)
-    if impl == "reference":
+    if kernels is None:
         def sampled(_):
             return _epilogue(*_ref_rows(target_logits, draft_probs, d, mode, key, inv_t, thr), *rest)
 
@@ -438,8 +421,8 @@ def _rejection_sample_jit(target_logits, draft_tokens, num_draft, draft_probs, t
             return _epilogue(cand, jnp.zeros(cand.shape, jnp.float32), *rest)
 
         return jax.lax.cond(jnp.all(temperature <= 0.0), all_greedy, sampled, None)
-    cand, p_d = _kernel_rows(target_logits, draft_probs, d, mode, key, inv_t, thr, impl=impl,
-                             bpp=blocks_per_program, num_warps=num_warps, num_stages=num_stages)
+    cand, p_d = _select(target_logits, draft_probs, d, mode, key, inv_t, thr,
+                        *kernels.block_stats(target_logits, draft_probs, d, mode, inv_t, thr))
     return _epilogue(cand, p_d, *rest)
 
 
@@ -464,28 +447,19 @@ def rejection_sample(
     *,
     method: str = "standard",  # "standard" | "synthetic"
     synthetic_rates=None,  # f32[K] conditional rates (method="synthetic" only)
-    impl: str = "auto",  # see kernels_pallas.dispatch.resolve_impl
-    # GPU only, None: the device's row (kernels_pallas/tuning.py; H200: 1, 2, 1).
-    blocks_per_program: int | None = None,  # vocabulary blocks per program (1, 2, 4, ...), a loop
-    num_warps: int | None = None,  # Triton warps per program
-    num_stages: int | None = None,  # Triton pipelining depth of the block loop
+    kernels: BlockKernels | None = None,  # gpu_kernels() | tpu_kernels(); None: the jnp path (XLA)
     filtering: str = "auto",  # top-k/top-p sort: "auto" (when some row uses them), "off", "on"
 ):
     """Speculative-decoding verification -> (tokens i32[B, K+1] padded with -1, num_emitted i32[B]).
 
-    num_emitted = accepted drafts + 1. See the module docstring for semantics. The tuning
-    arguments change speed only, never the tokens.
+    num_emitted = accepted drafts + 1. See the module docstring for semantics. The kernels
+    and their tuning change speed only, never the tokens (up to float summation order: the
+    module docstring). The jnp path has no kernel and, on the CPU, an all-greedy shortcut.
     """
     _validate(target_logits, draft_tokens, num_draft, draft_probs, temperature, top_k,
               top_p, seeds, positions, method, synthetic_rates)
-    blocks_per_program, num_warps, num_stages = (d if a is None else a for a, d in zip(
-        (blocks_per_program, num_warps, num_stages), device_tuning().rejection))
     if filtering not in ("auto", "off", "on"):
         raise ValueError(f"filtering must be 'auto', 'off' or 'on', got {filtering!r}")
-    if not isinstance(blocks_per_program, int) or blocks_per_program < 1 or blocks_per_program & (blocks_per_program - 1):
-        raise ValueError(f"blocks_per_program must be a power of two >= 1, got {blocks_per_program!r}")
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
     if synthetic_rates is not None:
         synthetic_rates = jnp.asarray(synthetic_rates, jnp.float32)
     if filtering == "auto":
@@ -493,6 +467,4 @@ def rejection_sample(
     return _rejection_sample_jit(
         target_logits, jnp.asarray(draft_tokens), jnp.asarray(num_draft), draft_probs,
         jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(seeds),
-        jnp.asarray(positions), synthetic_rates, method=method, impl=resolve_impl(impl),
-        blocks_per_program=blocks_per_program, num_warps=num_warps, num_stages=num_stages,
-        filtering=filtering)
+        jnp.asarray(positions), synthetic_rates, method=method, kernels=kernels, filtering=filtering)

@@ -64,6 +64,7 @@ def ref_rope_kv_write(qkv, cos, sin, slot_mapping, k_pages, v_pages, q_norm_w=No
     """jnp reference. qkv [M, (H + 2 KVH) * D]; cos, sin f32[M, D/2]; slot_mapping i32[M]
     (P * S: not written); k_pages, v_pages [P, S, KVH, D]; q_norm_w, k_norm_w [D] | None.
     -> (q [M, H, D] after norm and RoPE, k_pages, v_pages)."""
+    validate(qkv, cos, slot_mapping, k_pages, v_pages, q_norm_w, k_norm_w, num_heads)
     KVH, D = k_pages.shape[2:]
     q, k, v = split_qkv(qkv, num_heads, KVH, D)
     if q_norm_w is not None:
@@ -198,17 +199,12 @@ def validate(qkv, cos, slot_mapping, k_pages, v_pages, q_norm_w, k_norm_w, num_h
 
 
 def rope_kv_write(qkv, cos, sin, slot_mapping, k_pages, v_pages, q_norm_w=None, k_norm_w=None, *, num_heads,
-                  eps=1e-6, impl="reference"):
-    """Public entry: impl "reference" runs the reference, "gpu" / "interpret" the kernel
-    (on a head_dim that ``unsupported_shape`` passes)."""
+                  eps=1e-6, interpret=False):
+    """Public entry: the kernel (ref_rope_kv_write's arguments and results) on a head_dim
+    that ``unsupported_shape`` passes; ``interpret``: its body in Pallas' interpreter."""
     validate(qkv, cos, slot_mapping, k_pages, v_pages, q_norm_w, k_norm_w, num_heads)
-    if impl == "reference":
-        return ref_rope_kv_write(qkv, cos, sin, slot_mapping, k_pages, v_pages, q_norm_w, k_norm_w,
-                                 num_heads=num_heads, eps=eps)
-    if impl not in ("gpu", "interpret"):
-        raise ValueError(f"rope_kv_write: impl must be 'reference', 'gpu' or 'interpret', got {impl!r}")
     reason = unsupported_shape(k_pages.shape[-1])
     if reason is not None:
         raise ValueError(f"rope_kv_write: {reason}")
     return rope_kv_write_gpu(qkv, cos, sin, slot_mapping, k_pages, v_pages, q_norm_w, k_norm_w,
-                             num_heads=num_heads, eps=float(eps), interpret=impl == "interpret")
+                             num_heads=num_heads, eps=float(eps), interpret=interpret)

@@ -97,8 +97,8 @@ def plain_section(args, bw):
                                  roofline_bytes=wbytes + B * ctx * kv_tok,
                                  chained_calls=eng.num_chained_calls - c0, step_ms=step * 1e3, tok_s=tps,
                                  roofline_ms=bound * 1e3, roofline_frac=bound / step, tokens_crc=digest,
-                                 attn_impl=eng.runner.plan.attn,
-                                 linear_impl=eng.runner.plan.linear))
+                                 attn_impl=eng.runner.plan.attn.name,
+                                 linear_impl=eng.runner.plan.linear.name))
                 print(f"plain B={B:3d} ctx={ctx:5d} sched_steps={steps_per_call} async={int(asyn)}: "
                       f"{step*1e3:7.2f} ms/token-step {tps:9.1f} tok/s roofline {bound*1e3:6.2f} ms -> "
                       f"{bound/step:5.1%} (chained calls {eng.num_chained_calls - c0}, tokens crc {digest:08x})", flush=True)
@@ -173,7 +173,7 @@ def diag_section(args, bw):
                multi_call_gpu_busy_ms=busy_multi,
                pipelined_step_ms=t_ten * 1e3, gemv_chain_ms=t_gemv * 1e3, gemv_TBps=gb / t_gemv / 1e12,
                roofline_ms=(wbytes + 512 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2) / (bw["best_TBps"] * 1e12) * 1e3,
-               attn_impl=r.plan.attn, linear_impl=r.plan.linear, xla_flags=os.environ.get("XLA_FLAGS", ""),
+               attn_impl=r.plan.attn.name, linear_impl=r.plan.linear.name, xla_flags=os.environ.get("XLA_FLAGS", ""),
                # where one step's GPU time goes: us per step by kernel name, and the number of launches
                step_kernels_us={k: v / n for k, v in list(multi["kernels_us"].items())[:24]} if gpu else None)
     print("diag", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items() if k != "step_kernels_us"},

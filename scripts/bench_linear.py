@@ -58,12 +58,12 @@ def linear_inputs(name, F, K, prologue, residual, M, copies):
     return x, ws, dict(prologue=prologue, norm_w=nw, eps=1e-5, residual=res, out_dtype=out_dtype)
 
 
-def linear_case(name, F, K, prologue, residual, M, impl, quick, timing):
+def linear_case(name, F, K, prologue, residual, M, interpret, quick, timing):
     """fused_linear (the kernel where the model's ops would run it, else XLA) vs the unfused
     reference."""
     x, ws, kw = linear_inputs(name, F, K, prologue, residual, M, 1 if quick else 4)
-    kernel = ops.linear_kernel(ops.KernelPlan(linear=impl), M, (F, K), fused=prologue != "none" or residual)
-    fused = jax.jit(lambda x, w: fused_linear(x, w, impl=impl if kernel else "reference", **kw))
+    kernel = ops.linear_kernel(ops.KernelPlan(linear=ops.GPU(interpret)), M, (F, K), fused=prologue != "none" or residual)
+    fused = jax.jit(lambda x, w: fused_linear(x, w, interpret=interpret, **kw) if kernel else ref_fused_linear(x, w, **kw))
     ref = jax.jit(lambda x, w: ref_fused_linear(x, w, **kw))
     row = dict(name=name, F=F, K=K, prologue=prologue, residual=residual, M=M, kernel=kernel,
                rel_err=rel_err(fused(x, ws[0]), ref(x, ws[0])))
@@ -95,7 +95,7 @@ def sweep_case(name, F, K, prologue, residual):
         elementwise + mma, [(x, w) for w in ws])
 
 
-def rows_case(name, F, K, prologue, residual, M, impl, timing, sweep=False):
+def rows_case(name, F, K, prologue, residual, M, interpret, timing, sweep=False):
     """R = M rows (a verification step's K + 1) as the model's ops run them through
     fused_linear_rows: qkv and gate_up on a handed-over input norm (x * w_norm and sums of
     x^2), o_proj and down_proj + residual handing the next norm over; down's input is
@@ -108,7 +108,7 @@ def rows_case(name, F, K, prologue, residual, M, impl, timing, sweep=False):
     elif residual:
         kw["next_norm_w"] = jnp.ones((F,), jnp.bfloat16)
     swiglu = name == "gate_up"  # with SwiGLU in its epilogue
-    kernel = jax.jit(lambda x, w: fused_linear_rows(x, w, impl=impl, swiglu=swiglu, **kw))
+    kernel = jax.jit(lambda x, w: fused_linear_rows(x, w, interpret=interpret, swiglu=swiglu, **kw))
     ref = jax.jit(lambda x, w: ref_fused_linear_rows(x, w, swiglu=swiglu, **kw))
     first = lambda y: y[0] if isinstance(y, tuple) else y  # noqa: E731
     row = dict(name=name, F=F, K=K, prologue=prologue, residual=residual, M=M, kwargs=sorted(k for k in kw if kw[k] is not None),
@@ -125,7 +125,7 @@ def rows_case(name, F, K, prologue, residual, M, impl, timing, sweep=False):
     return row
 
 
-def rope_case(H, KVH, D, M, qk_norm, impl, timing):
+def rope_case(H, KVH, D, M, qk_norm, interpret, timing):
     keys = jax.random.split(jax.random.PRNGKey(M + 7 * H), 6)
     P, S = 256, 16
     qkv = jax.random.normal(keys[0], (M, (H + 2 * KVH) * D), jnp.float32).astype(jnp.bfloat16)
@@ -136,7 +136,7 @@ def rope_case(H, KVH, D, M, qk_norm, impl, timing):
     cos, sin = rope_tables(pos, 1.0 / (500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32))
     norms = [(1 + 0.1 * jax.random.normal(keys[3 + i], (D,), jnp.float32)).astype(jnp.bfloat16) for i in range(2)] \
         if qk_norm else [None, None]
-    fn = jax.jit(lambda kp, vp: rope_kv_write(qkv, cos, sin, slot, kp, vp, *norms, num_heads=H, eps=1e-6, impl=impl))
+    fn = jax.jit(lambda kp, vp: rope_kv_write(qkv, cos, sin, slot, kp, vp, *norms, num_heads=H, eps=1e-6, interpret=interpret))
     ref = ref_rope_kv_write(qkv, cos, sin, slot, kp, vp, *norms, num_heads=H, eps=1e-6)
     got = fn(kp, vp)
     row = dict(H=H, KVH=KVH, D=D, M=M, qk_norm=qk_norm,
@@ -149,7 +149,7 @@ def rope_case(H, KVH, D, M, qk_norm, impl, timing):
     return row
 
 
-def qkv_rope_case(H, KVH, D, K, impl, timing, copies=4, sweep=False):
+def qkv_rope_case(H, KVH, D, K, interpret, timing, copies=4, sweep=False):
     """One token: norm + qkv + RoPE + KV write in one kernel vs the two kernels (projection,
     then RoPE + KV write) and vs the XLA reference; ``copies`` rotating weights. sweep: also
     time other tiles of the one kernel (qkv_rope_kv_write.kernel_blocks)."""
@@ -165,11 +165,11 @@ def qkv_rope_case(H, KVH, D, K, impl, timing, copies=4, sweep=False):
     cos, sin = rope_tables(jnp.array([517]), 1.0 / (500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32))
     slot = jnp.array([101], jnp.int32)
     one = jax.jit(lambda w, kp, vp: qkv_rope_kv_write(x, w, nw, None, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5,
-                                                       impl=impl))
+                                                       interpret=interpret))
 
     def two_fn(w, kp, vp):
-        qkv = fused_linear(x, w, prologue="rmsnorm", norm_w=nw, eps=1e-5, impl=impl)
-        return rope_kv_write(qkv, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5, impl=impl)
+        qkv = fused_linear(x, w, prologue="rmsnorm", norm_w=nw, eps=1e-5, interpret=interpret)
+        return rope_kv_write(qkv, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5, interpret=interpret)
 
     two = jax.jit(two_fn)
     got, pair = one(ws[0], kp, vp), two(ws[0], kp, vp)
@@ -205,7 +205,7 @@ def main():
     ap.add_argument("--shapes", default="llama-8b", choices=sorted(SHAPES), help="the layer's projections to time")
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
-    impl = "gpu" if gpu else "interpret"
+    interpret = not gpu  # the kernels' bodies in Pallas' interpreter off the GPU
     out = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
            "linear": [], "rope": []}
     shapes = TINY if args.quick or not gpu else SHAPES[args.shapes]
@@ -214,7 +214,7 @@ def main():
         out["rows"] = []
         for name, F, K, pro, res in shapes:
             for M in counts:
-                r = rows_case(name, F, K, pro, res, M, impl, gpu, sweep=args.sweep and gpu and M == counts[-1] and name != "lm_head")
+                r = rows_case(name, F, K, pro, res, M, interpret, gpu, sweep=args.sweep and gpu and M == counts[-1] and name != "lm_head")
                 out["rows"].append(r)
                 t = "".join(f" {k[:-3]} {v:.1f} us ({r[k[:-3] + '_TBps']:.2f} TB/s)" for k, v in r.items()
                             if k.endswith("_us"))
@@ -228,7 +228,7 @@ def main():
         return
     for name, F, K, pro, res in ([] if args.qkv_rope_only else shapes):
         for M in (1, 8):  # M > 1 (and shapes ops.linear_kernel keeps with XLA) run XLA: kernel=0, for contrast
-            r = linear_case(name, F, K, pro, res, M, impl, args.quick, timing=gpu)
+            r = linear_case(name, F, K, pro, res, M, interpret, args.quick, timing=gpu)
             out["linear"].append(r)
             t = f" fused {r['fused_us']:7.1f} us ({r['fused_TBps']:.2f} TB/s) xla {r['xla_us']:7.1f} us " \
                 f"({r['xla_TBps']:.2f} TB/s, {r['xla_kernels']} kernels)" if gpu else ""
@@ -245,14 +245,14 @@ def main():
     for H, KVH, D in heads:
         for M in (() if args.qkv_rope_only else (1, 8, 64)):
             for qk in (False, True):
-                r = rope_case(H, KVH, D, M, qk, impl, timing=gpu)
+                r = rope_case(H, KVH, D, M, qk, interpret, timing=gpu)
                 out["rope"].append(r)
                 t = f" fused {r['fused_us']:.1f} us xla {r['xla_us']:.1f} us" if gpu else ""
                 print(f"rope H={H} KVH={KVH} D={D} M={M:2d} qk_norm={int(qk)} err q {r['q_err']:.1e} "
                       f"k {r['k_err']:.1e} v {r['v_err']:.1e}{t}", flush=True)
     K = 128 if args.quick or not gpu else SHAPES[args.shapes][0][2]  # qkv's input width
     for H, KVH, D in heads:
-        r = qkv_rope_case(H, KVH, D, K, impl, timing=gpu, sweep=args.sweep and gpu)
+        r = qkv_rope_case(H, KVH, D, K, interpret, timing=gpu, sweep=args.sweep and gpu)
         out["qkv_rope"] = r
         t = f" one kernel {r['one_kernel_us']:.1f} us, two kernels {r['two_kernels_us']:.1f} us" if gpu else ""
         print(f"qkv+rope H={H} KVH={KVH} D={D} K={K} err vs reference {r['err_vs_reference']:.1e}, "

@@ -34,7 +34,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels_pallas.rejection_sampling import rejection_sample  # noqa: E402
+from jspec.kernel_backend import GPU, TPU, parse_impl, platform_kernels  # noqa: E402
+from kernels_pallas.rejection_sampling import gpu_kernels, rejection_sample, tpu_kernels  # noqa: E402
 
 
 def make_inputs(rng, b, k, v, n_rot=3, with_probs=False, dtype=jnp.bfloat16):
@@ -86,8 +87,17 @@ def timeit(fn, sets, warmup=2, iters=7, calls=16):
     return statistics.median(times) / calls
 
 
-def jitted(impl, **tuning):
-    return jax.jit(lambda *a: rejection_sample(*a, impl=impl, **tuning))
+def jitted(impl, filtering="auto", **tuning):
+    """rejection_sample, jitted, on the kernels ``impl`` names (an EngineConfig.sample_impl
+    name; "reference": the jnp path; "auto": this backend's kernels) with the GPU kernels' ``tuning``."""
+    match parse_impl(impl, "--impl") or platform_kernels(jax.default_backend()):
+        case GPU(interpret=interpret):
+            kernels = gpu_kernels(interpret=interpret, **tuning)
+        case TPU(interpret=interpret):
+            kernels = tpu_kernels(interpret=interpret)
+        case _:
+            kernels = None
+    return jax.jit(lambda *a: rejection_sample(*a, kernels=kernels, filtering=filtering))
 
 
 def check(impl, rng):

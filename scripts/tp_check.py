@@ -52,7 +52,7 @@ def main(argv=None) -> int:
             want = outs if want is None else want
             same = outs == want
             ok &= same
-            print(f"tp={tp} {name:16s} attn={llm.engine.runner.plan.attn}: "
+            print(f"tp={tp} {name:16s} attn={llm.engine.runner.plan.attn.name}: "
                   f"{'same as tp=1' if same else 'DIFFERENT'}", flush=True)
             del llm
     return 0 if ok else 1

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import ops
 from jspec.config import ModelConfig
 from jspec.drafters.propose import ProposeInputs, slots_for
 from jspec.engine import flat_spec
@@ -49,7 +50,6 @@ from jspec.kv_cache import KVCache
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
 from jspec.parallel import replicate
-from kernels_pallas.rejection_sampling import rejection_sample
 
 logger = logging.getLogger("jspec.engine")
 
@@ -69,7 +69,6 @@ class FlatRunner:
         self.cfg, self.params, self.plan = cfg, params, plan
         self.page_size, self.num_pages = kv.page_size, kv.num_pages
         self.model = Transformer(cfg, dtype=dtype, plan=plan)
-        self.sample_impl = plan.sample  # the rejection sampler's impl, read by the jitted steps
         self.num_compilations = 0  # traces of the step function (one per new shape)
         self.log_compiles = True  # each on first use (warmup says how many it compiled instead)
         # Packed layouts by index: the jitted steps take the small int as their static
@@ -182,7 +181,7 @@ class FlatRunner:
     def _sample_one(self, logits, s, proc, sample_pos, filtering):
         """``sample_no_drafts`` -> (i32[N, 1], the logprob blocks i32[N, 1, F] or None without
         ``proc``)."""
-        out, _, logits, raw = sample_no_drafts(logits, s, proc, sample_pos, filtering, self.sample_impl)
+        out, _, logits, raw = sample_no_drafts(self.plan, logits, s, proc, sample_pos, filtering)
         return out, None if proc is None else self._token_logprobs(raw, logits, out, s)
 
     def _token_logprobs(self, raw, processed, tokens, inp):
@@ -199,10 +198,9 @@ class FlatRunner:
         probs_buf = state.probs
         q = probs_buf[s.prob_rows] if self.with_probs else None
         logits, raw = process(logits, s, s.proc, drafts)  # position j sees the drafts before it
-        out, n_emit = rejection_sample(
-            logits, drafts, s.num_draft, q, s.temperature, s.top_k, s.top_p, s.seeds, s.sample_pos,
-            method=self.spec.rejection_sample_method, synthetic_rates=rates, impl=self.sample_impl,
-            filtering=filtering)
+        out, n_emit = ops.rejection_sample(
+            self.plan, logits, drafts, s.num_draft, q, s.temperature, s.top_k, s.top_p, s.seeds, s.sample_pos,
+            method=self.spec.rejection_sample_method, synthetic_rates=rates, filtering=filtering)
         N = out.shape[0]
         aux = None if aux is None else aux.reshape(1, aux.shape[1], -1)  # None: no aux layers (n-gram, a draft model)
         draft_temp = s.temperature if self.with_probs else jnp.zeros_like(s.temperature)

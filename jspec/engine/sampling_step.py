@@ -13,12 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jspec import ops
 from jspec.engine.logits_processing import ProcInput, apply_processors, build_proc_input, wants_processing
 from jspec.engine.logprobs import logprob_info, sampler_logits
 from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jspec.engine.sequence import Status
 from jspec.engine.structured import apply_bitmask, bitmask_words, build_bitmask
-from kernels_pallas.rejection_sampling import host_filtering, rejection_sample
+from kernels_pallas.rejection_sampling import host_filtering
 
 
 @struct.dataclass
@@ -72,17 +73,17 @@ def process(logits, inp, proc, drafts):
     return apply_processors(logits, proc, drafts, inp.temperature), logits
 
 
-def sample_no_drafts(logits, s, proc, sample_pos, filtering, sample_impl):
+def sample_no_drafts(plan, logits, s, proc, sample_pos, filtering):
     """One token per row from logits f32[B, 1, V]: masks and processors (``proc``, may be
-    None), then ``rejection_sample`` with no drafts at ``sample_pos`` (the RNG key's
-    position), by the plan's ``sample_impl`` -> (tokens i32[B, 1], n_emit i32[B], the
+    None), then ``ops.rejection_sample`` with no drafts at ``sample_pos`` (the RNG key's
+    position), on the kernels of ``plan`` (a KernelPlan) -> (tokens i32[B, 1], n_emit i32[B], the
     sampler's logits, the raw logits). Every plain step samples here (the one-call, fed-back,
     split and mixed steps) and so does a speculative prefill, for its first token."""
     B = logits.shape[0]
     none = jnp.zeros((B, 0), jnp.int32)
     logits, raw = process(logits, s, proc, none)
-    out, n_emit = rejection_sample(logits, none, jnp.zeros((B,), jnp.int32), None, s.temperature, s.top_k,
-                                   s.top_p, s.seeds, sample_pos, impl=sample_impl, filtering=filtering)
+    out, n_emit = ops.rejection_sample(plan, logits, none, jnp.zeros((B,), jnp.int32), None, s.temperature, s.top_k,
+                                       s.top_p, s.seeds, sample_pos, filtering=filtering)
     return out, n_emit, logits, raw
 
 

@@ -114,7 +114,7 @@ def trace_context(r: FlatRunner) -> str:
     (part of an executable's key on disk)."""
     return stable_repr((r.cfg, r.dcfg, r.spec, r.plan, r.K, r.page_size, r.num_pages, r.width, r.shapes,
                         r.eos_token_ids, r.n_top_logprobs, r.logprobs_mode, r.with_probs, r.aux_layers,
-                        r.sample_impl, r.model, r.drafter))
+                        r.model, r.drafter))
 
 
 def run_warmup(runner: FlatRunner, num_scheduler_steps: int = 1, async_scheduling: bool = False, shapes=None,

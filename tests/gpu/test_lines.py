@@ -40,8 +40,10 @@ def line(group: str, name: str):
 
 def _on_gpu_kernels(eng, on_gpu: bool):
     """On a GPU, the engine picked the GPU kernels ("auto"); a CPU smoke run has none."""
+    from jspec.ops import GPU
+
     plan = eng.runner.plan
-    assert not on_gpu or (plan.attn, plan.linear) == ("gpu", "gpu"), plan
+    assert not on_gpu or (plan.attn, plan.linear) == (GPU(), GPU()), plan
 
 
 def _needs_gpu(on_gpu: bool, what: str):
@@ -455,7 +457,7 @@ def test_rejection(method, with_probs, on_gpu, record_property):
     import jax
     import jax.numpy as jnp
 
-    from kernels_pallas.rejection_sampling import ref_rejection_sample, rejection_sample
+    from kernels_pallas.rejection_sampling import gpu_kernels, ref_rejection_sample, rejection_sample
 
     B, K, V = (16, 7, 128256) if on_gpu else (16, 7, 3000)
     rng = np.random.default_rng(11)
@@ -477,8 +479,8 @@ def test_rejection(method, with_probs, on_gpu, record_property):
     args = (logits, drafts, nd, q, temp, top_k, top_p, seeds, pos)
     kw = dict(method=method, synthetic_rates=(0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3) if method == "synthetic" else None)
     want = ref_rejection_sample(*args, **kw)
-    impl = "gpu" if on_gpu else "interpret"
-    got = jax.jit(lambda *a: rejection_sample(*a, impl=impl, **kw))(*args)
+    kernels = gpu_kernels(interpret=not on_gpu)
+    got = jax.jit(lambda *a: rejection_sample(*a, kernels=kernels, **kw))(*args)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     n = np.asarray(want[1])

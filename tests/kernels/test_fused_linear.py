@@ -21,7 +21,7 @@ from jspec.config import ModelConfig, RopeConfig
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import apply_rope, rope_inv_freq
 from jspec.models.transformer import Transformer
-from jspec.ops import KernelPlan, plan_kernels, plan_params
+from jspec.ops import GPU, TPU, KernelPlan, plan_kernels, plan_params
 from kernels_pallas.fused_linear import (
     default_mma_blocks,
     fused_linear,
@@ -33,11 +33,11 @@ from kernels_pallas.fused_linear import (
 )
 from kernels_pallas.paged_attention import write_kv
 from kernels_pallas.qkv_rope_kv_write import kernel_blocks as qkv_kernel_blocks
-from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write, qkv_rope_kv_write_gpu
-from kernels_pallas.rope_kv_write import rope_kv_write, rope_tables
+from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write, qkv_rope_kv_write_gpu, ref_qkv_rope_kv_write
+from kernels_pallas.rope_kv_write import ref_rope_kv_write, rope_kv_write, rope_tables
 
 BF16 = jnp.bfloat16
-INTERPRET = KernelPlan(linear="interpret")  # the GPU kernel bodies, in Pallas' interpreter
+INTERPRET = KernelPlan(linear=GPU(interpret=True))  # the GPU kernel bodies, in Pallas' interpreter
 
 
 def f32(a):
@@ -76,7 +76,7 @@ MMA_TILE = (32, 128, 4, 4, True)
 def test_fused_linear_kernel_matches_reference(prologue, bias, residual, dtype, blocks):
     x, w, kw = linear_inputs(1, 96, 256, prologue, dtype, bias=bias, residual=residual)
     assert ops.linear_kernel(INTERPRET, 1, w.shape, fused=True)
-    got = fused_linear(x, w, impl="interpret", blocks=blocks, **kw)
+    got = fused_linear(x, w, interpret=True, blocks=blocks, **kw)
     want = ref_fused_linear(x, w, **kw)
     assert got.shape == want.shape == (1, 1, 96) and got.dtype == want.dtype
     # bf16: the RMSNorm is factored out of the dot (x * w_norm in bf16, 1/rms applied to
@@ -127,9 +127,9 @@ def test_norm_handoff_kernels_match_reference_and_the_unfused_mlp(dtype, F, mma)
     # mma: both kernels on the tensor-core stream (by default these narrow weights take the
     # elementwise one)
     o_blocks, d_blocks = ((32, 64, 4, 4, True), (32, 128, 4, 4, True)) if mma else (None, None)
-    h, hn, ss = fused_linear(a, w_o, residual=res, next_norm_w=nw, impl="interpret", blocks=o_blocks)
+    h, hn, ss = fused_linear(a, w_o, residual=res, next_norm_w=nw, interpret=True, blocks=o_blocks)
     h_ref, hn_ref, ss_ref = ref_fused_linear(a, w_o, residual=res, next_norm_w=nw)
-    np.testing.assert_array_equal(f32(h), f32(fused_linear(a, w_o, residual=res, impl="interpret", blocks=o_blocks)))
+    np.testing.assert_array_equal(f32(h), f32(fused_linear(a, w_o, residual=res, interpret=True, blocks=o_blocks)))
     assert rel(h, h_ref) < (1e-2 if dtype == BF16 else 1e-5)
     np.testing.assert_array_equal(f32(hn), f32((h.astype(jnp.float32) * nw.astype(jnp.float32)).astype(dtype)))
     assert ss.shape[-1] == F // (o_blocks or one_row_blocks(F, 64, dtype))[0]  # one per program
@@ -137,7 +137,7 @@ def test_norm_handoff_kernels_match_reference_and_the_unfused_mlp(dtype, F, mma)
     assert ss_ref.shape == (1, 1, 1)
 
     gu = jnp.einsum("...d,fd->...f", hn, w_gu)
-    out = fused_linear(gu, w_d, prologue="silu_mul", residual=h, sumsq=ss, eps=1e-5, impl="interpret", blocks=d_blocks)
+    out = fused_linear(gu, w_d, prologue="silu_mul", residual=h, sumsq=ss, eps=1e-5, interpret=True, blocks=d_blocks)
     out_ref = ref_fused_linear(gu, w_d, prologue="silu_mul", residual=h, sumsq=ss, eps=1e-5)
     assert rel(out, out_ref) < (2e-2 if dtype == BF16 else 1e-5)
 
@@ -151,7 +151,7 @@ def test_norm_handoff_kernels_match_reference_and_the_unfused_mlp(dtype, F, mma)
     with pytest.raises(ValueError, match="sumsq .* goes with the silu_mul or no prologue"):
         fused_linear(a, w_o, prologue="rmsnorm", norm_w=jnp.ones((64,), dtype), residual=res, sumsq=ss)
     with pytest.raises(ValueError, match="the one-row kernel takes a handed-over sumsq with the silu_mul prologue"):
-        fused_linear(a, w_o, residual=res, sumsq=ss, impl="interpret")
+        fused_linear(a, w_o, residual=res, sumsq=ss, interpret=True)
     with pytest.raises(ValueError, match="next_norm_w must have shape"):
         fused_linear(a, w_o, residual=res, next_norm_w=nw[:8])
 
@@ -186,9 +186,9 @@ def test_fused_linear_routing_and_errors():
     assert default_mma_blocks(4096, 14336, BF16) == (32, 512, 4, 6, True)
     assert default_mma_blocks(64, 128, jnp.float32) is None and default_mma_blocks(8, 128, BF16) is None
     assert ops.linear_kernel(INTERPRET, 1, w.shape, fused=True)
-    assert ops.linear_kernel(KernelPlan(linear="gpu"), 1, w.shape, fused=True)
+    assert ops.linear_kernel(KernelPlan(linear=GPU()), 1, w.shape, fused=True)
     assert not ops.linear_kernel(KernelPlan(), 1, w.shape, fused=True)
-    assert not ops.linear_kernel(KernelPlan(linear="tpu"), 1, w.shape, fused=True)
+    assert not ops.linear_kernel(KernelPlan(linear=TPU()), 1, w.shape, fused=True)
     assert not ops.linear_kernel(INTERPRET, 2, w.shape, fused=True)  # > 1 row: XLA
     assert not ops.linear_kernel(INTERPRET, 1, w.shape, fused=False)  # nothing to fuse: XLA's GEMV
     assert not ops.linear_kernel(INTERPRET, 1, (20000, 128), fused=True)  # too wide
@@ -199,9 +199,7 @@ def test_fused_linear_routing_and_errors():
     np.testing.assert_array_equal(f32(ops.linear(INTERPRET, ops.Normed(x2, nw2, 1e-6), w2)),
                                   f32(ref_fused_linear(x2, w2, prologue="rmsnorm", norm_w=nw2)))
     with pytest.raises(ValueError, match="the kernel takes one row and a weight its tiles divide"):
-        fused_linear(x2, w2, prologue="rmsnorm", norm_w=nw2, impl="interpret")
-    with pytest.raises(ValueError, match="impl must be 'reference', 'gpu' or 'interpret'"):
-        fused_linear(x, w, impl="tpu")
+        fused_linear(x2, w2, prologue="rmsnorm", norm_w=nw2, interpret=True)
     with pytest.raises(ValueError, match="prologue must be one of"):
         fused_linear(x, w, prologue="gelu")
     with pytest.raises(ValueError, match="x has 128 features.*needs 256"):
@@ -252,10 +250,10 @@ def test_rope_kv_write_kernel_matches_model_ops(H, KVH, D, qk_norm, dtype):
     np.testing.assert_array_equal(f32(apply_rope(q_in, pos[None], inv)), f32(old_rope(q_in, pos[None], inv)))
     k_want, v_want = write_kv(kp, vp, k, v, slot[None])
     cos, sin = rope_tables(pos, inv)
-    ref = rope_kv_write(qkv, cos, sin, slot, kp, vp, qn, kn, num_heads=H, eps=1e-6, impl="reference")
+    ref = ref_rope_kv_write(qkv, cos, sin, slot, kp, vp, qn, kn, num_heads=H, eps=1e-6)
     for got, want in zip(ref, (q[0], k_want, v_want)):
         np.testing.assert_array_equal(f32(got), f32(want))  # the reference is the old ops, bit for bit
-    ker = rope_kv_write(qkv, cos, sin, slot, kp, vp, qn, kn, num_heads=H, eps=1e-6, impl="interpret")
+    ker = rope_kv_write(qkv, cos, sin, slot, kp, vp, qn, kn, num_heads=H, eps=1e-6, interpret=True)
     tol = 0 if dtype == BF16 else 2e-6  # f32: FMA contraction may differ in the last bit
     for got, want in zip(ker, ref):
         assert got.shape == want.shape and (got.size == 0 or rel(got, want) <= tol)
@@ -349,15 +347,15 @@ def test_qkv_rope_kv_write_kernel_is_the_two_kernels_composed(dtype, bias, drop,
     else:
         blocks = qkv_kernel_blocks(w.shape[0], K, D, dtype)
         assert not blocks[-1]  # these narrow weights take the elementwise stream
-        q1, k1, v1 = qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, impl="interpret")
+        q1, k1, v1 = qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, interpret=True)
     # the projection kernel with the same tile per weight, hence the same summation order per row
     pairs, bd, warps, stages, _ = blocks
     qkv = fused_linear_gpu(x, w, nw, b, prologue="rmsnorm", eps=1e-5, blocks=(pairs, bd, warps, stages, mma),
                            interpret=True)
-    q2, k2, v2 = rope_kv_write(qkv, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5, impl="interpret")
+    q2, k2, v2 = rope_kv_write(qkv, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5, interpret=True)
     for a, c in ((q1, q2), (k1, k2), (v1, v2)):
         np.testing.assert_array_equal(f32(a), f32(c))
-    q3, k3, v3 = qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, impl="reference")
+    q3, k3, v3 = ref_qkv_rope_kv_write(*args, num_heads=H, eps=1e-5)
     tol = 1e-2 if dtype == BF16 else 1e-5
     assert rel(q1, q3) < tol and rel(k1, k3) < tol and rel(v1, v3) < tol
     written = (k1 != kp).any(axis=(2, 3)).reshape(-1)
@@ -368,13 +366,13 @@ def test_qkv_rope_kv_write_kernel_is_the_two_kernels_composed(dtype, bias, drop,
 def test_qkv_rope_kv_write_routing_and_errors():
     x, w = jnp.zeros((1, 256), BF16), jnp.zeros((256, 256), BF16)
     kp = jnp.zeros((4, 8, 2, 32), BF16)
-    assert ops.qkv_kernel(KernelPlan(linear="gpu"), 1, w.shape, 32, BF16)
+    assert ops.qkv_kernel(KernelPlan(linear=GPU()), 1, w.shape, 32, BF16)
     assert ops.qkv_kernel(INTERPRET, 1, w.shape, 32, BF16)
     assert not ops.qkv_kernel(KernelPlan(), 1, w.shape, 32, BF16)
-    assert not ops.qkv_kernel(KernelPlan(linear="gpu"), 2, w.shape, 32, BF16)
+    assert not ops.qkv_kernel(KernelPlan(linear=GPU()), 2, w.shape, 32, BF16)
     with pytest.raises(ValueError, match="the kernel takes one token"):
         qkv_rope_kv_write(jnp.zeros((2, 256), BF16), w, jnp.ones(256, BF16), None, jnp.zeros((2, 16)),
-                          jnp.zeros((2, 16)), jnp.zeros(2, jnp.int32), kp, kp, num_heads=4, eps=1e-5, impl="gpu")
+                          jnp.zeros((2, 16)), jnp.zeros(2, jnp.int32), kp, kp, num_heads=4, eps=1e-5)
     cos = jnp.zeros((1, 16))
     with pytest.raises(ValueError, match=r"qkv weight must be \[\(heads \+ 2 kv_heads\) \* head_dim, in\] = \[192"):
         qkv_rope_kv_write(x, w, jnp.ones(256, BF16), None, cos, cos, jnp.zeros(1, jnp.int32), kp, kp, num_heads=2,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jspec import ops
-from jspec.ops import KernelPlan
+from jspec.ops import GPU, KernelPlan
 from kernels_pallas.fused_linear import ref_fused_linear, rms_norm, silu_mul
 from kernels_pallas.fused_linear_rows import MAX_ROWS, fused_linear_rows, ref_fused_linear_rows, supports
 
@@ -47,7 +47,7 @@ def test_kernel_matches_reference(R, dtype, epilogue):
     same = lambda a, b: np.testing.assert_allclose(f32(a), f32(b), rtol=ulp, atol=ulp)  # noqa: E731
     kw = {"bias_residual": dict(bias=b, residual=res), "norm_in": dict(sumsq=ss, eps=1e-5),
           "norm_in_residual_handoff": dict(sumsq=ss, residual=res, next_norm_w=nn, eps=1e-5)}[epilogue]
-    got = fused_linear_rows(x, w, impl="interpret", blocks=BLOCKS, **kw)
+    got = fused_linear_rows(x, w, interpret=True, blocks=BLOCKS, **kw)
     ref = ref_fused_linear(x, w, **kw)
     if isinstance(got, tuple):
         y, hn, part = got
@@ -64,7 +64,7 @@ def test_swiglu_epilogue_matches_reference(R):
     """gate_up on a handed-over norm with SwiGLU in the epilogue: each program streams its
     gate rows and the matching up rows; == silu(g) * u of the reference projection."""
     x, w, *_, ss, _ = inputs(R, BF16, seed=1, F=2 * F)
-    got = fused_linear_rows(x, w, sumsq=ss, eps=1e-5, swiglu=True, impl="interpret", blocks=(16, 64, 4, 2))
+    got = fused_linear_rows(x, w, sumsq=ss, eps=1e-5, swiglu=True, interpret=True, blocks=(16, 64, 4, 2))
     ref = ref_fused_linear_rows(x, w, sumsq=ss, eps=1e-5, swiglu=True)
     assert got.shape == (R, F)
     np.testing.assert_allclose(f32(got), f32(ref), rtol=2 ** -7, atol=2 ** -7)  # one bf16 ulp
@@ -94,7 +94,7 @@ def test_contract_routing_and_errors():
     assert not supports(4, w.shape, jnp.float32)  # an f32 dot would run in TF32
     assert supports(4, (2 * F, K), BF16, swiglu=True) and not supports(4, (F + 1, K), BF16, swiglu=True)
     # the ops: 2-16 rows of a bf16 weight with something to fuse and no prologue
-    gpu = KernelPlan(linear="gpu")
+    gpu = KernelPlan(linear=GPU())
     assert ops.linear_kernel(gpu, 16, w.shape, fused=True, dtype=BF16)
     assert not ops.linear_kernel(gpu, 16, w.shape, fused=True, dtype=BF16, prologue="rmsnorm")
     assert not ops.linear_kernel(gpu, 17, w.shape, fused=True, dtype=BF16)
@@ -103,12 +103,10 @@ def test_contract_routing_and_errors():
     assert not ops.linear_kernel(KernelPlan(), 16, w.shape, fused=True, dtype=BF16)
     x = jnp.zeros((3, K), BF16)
     with pytest.raises(ValueError, match="takes 2 to 16 rows and a bf16 / f16 weight"):
-        fused_linear_rows(jnp.zeros((1, K), BF16), w, residual=jnp.zeros((1, F), BF16), impl="interpret")
+        fused_linear_rows(jnp.zeros((1, K), BF16), w, residual=jnp.zeros((1, F), BF16), interpret=True)
     with pytest.raises(ValueError, match="takes 2 to 16 rows and a bf16 / f16 weight"):
-        fused_linear_rows(x.astype(jnp.float32), w.astype(jnp.float32), impl="interpret")
+        fused_linear_rows(x.astype(jnp.float32), w.astype(jnp.float32), interpret=True)
     with pytest.raises(ValueError, match="swiglu takes a gate\\|up weight of even rows"):
-        fused_linear_rows(x, w, residual=jnp.zeros((3, F), BF16), swiglu=True, impl="interpret")
-    with pytest.raises(ValueError, match="impl must be"):
-        fused_linear_rows(x, w, impl="tpu")
+        fused_linear_rows(x, w, residual=jnp.zeros((3, F), BF16), swiglu=True, interpret=True)
     with pytest.raises(ValueError, match="x has 64 features"):
-        fused_linear_rows(x[:, :64], w, impl="interpret")
+        fused_linear_rows(x[:, :64], w, interpret=True)

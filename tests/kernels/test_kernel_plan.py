@@ -16,10 +16,10 @@ import pytest
 
 from jspec import envs, ops
 from jspec.config import ModelConfig, RopeConfig
+from jspec.kernel_backend import GPU, TPU, XLA, parse_impl, platform_kernels
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan, plan_kernels
-from kernels_pallas.dispatch import backend_impl, resolve_impl
 from tests.helpers.lowering import custom_calls, lower
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -40,24 +40,26 @@ def test_auto_resolves_by_backend(monkeypatch):
     assert cpu.compiler_options == {"xla_cpu_experimental_ynn_fusion_type": ""}
     assert not plan_kernels(LLAMA, linear_impl="interpret", backend="cpu").in_out_weights  # kernels read [out, in]
     gpu = plan_kernels(LLAMA, backend="gpu")
-    assert (gpu.attn, gpu.linear, gpu.sample, gpu.norm_handoff) == ("gpu", "gpu", "gpu", True)
+    assert (gpu.attn, gpu.linear, gpu.sample, gpu.norm_handoff) == (GPU(), GPU(), GPU(), True)
     tpu = plan_kernels(LLAMA, backend="tpu")
-    assert (tpu.attn, tpu.linear, tpu.sample, tpu.norm_handoff) == ("tpu", "tpu", "tpu", False)
+    assert (tpu.attn, tpu.linear, tpu.sample, tpu.norm_handoff) == (TPU(), TPU(), TPU(), False)
     assert not gpu.in_out_weights and not tpu.in_out_weights  # HF [out, in] weights off the CPU
     assert gpu.compiler_options is None and tpu.compiler_options is None  # XLA's defaults there
     # warmup compiles on several threads off the CPU (jspec/engine/warmup.py, prepare)
     assert cpu.compile_threads == 1 and gpu.compile_threads == tpu.compile_threads == min(8, os.cpu_count() or 1)
     # an impl named in the config wins; the hand-over needs the GPU projection kernels
     mixed = plan_kernels(LLAMA, attn_impl="interpret", linear_impl="reference", backend="gpu")
-    assert (mixed.attn, mixed.linear, mixed.sample, mixed.norm_handoff) == ("interpret", "reference", "gpu", False)
+    assert (mixed.attn, mixed.linear, mixed.sample, mixed.norm_handoff) == (GPU(interpret=True), XLA(), GPU(), False)
     assert not plan_kernels(dataclasses.replace(LLAMA, mlp_bias=True), backend="gpu").norm_handoff
-    with pytest.raises(ValueError, match="linear_impl='cuda'"):
+    with pytest.raises(ValueError, match=re.escape("linear_impl='cuda' is not one of ('reference', 'gpu', 'tpu', "
+                                                   "'interpret', 'tpu_interpret', 'auto')")):
         plan_kernels(LLAMA, linear_impl="cuda")
-    # a direct kernel call's "auto" is the kernel for the backend (its body in the
-    # interpreter on CPU), whatever the environment says
-    monkeypatch.setenv("JSPEC_KERNEL_IMPL", "reference")
-    assert resolve_impl("auto") == "interpret" and resolve_impl("tpu_interpret") == "tpu_interpret"
-    assert [backend_impl(b) for b in ("cuda", "rocm", "tpu", "cpu")] == ["gpu", "gpu", "tpu", "interpret"]
+    # each user-facing name is one typed backend, and names it back
+    names = ("reference", "gpu", "tpu", "interpret", "tpu_interpret")
+    backends = [parse_impl(n) for n in names]
+    assert backends == [XLA(), GPU(), TPU(), GPU(interpret=True), TPU(interpret=True)] and parse_impl("auto") is None
+    assert [b.name for b in backends] == list(names) and len(set(backends)) == 5
+    assert [platform_kernels(b) for b in ("cuda", "rocm", "gpu", "tpu", "cpu")] == [GPU(), GPU(), GPU(), TPU(), XLA()]
 
 
 def test_kernel_impl_override_through_envs(monkeypatch):
@@ -69,7 +71,7 @@ def test_kernel_impl_override_through_envs(monkeypatch):
     monkeypatch.setenv("JSPEC_KERNEL_IMPL", " Interpret ")
     assert envs.JSPEC_KERNEL_IMPL == "interpret"
     plan = plan_kernels(LLAMA, sample_impl="reference", backend="cpu")
-    assert (plan.attn, plan.linear, plan.sample) == ("interpret", "interpret", "reference")
+    assert (plan.attn, plan.linear, plan.sample) == (GPU(interpret=True), GPU(interpret=True), XLA())
     monkeypatch.setenv("JSPEC_KERNEL_IMPL", "bogus")
     with pytest.raises(ValueError, match="JSPEC_KERNEL_IMPL='bogus'"):
         plan_kernels(LLAMA, backend="cpu")
@@ -82,11 +84,11 @@ def test_kernel_impl_override_through_envs(monkeypatch):
 def test_a_draft_model_runs_the_targets_kernels_at_the_drafters_tp():
     small = dataclasses.replace(LLAMA, hidden_size=2048, intermediate_size=8192, num_heads=32, head_dim=64)
     d = plan_kernels(LLAMA, backend="gpu").for_draft_model(small)
-    assert (d.attn, d.linear, d.sample, d.norm_handoff, d.tp) == ("gpu", "gpu", "gpu", True, 1)
+    assert (d.attn, d.linear, d.sample, d.norm_handoff, d.tp) == (GPU(), GPU(), GPU(), True, 1)
     assert not plan_kernels(LLAMA, backend="gpu").for_draft_model(dataclasses.replace(small, mlp_bias=True)).norm_handoff
     # a replicated draft model under a tp-2 target: XLA projections, tp 1
     r = dataclasses.replace(plan_kernels(LLAMA, backend="gpu"), tp=2, draft_tp=1).for_draft_model(small)
-    assert (r.linear, r.norm_handoff, r.tp) == ("reference", False, 1)
+    assert (r.linear, r.norm_handoff, r.tp) == (XLA(), False, 1)
     hash(d)
 
 
@@ -137,6 +139,31 @@ def test_model_reaches_the_planned_gpu_kernels(cfg, B, Q, expected, gpu_target):
     assert _forward_calls(cfg, KernelPlan(), B, Q) == []  # the reference plan: XLA only
 
 
+def _sampling_calls(backend, platform):
+    """Kernel names in ops.rejection_sample's lowering under a plan sampling on ``backend``."""
+    B, K, V = 2, 3, 300
+    shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (((B, K + 1, V), jnp.float32), ((B, K), jnp.int32),
+                                                      ((B,), jnp.int32), ((B, K, V), jnp.float32),
+                                                      ((B,), jnp.float32), ((B,), jnp.int32), ((B,), jnp.float32),
+                                                      ((B,), jnp.int32), ((B,), jnp.int32))]
+
+    def fn(*a):
+        return ops.rejection_sample(KernelPlan(sample=backend), *a, filtering="on")
+
+    return [name for _, name in custom_calls(lower(fn, shapes, platform))]
+
+
+def test_sampling_follows_the_plan_on_gpu(gpu_target):
+    """ops.rejection_sample: the plan's sample backend picks the block kernels (the runner
+    passes only the plan); XLA() lowers to plain XLA."""
+    assert _sampling_calls(GPU(), "cuda") == ["rejection_stats_gpu", "rejection_resid_gpu"]
+    assert _sampling_calls(XLA(), "cuda") == []
+
+
+def test_sampling_follows_the_plan_on_tpu(tpu_chip):
+    assert _sampling_calls(TPU(), "tpu") == ["rejection_stats_tpu", "rejection_resid_tpu"]
+
+
 def test_environment_is_read_in_envs_only():
     """jspec/envs.py is the one module that reads os.environ (scripts and tests may set
     variables for subprocesses)."""
@@ -146,12 +173,17 @@ def test_environment_is_read_in_envs_only():
 
 
 def test_kernel_choice_lives_in_ops():
-    """Model and engine code passes the plan on; only jspec/ops.py (and kernels_pallas'
-    dispatch) turns names and shapes into a kernel choice."""
+    """Model and engine code passes the plan on; only jspec/ops.py (and ops_attention.py)
+    turns backends and shapes into a kernel choice, and no kernel file compares
+    implementation names."""
     def offenders(dirs, pattern):
         return [str(p.relative_to(ROOT)) for d in dirs for p in sorted((ROOT / "jspec" / d).rglob("*.py"))
                 if re.search(pattern, p.read_text())]
 
-    assert offenders(("models", "drafters"), r"impl|kernels_pallas\.dispatch|default_backend") == []
-    assert offenders(("engine",), r"kernels_pallas\.dispatch|resolve_impl|engine_impl") == []
-    assert ops.linear_kernel(KernelPlan(linear="gpu"), 1, (128, 128), fused=True)
+    assert offenders(("models", "drafters"), r"impl|kernel_backend|default_backend") == []
+    assert offenders(("engine",), r"kernel_backend|\bimpl=|import .*\brejection_sample\b") == []
+    kernel_files = sorted((ROOT / "kernels_pallas").glob("*.py"))
+    names = r"\"(reference|interpret|tpu_interpret)\""
+    assert [p.name for p in kernel_files if re.search(rf"\bimpl\b|[=!]= ?{names}|\bin \({names}", p.read_text())] == []
+    assert ops.linear_kernel(KernelPlan(linear=GPU()), 1, (128, 128), fused=True)
+    assert not ops.linear_kernel(KernelPlan(linear=TPU()), 1, (128, 128), fused=True)

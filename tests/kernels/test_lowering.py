@@ -7,9 +7,9 @@ Only the lowering runs (jax.jit(f).trace(*shapes).lower(lowering_platforms=...))
 or TPU compile, no execution: Mosaic's own passes (layouts, VMEM limits) run only when a
 TPU compiles the custom call, so "lowers" is less than "compiles". Shapes are tiny, but for
 the bf16 projections of 8B widths that take the tensor-core weight stream. Most
-cases go through the public entry with the impl name that kernels_pallas.dispatch resolves
-to ("gpu" / "tpu"), so they also pin which kernels each impl reaches; every case checks the
-exact list of custom calls (target and kernel name) in the lowered module. The chip
+cases go through a kernel file's public entry for the platform (the one jspec/ops.py calls
+for a GPU() or TPU() backend), so they also pin which kernels each entry reaches; every
+case checks the exact list of custom calls (target and kernel name) in the lowered module. The chip
 descriptions that let a CPU machine lower for GPU and TPU are the fixtures of
 tests/kernels/conftest.py (gpu_target, tpu_chip).
 
@@ -25,8 +25,8 @@ Kernels (grep -n pallas_call kernels_pallas/*.py):
   qkv_rope_kv_write.py     RMSNorm + qkv + RoPE + KV write          GPU
   moe_experts.py           few-token MoE: gate_up + SwiGLU, down    GPU
   moe_router.py            MoE router: softmax + top-k              GPU
-  rejection_blocks.py      stats + residual kernels: GPU ones for impl "gpu",
-                           TPU ones for impl "tpu" (_kernel_rows)
+  rejection_blocks.py      stats + residual kernels: GPU ones (gpu_kernels),
+                           TPU ones (tpu_kernels)
 """
 
 from __future__ import annotations
@@ -37,17 +37,17 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from kernels_pallas import paged_attention as pa
+from kernels_pallas import ragged_paged_attention as rpa
 from kernels_pallas.fused_linear import fused_linear
 from kernels_pallas.fused_linear_rows import fused_linear_rows
 from kernels_pallas.moe_experts import moe_experts, moe_experts_gpu
 from kernels_pallas.moe_router import router_top_k
-from kernels_pallas.paged_attention import paged_attention
 from kernels_pallas.paged_attention_gpu import paged_attention_gpu
 from kernels_pallas.paged_attention_tpu import paged_attention_tpu
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
-from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu
-from kernels_pallas.rejection_sampling import rejection_sample
+from kernels_pallas.rejection_sampling import gpu_kernels, rejection_sample, tpu_kernels
 from kernels_pallas.rope_kv_write import rope_kv_write
 from tests.helpers.lowering import MOSAIC, TRITON, custom_calls, lower
 
@@ -79,12 +79,14 @@ def attention_shapes(dtype, *, B=2, Q=3, H=4, KVH=2, D=128, P=6, S=16, W=3, caus
     return shapes
 
 
-def attention_entry(impl, dtype, causal):
-    """The public entry, kv splits at their default (1 for this short context)."""
+def attention_entry(platform, dtype, causal):
+    """The platform's public entry, kv splits at their default (1 for this short context)."""
+    entry = pa.kernel_gpu if platform == "gpu" else pa.kernel_tpu
+
     def fn(*a):
-        return paged_attention(*a, sm_scale=0.125, impl=impl)
-    name = r"paged_attention_gpu_r\d+_k\d+_s1" if impl == "gpu" else r"paged_attention_tpu_p\d+_r\d+"
-    return fn, attention_shapes(dtype, causal=causal), [(TRITON if impl == "gpu" else MOSAIC, name)]
+        return entry(*a, sm_scale=0.125)
+    name = r"paged_attention_gpu_r\d+_k\d+_s1" if platform == "gpu" else r"paged_attention_tpu_p\d+_r\d+"
+    return fn, attention_shapes(dtype, causal=causal), [(TRITON if platform == "gpu" else MOSAIC, name)]
 
 
 def attention_gpu_splits(dtype, split_combine):
@@ -113,14 +115,16 @@ def ragged_shapes(dtype, *, T=8, H=4, KVH=2, D=128, P=6, S=16, N=3, W=3, causal=
     return shapes
 
 
-def ragged_entry(impl, dtype, causal, **tuning):
-    """The public entry of the flat-batch attention; one kv split at this short context."""
+def ragged_entry(platform, dtype, causal, **tuning):
+    """The platform's public entry of the flat-batch attention; one kv split at this short context."""
+    entry = rpa.kernel_gpu if platform == "gpu" else rpa.kernel_tpu
+
     def fn(*a):
-        return ragged_paged_attention(*a, sm_scale=0.125, impl=impl, **tuning)
-    name = r"ragged_paged_attention_gpu_q\d+_k64_s1" if impl == "gpu" else r"ragged_paged_attention_tpu_q\d+_p\d+"
+        return entry(*a, sm_scale=0.125, **tuning)
+    name = r"ragged_paged_attention_gpu_q\d+_k64_s1" if platform == "gpu" else r"ragged_paged_attention_tpu_q\d+_p\d+"
     if tuning:  # TPU: block_q tokens, block_kv // S pages per kv step
         name = rf"ragged_paged_attention_tpu_q{tuning['block_q']}_p{tuning['block_kv'] // 16}"
-    return fn, ragged_shapes(dtype, causal=causal), [(TRITON if impl == "gpu" else MOSAIC, name)]
+    return fn, ragged_shapes(dtype, causal=causal), [(TRITON if platform == "gpu" else MOSAIC, name)]
 
 
 def ragged_gpu_splits(dtype):
@@ -137,7 +141,7 @@ MMA_FK, NARROW_FK = (4096, 4096), (64, 128)
 
 
 def linear(prologue, dtype, *, residual=False, bias=False, handoff=False, narrow=False):
-    """fused_linear(impl="gpu") on one row: the kernel with its prologue, through the
+    """fused_linear (the kernel) on one row: the kernel with its prologue, through the
     tensor-core stream for bf16 at 8B widths (else the elementwise one)."""
     mma = dtype == BF16 and not narrow
     F, K = MMA_FK if mma else NARROW_FK
@@ -155,7 +159,7 @@ def linear(prologue, dtype, *, residual=False, bias=False, handoff=False, narrow
 
     def fn(*a):
         kw = dict(zip(names, a))
-        return fused_linear(kw.pop("x"), kw.pop("w"), prologue=prologue, eps=1e-5, impl="gpu", **kw)
+        return fused_linear(kw.pop("x"), kw.pop("w"), prologue=prologue, eps=1e-5, **kw)
     suffix = "_norm_out" if handoff else ""
     return fn, list(shapes.values()), [(TRITON, rf"fused_linear_{prologue}_f\d+_d\d+{'_mma' if mma else ''}{suffix}")]
 
@@ -165,13 +169,13 @@ def linear_sumsq(dtype):
     F, K = MMA_FK
 
     def fn(x, w, sumsq, res):
-        return fused_linear(x, w, prologue="silu_mul", sumsq=sumsq, residual=res, impl="gpu")
+        return fused_linear(x, w, prologue="silu_mul", sumsq=sumsq, residual=res)
     shapes = [sds((1, 1, 2 * K), dtype), sds((F, K), dtype), sds((1, 1, 3), F32), sds((1, 1, F), dtype)]
     return fn, shapes, [(TRITON, r"fused_linear_silu_mul_f\d+_d\d+_mma")]
 
 
 def linear_rows(R, *, norm_in=False, handoff=False, bias=False):
-    """fused_linear_rows(impl="gpu") on R rows of bf16 at 8B widths: [a handed-over input
+    """fused_linear_rows (the kernel) on R rows of bf16 at 8B widths: [a handed-over input
     norm (sumsq),] [bias,] residual [, the next norm handed over]."""
     F, K = MMA_FK
     shapes = {"x": sds((R, K), BF16), "w": sds((F, K), BF16), "residual": sds((R, F), BF16)}
@@ -185,7 +189,7 @@ def linear_rows(R, *, norm_in=False, handoff=False, bias=False):
 
     def fn(*a):
         kw = dict(zip(names, a))
-        return fused_linear_rows(kw.pop("x"), kw.pop("w"), eps=1e-5, impl="gpu", **kw)
+        return fused_linear_rows(kw.pop("x"), kw.pop("w"), eps=1e-5, **kw)
     name = rf"fused_linear_rows_r{R}_f\d+_d\d+{'_norm_in' if norm_in else ''}{'_norm_out' if handoff else ''}"
     return fn, list(shapes.values()), [(TRITON, name)]
 
@@ -193,7 +197,7 @@ def linear_rows(R, *, norm_in=False, handoff=False, bias=False):
 def linear_rows_swiglu(R):
     """... gate_up + SwiGLU on a handed-over norm: [R, 2I] weight rows in, silu(g) * u out."""
     def fn(x, w, sumsq):
-        return fused_linear_rows(x, w, sumsq=sumsq, eps=1e-5, swiglu=True, impl="gpu")
+        return fused_linear_rows(x, w, sumsq=sumsq, eps=1e-5, swiglu=True)
     shapes = [sds((R, 4096), BF16), sds((28672, 4096), BF16), sds((R, 128), F32)]
     return fn, shapes, [(TRITON, rf"fused_linear_rows_r{R}_f\d+_d\d+_swiglu_norm_in")]
 
@@ -203,7 +207,7 @@ def rope_write(dtype, qk_norm, H=4):
     M, KVH, D, P, S = 2, 2, 64, 4, 8
 
     def fn(qkv, cos, sin, slots, kp, vp, *norms):
-        return rope_kv_write(qkv, cos, sin, slots, kp, vp, *norms, num_heads=H, impl="gpu")
+        return rope_kv_write(qkv, cos, sin, slots, kp, vp, *norms, num_heads=H)
     shapes = [sds((M, (H + 2 * KVH) * D), dtype), sds((M, D // 2), F32), sds((M, D // 2), F32), sds((M,), I32),
               sds((P, S, KVH, D), dtype), sds((P, S, KVH, D), dtype)]
     if qk_norm:
@@ -216,8 +220,7 @@ def qkv_rope_write(dtype, bias):
     F = (H + 2 * KVH) * D
 
     def fn(x, w, norm_w, cos, sin, slots, kp, vp, *b):
-        return qkv_rope_kv_write(x, w, norm_w, b[0] if b else None, cos, sin, slots, kp, vp, num_heads=H, eps=1e-5,
-                                 impl="gpu")
+        return qkv_rope_kv_write(x, w, norm_w, b[0] if b else None, cos, sin, slots, kp, vp, num_heads=H, eps=1e-5)
     shapes = [sds((1, K), dtype), sds((F, K), dtype), sds((K,), dtype), sds((1, D // 2), F32), sds((1, D // 2), F32),
               sds((1,), I32), sds((P, S, KVH, D), dtype), sds((P, S, KVH, D), dtype)]
     if bias:
@@ -227,42 +230,43 @@ def qkv_rope_write(dtype, bias):
 
 
 def moe(dtype, mma=False):
-    """moe_experts(impl="gpu"): the gate_up kernel, then the down kernel; their default tiles
+    """moe_experts: the gate_up kernel, then the down kernel; their default tiles
     (the elementwise stream: experts are narrow), or tensor-core tiles given (mma)."""
     N, K, E, I, H = 2, 2, 4, 32, 64
 
     def fn(x, experts, w_gate_up, w_down):
         if mma:
             return moe_experts_gpu(x, experts, w_gate_up, w_down, top_k=K, blocks=((16, 32, 4, 3, True),) * 2)
-        return moe_experts(x, experts, w_gate_up, w_down, top_k=K, impl="gpu")
+        return moe_experts(x, experts, w_gate_up, w_down, top_k=K)
     shapes = [sds((N, H), dtype), sds((N * K,), I32), sds((E, 2 * I, H), dtype), sds((E, H, I), dtype)]
     suffix = "_mma" if mma else ""
     return fn, shapes, [(TRITON, rf"moe_gate_up_f\d+_d\d+{suffix}"), (TRITON, rf"moe_down_f\d+_d\d+{suffix}")]
 
 
 def moe_router(E, top_k):
-    """router_top_k(impl="gpu"): softmax and top-k in one kernel (E not a power of two: padded)."""
+    """router_top_k: softmax and top-k in one kernel (E not a power of two: padded)."""
     def fn(logits):
-        return router_top_k(logits, top_k=top_k, norm=True, impl="gpu")
+        return router_top_k(logits, top_k=top_k, norm=True)
     return fn, [sds((3, E), F32)], [(TRITON, rf"moe_router_top{top_k}")]
 
 
-def rejection(impl, *, V, draft_probs, dtype=F32, bpp=1):
-    """rejection_sample(impl=...): the stats kernel, plus the residual kernel when draft
-    probabilities are given."""
+def rejection(platform, *, V, draft_probs, dtype=F32, bpp=1):
+    """rejection_sample(kernels=gpu_kernels() | tpu_kernels()): the stats kernel, plus the
+    residual kernel when draft probabilities are given."""
     B, K = 2, 3
+    kernels = gpu_kernels(blocks_per_program=bpp) if platform == "gpu" else tpu_kernels()
 
     def fn(logits, drafts, nd, temp, top_k, top_p, seeds, pos, *q):
         return rejection_sample(logits, drafts, nd, q[0] if q else None, temp, top_k, top_p, seeds, pos,
-                                impl=impl, blocks_per_program=bpp, filtering="on")
+                                kernels=kernels, filtering="on")
     shapes = [sds((B, K + 1, V), dtype), sds((B, K), I32), sds((B,), I32), sds((B,), F32), sds((B,), I32),
               sds((B,), F32), sds((B,), I32), sds((B,), I32)]
     if draft_probs:
         shapes.append(sds((B, K, V), F32))
-    target = TRITON if impl == "gpu" else MOSAIC
-    calls = [(target, f"rejection_stats_{impl}")]
+    target = TRITON if platform == "gpu" else MOSAIC
+    calls = [(target, f"rejection_stats_{platform}")]
     if draft_probs:
-        calls.append((target, f"rejection_resid_{impl}"))
+        calls.append((target, f"rejection_resid_{platform}"))
     return fn, shapes, calls
 
 
@@ -363,9 +367,9 @@ def test_every_pallas_call_is_covered():
     }, "pallas_call sites changed: add lowering cases for the new kernels and update this list"
 
 
-def test_reference_impl_lowers_without_kernels(gpu_target):
-    """Dispatch: impl "reference" lowers to plain XLA for either platform (no custom call)."""
-    fn = lambda *a: paged_attention(*a, sm_scale=0.125, impl="reference")  # noqa: E731
+def test_reference_lowers_without_kernels(gpu_target):
+    """The reference lowers to plain XLA for either platform (no custom call)."""
+    fn = lambda *a: pa.ref_paged_attention(*a, sm_scale=0.125)  # noqa: E731
     shapes = attention_shapes(BF16)
     assert custom_calls(lower(fn, shapes, "cuda")) == []
     assert custom_calls(lower(fn, shapes, "tpu")) == []

@@ -42,7 +42,7 @@ def test_kernel_matches_reference(N, top_k, dtype, blocks):
     if blocks:
         got = moe_experts_gpu(x, experts, gu, dn, top_k=top_k, blocks=blocks, interpret=True)
     else:
-        got = moe_experts(x, experts, gu, dn, top_k=top_k, impl="interpret")
+        got = moe_experts(x, experts, gu, dn, top_k=top_k, interpret=True)
     want = ref_moe_experts(x, experts, gu, dn, top_k=top_k)
     assert got.shape == want.shape == (N * top_k, H) and got.dtype == want.dtype
     # f32: summation order; bf16: each projection rounded to bf16, a bf16 ulp or two apart
@@ -55,7 +55,7 @@ def test_kernel_reads_each_pairs_own_expert():
     read the wrong expert's rows, or the wrong token's row, would differ from the reference."""
     x, _, gu, dn = inputs(3, 2, 2, jnp.float32)
     experts = jnp.array([5, 0, 5, 7], jnp.int32)
-    got = moe_experts(x, experts, gu, dn, top_k=2, impl="interpret")
+    got = moe_experts(x, experts, gu, dn, top_k=2, interpret=True)
     np.testing.assert_allclose(f32(got), f32(ref_moe_experts(x, experts, gu, dn, top_k=2)), rtol=1e-5, atol=1e-5)
     assert not np.allclose(f32(got[0]), f32(got[2]))  # same expert, different tokens
 
@@ -69,7 +69,7 @@ def test_ops_moe_with_gpu_kernels_matches_xla(dtype):
     router = (0.5 * jax.random.normal(jax.random.PRNGKey(8), (E, H))).astype(dtype)
     x = x.reshape(1, 2, H)
     kw = dict(top_k=3, norm_topk_prob=True)
-    gpu = ops.KernelPlan(linear="interpret")
+    gpu = ops.KernelPlan(linear=ops.GPU(interpret=True))
     kernels = lambda a: "moe_gate_up" in str(jax.make_jaxpr(lambda a: ops.moe(gpu, a, router, gu, dn, **kw))(a))  # noqa: E731
     assert kernels(x) and not kernels(x[:, :1])
     got = ops.moe(gpu, x, router, gu, dn, **kw)
@@ -85,5 +85,3 @@ def test_supports_and_errors():
     x, experts, gu, dn = inputs(1, 1, 2, jnp.float32)
     with pytest.raises(ValueError, match="experts"):
         moe_experts(x, experts[:1], gu, dn, top_k=2)
-    with pytest.raises(ValueError, match="impl"):
-        moe_experts(x, experts, gu, dn, top_k=2, impl="tpu")

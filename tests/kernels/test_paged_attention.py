@@ -14,11 +14,13 @@ compared on every row, padding included, so they must be finite there too.
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.paged_attention import paged_attention, ref_paged_attention
+from kernels_pallas.paged_attention import kernel_gpu, kernel_tpu, ref_paged_attention
 from kernels_pallas.paged_attention_gpu import NEG_INF, combine_splits, paged_attention_gpu
 from kernels_pallas.paged_attention_tpu import paged_attention_tpu
 
@@ -152,13 +154,18 @@ def test_split_combine_kernel_matches_jnp(splits, dtype):
     assert not np.asarray(out[4], np.float32).any()
 
 
-@pytest.mark.parametrize("impl", ["reference", "interpret", "tpu_interpret", "auto"])
-def test_public_entry_dispatch(impl):
-    """paged_attention(impl=...) routes to each kernel; "auto" on CPU means "interpret"."""
+ENTRIES = {"reference": ref_paged_attention, "gpu-interpret": functools.partial(kernel_gpu, interpret=True),
+           "tpu-interpret": functools.partial(kernel_tpu, interpret=True)}
+
+
+@pytest.mark.parametrize("entry", ENTRIES.values(), ids=ENTRIES)
+def test_public_entries(entry):
+    """The public entries (jspec.ops_attention picks one by the plan's backend) take q in
+    another dtype than the cache: the kernels run in the cache dtype, the output in q's."""
     args = make_batch(3, q_len=8, kv_lens=[20, 40], kv_heads=2, group=2, dtype=jnp.bfloat16,
                       causal=[True, False], new_tokens=[8, 8])
     q = args[0].astype(jnp.float32)  # q in f32, cache in bf16: kernels run in the cache dtype
-    out = paged_attention(q, *args[1:], sm_scale=D**-0.5, impl=impl)
+    out = entry(q, *args[1:], sm_scale=D**-0.5)
     ref = ref_paged_attention(*args, sm_scale=D**-0.5)
     assert out.dtype == jnp.float32
     assert rel_err(out, ref) < TOL[jnp.bfloat16]
@@ -172,3 +179,8 @@ def test_validation_messages():
         paged_attention_gpu(*args, sm_scale=1.0, split_combine="xla", interpret=True)
     with pytest.raises(ValueError, match="block_rows"):
         paged_attention_tpu(*args, sm_scale=1.0, block_rows=8, interpret=True)
+    q, k, v, *meta = args
+    with pytest.raises(ValueError, match="paged_attention: head_dim 64 is not a multiple of 128"):
+        kernel_tpu(q[..., :64], k[..., :64], v[..., :64], *meta, sm_scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="paged_attention: head_dim 24 is not a power of 2"):
+        kernel_gpu(q[..., :24], k[..., :24], v[..., :24], *meta, sm_scale=1.0, interpret=True)

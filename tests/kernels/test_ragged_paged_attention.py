@@ -15,12 +15,14 @@ padding included (zeros).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.ragged_paged_attention import ragged_paged_attention, ref_ragged_paged_attention
+from kernels_pallas.ragged_paged_attention import kernel_gpu, kernel_tpu, ref_ragged_paged_attention
 from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from kernels_pallas.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 
@@ -153,14 +155,15 @@ def test_kernel_matches_reference(impl, group, dtype, tuning):
     assert not np.asarray(out[49:], np.float32).any()  # padding tokens: zeros
 
 
-@pytest.mark.parametrize("impl", ["reference", "auto"])
-def test_public_entry_dispatch(impl):
-    """ragged_paged_attention(impl=...): the reference, and "auto" (on CPU the GPU kernel
-    body, interpreted); q in f32 over a bf16 cache: kernels run in the cache dtype. (Which
-    kernel "gpu" and "tpu" reach: tests/kernels/test_lowering.py.)"""
+@pytest.mark.parametrize("entry", [ref_ragged_paged_attention, functools.partial(kernel_gpu, interpret=True)],
+                         ids=["reference", "gpu-interpret"])
+def test_public_entries(entry):
+    """The reference and the GPU kernel's public entry (its body, interpreted); q in f32
+    over a bf16 cache: kernels run in the cache dtype. (Which kernel kernel_gpu and
+    kernel_tpu reach: tests/kernels/test_lowering.py.)"""
     args = make_step(3, SMALL, num_tokens=16, max_seqs=4, group=2, dtype=jnp.bfloat16)
     q = args[0].astype(jnp.float32)
-    out = ragged_paged_attention(q, *args[1:], sm_scale=D**-0.5, impl=impl)
+    out = entry(q, *args[1:], sm_scale=D**-0.5)
     assert out.dtype == jnp.float32
     assert rel_err(out, ref_attention(*args, sm_scale=D**-0.5)) < TOL[jnp.bfloat16]
 
@@ -169,17 +172,19 @@ def test_validation_messages():
     args = make_step(4, SMALL[:1], num_tokens=4, max_seqs=2, group=1, dtype=jnp.float32)
     q, k, v, cu, kv, table, ns, causal = args
     with pytest.raises(ValueError, match="cu_q_lens must have shape"):
-        ragged_paged_attention(q, k, v, cu[:-1], kv, table, ns, causal, sm_scale=1.0)
+        ref_ragged_paged_attention(q, k, v, cu[:-1], kv, table, ns, causal, sm_scale=1.0)
     with pytest.raises(ValueError, match="num_seqs must have shape"):
-        ragged_paged_attention(q, k, v, cu, kv, table, jnp.asarray(1), causal, sm_scale=1.0)
+        kernel_gpu(q, k, v, cu, kv, table, jnp.asarray(1), causal, sm_scale=1.0)
     with pytest.raises(ValueError, match="causal must be bool"):
-        ragged_paged_attention(q, k, v, cu, kv, table, ns, causal.astype(jnp.int32), sm_scale=1.0)
+        kernel_tpu(q, k, v, cu, kv, table, ns, causal.astype(jnp.int32), sm_scale=1.0)
     with pytest.raises(ValueError, match="block_kv must be a power of 2"):
         ragged_paged_attention_gpu(*args, sm_scale=1.0, block_kv=24, interpret=True)
     with pytest.raises(ValueError, match="block_q"):
         ragged_paged_attention_tpu(*args, sm_scale=1.0, block_q=8, interpret=True)
     with pytest.raises(ValueError, match="multiple of page_size"):
-        ragged_paged_attention(*args, sm_scale=1.0, impl="tpu_interpret", block_kv=24)
+        kernel_tpu(*args, sm_scale=1.0, interpret=True, block_kv=24)
+    with pytest.raises(ValueError, match="ragged_paged_attention: head_dim 64 is not a multiple of 128"):
+        kernel_tpu(q[..., :64], k[..., :64], v[..., :64], cu, kv, table, ns, causal, sm_scale=1.0, interpret=True)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

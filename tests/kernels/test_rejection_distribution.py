@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from kernels_pallas.rejection_sampling import rejection_sample
+from kernels_pallas.rejection_sampling import gpu_kernels, rejection_sample
 
 V = 1024
 N = 10 * V  # trials per (K, temperature, draft-probs) configuration
@@ -47,7 +47,7 @@ def _chi2(tokens, p):
     return float(np.sum((o - e) ** 2 / e)), len(e) - 1
 
 
-def _sample(k, with_probs, kernel_logit_scale=1.0, seed=0, impl="interpret", check_subset=0):
+def _sample(k, with_probs, kernel_logit_scale=1.0, seed=0, kernels=None, check_subset=0):
     rng = np.random.default_rng(seed)
     # Target z: a spread tail plus one dominant token (p ~ 0.5), so drafts are accepted
     # often enough for later positions to see ~1000 samples while rejections (recovered
@@ -71,14 +71,14 @@ def _sample(k, with_probs, kernel_logit_scale=1.0, seed=0, impl="interpret", che
             jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32),
             jnp.asarray(rng.integers(0, 2**32, b, dtype=np.uint64).astype(np.uint32)),
             jnp.asarray(rng.integers(0, 10_000, b), jnp.int32))
-    tokens, n = rejection_sample(*args, impl=impl)
+    tokens, n = rejection_sample(*args, kernels=kernels)
     if check_subset:
-        # The statistics come from `impl`; prove the kernel gives the identical tokens on
+        # The statistics come from `kernels` (None: the jnp path); prove the kernel gives the identical tokens on
         # the same configuration (same inputs, same RNG) for a slice of both temperature
         # groups. Seeded requests do not depend on the rest of the batch.
         sel = np.r_[0:check_subset // 2, N:N + check_subset // 2]
         sub = [a[sel] if a is not None else None for a in args]
-        kt, kn = rejection_sample(*sub, impl="interpret")
+        kt, kn = rejection_sample(*sub, kernels=gpu_kernels(interpret=True))
         np.testing.assert_array_equal(np.asarray(kt), np.asarray(tokens)[sel])
         np.testing.assert_array_equal(np.asarray(kn), np.asarray(n)[sel])
     # The kernel sees f32 logits t*z (unless deliberately scaled): the target from those values.
@@ -103,7 +103,7 @@ def _per_position(tokens, n, temp, target, k):
 @pytest.mark.parametrize("with_probs", [False, True])
 def test_output_matches_target_distribution(k, with_probs):
     # Statistics from the jnp reference (fast); kernel == reference on 1024 of the requests.
-    tokens, n, temp, target = _sample(k, with_probs, impl="reference", check_subset=1024)
+    tokens, n, temp, target = _sample(k, with_probs, check_subset=1024)
     assert np.all((tokens >= 0) == (np.arange(k + 1)[None] < n[:, None]))
     acc = n - 1
     assert 0.2 < acc.mean() / k < 0.9, acc.mean()  # both accepts and rejections happen
@@ -119,8 +119,7 @@ def test_chi2_has_power_against_wrong_target():
     # test must reject it at every position (reference statistics, kernel == reference on a
     # subset, as above).
     k = 1
-    tokens, n, temp, target = _sample(k, with_probs=False, kernel_logit_scale=1.3, seed=1, impl="reference",
-                                      check_subset=256)
+    tokens, n, temp, target = _sample(k, with_probs=False, kernel_logit_scale=1.3, seed=1, check_subset=256)
     for t, j, m, stat, df, pval in _per_position(tokens, n, temp, target, k):
         assert stat > df + 10 * np.sqrt(2 * df), (t, j, m, stat, df)
         assert pval < 1e-6, (t, j, m, stat, df, pval)

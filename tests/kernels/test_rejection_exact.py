@@ -18,6 +18,14 @@ V = 160  # two vocabulary blocks of 128 (rs.sample_block): exercises the ragged 
 BPP = 4  # GPU blocks per program: one program covers both blocks plus two empty grid-padding ones
 
 
+def _kernels(impl, bpp=None):
+    """The block kernels a test's impl name stands for, run on this CPU."""
+    if impl == "tpu_interpret":
+        return rs.tpu_kernels(interpret=True)
+    assert impl == "interpret", impl
+    return rs.gpu_kernels(interpret=True, blocks_per_program=bpp)
+
+
 def _call(impl, logits, drafts, nd, probs, temp, top_k=None, top_p=None, seeds=None, pos=None, **kw):
     b = logits.shape[0]
     top_k = jnp.zeros((b,), jnp.int32) if top_k is None else jnp.asarray(top_k, jnp.int32)
@@ -29,7 +37,7 @@ def _call(impl, logits, drafts, nd, probs, temp, top_k=None, top_p=None, seeds=N
     if impl == "reference":
         out = ref_rejection_sample(*args, **kw)
     else:
-        out = rejection_sample(*args, impl=impl, blocks_per_program=BPP, **kw)
+        out = rejection_sample(*args, kernels=_kernels(impl, BPP), **kw)
     return np.asarray(out[0]), np.asarray(out[1])
 
 
@@ -144,7 +152,7 @@ def test_topk_topp_emitted_tokens_allowed(impl):
     args[4] = jnp.asarray(rng.uniform(0.5, 1.5, b), jnp.float32)  # all sampled
     args[5] = jnp.asarray(rng.integers(1, 12, b), jnp.int32)
     args[6] = jnp.asarray(rng.uniform(0.2, 0.9, b), jnp.float32)
-    tokens, n = rejection_sample(*args, impl=impl, blocks_per_program=BPP)
+    tokens, n = rejection_sample(*args, kernels=_kernels(impl, BPP))
     tokens, n = np.asarray(tokens), np.asarray(n)
     probs = np.asarray(su.target_probs(args[0], args[4], args[5], args[6]))
     for bi in range(b):
@@ -205,7 +213,7 @@ def test_kernel_matches_reference_end_to_end(impl, method, with_probs):
     args = _random_batch(rng, 40 if impl == "interpret" else 16, k, 300, jnp.float32, with_probs)
     kw = dict(method=method, synthetic_rates=(0.8, 0.5, 0.4) if method == "synthetic" else None)
     want = ref_rejection_sample(*args, **kw)
-    got = jax.jit(lambda *a: rejection_sample(*a, impl=impl, **kw))(*args)  # under an outer jit
+    got = jax.jit(lambda *a: rejection_sample(*a, kernels=_kernels(impl), **kw))(*args)  # under an outer jit
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     n = np.asarray(want[1])
@@ -218,20 +226,20 @@ def test_filtering_modes_agree():
     rng = np.random.default_rng(11)
     args = list(_random_batch(rng, 12, 2, V))
     host = args[:4] + [np.asarray(a) for a in args[4:7]] + args[7:]
-    with_filters = [np.asarray(rejection_sample(*a, impl="reference", **kw)[0])
+    with_filters = [np.asarray(rejection_sample(*a, **kw)[0])
                     for a, kw in ((args, {}), (host, {}), (args, dict(filtering="on")))]
     np.testing.assert_array_equal(with_filters[0], with_filters[1])
     np.testing.assert_array_equal(with_filters[0], with_filters[2])
     plain = args[:5] + [jnp.zeros(12, jnp.int32), jnp.ones(12, jnp.float32)] + args[7:]
-    no_filters = [np.asarray(rejection_sample(*plain, impl="reference", filtering=f)[0]) for f in ("auto", "off", "on")]
+    no_filters = [np.asarray(rejection_sample(*plain, filtering=f)[0]) for f in ("auto", "off", "on")]
     np.testing.assert_array_equal(no_filters[0], no_filters[1])
     np.testing.assert_array_equal(no_filters[0], no_filters[2])
     # top_k = 1 at temperature 1.5: only "off" can emit anything but the row's argmax.
     k1 = args[:4] + [np.full(12, 1.5, np.float32), np.ones(12, np.int32), np.ones(12, np.float32)] + args[7:]
     k1[2] = jnp.zeros(12, jnp.int32)  # no drafts: one sampled token per request
     top1 = np.asarray(jnp.argmax(args[0][:, 0], -1))
-    assert np.array_equal(np.asarray(rejection_sample(*k1, impl="reference")[0])[:, 0], top1)
-    assert not np.array_equal(np.asarray(rejection_sample(*k1, impl="reference", filtering="off")[0])[:, 0], top1)
+    assert np.array_equal(np.asarray(rejection_sample(*k1)[0])[:, 0], top1)
+    assert not np.array_equal(np.asarray(rejection_sample(*k1, filtering="off")[0])[:, 0], top1)
     with pytest.raises(ValueError, match="filtering"):
         rejection_sample(*args, filtering="maybe")
 
@@ -239,8 +247,8 @@ def test_filtering_modes_agree():
 def test_seeded_request_independent_of_batch():
     rng = np.random.default_rng(5)
     args = _random_batch(rng, 16, 3, 300)
-    full = rejection_sample(*args, impl="interpret")
-    sub = rejection_sample(*(a[3:5] if a is not None else None for a in args), impl="interpret")
+    full = rejection_sample(*args, kernels=_kernels("interpret"))
+    sub = rejection_sample(*(a[3:5] if a is not None else None for a in args), kernels=_kernels("interpret"))
     np.testing.assert_array_equal(np.asarray(full[0])[3:5], np.asarray(sub[0]))
 
 
@@ -266,12 +274,14 @@ def test_validation_errors():
             rejection_sample(**{**good, name: bad})
     with pytest.raises(ValueError, match="synthetic_rates"):
         rejection_sample(**good, method="synthetic")
-    with pytest.raises(ValueError, match="impl"):
-        rejection_sample(**good, impl="cuda")
+    with pytest.raises(ValueError, match="blocks_per_program must be a power of two"):
+        rs.gpu_kernels(blocks_per_program=3)
+    with pytest.raises(ValueError, match="num_stages must be an int"):
+        rs.gpu_kernels(num_stages=0)
 
 
 def test_all_greedy_shortcut_equals_sampled_path(monkeypatch):
-    """The reference impl answers an all-greedy batch by argmax (a lax.cond): the same
+    """The jnp path (no kernels) answers an all-greedy batch by argmax (a lax.cond): the same
     tokens as the full path, which a batch with one sampled row takes. Ties resolve to the
     lowest index, as in the kernels. Off the CPU (tensor parallelism runs the reference on a
     GPU, where a conditional is a host sync) it has no conditional: the all-greedy batch
@@ -286,7 +296,7 @@ def test_all_greedy_shortcut_equals_sampled_path(monkeypatch):
     num_draft = np.array([3, 3, 2, 0], np.int32)
     seeds, pos = np.arange(B, dtype=np.int32), np.full(B, 10, np.int32)
     common = dict(draft_tokens=drafts, num_draft=num_draft, draft_probs=None, top_k=np.zeros(B, np.int32),
-                  top_p=np.ones(B, np.float32), seeds=seeds, positions=pos, impl="reference")
+                  top_p=np.ones(B, np.float32), seeds=seeds, positions=pos)
     toks, n = rejection_sample(logits, temperature=np.zeros(B, np.float32), **common)
     temp = np.zeros(B, np.float32)
     temp[3] = 0.7  # one sampled row sends the batch down the full path

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.rejection_sampling import rejection_sample
+from kernels_pallas.rejection_sampling import gpu_kernels, rejection_sample
 from kernels_pallas.synthetic import (
     conditional_rates,
     synthetic_rates_from_length,
@@ -49,7 +49,7 @@ def test_measured_rates_match(temperature):
             jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32), jnp.arange(b, dtype=jnp.uint32),
             jnp.full((b,), 100, jnp.int32))
     kw = dict(method="synthetic", synthetic_rates=conditional_rates(unconditional))
-    out, n_emit = rejection_sample(*args, impl="reference", **kw)
+    out, n_emit = rejection_sample(*args, **kw)
     accepted = np.asarray(n_emit) - 1
     for i, r in enumerate(unconditional):
         assert abs(np.mean(accepted >= i + 1) - r) < 1e-2, (i, np.mean(accepted >= i + 1), r)
@@ -59,6 +59,6 @@ def test_measured_rates_match(temperature):
     if temperature == 0.0:
         assert np.all(out[rows, accepted] == 0)  # rejection/bonus emits the target argmax
     few = tuple(a if a is None else a[:512] for a in args)
-    k_out, k_emit = rejection_sample(*few, impl="interpret", **kw)
+    k_out, k_emit = rejection_sample(*few, kernels=gpu_kernels(interpret=True), **kw)
     np.testing.assert_array_equal(np.asarray(k_emit), np.asarray(n_emit)[:512])
     np.testing.assert_array_equal(np.asarray(k_out), out[:512])

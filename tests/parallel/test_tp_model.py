@@ -137,7 +137,7 @@ def test_attention_kernel_per_shard():
     for tp in (2, 4):
         mesh = parallel.make_mesh(tp)
         heads = NamedSharding(mesh, P(None, None, "tp", None))
-        plan = ops.KernelPlan(attn="interpret", tp=tp, mesh=mesh)
+        plan = ops.KernelPlan(attn=ops.GPU(interpret=True), tp=tp, mesh=mesh)
         kv_sharding = parallel.kv_sharding(mesh, KVH, tp)
         got = jax.jit(lambda q, k, v, plan=plan: ops.attention(plan, q, k, v, meta, sm_scale=D**-0.5))(
             jax.device_put(q, heads), jax.device_put(k, kv_sharding), jax.device_put(v, kv_sharding))
@@ -210,7 +210,8 @@ def test_layer_per_shard_runs_the_glue_kernels(tmp_path, monkeypatch):
         mesh = parallel.make_mesh(tp)
         cfg, params = load_target(folder, "float32", sharding=parallel.Placement(mesh, tp) if mesh else None,
                                   load_format="dummy")
-        plan = ops.KernelPlan(tp=tp, mesh=mesh, shard_linear="interpret", attn="interpret" if tp > 1 else "reference")
+        plan = ops.KernelPlan(tp=tp, mesh=mesh, shard_linear=ops.GPU(interpret=True),
+                              attn=ops.GPU(interpret=True) if tp > 1 else ops.XLA())
         assert ops.layer_per_shard(plan, cfg.num_kv_heads) == (tp > 1)
         kv = KVCache.create(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim, jnp.float32,
                             parallel.kv_sharding(mesh, cfg.num_kv_heads, tp))
