@@ -26,12 +26,15 @@ def drafter_param_spec(c: DrafterConfig) -> list[ParamSpec]:
     has, then the method's own tensors (``Method.param_spec``), in this load order."""
     from jspec.drafters.registry import method_of  # the methods' modules import this one
 
+    method = method_of(c.method)
+    if method.param_spec is None:
+        raise ValueError(f"the {method.label} method has no drafter checkpoint tensors (Method.param_spec)")
     specs = SpecList()
     specs.add(("fc", "weight"), ["fc.weight"], [(c.hidden_size, c.fc_in_features)], split=1)
     specs.add(("norm", "weight"), ["norm.weight"], [(c.hidden_size,)])
     if c.has_d2t:
         specs.add(("d2t",), ["d2t"], [(c.draft_vocab_size,)], integer=True)
-    method_of(c.method).param_spec(c, specs)
+    method.param_spec(c, specs)
     return specs
 
 
@@ -45,7 +48,14 @@ def add_layer_specs(specs: SpecList, c: DrafterConfig, i: int, prefix: str, in_f
     specs.add((L, "input_layernorm", "weight"), [f"{prefix}.input_layernorm.weight"], [(H,)])
     specs.add((L, "post_attention_layernorm", "weight"), [f"{prefix}.post_attention_layernorm.weight"], [(H,)])
     a = f"{prefix}.self_attn"
-    if not fused_qkv:
+    if fused_qkv:
+        qkv = [f"{a}.{n}_proj" for n in "qkv"]
+        shapes = [(c.q_size,), (c.kv_size,), (c.kv_size,)]
+        specs.add((L, "attn", "qkv_proj", "weight"), [n + ".weight" for n in qkv], [s + (in_features,) for s in shapes],
+                  split=0)
+        if c.attention_bias:
+            specs.add((L, "attn", "qkv_proj", "bias"), [n + ".bias" for n in qkv], shapes, split=0)
+    else:
         specs.add((L, "attn", "q_proj", "weight"), [f"{a}.q_proj.weight"], [(c.q_size, in_features)], split=0)
         specs.add((L, "attn", "kv_proj", "weight"), [f"{a}.k_proj.weight", f"{a}.v_proj.weight"],
                   [(c.kv_size, in_features), (c.kv_size, in_features)], split=0)
@@ -53,13 +63,6 @@ def add_layer_specs(specs: SpecList, c: DrafterConfig, i: int, prefix: str, in_f
             specs.add((L, "attn", "q_proj", "bias"), [f"{a}.q_proj.bias"], [(c.q_size,)], split=0)
             specs.add((L, "attn", "kv_proj", "bias"), [f"{a}.k_proj.bias", f"{a}.v_proj.bias"], [(c.kv_size,), (c.kv_size,)],
                       split=0)
-    else:
-        qkv = [f"{a}.{n}_proj" for n in "qkv"]
-        shapes = [(c.q_size,), (c.kv_size,), (c.kv_size,)]
-        specs.add((L, "attn", "qkv_proj", "weight"), [n + ".weight" for n in qkv], [s + (in_features,) for s in shapes],
-                  split=0)
-        if c.attention_bias:
-            specs.add((L, "attn", "qkv_proj", "bias"), [n + ".bias" for n in qkv], shapes, split=0)
     specs.add((L, "attn", "o_proj", "weight"), [f"{a}.o_proj.weight"], [(H, c.q_size)], split=1)
     if c.attention_bias:
         specs.add((L, "attn", "o_proj", "bias"), [f"{a}.o_proj.bias"], [(H,)])

@@ -68,3 +68,11 @@ def test_unknown_method_is_an_error_naming_the_known_ones():
     cfg = dataclasses.replace(_family_cfg("eagle3"), method="medusa")
     with pytest.raises(ValueError, match=r"'medusa' is not supported \(known: \['dflash', 'draft_model', 'eagle3', 'ngram', 'peagle'\]\)"):
         make_drafter(cfg)
+
+
+def test_a_method_without_checkpoint_tensors_has_no_param_spec():
+    from jspec.drafters.loader import drafter_param_spec
+    from jspec.drafters.ngram import ngram_config
+
+    with pytest.raises(ValueError, match=r"the n-gram method has no drafter checkpoint tensors"):
+        drafter_param_spec(ngram_config(load_model_config(family.TARGET), 1, 3))
