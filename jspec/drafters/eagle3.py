@@ -10,7 +10,7 @@ One call runs the drafter over ``tokens: i32[B, Q]`` paired with hidden inputs:
 The returned pre-norm output is both the next step's hidden input and, through
 ``logits`` (final norm + lm_head), the draft distribution over the draft vocab.
 
-Parameter tree (HF names are mapped in jspec/drafters/loader.py):
+Parameter tree (HF names: ``param_spec`` below, the shared parts in jspec/drafters/loader.py):
   fc/weight [H, n*Ht]; input_norm/weight [n*Ht] (norm_before_fc);
   embed_tokens [Vt, H] (own embeddings only); layers_0/{input_layernorm, hidden_norm,
   post_attention_layernorm}/weight [H]; layers_0/attn/qkv_proj/weight [(Hq+2Hkv)*D, 2H];

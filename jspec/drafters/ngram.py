@@ -119,12 +119,13 @@ def load(spec, target: ModelConfig, dtype, sharding, load_format):
 
 
 def create_cache(cfg: DrafterConfig, num_pages: int, page_size: int, dtype, sharding=None) -> TokenHistory:
-    del cfg, dtype  # token ids
+    """``Method.create_cache``: the token history i32[P, S] (its dtype is the token ids')."""
+    del cfg, dtype
     return TokenHistory.create(num_pages, page_size, sharding)
 
 
 def lookahead(cfg: DrafterConfig, K: int) -> int:
-    """None: the history is written at the verified pairs' own slots only."""
+    """0: the history is written at the verified pairs' own slots only."""
     del cfg, K
     return 0
 
