@@ -1,10 +1,10 @@
 """SpeculativeConfig: the `speculative_config` dict of vLLM, validated when built.
 
 Keys (vLLM names and meanings):
-- method: "eagle3" | "peagle" | "dflash" | "ngram" | "draft_model" | None (no speculation). "ngram" (vLLM's
-  prompt lookup; its "[ngram]" and "ngram_gpu" are the same here) drafts the tokens that
-  followed the earliest earlier occurrence of the sequence's last n tokens, with no
-  model (jspec/drafters/ngram.py).
+- method: a name of jspec/drafters/registry.py ("eagle3" | "peagle" | "dflash" | "ngram" |
+  "draft_model") or None (no speculation). "ngram" (vLLM's prompt lookup; its "[ngram]"
+  and "ngram_gpu" are the same here) drafts the tokens that followed the earliest earlier
+  occurrence of the sequence's last n tokens, with no model (jspec/drafters/ngram.py).
 - model: drafter checkpoint path / HF id (none with "ngram"; with "draft_model" an ordinary
   Llama / Qwen3 folder of the target's vocabulary, jspec/drafters/draft_model.py). Given
   without a method, the engine reads the method off the checkpoint, as vLLM does: a drafter
@@ -47,7 +47,6 @@ from kernels_pallas.synthetic import (
     validate_unconditional,
 )
 
-METHODS = ("eagle3", "peagle", "dflash", "ngram", "draft_model")
 # vLLM's other names of the n-gram method: its CPU proposer's old spelling and its GPU one
 NGRAM_ALIASES = ("[ngram]", "ngram_gpu")
 # vLLM's keys with nothing to set here, and why (logged when given)
@@ -75,8 +74,15 @@ __all__ = [
 
 
 def _check_method(method) -> None:
-    if method is not None and method not in METHODS + NGRAM_ALIASES:
-        raise ValueError(f"speculative_config 'method' must be one of {METHODS} or None, got {method!r}")
+    if method is None or method in NGRAM_ALIASES:
+        return
+    # The registry imports every method's module (flax, the checkpoint loaders): imported
+    # when a method is named, not with this light module.
+    from jspec.drafters.registry import method_names
+
+    names = method_names()
+    if method not in names:
+        raise ValueError(f"speculative_config 'method' must be one of {names} or None, got {method!r}")
 
 
 @dataclasses.dataclass(frozen=True)

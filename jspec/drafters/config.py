@@ -15,6 +15,10 @@ z-lab's ``target_layer_ids = t`` means "output of layer t", i.e. canonical t + 1
 
 Which tensors the checkpoint holds (own embeddings, d2t, PEagle's mask_hidden) is part of
 the config, so the translation takes the checkpoint's tensor names too.
+
+What is shared (the layout, the decoder shape, the vocabularies, the checks against the
+target) is translated here; each method's own fields (``MethodFields``) by its module's
+``Method.from_hf`` (jspec/drafters/registry.py lists the methods).
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from typing import Any
 
 from jspec.config import ConfigError, ModelConfig, RopeConfig, model_config_from_hf
 
-METHODS = ("eagle3", "peagle", "dflash")
 # Layouts ("source formats") the loader knows how to read.
 FMT_SPECULATORS = "speculators"
 FMT_EAGLE3_ORIGINAL = "eagle3-original"
@@ -41,7 +44,7 @@ _FLAT_DRAFTER_KEYS = {
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-    method: str  # "eagle3" | "peagle" | "dflash" | "ngram" (ngram.ngram_config) | "draft_model" (draft_model.py)
+    method: str  # a name of jspec/drafters/registry.py: "eagle3" | "peagle" | "dflash" | "ngram" | "draft_model"
     source_format: str  # FMT_*: which weight layout the loader reads
     family: str  # "llama" | "qwen3": decoder-layer flavour (qwen3 has q_norm/k_norm)
     hidden_size: int
@@ -112,6 +115,43 @@ class DrafterConfig:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class MethodFields:
+    """The DrafterConfig fields a method's own translation decides (``Method.from_hf``); the
+    shared translation (drafter_config_from_hf) decides the rest and checks these against
+    the target."""
+
+    aux_layer_ids: tuple[int, ...]  # canonical target indices, in fc-input order
+    mask_token_id: int | None
+    block_size: int | None
+    num_speculative_tokens: int | None
+    qk_norm: bool
+    norm_before_residual: bool
+    has_own_embeddings: bool
+
+
+def layerless_config(method: str, target: ModelConfig, **fields) -> DrafterConfig:
+    """The DrafterConfig of a method without a drafter model (no layers, no aux states,
+    drafts in the target's vocabulary) on ``target``; ``fields``: its own (e.g. the n-gram
+    lengths)."""
+    return DrafterConfig(
+        method=method, source_format="none", family=target.family, hidden_size=0, intermediate_size=0,
+        num_layers=0, num_heads=0, num_kv_heads=0, head_dim=0, rms_norm_eps=target.rms_norm_eps,
+        rope=target.rope, draft_vocab_size=target.vocab_size, target_vocab_size=target.vocab_size,
+        target_hidden_size=target.hidden_size, aux_layer_ids=(), norm_before_residual=False,
+        norm_before_fc=False, has_own_embeddings=False, has_d2t=False, mask_token_id=None, block_size=None,
+        num_speculative_tokens=None, qk_norm=False, attention_bias=False, mlp_bias=False,
+        max_position_embeddings=target.max_position_embeddings, **fields,
+    )
+
+
+def _drafter_layouts() -> dict:
+    """The registry's methods that read a drafter config.json (``Method.from_hf``), by name."""
+    from jspec.drafters.registry import REGISTRY  # the methods' modules import this one
+
+    return {name: m for name, m in REGISTRY.items() if m.from_hf is not None}
+
+
 def detect_format(d: dict[str, Any]) -> tuple[str, str]:
     """(method, source_format) of a drafter config.json dict."""
     archs = d.get("architectures") or []
@@ -120,20 +160,21 @@ def detect_format(d: dict[str, Any]) -> tuple[str, str]:
             "config.json: DFlash2DraftModel / speculators_model_type 'dflash2' is a different "
             "architecture from DFlash and is not supported"
         )
+    layouts = _drafter_layouts()
     smt = d.get("speculators_model_type")
     if smt is not None:
-        if smt not in METHODS:
+        if smt not in layouts:
             raise ConfigError(
-                f"config.json: speculators_model_type={smt!r} is not supported (supported: {list(METHODS)})"
+                f"config.json: speculators_model_type={smt!r} is not supported (supported: {list(layouts)})"
             )
         return smt, FMT_SPECULATORS
-    if "LlamaForCausalLMEagle3" in archs:
-        return "eagle3", FMT_EAGLE3_ORIGINAL
-    if "DFlashDraftModel" in archs:
-        return "dflash", FMT_ZLAB_DFLASH
+    named = [(arch, name, fmt) for name, m in layouts.items() for arch, fmt in m.architectures]
+    for arch, name, fmt in named:
+        if arch in archs:
+            return name, fmt
     raise ConfigError(
         f"config.json: not a recognised drafter (architectures={archs!r}, no speculators_model_type); "
-        "expected a speculators eagle3/peagle/dflash config, LlamaForCausalLMEagle3 or DFlashDraftModel"
+        f"expected a speculators {'/'.join(layouts)} config, {' or '.join(a for a, _, _ in named)}"
     )
 
 
@@ -148,7 +189,8 @@ def _layer_shape(tl: dict[str, Any], where: str) -> ModelConfig:
         raise ConfigError(f"{where}: {e}") from None
 
 
-def _proposal_tokens(d: dict[str, Any]) -> int | None:
+def proposal_tokens(d: dict[str, Any]) -> int | None:
+    """The speculators config's default K (its default proposal method's, as vLLM reads it), or None."""
     sc = d.get("speculators_config") or {}
     methods = sc.get("proposal_methods") or []
     default = sc.get("default_proposal_method")
@@ -177,67 +219,20 @@ def drafter_config_from_hf(
             if d.get(flag):
                 raise ConfigError(f"config.json: {flag}=true is not supported")
         shape = _layer_shape(d["transformer_layer_config"], "config.json transformer_layer_config")
-        top = d
     else:
         shape = _layer_shape(d, "config.json")
-        top = d
     L = target.num_layers
+    own = _drafter_layouts()[method].from_hf(d, fmt, shape, target, tensor_names)
+    aux, mask_token_id = own.aux_layer_ids, own.mask_token_id
 
-    if method == "dflash":
-        if fmt == FMT_ZLAB_DFLASH:
-            dc = d.get("dflash_config") or {}
-            if dc.get("target_layer_ids") is None:
-                raise ConfigError("config.json: dflash_config.target_layer_ids is missing (DFlash needs explicit layer ids)")
-            # z-lab: "output of layer t" = canonical t + 1.
-            aux = tuple(int(t) + 1 for t in dc["target_layer_ids"])
-            mask_token_id = dc.get("mask_token_id")
-        else:
-            if top.get("aux_hidden_state_layer_ids") is None:
-                raise ConfigError("config.json: aux_hidden_state_layer_ids is missing (DFlash needs explicit layer ids)")
-            aux = tuple(int(c) for c in top["aux_hidden_state_layer_ids"])
-            mask_token_id = top.get("mask_token_id")
-        if "block_size" not in top:
-            raise ConfigError("config.json: DFlash drafter without 'block_size'")
-        block_size = int(top["block_size"])
-        if block_size < 2:
-            raise ConfigError(f"config.json: block_size={block_size} must be >= 2")
-        if mask_token_id is None:
-            raise ConfigError("config.json: DFlash drafter without mask_token_id")
-        # The speculators format names its default K, as vLLM reads it (proposal_methods[0]);
-        # z-lab's drafts the whole block. Either way the drafter runs its trained block.
-        num_spec = _proposal_tokens(top) if fmt == FMT_SPECULATORS else None
-        if num_spec is None:
-            num_spec = block_size - 1
-        elif not 1 <= num_spec <= block_size - 1:
-            raise ConfigError(f"config.json: speculative_tokens={num_spec} must be in 1..block_size - 1 "
-                              f"({block_size - 1}): a DFlash drafter drafts from one block")
-        # DFlash layers are always Qwen3-style (q_norm / k_norm), whatever model_type says.
-        qk_norm = True
-        norm_before_residual = False
-    else:
-        ids = top.get("eagle_aux_hidden_state_layer_ids")
-        aux = tuple(int(c) for c in ids) if ids is not None else target.default_aux_layers()
-        mask_token_id = top.get("mask_token_id") if method == "peagle" else None
-        if method == "peagle":
-            if mask_token_id is None:
-                raise ConfigError("config.json: PEagle drafter without mask_token_id")
-            if "mask_hidden" not in tensor_names:
-                raise ConfigError("checkpoint: PEagle drafter without the 'mask_hidden' tensor")
-        block_size = None
-        num_spec = _proposal_tokens(top)
-        qk_norm = shape.qk_norm
-        # Key absent: True for eagle3, False for peagle (vLLM's defaults).
-        norm_before_residual = bool(top.get("norm_before_residual", method == "eagle3"))
-
-    draft_vocab = int(top.get("draft_vocab_size") or shape.vocab_size)
+    draft_vocab = int(d.get("draft_vocab_size") or shape.vocab_size)
     target_vocab = shape.vocab_size
-    target_hidden = int(top.get("target_hidden_size") or shape.hidden_size)
+    target_hidden = int(d.get("target_hidden_size") or shape.hidden_size)
     has_d2t = draft_vocab != target_vocab
     if has_d2t and "d2t" not in tensor_names:
         raise ConfigError(
             f"checkpoint: draft_vocab_size={draft_vocab} != vocab_size={target_vocab} but there is no 'd2t' tensor"
         )
-    has_own_embeddings = method != "dflash" and "embed_tokens.weight" in tensor_names
 
     # Drafter vs target.
     if target_hidden != target.hidden_size:
@@ -248,7 +243,7 @@ def drafter_config_from_hf(
         raise ValueError(
             f"drafter was built for a target vocab of {target_vocab}, but the target has vocab_size={target.vocab_size}"
         )
-    if not has_own_embeddings and shape.hidden_size != target.hidden_size:
+    if not own.has_own_embeddings and shape.hidden_size != target.hidden_size:
         raise ValueError(
             f"drafter hidden_size={shape.hidden_size} shares the target's embeddings, "
             f"whose hidden size is {target.hidden_size}"
@@ -279,14 +274,14 @@ def drafter_config_from_hf(
         target_vocab_size=target_vocab,
         target_hidden_size=target_hidden,
         aux_layer_ids=aux,
-        norm_before_residual=norm_before_residual,
-        norm_before_fc=bool(top.get("norm_before_fc", False)),
-        has_own_embeddings=has_own_embeddings,
+        norm_before_residual=own.norm_before_residual,
+        norm_before_fc=bool(d.get("norm_before_fc", False)),
+        has_own_embeddings=own.has_own_embeddings,
         has_d2t=has_d2t,
         mask_token_id=None if mask_token_id is None else int(mask_token_id),
-        block_size=block_size,
-        num_speculative_tokens=num_spec,
-        qk_norm=qk_norm,
+        block_size=own.block_size,
+        num_speculative_tokens=own.num_speculative_tokens,
+        qk_norm=own.qk_norm,
         attention_bias=shape.attention_bias,
         mlp_bias=shape.mlp_bias,
         max_position_embeddings=shape.max_position_embeddings,

@@ -1,6 +1,7 @@
-"""DFlash block-diffusion drafter (Flax linen) over its own paged KV cache.
+"""The DFlash method: its block-diffusion drafter (Flax linen) over its own paged KV cache,
+its config translation, parameter spec, proposal and registry entry (``METHOD``).
 
-Per step, two calls (see propose.dflash_propose):
+Per step, two calls (see dflash_propose):
   1. ``write_context(aux, ctx_meta, kv)``: ctx = hidden_norm(fc(concat of target aux
      states)) at the newly verified positions; every layer projects ctx with its
      k_proj/v_proj (k_norm, RoPE at the true positions; no input_layernorm) and writes
@@ -23,6 +24,9 @@ post_attention_layernorm}/weight; layers_i/attn/{q_proj [Hq*D, H], kv_proj [2*Hk
 o_proj, q_norm, k_norm}; layers_i/mlp/{gate_up_proj, down_proj}; norm/weight;
 lm_head [Vd, H] + d2t i32[Vd] (reduced vocab only). Projection weights (``weight``,
 ``lm_head``) are [in, out] under the CPU plan (ops.weight_shape).
+
+Layouts: speculators (``speculators_model_type: "dflash"``) and z-lab's
+(``architectures: ["DFlashDraftModel"]`` with ``dflash_config``).
 """
 
 from __future__ import annotations
@@ -31,9 +35,14 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from jspec import ops
-from jspec.drafters.config import DrafterConfig
+from jspec.checkpoint.param_spec import SpecList
+from jspec.config import ConfigError, ModelConfig
+from jspec.drafters.config import FMT_SPECULATORS, FMT_ZLAB_DFLASH, DrafterConfig, MethodFields, proposal_tokens
 from jspec.drafters.eagle3 import DraftVocab, embed
 from jspec.drafters.layers import DFlashLayer
+from jspec.drafters.loader import add_layer_specs, load_from_spec
+from jspec.drafters.method import Method
+from jspec.drafters.propose import ProposeInputs, create_kv_cache, gather_rows, pick_drafts, span_metadata
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import Linear, RMSNorm
 from jspec.models.transformer import next_input_norm
@@ -95,3 +104,111 @@ class DFlashDrafter(DraftVocab, nn.Module):
         if w is None:
             raise ValueError("this DFlash drafter uses the target's lm_head: pass target_lm_head=[Vt, H]")
         return ops.logits(self.plan, h, w, vocab_size=self.cfg.draft_vocab_size)
+
+
+def from_hf(d: dict, fmt: str, shape: ModelConfig, target: ModelConfig, tensor_names) -> MethodFields:
+    """DFlash's part of its config.json's translation (jspec/drafters/config.py): explicit
+    aux layers, the block, its mask token, K within the block."""
+    del shape, target, tensor_names  # its layers are Qwen3-style and share the target's embeddings
+    if fmt == FMT_ZLAB_DFLASH:
+        dc = d.get("dflash_config") or {}
+        if dc.get("target_layer_ids") is None:
+            raise ConfigError("config.json: dflash_config.target_layer_ids is missing (DFlash needs explicit layer ids)")
+        # z-lab: "output of layer t" = canonical t + 1.
+        aux = tuple(int(t) + 1 for t in dc["target_layer_ids"])
+        mask_token_id = dc.get("mask_token_id")
+    else:
+        if d.get("aux_hidden_state_layer_ids") is None:
+            raise ConfigError("config.json: aux_hidden_state_layer_ids is missing (DFlash needs explicit layer ids)")
+        aux = tuple(int(c) for c in d["aux_hidden_state_layer_ids"])
+        mask_token_id = d.get("mask_token_id")
+    if "block_size" not in d:
+        raise ConfigError("config.json: DFlash drafter without 'block_size'")
+    block_size = int(d["block_size"])
+    if block_size < 2:
+        raise ConfigError(f"config.json: block_size={block_size} must be >= 2")
+    if mask_token_id is None:
+        raise ConfigError("config.json: DFlash drafter without mask_token_id")
+    # The speculators format names its default K, as vLLM reads it (proposal_methods[0]);
+    # z-lab's drafts the whole block. Either way the drafter runs its trained block.
+    num_spec = proposal_tokens(d) if fmt == FMT_SPECULATORS else None
+    if num_spec is None:
+        num_spec = block_size - 1
+    elif not 1 <= num_spec <= block_size - 1:
+        raise ConfigError(f"config.json: speculative_tokens={num_spec} must be in 1..block_size - 1 "
+                          f"({block_size - 1}): a DFlash drafter drafts from one block")
+    return MethodFields(
+        aux_layer_ids=aux, mask_token_id=mask_token_id, block_size=block_size, num_speculative_tokens=num_spec,
+        qk_norm=True,  # DFlash layers are always Qwen3-style (q_norm / k_norm), whatever model_type says
+        norm_before_residual=False, has_own_embeddings=False,
+    )
+
+
+def param_spec(c: DrafterConfig, specs: SpecList):
+    """DFlash's tensors after the shared fc / norm / d2t (loader.drafter_param_spec), in load
+    order: hidden_norm, the layers (q apart from the fused k/v), its own lm_head unless it
+    reads the target's."""
+    specs.add(("hidden_norm", "weight"), ["hidden_norm.weight"], [(c.hidden_size,)])
+    for i in range(c.num_layers):
+        add_layer_specs(specs, c, i, f"layers.{i}", c.hidden_size, fused_qkv=False)
+    if not c.uses_target_lm_head:
+        specs.add(("lm_head",), ["lm_head.weight"], [(c.draft_vocab_size, c.hidden_size)], vocab=True)
+
+
+def dflash_propose(
+    drafter: DFlashDrafter,
+    params,
+    kv: KVCache,
+    inp: ProposeInputs,
+    *,
+    num_tokens: int | None = None,  # K (static); None: the whole block, block_size - 1
+    with_probs: bool = False,
+):  # -> (drafts i32[B, K], probs f32[B, K, Vt] | None, KVCache)
+    """Context write of the verified positions, then one non-causal block forward.
+
+    The block is always the trained block_size (its attention is non-causal, so the first
+    drafts depend on every mask position after them); only the K drafts the engine keeps
+    go through the lm_head and the pick (K = 1 on the family: the 7-row lm_head was ~0.19 ms
+    of a ~3 ms CPU step).
+
+    The context rows past last_idx (rejected drafts) are written too: they sit at positions
+    >= the block start and the block write that follows overwrites them before any read.
+    """
+    aux, meta, last_idx, seeds, temperature, active = (
+        inp.aux, inp.meta, inp.last_idx, inp.seeds, inp.temperature, inp.active)
+    embed_table, target_lm_head = inp.embed, inp.lm_head
+    bonus = gather_rows(inp.tokens, last_idx)  # i32[B]: the bonus token, at position last_pos + 1
+    c = drafter.cfg
+    bs = c.block_size
+    variables = {"params": params}
+    kv = drafter.apply(variables, aux, meta, kv, method=DFlashDrafter.write_context)
+    pos = gather_rows(meta.positions, last_idx) + 1  # i32[B] block start = bonus position
+    block = span_metadata(meta.page_table, pos, bs, active, kv.page_size, kv.num_pages, causal=False)
+    B = bonus.shape[0]
+    tokens = jnp.concatenate([bonus[:, None], jnp.full((B, bs - 1), c.mask_token_id, bonus.dtype)], 1)
+    h, kv = drafter.apply(variables, tokens, block, kv, embed_table)
+    n = bs - 1 if num_tokens is None else min(num_tokens, bs - 1)
+    logits = drafter.apply(variables, h[:, 1:1 + n], target_lm_head, method=DFlashDrafter.logits)  # [B, K, V]
+    return pick_drafts(drafter, variables, logits, pos + 1, temperature, seeds, with_probs, DFlashDrafter) + (kv,)
+
+
+def lookahead(cfg: DrafterConfig, K: int) -> int:
+    """The block: block_size positions from the bonus on, whatever K."""
+    del K
+    return cfg.block_size
+
+
+def check_num_tokens(cfg: DrafterConfig, K: int) -> None:
+    """K drafts come from one block: at most block_size - 1."""
+    if K > cfg.block_size - 1:
+        raise ValueError(
+            f"speculative_config.num_speculative_tokens={K} exceeds the DFlash block's "
+            f"{cfg.block_size - 1} drafts (block_size={cfg.block_size})"
+        )
+
+
+METHOD = Method(
+    label="DFlash", module=DFlashDrafter, propose=dflash_propose, lookahead=lookahead, reads_next_token=False,
+    load=load_from_spec, create_cache=create_kv_cache, check_num_tokens=check_num_tokens, from_hf=from_hf,
+    param_spec=param_spec, architectures=(("DFlashDraftModel", FMT_ZLAB_DFLASH),),
+)

@@ -11,6 +11,8 @@ writing its K/V and giving the next draft's logits.
 
 Writes: the first pass to the step's own positions, the steps to K - 1 past the bonus
 token's (``lookahead``: K + 1 past the step's last verified token).
+
+Its registry entry: ``METHOD``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import jax.numpy as jnp
 from jspec.checkpoint.target import load_target
 from jspec.config import ModelConfig
 from jspec.drafters.config import DrafterConfig
-from jspec.drafters.propose import _gather_rows, _pick, span_metadata
+from jspec.drafters.method import Method
+from jspec.drafters.propose import create_kv_cache, gather_rows, pick, span_metadata
 from jspec.kv_cache import KVCache
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
@@ -54,6 +57,11 @@ def load_draft_model(path, target: ModelConfig, dtype="float32", sharding=None, 
     return draft_model_config(cfg, target, str(path)), params
 
 
+def load(spec, target: ModelConfig, dtype, sharding, load_format):
+    """``Method.load``: load_draft_model of ``spec.model``."""
+    return load_draft_model(spec.model, target, dtype, sharding, load_format=load_format)
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftModel:
     """The registry's module of the method: its config; the model is jspec's Transformer."""
@@ -75,15 +83,28 @@ def draft_model_propose(dm: DraftModel, params, kv: KVCache, inp, *, num_tokens:
     meta = inp.meta
     P, S = kv.num_pages, kv.page_size
     _, _, kv = model.apply(variables, inp.inputs, meta, kv)  # KV of every verified position
-    bonus = _gather_rows(inp.tokens, inp.last_idx)  # i32[N] the bonus token (the last pair's)
-    pos = _gather_rows(meta.positions, inp.last_idx) + 1  # i32[N] its position
+    bonus = gather_rows(inp.tokens, inp.last_idx)  # i32[N] the bonus token (the last pair's)
+    pos = gather_rows(meta.positions, inp.last_idx) + 1  # i32[N] its position
     drafts, probs = [], []
     tok = bonus
     for j in range(num_tokens):
         step = span_metadata(meta.page_table, pos + j, 1, inp.active, S, P, causal=True)
         h, _, kv = model.apply(variables, tok[:, None], step, kv)
         logits = model.apply(variables, h[:, 0], method=Transformer.logits)  # f32[N, V]
-        tok, p = _pick(logits, inp.temperature, inp.seeds, pos + 1 + j, with_probs)  # key: the draft's position
+        tok, p = pick(logits, inp.temperature, inp.seeds, pos + 1 + j, with_probs)  # key: the draft's position
         drafts.append(tok)
         probs.append(p)
     return jnp.stack(drafts, 1), (jnp.stack(probs, 1) if with_probs else None), kv
+
+
+def lookahead(cfg: DrafterConfig, K: int) -> int:
+    """K past the bonus token's position: K + 1 past the step's last verified token."""
+    del cfg
+    return K + 1
+
+
+# Its KV at p is built from the token at p (not p + 1, as EAGLE's).
+METHOD = Method(
+    label="draft model", module=DraftModel, propose=draft_model_propose, lookahead=lookahead,
+    reads_next_token=False, load=load, create_cache=create_kv_cache,
+)

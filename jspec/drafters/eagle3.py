@@ -1,4 +1,6 @@
-"""EAGLE3 drafter (Flax linen) over its own paged KV cache; PEagle shares this module.
+"""The EAGLE3 method: its drafter (Flax linen) over its own paged KV cache, its config
+translation, parameter spec, proposal and registry entry (``METHOD``). PEagle shares the
+module class and the translation (jspec/drafters/peagle.py).
 
 One call runs the drafter over ``tokens: i32[B, Q]`` paired with hidden inputs:
   - first pass (``hidden_is_fc_input=True``): hidden = concat of the target's aux states
@@ -8,7 +10,7 @@ One call runs the drafter over ``tokens: i32[B, Q]`` paired with hidden inputs:
 The returned pre-norm output is both the next step's hidden input and, through
 ``logits`` (final norm + lm_head), the draft distribution over the draft vocab.
 
-Parameter tree (HF names are mapped in jspec/drafters/loader.py):
+Parameter tree (HF names: ``param_spec`` below, the shared parts in jspec/drafters/loader.py):
   fc/weight [H, n*Ht]; input_norm/weight [n*Ht] (norm_before_fc);
   embed_tokens [Vt, H] (own embeddings only); layers_0/{input_layernorm, hidden_norm,
   post_attention_layernorm}/weight [H]; layers_0/attn/qkv_proj/weight [(Hq+2Hkv)*D, 2H];
@@ -18,6 +20,9 @@ Parameter tree (HF names are mapped in jspec/drafters/loader.py):
   Under tensor parallelism the rows of embed_tokens and lm_head are padded to a multiple of
   tp (ops.vocab_rows); d2t and the logits keep Vd.
 Projection weights (``weight``, ``lm_head``) are [in, out] under the CPU plan (ops.weight_shape).
+
+Layouts: speculators (``speculators_model_type: "eagle3"``) and the original EAGLE3
+(``architectures: ["LlamaForCausalLMEagle3"]``, one ``midlayer``).
 """
 
 from __future__ import annotations
@@ -26,8 +31,13 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from jspec import ops
-from jspec.drafters.config import DrafterConfig
+from jspec.checkpoint.param_spec import SpecList
+from jspec.config import ConfigError, ModelConfig
+from jspec.drafters.config import FMT_EAGLE3_ORIGINAL, DrafterConfig, MethodFields, proposal_tokens
 from jspec.drafters.layers import Eagle3FirstLayer
+from jspec.drafters.loader import add_layer_specs, load_from_spec
+from jspec.drafters.method import Method
+from jspec.drafters.propose import ProposeInputs, create_kv_cache, gather_rows, pick, span_metadata
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import Linear, RMSNorm
 from jspec.models.transformer import DecoderLayer, next_input_norm
@@ -138,6 +148,92 @@ class Eagle3Drafter(DraftVocab, nn.Module):
         return ops.logits(self.plan, h, self.lm_head, vocab_size=self.cfg.draft_vocab_size)
 
 
-def create_kv_cache(cfg: DrafterConfig, num_pages: int, page_size: int, dtype, sharding=None) -> KVCache:
-    """The drafter's own cache; same page ids as the target's page table, own buffers."""
-    return KVCache.create(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, sharding)
+def chain_fields(d: dict, shape: ModelConfig, target: ModelConfig, tensor_names, *, mask_token_id: int | None,
+                 norm_before_residual: bool) -> MethodFields:
+    """The fields of an EAGLE-style head (EAGLE3, PEagle) from config.json ``d``: its aux
+    layers (the target's defaults when unnamed), the checkpoint's K, own embeddings when it
+    has them; ``norm_before_residual``: the default when the key is absent (vLLM's)."""
+    ids = d.get("eagle_aux_hidden_state_layer_ids")
+    return MethodFields(
+        aux_layer_ids=tuple(int(c) for c in ids) if ids is not None else target.default_aux_layers(),
+        mask_token_id=mask_token_id,
+        block_size=None,
+        num_speculative_tokens=proposal_tokens(d),
+        qk_norm=shape.qk_norm,
+        norm_before_residual=bool(d.get("norm_before_residual", norm_before_residual)),
+        has_own_embeddings="embed_tokens.weight" in tensor_names,
+    )
+
+
+def from_hf(d: dict, fmt: str, shape: ModelConfig, target: ModelConfig, tensor_names) -> MethodFields:
+    """EAGLE3's part of its config.json's translation (jspec/drafters/config.py)."""
+    del fmt  # both layouts name the same keys
+    return chain_fields(d, shape, target, tensor_names, mask_token_id=None, norm_before_residual=True)
+
+
+def param_spec(c: DrafterConfig, specs: SpecList, *, mask_hidden: bool = False):
+    """The head's tensors after the shared fc / norm / d2t (loader.drafter_param_spec), in
+    load order; ``mask_hidden``: PEagle's learned mask-slot input."""
+    H = c.hidden_size
+    if c.norm_before_fc:
+        specs.add(("input_norm", "weight"), ["input_norm.weight"], [(c.fc_in_features,)])
+    if c.has_own_embeddings:
+        specs.add(("embed_tokens",), ["embed_tokens.weight"], [(c.target_vocab_size, H)], vocab=True)
+    specs.add(("lm_head",), ["lm_head.weight"], [(c.draft_vocab_size, H)], vocab=True)
+    if mask_hidden:
+        specs.add(("mask_hidden",), ["mask_hidden"], [(1, 1, c.fc_in_features)], shape=(c.fc_in_features,))
+    if c.source_format == FMT_EAGLE3_ORIGINAL:
+        if c.num_layers != 1:
+            raise ConfigError(f"config.json: original-format EAGLE3 has one 'midlayer', got num_hidden_layers={c.num_layers}")
+        prefixes = ["midlayer"]
+    else:
+        prefixes = [f"layers.{i}" for i in range(c.num_layers)]
+    for i, prefix in enumerate(prefixes):  # the first layer reads [embedding, hidden]: 2 H
+        add_layer_specs(specs, c, i, prefix, 2 * H if i == 0 else H, fused_qkv=True)
+    specs.add(("layers_0", "hidden_norm", "weight"), [f"{prefixes[0]}.hidden_norm.weight"], [(H,)])
+
+
+def eagle3_propose(
+    drafter: Eagle3Drafter,  # static (hashable module)
+    params,
+    kv: KVCache,
+    inp: ProposeInputs,
+    *,
+    num_tokens: int,  # K, static
+    with_probs: bool = False,
+):  # -> (drafts i32[B, K], probs f32[B, K, Vt] | None, KVCache)
+    """The first pass over the accepted pairs, then K - 1 single-token steps feeding back the
+    pre-norm hidden state."""
+    tokens, aux, meta, last_idx, seeds, temperature, active = (
+        inp.tokens, inp.aux, inp.meta, inp.last_idx, inp.seeds, inp.temperature, inp.active)
+    embed_table = None if drafter.cfg.has_own_embeddings else inp.embed
+    variables = {"params": params}
+    h, kv = drafter.apply(variables, tokens, aux, meta, kv, embed_table, hidden_is_fc_input=True)
+    h = gather_rows(h, last_idx)[:, None]  # [B, 1, H] pre-norm output at the bonus pair
+    pos = gather_rows(meta.positions, last_idx)  # i32[B]
+    page_size, num_pages = kv.page_size, kv.num_pages
+    drafts, probs = [], []
+    for j in range(num_tokens):
+        logits = drafter.apply(variables, h[:, 0], method=Eagle3Drafter.logits)  # [B, Vd]
+        ids, p = pick(logits, temperature, seeds, pos + 2 + j, with_probs)  # key: the draft's sequence position
+        tok = drafter.apply(variables, ids, method=Eagle3Drafter.to_target_ids)
+        drafts.append(tok)
+        if with_probs:
+            probs.append(drafter.apply(variables, p, method=Eagle3Drafter.probs_to_target))
+        if j + 1 < num_tokens:
+            step = span_metadata(meta.page_table, pos + j + 1, 1, active, page_size, num_pages, causal=True)
+            h, kv = drafter.apply(variables, tok[:, None], h, step, kv, embed_table, hidden_is_fc_input=False)
+    return jnp.stack(drafts, 1), (jnp.stack(probs, 1) if with_probs else None), kv
+
+
+def lookahead(cfg: DrafterConfig, K: int) -> int:
+    """K - 1 positions past the bonus pair, and the bonus pair's own slot."""
+    del cfg
+    return K
+
+
+METHOD = Method(
+    label="EAGLE3", module=Eagle3Drafter, propose=eagle3_propose, lookahead=lookahead, reads_next_token=True,
+    load=load_from_spec, create_cache=create_kv_cache, from_hf=from_hf, param_spec=param_spec,
+    architectures=(("LlamaForCausalLMEagle3", FMT_EAGLE3_ORIGINAL),),
+)

@@ -22,74 +22,61 @@ from jspec.parallel.placement import Placement
 def drafter_param_spec(c: DrafterConfig) -> list[ParamSpec]:
     """Our tree <- the layout's names; the Megatron splits (ParamSpec.split) as the target's
     (the vocabulary tables padded: ParamSpec.vocab), fc by its input columns (the aux
-    states), norms, d2t and mask_hidden replicated."""
-    H, D, I, Vd = c.hidden_size, c.head_dim, c.intermediate_size, c.draft_vocab_size
+    states), norms, d2t and mask_hidden replicated. The fc, final norm and d2t every layout
+    has, then the method's own tensors (``Method.param_spec``), in this load order."""
+    from jspec.drafters.registry import method_of  # the methods' modules import this one
+
+    method = method_of(c.method)
+    if method.param_spec is None:
+        raise ValueError(f"the {method.label} method has no drafter checkpoint tensors (Method.param_spec)")
     specs = SpecList()
-
-    def layer(i: int, prefix: str, in_features: int, dflash: bool):
-        L = f"layers_{i}"
-        specs.add((L, "input_layernorm", "weight"), [f"{prefix}.input_layernorm.weight"], [(H,)])
-        specs.add((L, "post_attention_layernorm", "weight"), [f"{prefix}.post_attention_layernorm.weight"], [(H,)])
-        a = f"{prefix}.self_attn"
-        if dflash:
-            specs.add((L, "attn", "q_proj", "weight"), [f"{a}.q_proj.weight"], [(c.q_size, in_features)], split=0)
-            specs.add((L, "attn", "kv_proj", "weight"), [f"{a}.k_proj.weight", f"{a}.v_proj.weight"],
-                      [(c.kv_size, in_features), (c.kv_size, in_features)], split=0)
-            if c.attention_bias:
-                specs.add((L, "attn", "q_proj", "bias"), [f"{a}.q_proj.bias"], [(c.q_size,)], split=0)
-                specs.add((L, "attn", "kv_proj", "bias"), [f"{a}.k_proj.bias", f"{a}.v_proj.bias"], [(c.kv_size,), (c.kv_size,)],
-                          split=0)
-        else:
-            qkv = [f"{a}.{n}_proj" for n in "qkv"]
-            shapes = [(c.q_size,), (c.kv_size,), (c.kv_size,)]
-            specs.add((L, "attn", "qkv_proj", "weight"), [n + ".weight" for n in qkv], [s + (in_features,) for s in shapes],
-                      split=0)
-            if c.attention_bias:
-                specs.add((L, "attn", "qkv_proj", "bias"), [n + ".bias" for n in qkv], shapes, split=0)
-        specs.add((L, "attn", "o_proj", "weight"), [f"{a}.o_proj.weight"], [(H, c.q_size)], split=1)
-        if c.attention_bias:
-            specs.add((L, "attn", "o_proj", "bias"), [f"{a}.o_proj.bias"], [(H,)])
-        if c.qk_norm:
-            specs.add((L, "attn", "q_norm", "weight"), [f"{a}.q_norm.weight"], [(D,)])
-            specs.add((L, "attn", "k_norm", "weight"), [f"{a}.k_norm.weight"], [(D,)])
-        m = f"{prefix}.mlp"
-        specs.add((L, "mlp", "gate_up_proj", "weight"), [f"{m}.gate_proj.weight", f"{m}.up_proj.weight"],
-                  [(I, H), (I, H)], split=0)
-        specs.add((L, "mlp", "down_proj", "weight"), [f"{m}.down_proj.weight"], [(H, I)], split=1)
-        if c.mlp_bias:
-            specs.add((L, "mlp", "gate_up_proj", "bias"), [f"{m}.gate_proj.bias", f"{m}.up_proj.bias"], [(I,), (I,)],
-                      split=0)
-            specs.add((L, "mlp", "down_proj", "bias"), [f"{m}.down_proj.bias"], [(H,)])
-
-    specs.add(("fc", "weight"), ["fc.weight"], [(H, c.fc_in_features)], split=1)
-    specs.add(("norm", "weight"), ["norm.weight"], [(H,)])
+    specs.add(("fc", "weight"), ["fc.weight"], [(c.hidden_size, c.fc_in_features)], split=1)
+    specs.add(("norm", "weight"), ["norm.weight"], [(c.hidden_size,)])
     if c.has_d2t:
-        specs.add(("d2t",), ["d2t"], [(Vd,)], integer=True)
-    if c.method == "dflash":
-        specs.add(("hidden_norm", "weight"), ["hidden_norm.weight"], [(H,)])
-        for i in range(c.num_layers):
-            layer(i, f"layers.{i}", H, dflash=True)
-        if not c.uses_target_lm_head:
-            specs.add(("lm_head",), ["lm_head.weight"], [(Vd, H)], vocab=True)
-        return specs
-
-    if c.norm_before_fc:
-        specs.add(("input_norm", "weight"), ["input_norm.weight"], [(c.fc_in_features,)])
-    if c.has_own_embeddings:
-        specs.add(("embed_tokens",), ["embed_tokens.weight"], [(c.target_vocab_size, H)], vocab=True)
-    specs.add(("lm_head",), ["lm_head.weight"], [(Vd, H)], vocab=True)
-    if c.method == "peagle":
-        specs.add(("mask_hidden",), ["mask_hidden"], [(1, 1, c.fc_in_features)], shape=(c.fc_in_features,))
-    if c.source_format == FMT_EAGLE3_ORIGINAL:
-        if c.num_layers != 1:
-            raise ConfigError(f"config.json: original-format EAGLE3 has one 'midlayer', got num_hidden_layers={c.num_layers}")
-        prefixes = ["midlayer"]
-    else:
-        prefixes = [f"layers.{i}" for i in range(c.num_layers)]
-    for i, prefix in enumerate(prefixes):
-        layer(i, prefix, 2 * H if i == 0 else H, dflash=False)
-    specs.add(("layers_0", "hidden_norm", "weight"), [f"{prefixes[0]}.hidden_norm.weight"], [(H,)])
+        specs.add(("d2t",), ["d2t"], [(c.draft_vocab_size,)], integer=True)
+    method.param_spec(c, specs)
     return specs
+
+
+def add_layer_specs(specs: SpecList, c: DrafterConfig, i: int, prefix: str, in_features: int, *, fused_qkv: bool):
+    """Decoder layer ``layers_{i}`` of our tree <- the checkpoint's ``{prefix}.*`` tensors:
+    norms, attention (q/k/v fused into one leaf, or q apart from a fused k/v: DFlash, whose
+    context projects only k/v), its biases and q/k norms where the config has them, the MLP.
+    ``in_features``: the attention's input width (EAGLE3's first layer reads 2 H)."""
+    H, D, I = c.hidden_size, c.head_dim, c.intermediate_size
+    L = f"layers_{i}"
+    specs.add((L, "input_layernorm", "weight"), [f"{prefix}.input_layernorm.weight"], [(H,)])
+    specs.add((L, "post_attention_layernorm", "weight"), [f"{prefix}.post_attention_layernorm.weight"], [(H,)])
+    a = f"{prefix}.self_attn"
+    if fused_qkv:
+        qkv = [f"{a}.{n}_proj" for n in "qkv"]
+        shapes = [(c.q_size,), (c.kv_size,), (c.kv_size,)]
+        specs.add((L, "attn", "qkv_proj", "weight"), [n + ".weight" for n in qkv], [s + (in_features,) for s in shapes],
+                  split=0)
+        if c.attention_bias:
+            specs.add((L, "attn", "qkv_proj", "bias"), [n + ".bias" for n in qkv], shapes, split=0)
+    else:
+        specs.add((L, "attn", "q_proj", "weight"), [f"{a}.q_proj.weight"], [(c.q_size, in_features)], split=0)
+        specs.add((L, "attn", "kv_proj", "weight"), [f"{a}.k_proj.weight", f"{a}.v_proj.weight"],
+                  [(c.kv_size, in_features), (c.kv_size, in_features)], split=0)
+        if c.attention_bias:
+            specs.add((L, "attn", "q_proj", "bias"), [f"{a}.q_proj.bias"], [(c.q_size,)], split=0)
+            specs.add((L, "attn", "kv_proj", "bias"), [f"{a}.k_proj.bias", f"{a}.v_proj.bias"], [(c.kv_size,), (c.kv_size,)],
+                      split=0)
+    specs.add((L, "attn", "o_proj", "weight"), [f"{a}.o_proj.weight"], [(H, c.q_size)], split=1)
+    if c.attention_bias:
+        specs.add((L, "attn", "o_proj", "bias"), [f"{a}.o_proj.bias"], [(H,)])
+    if c.qk_norm:
+        specs.add((L, "attn", "q_norm", "weight"), [f"{a}.q_norm.weight"], [(D,)])
+        specs.add((L, "attn", "k_norm", "weight"), [f"{a}.k_norm.weight"], [(D,)])
+    m = f"{prefix}.mlp"
+    specs.add((L, "mlp", "gate_up_proj", "weight"), [f"{m}.gate_proj.weight", f"{m}.up_proj.weight"],
+              [(I, H), (I, H)], split=0)
+    specs.add((L, "mlp", "down_proj", "weight"), [f"{m}.down_proj.weight"], [(H, I)], split=1)
+    if c.mlp_bias:
+        specs.add((L, "mlp", "gate_up_proj", "bias"), [f"{m}.gate_proj.bias", f"{m}.up_proj.bias"], [(I,), (I,)],
+                  split=0)
+        specs.add((L, "mlp", "down_proj", "bias"), [f"{m}.down_proj.bias"], [(H,)])
 
 
 def infer_method(path) -> str:
@@ -117,9 +104,10 @@ def read_drafter_config(path) -> dict:
 # The tensors a config.json alone cannot tell about, as load_format="dummy" assumes them:
 # the optional tensors a layout requires (d2t, mask_hidden) exist, and EAGLE3 / PEagle heads
 # in the speculators format carry their own embeddings (speculators writes them); original
-# EAGLE3 heads and DFlash share the target's.
+# EAGLE3 heads share the target's (DFlash always does: its translation never reads the name).
 def _dummy_tensor_names(method: str, fmt: str) -> frozenset[str]:
-    own = {"embed_tokens.weight"} if method != "dflash" and fmt != FMT_EAGLE3_ORIGINAL else set()
+    del method  # the layout tells
+    own = {"embed_tokens.weight"} if fmt != FMT_EAGLE3_ORIGINAL else set()
     return frozenset({"d2t", "mask_hidden"} | own)
 
 
@@ -129,6 +117,11 @@ def _config_for(path: str, d: dict, target_cfg: ModelConfig, tensor_names) -> Dr
         return drafter_config_from_hf(d, target_cfg, tensor_names)
     except ValueError as e:
         raise type(e)(f"drafter {path!r}: {e}") from None
+
+
+def load_from_spec(spec, target_cfg: ModelConfig, dtype, sharding, load_format):
+    """``Method.load`` of a drafter checkpoint layout: load_drafter of ``spec.model``."""
+    return load_drafter(spec.model, target_cfg, dtype, sharding, load_format=load_format)
 
 
 def load_drafter(path, target_cfg: ModelConfig, dtype="float32", sharding=None, load_format="auto"):

@@ -1,5 +1,6 @@
-"""The n-gram drafter (vLLM's "ngram", prompt lookup decoding): no model, the drafts are the
-tokens that followed an earlier occurrence of the sequence's last n tokens.
+"""The n-gram method (vLLM's "ngram", prompt lookup decoding): no model, the drafts are the
+tokens that followed an earlier occurrence of the sequence's last n tokens. Its config,
+cache, proposal and registry entry (``METHOD``).
 
 vLLM's rule (its NgramProposer): the longest n in [prompt_lookup_min, prompt_lookup_max]
 for which the last n tokens occurred before, at the earliest such occurrence; the drafts
@@ -36,8 +37,9 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec.config import ModelConfig
-from jspec.drafters.config import DrafterConfig
-from jspec.drafters.propose import _gather_rows
+from jspec.drafters.config import DrafterConfig, layerless_config
+from jspec.drafters.method import Method
+from jspec.drafters.propose import gather_rows
 
 
 @struct.dataclass
@@ -63,16 +65,7 @@ class TokenHistory:
 
 def ngram_config(target: ModelConfig, lookup_min: int, lookup_max: int) -> DrafterConfig:
     """The DrafterConfig of the n-gram method on ``target``: no layers, no aux states."""
-    return DrafterConfig(
-        method="ngram", source_format="none", family=target.family, hidden_size=0, intermediate_size=0,
-        num_layers=0, num_heads=0, num_kv_heads=0, head_dim=0, rms_norm_eps=target.rms_norm_eps,
-        rope=target.rope, draft_vocab_size=target.vocab_size, target_vocab_size=target.vocab_size,
-        target_hidden_size=target.hidden_size, aux_layer_ids=(), norm_before_residual=False,
-        norm_before_fc=False, has_own_embeddings=False, has_d2t=False, mask_token_id=None, block_size=None,
-        num_speculative_tokens=None, qk_norm=False, attention_bias=False, mlp_bias=False,
-        max_position_embeddings=target.max_position_embeddings,
-        prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max,
-    )
+    return layerless_config("ngram", target, prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +89,7 @@ def ngram_propose(proposer: NgramProposer, params, cache: TokenHistory, inp, *, 
     pages = jnp.clip(inp.meta.page_table, 0, P - 1)  # [B, W]; entries past a row's pages are masked below
     hist = flat.reshape(P, S)[pages].reshape(B, -1)  # i32[B, N]: history slot i = the token at i + 1
     N = hist.shape[1]
-    last = _gather_rows(inp.meta.positions, inp.last_idx)  # position of the last pair
+    last = gather_rows(inp.meta.positions, inp.last_idx)  # position of the last pair
     length = jnp.clip(last + 1, 1, N)  # i32[B] history entries
     idx = jnp.arange(N, dtype=jnp.int32)
     # run[b, j]: the last t + 1 entries end at j too (j - u matches length - 1 - u for u <= t)
@@ -116,3 +109,29 @@ def ngram_propose(proposer: NgramProposer, params, cache: TokenHistory, inp, *, 
     drafts = jnp.take_along_axis(hist, jnp.clip(src, 0, N - 1), axis=1)
     probs = jax.nn.one_hot(drafts, c.target_vocab_size, dtype=jnp.float32) if with_probs else None
     return drafts, probs, TokenHistory(flat.reshape(P, S))
+
+
+def load(spec, target: ModelConfig, dtype, sharding, load_format):
+    """``Method.load``: the config of speculative_config's n-gram lengths; no weights (it
+    drafts from the sequence's own tokens)."""
+    del dtype, sharding, load_format
+    return ngram_config(target, spec.prompt_lookup_min, spec.prompt_lookup_max), {}
+
+
+def create_cache(cfg: DrafterConfig, num_pages: int, page_size: int, dtype, sharding=None) -> TokenHistory:
+    """``Method.create_cache``: the token history i32[P, S] (its dtype is the token ids')."""
+    del cfg, dtype
+    return TokenHistory.create(num_pages, page_size, sharding)
+
+
+def lookahead(cfg: DrafterConfig, K: int) -> int:
+    """0: the history is written at the verified pairs' own slots only."""
+    del cfg, K
+    return 0
+
+
+# The history at p holds the token at p + 1, as EAGLE's KV is built from it.
+METHOD = Method(
+    label="n-gram", module=NgramProposer, propose=ngram_propose, lookahead=lookahead, reads_next_token=True,
+    load=load, create_cache=create_cache, needs_model=False,
+)

@@ -1,4 +1,5 @@
-"""Functional draft proposal for the engine's jitted step (EAGLE3, PEagle, DFlash).
+"""What every method's draft proposal reads (``ProposeInputs``) and the helpers they share;
+each method's propose function lives in its own module (``Method.propose``).
 
 The drafter's KV cache mirrors the target's paging: same page ids (the target's
 ``page_table``), its own buffers (``create_kv_cache``). A drafter K/V for position p lives
@@ -32,9 +33,9 @@ RaggedMetadata (jspec/engine/flat_input.py; N sequences, index i of last_idx int
 Returned: drafts i32[N, K] (target vocab ids), probs f32[B, K, Vt] (the draft distribution
 over the target vocab: one-hot at the draft for greedy rows), and the updated drafter KV.
 
-Lookahead: EAGLE3/PEagle write K-1 positions past the bonus pair (last_pos + 1 ..
-last_pos + K - 1); DFlash writes block_size positions starting at the bonus position
-(last_pos + 1 .. last_pos + block_size). The scheduler must have reserved those slots.
+Lookahead: each method's ``Method.lookahead`` says how many slots past the step's last
+verified token its proposal writes (EAGLE3/PEagle K - 1 past the bonus pair; DFlash its
+block_size positions from the bonus position on). The scheduler must have reserved them.
 """
 
 from __future__ import annotations
@@ -43,9 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jspec.drafters.dflash import DFlashDrafter
-from jspec.drafters.eagle3 import Eagle3Drafter
-from jspec.kv_cache import AttentionMetadata, KVCache, MixedMetadata
+from jspec.kv_cache import AttentionMetadata, KVCache
 from kernels_pallas.sampling_utils import SALT_DRAFT, first_argmax, sample_from_probs
 
 
@@ -63,6 +62,12 @@ class ProposeInputs:
     temperature: jax.Array  # f32[B]    0: greedy drafts
     active: jax.Array  # bool[N]        rows that draft (padding rows write nothing)
     inputs: jax.Array | None = None  # i32[B, Q]  the step's input tokens at the pairs' positions (draft models)
+
+
+def create_kv_cache(cfg, num_pages: int, page_size: int, dtype, sharding=None) -> KVCache:
+    """The drafter's own cache (``cfg``: its DrafterConfig): num_layers x [P, S, KVH, D],
+    the same page ids as the target's page table, its own buffers."""
+    return KVCache.create(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, sharding)
 
 
 def slots_for(page_table, positions, valid, page_size: int, num_pages: int):
@@ -91,7 +96,7 @@ def span_metadata(page_table, start, q_len: int, active, page_size: int, num_pag
     )
 
 
-def _pick(logits, temperature, seeds, positions, sample: bool):
+def pick(logits, temperature, seeds, positions, sample: bool):
     """logits f32[B, Vd]; temperature f32[B]; seeds i32[B]; positions i32[B] -> (ids i32[B], probs f32[B, Vd]).
 
     ``sample`` (static): False when every row drafts greedily (draft_sample_method "greedy":
@@ -109,7 +114,7 @@ def _pick(logits, temperature, seeds, positions, sample: bool):
     return ids, jnp.where(greedy[:, None], onehot, probs)
 
 
-def _gather_rows(x, idx):
+def gather_rows(x, idx):
     """Each row's entry at ``idx``: x [B, Q, ...] (rows of a [B, Q] step) with idx i32[B]
     along Q, or x [1, T, ...] (a flat step's tokens) with idx i32[N] into T -> [B or N, ...]."""
     if x.shape[0] == 1:
@@ -117,120 +122,15 @@ def _gather_rows(x, idx):
     return jnp.take_along_axis(x, idx.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
 
 
-def eagle3_propose(
-    drafter: Eagle3Drafter,  # static (hashable module)
-    params,
-    kv: KVCache,
-    inp: ProposeInputs,
-    *,
-    num_tokens: int,  # K, static
-    with_probs: bool = False,
-):  # -> (drafts i32[B, K], probs f32[B, K, Vt] | None, KVCache)
-    """The first pass over the accepted pairs, then K - 1 single-token steps feeding back the
-    pre-norm hidden state."""
-    tokens, aux, meta, last_idx, seeds, temperature, active = (
-        inp.tokens, inp.aux, inp.meta, inp.last_idx, inp.seeds, inp.temperature, inp.active)
-    embed_table = None if drafter.cfg.has_own_embeddings else inp.embed
-    variables = {"params": params}
-    h, kv = drafter.apply(variables, tokens, aux, meta, kv, embed_table, hidden_is_fc_input=True)
-    h = _gather_rows(h, last_idx)[:, None]  # [B, 1, H] pre-norm output at the bonus pair
-    pos = _gather_rows(meta.positions, last_idx)  # i32[B]
-    page_size, num_pages = kv.page_size, kv.num_pages
-    drafts, probs = [], []
-    for j in range(num_tokens):
-        logits = drafter.apply(variables, h[:, 0], method=Eagle3Drafter.logits)  # [B, Vd]
-        ids, p = _pick(logits, temperature, seeds, pos + 2 + j, with_probs)  # key: the draft's sequence position
-        tok = drafter.apply(variables, ids, method=Eagle3Drafter.to_target_ids)
-        drafts.append(tok)
-        if with_probs:
-            probs.append(drafter.apply(variables, p, method=Eagle3Drafter.probs_to_target))
-        if j + 1 < num_tokens:
-            step = span_metadata(meta.page_table, pos + j + 1, 1, active, page_size, num_pages, causal=True)
-            h, kv = drafter.apply(variables, tok[:, None], h, step, kv, embed_table, hidden_is_fc_input=False)
-    return jnp.stack(drafts, 1), (jnp.stack(probs, 1) if with_probs else None), kv
-
-
-def peagle_propose(
-    drafter: Eagle3Drafter,  # cfg.method == "peagle"
-    params,
-    kv: KVCache,
-    inp: ProposeInputs,
-    *,
-    num_tokens: int,  # K, static
-    with_probs: bool = False,
-):  # -> (drafts i32[B, K], probs f32[B, K, Vt] | None, KVCache)
-    """One forward over the pairs and K - 1 mask slots appended after them (COD positions)."""
-    tokens, aux, meta, last_idx, seeds, temperature, active = (
-        inp.tokens, inp.aux, inp.meta, inp.last_idx, inp.seeds, inp.temperature, inp.active)
-    embed_table = None if drafter.cfg.has_own_embeddings else inp.embed
-    c = drafter.cfg
-    N, M = last_idx.shape[0], num_tokens - 1
-    pos = _gather_rows(meta.positions, last_idx)  # i32[N] position of the bonus pair
-    variables = {"params": params}
-    if M == 0:
-        h, kv = drafter.apply(variables, tokens, aux, meta, kv, embed_table, hidden_is_fc_input=True)
-        logits = drafter.apply(variables, _gather_rows(h, last_idx)[:, None], method=Eagle3Drafter.logits)
-        return _finish(drafter, variables, logits, pos + 2, temperature, seeds, with_probs, Eagle3Drafter) + (kv,)
-    # The mask slots [N, M] after the pairs, one forward over both (jspec.kv_cache.MixedMetadata:
-    # both written, then attention per part): a slot sees its row's pairs by position.
-    masks = span_metadata(meta.page_table, pos + 1, M, active, kv.page_size, kv.num_pages, causal=True)
-    n_pairs = tokens.size
-    all_meta = MixedMetadata((meta, masks))
-    all_tokens = jnp.concatenate([tokens.reshape(1, -1), jnp.full((1, N * M), c.mask_token_id, tokens.dtype)], 1)
-    all_aux = jnp.concatenate([aux.reshape(1, n_pairs, -1), jnp.zeros((1, N * M, aux.shape[-1]), aux.dtype)], 1)
-    mask_slots = jnp.concatenate([jnp.zeros((1, n_pairs), bool), jnp.ones((1, N * M), bool)], 1)
-    h, kv = drafter.apply(variables, all_tokens, all_aux, all_meta, kv, embed_table,
-                          hidden_is_fc_input=True, mask_slots=mask_slots)
-    pairs_h = h[:, :n_pairs].reshape(tokens.shape + h.shape[-1:])
-    rows = jnp.concatenate([_gather_rows(pairs_h, last_idx)[:, None], h[0, n_pairs:].reshape(N, M, -1)], 1)  # [N, K, H]
-    logits = drafter.apply(variables, rows, method=Eagle3Drafter.logits)  # [B, K, Vd]
-    return _finish(drafter, variables, logits, pos + 2, temperature, seeds, with_probs, Eagle3Drafter) + (kv,)
-
-
-def _finish(drafter, variables, logits, first_pos, temperature, seeds, with_probs, cls):
-    """Pick K drafts from logits f32[B, K, Vd]; draft k is the token at sequence position
-    first_pos + k. Greedy drafts (``with_probs`` False) are one argmax over all K: K argmaxes
+def pick_drafts(drafter, variables, logits, first_pos, temperature, seeds, with_probs, cls):
+    """(drafts i32[B, K] target ids, probs f32[B, K, Vt] | None): K drafts picked from logits
+    f32[B, K, Vd]; draft k is the token at sequence position first_pos + k (i32[B]). ``cls``:
+    the drafter's module class, whose ``to_target_ids`` / ``probs_to_target`` (DraftVocab)
+    map the draft vocabulary into the target's. Greedy drafts (``with_probs`` False) are one argmax over all K: K argmaxes
     of one position each were K pairs of small XLA reductions (DFlash's 15 over Qwen3's
     vocabulary: ~4.5 us each on an H100)."""
     if not with_probs:
         return drafter.apply(variables, first_argmax(logits), method=cls.to_target_ids), None
-    ids, probs = zip(*(_pick(logits[:, k], temperature, seeds, first_pos + k, True) for k in range(logits.shape[1])))
+    ids, probs = zip(*(pick(logits[:, k], temperature, seeds, first_pos + k, True) for k in range(logits.shape[1])))
     ids = drafter.apply(variables, jnp.stack(ids, 1), method=cls.to_target_ids)
     return ids, drafter.apply(variables, jnp.stack(probs, 1), method=cls.probs_to_target)
-
-
-def dflash_propose(
-    drafter: DFlashDrafter,
-    params,
-    kv: KVCache,
-    inp: ProposeInputs,
-    *,
-    num_tokens: int | None = None,  # K (static); None: the whole block, block_size - 1
-    with_probs: bool = False,
-):  # -> (drafts i32[B, K], probs f32[B, K, Vt] | None, KVCache)
-    """Context write of the verified positions, then one non-causal block forward.
-
-    The block is always the trained block_size (its attention is non-causal, so the first
-    drafts depend on every mask position after them); only the K drafts the engine keeps
-    go through the lm_head and the pick (K = 1 on the family: the 7-row lm_head was ~0.19 ms
-    of a ~3 ms CPU step).
-
-    The context rows past last_idx (rejected drafts) are written too: they sit at positions
-    >= the block start and the block write that follows overwrites them before any read.
-    """
-    aux, meta, last_idx, seeds, temperature, active = (
-        inp.aux, inp.meta, inp.last_idx, inp.seeds, inp.temperature, inp.active)
-    embed_table, target_lm_head = inp.embed, inp.lm_head
-    bonus = _gather_rows(inp.tokens, last_idx)  # i32[B]: the bonus token, at position last_pos + 1
-    c = drafter.cfg
-    bs = c.block_size
-    variables = {"params": params}
-    kv = drafter.apply(variables, aux, meta, kv, method=DFlashDrafter.write_context)
-    pos = _gather_rows(meta.positions, last_idx) + 1  # i32[B] block start = bonus position
-    block = span_metadata(meta.page_table, pos, bs, active, kv.page_size, kv.num_pages, causal=False)
-    B = bonus.shape[0]
-    tokens = jnp.concatenate([bonus[:, None], jnp.full((B, bs - 1), c.mask_token_id, bonus.dtype)], 1)
-    h, kv = drafter.apply(variables, tokens, block, kv, embed_table)
-    n = bs - 1 if num_tokens is None else min(num_tokens, bs - 1)
-    logits = drafter.apply(variables, h[:, 1:1 + n], target_lm_head, method=DFlashDrafter.logits)  # [B, K, V]
-    return _finish(drafter, variables, logits, pos + 1, temperature, seeds, with_probs, DFlashDrafter) + (kv,)

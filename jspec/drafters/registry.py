@@ -1,86 +1,50 @@
-"""Speculative methods behind one protocol, keyed by method name: what the engine and the
-runner need to know of a method without branching on its name.
+"""The speculative methods by name: one line each, the only list of method names.
 
-A ``Method`` (the registry's entry) says how a method loads and what its drafter does:
-  load(spec, target_cfg, dtype, sharding, load_format) -> (DrafterConfig, params)
-                      its checkpoint (``spec.model``), or none (``needs_model`` False: n-gram)
-  create_cache(cfg, num_pages, page_size, dtype, sharding)
-                      its cache over the target's page ids: a KVCache, or the n-gram
-                      method's TokenHistory
+Each method's module states what is specific to it in its ``METHOD`` (a ``Method``,
+jspec/drafters/method.py): its drafter module, propose function, lookahead, load and cache,
+and for a drafter checkpoint layout its config.json translation (``from_hf``) and parameter
+spec. The engine, the runner, speculative_config, the config translation and the loader ask
+a method only through the registry, never by its name.
 
-A ``Drafter`` holds the Flax module (static under jit) and answers:
+Adding a method: a module defining its drafter module (built as ``module(cfg, dtype=,
+plan=)``, hashable), a propose function over ``propose.ProposeInputs``, its ``lookahead``,
+``load`` (and ``from_hf`` / ``param_spec`` if its checkpoint is a drafter config.json) and
+``METHOD = Method(...)``; then one line in ``REGISTRY`` below (tests/drafters/
+test_new_method.py adds a toy method so).
+
+A ``Drafter`` (``make_drafter``) holds a method's module for one DrafterConfig and answers:
   propose(params, kv, inputs: ProposeInputs, *, num_tokens, with_probs)
-      -> (drafts i32[B, >= K], probs f32[B, >= K, Vt] | None, KVCache)   (jspec/drafters/propose.py)
+      -> (drafts i32[B, >= K], probs f32[B, >= K, Vt] | None, its cache)
   lookahead(K)        slots it writes past the step's last verified token (the scheduler
                       reserves them before the step runs)
   reads_next_token    its KV at position p is built from the token at p + 1 (EAGLE-style): prefix
                       hashes must cover the token after a page, and the last hit page is recomputed
                       so its target hidden states exist
+  create_cache(num_pages, page_size, dtype, sharding)   its cache over the target's page ids
   check_num_tokens(K) a ValueError naming the limit when K cannot be drafted
-
-Adding a method: a module, a propose function over ProposeInputs, a load function, and one
-registry entry.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
-import flax.linen as nn
-
+from jspec.drafters import dflash, draft_model, eagle3, ngram, peagle
 from jspec.drafters.config import DrafterConfig
-from jspec.drafters.dflash import DFlashDrafter
-from jspec.drafters.draft_model import DraftModel, draft_model_propose, load_draft_model
-from jspec.drafters.eagle3 import Eagle3Drafter, create_kv_cache
-from jspec.drafters.loader import load_drafter
-from jspec.drafters.ngram import NgramProposer, TokenHistory, ngram_config, ngram_propose
-from jspec.drafters.propose import ProposeInputs, dflash_propose, eagle3_propose, peagle_propose
-from jspec.kv_cache import KVCache
-
-
-def _load_drafter(spec, target, dtype, sharding, load_format):
-    return load_drafter(spec.model, target, dtype, sharding, load_format=load_format)
-
-
-def _load_draft_model(spec, target, dtype, sharding, load_format):
-    return load_draft_model(spec.model, target, dtype, sharding, load_format=load_format)
-
-
-def _load_ngram(spec, target, dtype, sharding, load_format):
-    del dtype, sharding, load_format  # no weights: drafts from the sequence's own tokens
-    return ngram_config(target, spec.prompt_lookup_min, spec.prompt_lookup_max), {}
-
-
-def _ngram_cache(cfg, num_pages, page_size, dtype, sharding=None):
-    del cfg, dtype
-    return TokenHistory.create(num_pages, page_size, sharding)
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-    """A registry entry: one speculative method."""
-
-    module: type  # the drafter's module class, built as module(cfg, dtype=, plan=)
-    propose: Callable  # (module, params, kv, ProposeInputs, *, num_tokens, with_probs) -> ...
-    reads_next_token: bool
-    writes_ahead: str  # past the last token: "k" (K - 1 + 1 slots), "k+1", "block" (bonus + drafts), "none"
-    label: str  # the method's name in messages ("DFlash")
-    load: Callable = _load_drafter  # (spec, target_cfg, dtype, sharding, load_format) -> (DrafterConfig, params)
-    create_cache: Callable = create_kv_cache  # (cfg, num_pages, page_size, dtype, sharding) -> its cache
-    needs_model: bool = True  # a checkpoint in speculative_config 'model' (else the family's drafter)
-
+from jspec.drafters.method import Method
+from jspec.drafters.propose import ProposeInputs
 
 REGISTRY: dict[str, Method] = {
-    "eagle3": Method(Eagle3Drafter, eagle3_propose, True, "k", "EAGLE3"),
-    "peagle": Method(Eagle3Drafter, peagle_propose, True, "k", "PEagle"),  # PEagle lives in Eagle3Drafter (mask_hidden)
-    "dflash": Method(DFlashDrafter, dflash_propose, False, "block", "DFlash"),
-    # the history at p holds the token at p + 1, as EAGLE's KV is built from it
-    "ngram": Method(NgramProposer, ngram_propose, True, "none", "n-gram", load=_load_ngram,
-                    create_cache=_ngram_cache, needs_model=False),
-    # a whole LLM: its KV at p from the token at p, written up to K past the bonus pair
-    "draft_model": Method(DraftModel, draft_model_propose, False, "k+1", "draft model", load=_load_draft_model),
+    "eagle3": eagle3.METHOD,
+    "peagle": peagle.METHOD,
+    "dflash": dflash.METHOD,
+    "ngram": ngram.METHOD,
+    "draft_model": draft_model.METHOD,
 }
+
+
+def method_names() -> tuple[str, ...]:
+    """The known methods' names, in registry order."""
+    return tuple(REGISTRY)
 
 
 def method_of(name: str) -> Method:
@@ -92,7 +56,7 @@ def method_of(name: str) -> Method:
 
 @dataclasses.dataclass(frozen=True)
 class Drafter:
-    module: nn.Module | NgramProposer | DraftModel  # hashable: a static part of the jitted step
+    module: object  # the method's module for cfg; hashable: a static part of the jitted step
     method: Method
 
     @property
@@ -107,25 +71,17 @@ class Drafter:
     def label(self) -> str:
         return self.method.label
 
-    def propose(self, params, kv: KVCache, inputs: ProposeInputs, *, num_tokens: int, with_probs: bool):
+    def propose(self, params, kv, inputs: ProposeInputs, *, num_tokens: int, with_probs: bool):
         return self.method.propose(self.module, params, kv, inputs, num_tokens=num_tokens, with_probs=with_probs)
 
     def lookahead(self, K: int) -> int:
-        # EAGLE3 / PEagle write K - 1 positions past the bonus pair (K counting the bonus
-        # pair's own slot); a draft model K past it; DFlash writes its block_size positions
-        # from the bonus on; the n-gram history only the verified pairs' own slots.
-        return {"k": K, "k+1": K + 1, "block": self.cfg.block_size, "none": 0}[self.method.writes_ahead]
+        return self.method.lookahead(self.cfg, K)
 
     def create_cache(self, num_pages: int, page_size: int, dtype, sharding=None):
         return self.method.create_cache(self.cfg, num_pages, page_size, dtype, sharding)
 
     def check_num_tokens(self, K: int):
-        c = self.cfg
-        if self.method.writes_ahead == "block" and K > c.block_size - 1:
-            raise ValueError(
-                f"speculative_config.num_speculative_tokens={K} exceeds the {self.label} block's "
-                f"{c.block_size - 1} drafts (block_size={c.block_size})"
-            )
+        self.method.check_num_tokens(self.cfg, K)
 
 
 def make_drafter(cfg: DrafterConfig, *, dtype=None, plan=None) -> Drafter:

@@ -11,7 +11,8 @@ import pytest
 
 from jspec.drafters import DFlashDrafter, create_kv_cache, load_drafter
 from jspec.drafters.convert import speculators_dflash_to_zlab
-from jspec.drafters.propose import ProposeInputs, dflash_propose
+from jspec.drafters.dflash import dflash_propose
+from jspec.drafters.propose import ProposeInputs
 from jspec.kv_cache import AttentionMetadata
 from tests.helpers.drafters import (
     NPAGES,

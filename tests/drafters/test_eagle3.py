@@ -8,8 +8,8 @@ import pytest
 
 from jspec.drafters import Eagle3Drafter, create_kv_cache, load_drafter
 from jspec.drafters.convert import speculators_eagle3_to_original
-from jspec.drafters.eagle3 import draft_probs_to_target
-from jspec.drafters.propose import ProposeInputs, eagle3_propose
+from jspec.drafters.eagle3 import draft_probs_to_target, eagle3_propose
+from jspec.drafters.propose import ProposeInputs
 from jspec.kv_cache import AttentionMetadata
 from tests.helpers.drafters import (
     NPAGES,

@@ -11,7 +11,8 @@ import pytest
 from jspec.checkpoint.safetensors_io import CheckpointError
 from jspec.config import ConfigError
 from jspec.drafters import PEagleDrafter, create_kv_cache, load_drafter
-from jspec.drafters.propose import ProposeInputs, peagle_propose
+from jspec.drafters.peagle import peagle_propose
+from jspec.drafters.propose import ProposeInputs
 from jspec.kv_cache import AttentionMetadata
 from tests.helpers.drafters import (
     NPAGES,

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
+import re
 
 import pytest
 
 from jspec import family
-from jspec.config import load_model_config
+from jspec.config import ConfigError, load_model_config
 from jspec.drafters.config import detect_format, drafter_config_from_hf
 from jspec.drafters.loader import _dummy_tensor_names
-from jspec.drafters.registry import REGISTRY, make_drafter
+from jspec.drafters.registry import REGISTRY, make_drafter, method_names
+from jspec.speculative_config import SpeculativeConfig
 
 
 def _family_cfg(method: str):
@@ -22,10 +25,24 @@ def _family_cfg(method: str):
     return drafter_config_from_hf(d, target, _dummy_tensor_names(*detect_format(d)))
 
 
-def test_every_method_of_the_speculative_config_has_a_drafter():
-    from jspec.speculative_config import METHODS
-
-    assert set(REGISTRY) == set(METHODS)
+def test_the_registry_is_the_one_list_of_method_names():
+    """speculative_config and the drafter config translation name the registry's methods,
+    in its order, with their messages of before."""
+    assert method_names() == ("eagle3", "peagle", "dflash", "ngram", "draft_model") == tuple(REGISTRY)
+    with pytest.raises(ValueError, match=re.escape(
+            "'method' must be one of ('eagle3', 'peagle', 'dflash', 'ngram', 'draft_model') or None, got 'medusa'")):
+        SpeculativeConfig(method="medusa")
+    # A drafter config.json names the methods with a checkpoint translation (Method.from_hf).
+    with pytest.raises(ConfigError, match=re.escape("supported: ['eagle3', 'peagle', 'dflash']")):
+        detect_format({"speculators_model_type": "ngram"})
+    with pytest.raises(ConfigError, match="expected a speculators eagle3/peagle/dflash config, "
+                                          "LlamaForCausalLMEagle3 or DFlashDraftModel"):
+        detect_format({"architectures": ["LlamaForCausalLM"]})
+    assert detect_format({"architectures": ["DFlashDraftModel"]}) == ("dflash", "zlab-dflash")
+    assert detect_format({"architectures": ["LlamaForCausalLMEagle3"]}) == ("eagle3", "eagle3-original")
+    # each method module's entry, registered once
+    for name, m in REGISTRY.items():
+        assert m is importlib.import_module(f"jspec.drafters.{name}").METHOD
 
 
 @pytest.mark.parametrize("method", ["eagle3", "peagle", "dflash"])
@@ -51,3 +68,11 @@ def test_unknown_method_is_an_error_naming_the_known_ones():
     cfg = dataclasses.replace(_family_cfg("eagle3"), method="medusa")
     with pytest.raises(ValueError, match=r"'medusa' is not supported \(known: \['dflash', 'draft_model', 'eagle3', 'ngram', 'peagle'\]\)"):
         make_drafter(cfg)
+
+
+def test_a_method_without_checkpoint_tensors_has_no_param_spec():
+    from jspec.drafters.loader import drafter_param_spec
+    from jspec.drafters.ngram import ngram_config
+
+    with pytest.raises(ValueError, match=r"the n-gram method has no drafter checkpoint tensors"):
+        drafter_param_spec(ngram_config(load_model_config(family.TARGET), 1, 3))
