@@ -72,13 +72,20 @@ def test_unknown_load_format_is_an_error_naming_it(folders):
         load_target(folders["target"], "float32", load_format="safetensor")
 
 
+DUMMY_KW = dict(h.ENGINE_KW, dtype="float32", load_format="dummy", enable_prefix_caching=False)
+DUMMY_PROMPTS = h.varied_prompts(3, 4, 30, seed=5)
+GREEDY = jspec.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dummy_plain(folders):
+    """Greedy outputs of the plain engine over the dummy target (one engine for both drafters)."""
+    return [o.token_ids for o in jspec.LLM(folders["target"], **DUMMY_KW).generate(DUMMY_PROMPTS, GREEDY)]
+
+
 @pytest.mark.parametrize("name", ["eagle3", "dflash4"])
-def test_speculative_greedy_equals_plain_on_dummy_weights(folders, name):
-    kw = dict(h.ENGINE_KW, dtype="float32", load_format="dummy", enable_prefix_caching=False)
-    prompts = h.varied_prompts(3, 4, 30, seed=5)
-    sp = jspec.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    plain = jspec.LLM(folders["target"], **kw).generate(prompts, sp)
+def test_speculative_greedy_equals_plain_on_dummy_weights(folders, dummy_plain, name):
     spec = jspec.LLM(folders["target"], speculative_config={"method": h.METHOD[name], "model": folders[name]},
-                     **kw).generate(prompts, sp)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+                     **DUMMY_KW).generate(DUMMY_PROMPTS, GREEDY)
+    assert [o.token_ids for o in spec] == dummy_plain
     assert sum(o.metrics.num_drafts for o in spec) > 0  # the drafter ran

@@ -55,7 +55,9 @@ def test_kv_pages_from_memory_count_the_drafter_cache(monkeypatch):
     monkeypatch.setattr(jax, "devices", lambda *a: [Dev()])
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # the pool: half of a 128 MB device
-    kw = dict(max_num_seqs=2, max_model_len=56, page_size=16, gpu_memory_utilization=0.5,
+    # warmup=False: the backend reads as a GPU, where jspec.LLM would compile every step shape
+    # first; the pool is sized and allocated before that.
+    kw = dict(max_num_seqs=2, max_model_len=56, page_size=16, gpu_memory_utilization=0.5, warmup=False,
               attn_impl="reference", sample_impl="reference", linear_impl="reference")
     plain = jspec.LLM(folder, **kw).engine
     spec = jspec.LLM(folder, speculative_config=h.spec_config("dflash4", 3), **kw).engine
@@ -97,7 +99,9 @@ def test_kv_pool_that_does_not_fit_is_retried_smaller(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(jax, "block_until_ready", block)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # the pool: half of a 128 MB device
-    kw = dict(max_num_seqs=2, max_model_len=56, page_size=16, gpu_memory_utilization=0.5,
+    # warmup=False: the backend reads as a GPU, where jspec.LLM would compile every step shape
+    # first; the pool is sized and allocated before that.
+    kw = dict(max_num_seqs=2, max_model_len=56, page_size=16, gpu_memory_utilization=0.5, warmup=False,
               attn_impl="reference", sample_impl="reference", linear_impl="reference")
     llm = jspec.LLM(folder, speculative_config=h.spec_config("dflash4", 3), **kw)
     eng = llm.engine
