@@ -155,7 +155,9 @@ def code_digest() -> str:
     caches left out): the code a report ran, comparable with ``--digest`` at any checkout."""
     h = hashlib.sha256()
     for top in ("jspec", "kernels_pallas"):
-        for d, dirs, files in sorted(os.walk(os.path.join(ROOT, top))):
+        # top-down, pruned and ordered in place (sorting os.walk's output would walk
+        # __pycache__ before the pruning could act)
+        for d, dirs, files in os.walk(os.path.join(ROOT, top)):
             dirs[:] = sorted(x for x in dirs if x != "__pycache__")
             for name in sorted(files):
                 path = os.path.join(d, name)
