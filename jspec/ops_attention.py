@@ -3,6 +3,8 @@ attention half of the ops facade, jspec/ops.py, which re-exports ``attention``).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax.sharding import PartitionSpec as P
 
@@ -53,26 +55,21 @@ def _unsupported(backend: Backend, kernels, head_dim: int) -> str | None:
     return None
 
 
-def _paged(backend: Backend, *args, sm_scale: float):
-    """kernels_pallas/paged_attention.py's implementation for ``backend`` on args (q, the
-    cache, page_table, kv_lens, positions, causal)."""
+def _kernel(kernels, ref, backend: Backend, *args, sm_scale: float):
+    """The implementation for ``backend`` in the kernel file ``kernels`` (paged or ragged
+    attention: its ``kernel_gpu`` / ``kernel_tpu`` entries), else its jnp reference ``ref``."""
     match backend:
         case GPU(interpret=interpret):
-            return _pa.kernel_gpu(*args, sm_scale=sm_scale, interpret=interpret)
+            return kernels.kernel_gpu(*args, sm_scale=sm_scale, interpret=interpret)
         case TPU(interpret=interpret):
-            return _pa.kernel_tpu(*args, sm_scale=sm_scale, interpret=interpret)
-    return _pa.ref_paged_attention(*args, sm_scale=sm_scale)
+            return kernels.kernel_tpu(*args, sm_scale=sm_scale, interpret=interpret)
+    return ref(*args, sm_scale=sm_scale)
 
 
-def _ragged(backend: Backend, *args, sm_scale: float):
-    """kernels_pallas/ragged_paged_attention.py's implementation for ``backend`` on args (q,
-    the cache, cu_q_lens, kv_lens, page_table, num_seqs, causal)."""
-    match backend:
-        case GPU(interpret=interpret):
-            return _rpa.kernel_gpu(*args, sm_scale=sm_scale, interpret=interpret)
-        case TPU(interpret=interpret):
-            return _rpa.kernel_tpu(*args, sm_scale=sm_scale, interpret=interpret)
-    return _rpa.ref_ragged_paged_attention(*args, sm_scale=sm_scale)
+# (backend, q, the cache, page_table, kv_lens, positions, causal, *, sm_scale)
+_paged = functools.partial(_kernel, _pa, _pa.ref_paged_attention)
+# (backend, q, the cache, cu_q_lens, kv_lens, page_table, num_seqs, causal, *, sm_scale)
+_ragged = functools.partial(_kernel, _rpa, _rpa.ref_ragged_paged_attention)
 
 
 def _ragged_attention(plan: KernelPlan, q, k_pages, v_pages, meta: RaggedMetadata, sm_scale: float):
