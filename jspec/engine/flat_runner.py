@@ -45,7 +45,6 @@ from jspec.engine.sampling_step import (
     tokens_of,
 )
 from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
-from jspec.engine.warmup import exe_key
 from jspec.kv_cache import KVCache
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
@@ -438,3 +437,9 @@ class FlatRunner:
         steps = ({0} if multi or not async_scheduling else set()) | ({num_scheduler_steps} if multi else set())
         steps |= {1} if async_scheduling else set()  # with num_scheduler_steps > 1: a batch with a grammar
         return self.shapes.all(tuple(sorted(steps)))
+
+
+def exe_key(name: str, kw: dict) -> tuple:
+    """The key of a prepared executable in ``FlatRunner._executables``: the jitted function's
+    name and its static arguments (the other arguments' shapes follow from them)."""
+    return (name, *sorted(kw.items()))

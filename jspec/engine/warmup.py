@@ -12,23 +12,13 @@ runs every call once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 
 from jspec.engine.executables import Store, compile_and_keep, stable_repr
 from jspec.engine.flat_input import FlatInput, FlatShape
+from jspec.engine.flat_runner import FlatRunner, exe_key
 from jspec.engine.sampling_step import Split, allow_all, empty_sample_input
 from jspec.engine.scheduler import SchedulerOutput
-
-if TYPE_CHECKING:
-    from jspec.engine.flat_runner import FlatRunner
-
-
-def exe_key(name: str, kw: dict) -> tuple:
-    """The key of a prepared executable in ``FlatRunner._executables``: the jitted function's
-    name and its static arguments (the other arguments' shapes follow from them)."""
-    return (name, *sorted(kw.items()))
 
 
 def empty_input(runner: FlatRunner, shape: FlatShape) -> FlatInput:
