@@ -111,6 +111,7 @@ def run(args, method: str, folders, cfg, bw, peak, plain_s):
     kw = dict(dtype="bfloat16", load_format="dummy", max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
               max_model_len=args.input_len + args.output_len + 2 * (K + 1) + 16,
               max_num_batched_tokens=args.max_num_batched_tokens)
+    kw.update({k: v for k in ("max_prefill_chunk", "max_num_partial_prefills") if (v := getattr(args, k)) is not None})
     if args.quick:  # a CPU: every shape compiled before the timed call, as an accelerator does at construction
         kw.update(num_pages=args.max_num_seqs * (-(-kw["max_model_len"] // 16) + 2) + 8, warmup=True)
     llm = jspec.LLM(tdir, speculative_config=spec, **kw)
@@ -153,6 +154,9 @@ def main(argv=None):
     ap.add_argument("--num-prompts", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-prefill-chunk", type=int, default=None, help="tokens of one prompt per step")
+    ap.add_argument("--max-num-partial-prefills", type=int, default=None, help="> 0: decode rows and this many "
+                    "prefill chunks share a step")
     ap.add_argument("--dataset", default="random", help="'random' token ids, or a text file of prompts (a line each)")
     ap.add_argument("--tau", type=float, default=3.5, help="synthetic acceptance length of the drafters")
     ap.add_argument("-k", "--k", type=int, default=0, help="num_speculative_tokens (default: the method's)")

@@ -1,5 +1,6 @@
-"""Where one batch-1 decode step's GPU time goes, by kernel: a target shape with random bf16
-weights through the engine (ctx 512), then the jitted step alone under the profiler.
+"""Where one decode step's GPU time goes, by kernel: a target shape with random bf16 weights
+through the engine (batch 1, ctx 512 unless --batch / --ctx), then the jitted step alone
+under the profiler.
 
     PYTHONPATH=.:scripts python3 scripts/step_profile.py --model qwen3-30b-a3b   # H100: XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
     PYTHONPATH=.:scripts python3 scripts/step_profile.py --model tiny            # CPU smoke test (no profile)
@@ -58,14 +59,17 @@ def main():
     ap.add_argument("--top", type=int, default=24, help="kernels listed")
     ap.add_argument("--q", type=int, default=1, help="tokens per row: Q > 1 profiles the target forward of a "
                     "verification step (the last token and Q - 1 drafts)")
+    ap.add_argument("--batch", type=int, default=1, help="decode rows")
+    ap.add_argument("--ctx", type=int, default=512, help="tokens each row has in the KV cache")
     args = ap.parse_args()
     cfg = MODELS[args.model]
     params = random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
     rng = np.random.default_rng(0)
-    eng = make_engine(cfg, params, max_num_seqs=8, ctx=512, dtype="bfloat16")
-    step, tps, _ = engine_decode(eng, 1, 512, rng, 32)
+    B, ctx = args.batch, args.ctx
+    eng = make_engine(cfg, params, max_num_seqs=max(8, B), ctx=ctx, dtype="bfloat16")
+    step, tps, _ = engine_decode(eng, B, ctx, rng, 32)
     print(f"{args.model}: engine step {step * 1e3:.3f} ms ({tps:.1f} tok/s)", flush=True)
-    seqs = inject(eng, 1, 512, rng, max_tokens=8)
+    seqs = inject(eng, B, ctx, rng, max_tokens=8)
     r = eng.runner
     inp = step_input(eng, verify_schedule(seqs, args.q), args.q)
 

@@ -20,13 +20,14 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     # Tokens per step (vLLM's name): decode rows (+ drafts) and prefill chunks together. None:
-    # 2048 when mixing (vLLM's chunked-prefill default; more if max_num_seqs rows of K + 1 tokens
-    # and a chunk need it), else max(max_prefill_chunk, max_num_seqs).
+    # jspec.engine.llm_engine.default_token_budget (2048 when mixing; unmixed, up to 16,384 on
+    # an accelerator, a chunk or a decode batch on a CPU).
     max_num_batched_tokens: int | None = None
-    max_prefill_chunk: int = 256  # tokens of one prompt per step (the widest prefill bucket)
-    # Mixed steps (jspec/engine/mixed.py; with a drafter spec_mixed.py): every decode row (with its
-    # drafts), then chunks of at most this many prompts, in one step. 0: a step is all prefill or all
-    # decode, prefill first (offline generate's throughput); the server mixes by default (--max-num-partial-prefills 2).
+    max_prefill_chunk: int = 256  # tokens of one prompt per step
+    # Mixed steps (jspec/engine/scheduler.py): every decode row (with its drafts), then chunks
+    # of at most this many prompts, in one step. 0: a step is all prefill or all decode,
+    # prefill first (offline generate's throughput); the server mixes by default
+    # (--max-num-partial-prefills 2).
     max_num_partial_prefills: int = 0
     seed: int = 0
     # Kernel choice ("auto" | "reference" | "gpu" | "tpu" | "interpret" | "tpu_interpret"),

@@ -86,3 +86,21 @@ def test_serve_flags_and_bad_num_scheduler_steps(llama_ckpt):
     assert engine_kwargs(build_parser().parse_args([]))["async_scheduling"] is True
     with pytest.raises(ValueError, match="num_scheduler_steps must be >= 1, got 0"):
         jspec.LLM(llama_ckpt[0], num_scheduler_steps=0, max_model_len=64)
+
+
+def test_a_saturated_queue_still_chains(llama_ckpt):
+    """Requests waiting behind max_num_seqs running ones cannot join before a row ends:
+    decode calls chain meanwhile (offline generate at saturation), with the outputs of the
+    synchronous engine."""
+    rng = np.random.default_rng(7)
+    prompts = [random_prompt(rng, int(n)) for n in rng.integers(3, 30, size=6)]
+    sp = jspec.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    kw = dict(max_num_seqs=2, max_model_len=64, page_size=16, enable_prefix_caching=False)
+    outs = {}
+    for mode in (False, True):
+        llm = jspec.LLM(llama_ckpt[0], async_scheduling=mode, **kw)
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert outs[True] == outs[False]
+    # three waves of two rows, 11 decode calls each: the first two waves chain too (a wave's
+    # first call and the one after a row ends are dispatched fed by the host)
+    assert llm.engine.stats()["num_chained_calls"] >= 2 * 8, llm.engine.stats()["num_chained_calls"]
