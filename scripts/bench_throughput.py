@@ -7,6 +7,8 @@ beside the workload's hardware bound from the bandwidth and matrix-peak probes o
     PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --methods none,eagle3 --tau 3.5
     # text prompts from a file (one per line), the model's tokenizer when the folder has one
     PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --dataset prompts.txt --num-prompts 200
+    # a poor drafter against plain at each batch (B prompts at once, one engine per method)
+    PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --methods none,eagle3 --tau 1.3 --batches 1,8,32,64,128,256
     PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --quick     # tiny shapes (CPU smoke)
 
 The bound (../shared/reference/performance.md, "Bounds"): prefill FLOPs (2 x the
@@ -83,23 +85,26 @@ def workload_bound(cfg, n: int, inp: int, out: int, max_seqs: int, peak_flops: f
     return Bound(n * flops_prompt / peak_flops, decode_bytes / bw)
 
 
-def prompts_of(args, cfg, rng, tokenizer):
-    """Token-id prompts: random ids (specials excluded), or lines of ``--dataset`` encoded by
-    the folder's tokenizer, cut or repeated to --input-len tokens."""
+def prompts_of(args, cfg, rng, tokenizer, n: int):
+    """``n`` token-id prompts: random ids (specials excluded), or lines of ``--dataset`` encoded
+    by the folder's tokenizer, cut or repeated to --input-len tokens."""
     if args.dataset == "random":
-        return [rng.integers(0, cfg.vocab_size - 8, args.input_len).tolist() for _ in range(args.num_prompts)]
+        return [rng.integers(0, cfg.vocab_size - 8, args.input_len).tolist() for _ in range(n)]
     if tokenizer is None:
         raise SystemExit(f"--dataset {args.dataset}: the model folder has no tokenizer to encode it with")
     with open(args.dataset) as f:
         lines = [ln.strip() for ln in f if ln.strip()]
     out = []
-    for i in range(args.num_prompts):
+    for i in range(n):
         ids = tokenizer.encode(lines[i % len(lines)], add_special_tokens=False) or [0]
         out.append((ids * (-(-args.input_len // len(ids))))[: args.input_len])
     return out
 
 
-def run(args, method: str, folders, cfg, bw, peak, plain_s):
+def run(args, method: str, folders, cfg, bw, peak, plain: dict) -> list[dict]:
+    """One engine for ``method``, timed on each workload: --num-prompts prompts, or with
+    --batches B prompts for each B (batch B: every request runs at once). ``plain``: plain's
+    seconds by workload size, for the ratio."""
     import jspec
 
     K = args.k or DEFAULT_K.get(method, 0)
@@ -115,34 +120,39 @@ def run(args, method: str, folders, cfg, bw, peak, plain_s):
     if args.quick:  # a CPU: every shape compiled before the timed call, as an accelerator does at construction
         kw.update(num_pages=args.max_num_seqs * (-(-kw["max_model_len"] // 16) + 2) + 8, warmup=True)
     llm = jspec.LLM(tdir, speculative_config=spec, **kw)
+    sizes = [int(b) for b in args.batches.split(",")] if args.batches else [args.num_prompts]
     rng = np.random.default_rng(0)
-    prompts = prompts_of(args, cfg, rng, llm.engine.tokenizer)
+    prompts = prompts_of(args, cfg, rng, llm.engine.tokenizer, max(sizes))
     sp = jspec.SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], sp, use_tqdm=False)  # (every shape is compiled: LLM's warmup) first-call costs
-    llm.engine.spec_metrics.__init__()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    secs = time.perf_counter() - t
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    n_in = sum(len(p) for p in prompts)
-    bound = workload_bound(cfg, len(prompts), args.input_len, args.output_len, args.max_num_seqs, peak, bw)
-    tau = llm.engine.spec_metrics.mean_acceptance_length if spec else None
-    row = dict(method=method, K=K if spec else 0, synthetic_tau=args.tau if spec else None, tau=tau,
-               num_prompts=len(prompts), input_len=args.input_len, output_len=args.output_len,
-               max_num_seqs=args.max_num_seqs, seconds=secs, requests_per_s=len(prompts) / secs,
-               output_tok_s=n_out / secs, total_tok_s=(n_in + n_out) / secs, bound_s=bound.seconds,
-               bound_prefill_s=bound.prefill_s, bound_decode_s=bound.decode_s, of_bound=bound.seconds / secs,
-               vs_plain=None if plain_s is None else plain_s / secs)
-    label = "plain" if spec is None else f"{method} K={K} tau {tau:.2f}"
-    vs = "" if row["vs_plain"] is None else f"; {row['vs_plain']:.2f}x plain"
-    print(f"{label}: {len(prompts)} x ({args.input_len} -> {args.output_len}), {secs:.2f} s: "
-          f"{row['requests_per_s']:.2f} req/s, {row['output_tok_s']:.0f} output tok/s, {row['total_tok_s']:.0f} "
-          f"total tok/s; hardware bound {bound.seconds:.2f} s (prefill {bound.prefill_s:.2f} s at "
-          f"{peak / 1e12:.0f} TFLOP/s + decode {bound.decode_s:.2f} s at {bw / 1e12:.2f} TB/s) -> "
-          f"{row['of_bound']:.2f} of it{vs}", flush=True)
-    del llm, outs
+    rows = []
+    for n in sizes:
+        llm.engine.spec_metrics.__init__()
+        t = time.perf_counter()
+        outs = llm.generate(prompts[:n], sp, use_tqdm=False)
+        secs = time.perf_counter() - t
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        n_in = sum(len(p) for p in prompts[:n])
+        bound = workload_bound(cfg, n, args.input_len, args.output_len, args.max_num_seqs, peak, bw)
+        tau = llm.engine.spec_metrics.mean_acceptance_length if spec else None
+        row = dict(method=method, K=K if spec else 0, synthetic_tau=args.tau if spec else None, tau=tau,
+                   num_prompts=n, input_len=args.input_len, output_len=args.output_len,
+                   max_num_seqs=args.max_num_seqs, seconds=secs, requests_per_s=n / secs,
+                   output_tok_s=n_out / secs, total_tok_s=(n_in + n_out) / secs, bound_s=bound.seconds,
+                   bound_prefill_s=bound.prefill_s, bound_decode_s=bound.decode_s, of_bound=bound.seconds / secs,
+                   vs_plain=plain[n] / secs if n in plain else None)
+        label = "plain" if spec is None else f"{method} K={K} tau {tau:.2f}"
+        vs = "" if row["vs_plain"] is None else f"; {row['vs_plain']:.2f}x plain"
+        print(f"{label}: {n} x ({args.input_len} -> {args.output_len}), {secs:.2f} s: "
+              f"{row['requests_per_s']:.2f} req/s, {row['output_tok_s']:.0f} output tok/s, {row['total_tok_s']:.0f} "
+              f"total tok/s; hardware bound {bound.seconds:.2f} s (prefill {bound.prefill_s:.2f} s at "
+              f"{peak / 1e12:.0f} TFLOP/s + decode {bound.decode_s:.2f} s at {bw / 1e12:.2f} TB/s) -> "
+              f"{row['of_bound']:.2f} of it{vs}", flush=True)
+        rows.append(row)
+        del outs
+    del llm
     gc.collect()
-    return row
+    return rows
 
 
 def main(argv=None):
@@ -157,6 +167,8 @@ def main(argv=None):
     ap.add_argument("--max-prefill-chunk", type=int, default=None, help="tokens of one prompt per step")
     ap.add_argument("--max-num-partial-prefills", type=int, default=None, help="> 0: decode rows and this many "
                     "prefill chunks share a step")
+    ap.add_argument("--batches", default=None, help="comma-separated workload sizes in place of --num-prompts, "
+                    "each B prompts at once on one engine (batch B when B <= --max-num-seqs): speedup by batch")
     ap.add_argument("--dataset", default="random", help="'random' token ids, or a text file of prompts (a line each)")
     ap.add_argument("--tau", type=float, default=3.5, help="synthetic acceptance length of the drafters")
     ap.add_argument("-k", "--k", type=int, default=0, help="num_speculative_tokens (default: the method's)")
@@ -183,10 +195,10 @@ def main(argv=None):
             if method == "draft_model":
                 small = dataclasses.replace(TINY, num_layers=2) if args.quick else LLAMA_1B
                 folders = (folders[0], write_target_folder(os.path.join(root, "draft-model"), small))
-            row = run(args, method, folders, cfg, bw, peak, plain.get(family))
+            got = run(args, method, folders, cfg, bw, peak, plain.get(family, {}))
             if method == "none":
-                plain[family] = row["seconds"]
-            rows.append(dict(row, family=family))
+                plain[family] = {r["num_prompts"]: r["seconds"] for r in got}
+            rows += [dict(r, family=family) for r in got]
     out = args.json or (os.path.join(os.environ["OUT"], "bench_throughput.json") if os.environ.get("OUT") else None)
     if out:
         with open(out, "w") as f:
