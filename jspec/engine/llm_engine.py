@@ -54,7 +54,6 @@ class _InFlight:
     split: object = None  # structured outputs: the forward's Split
 
 
-
 def default_token_budget(c: EngineConfig, K: int, chunk: int) -> int:
     """max_num_batched_tokens when unset. Mixing: 2048 (vLLM's chunked-prefill default), more
     if max_num_seqs rows of K + 1 tokens and a chunk need it. Unmixed on an accelerator: up to
@@ -67,6 +66,7 @@ def default_token_budget(c: EngineConfig, K: int, chunk: int) -> int:
     if jax.default_backend() != "cpu":
         return max(chunk, c.max_num_seqs, min(16384, c.max_num_seqs * chunk))
     return max(chunk, c.max_num_seqs)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, sharding=None, *, preloaded=None, preloaded_drafter=None):
@@ -321,9 +321,9 @@ class LLMEngine:
 
     def _chain(self, f: _InFlight) -> _InFlight | None:
         """Dispatch the call after ``f`` (same rows, further on) before ``f`` is read, when
-        nothing can change the batch in between: no request waiting, every row still
-        running with room and pages for both calls. A call moves each row by up to
-        steps x (K + 1) positions, and a drafter writes ``lookahead`` past them."""
+        nothing can change the batch in between: no request waiting that could join now,
+        every row still running with room and pages for both calls. A call moves each row by
+        up to steps x (K + 1) positions, and a drafter writes ``lookahead`` past them."""
         # A waiting request that could be admitted now goes into the next step; one that cannot
         # (max_num_seqs run: saturation) waits for a row to end, one call later when chained.
         sch = self.scheduler
