@@ -53,7 +53,10 @@ def test_random_arrivals_mix_and_match_greedy_and_alone(name, k, extra, monkeypa
     rng = np.random.default_rng(28)
     script, reqs = {}, {}
     prompts = h.varied_prompts(6, 3, 40, seed=28)
-    prompts[5] = prompts[1][:30] + prompts[5][:6]  # a prefix-cache hit (the EAGLE drafter recomputes a page)
+    # r5 shares r4's first 34 tokens (two full pages): a prefix-cache hit even after the EAGLE
+    # drafter's recomputed last page, whether r4's pages are still held or only cached
+    assert len(prompts[4]) == 40
+    prompts[5] = prompts[4][:34] + prompts[5][:6]
     for i, prompt in enumerate(prompts):
         sp = jspec.SamplingParams(
             max_tokens=int(rng.integers(8, 14)),
