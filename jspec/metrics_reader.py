@@ -66,6 +66,8 @@ SPEC_COUNTERS = (
     ("vllm:spec_decode_num_drafts", "num_drafts", "Draft proposals."),
     ("vllm:spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens proposed."),
     ("vllm:spec_decode_num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted."),
+    # dynamic speculation: drafts per step = num_draft_tokens / this (jspec/engine/dynamic_spec.py)
+    ("jspec:spec_decode_num_decode_steps", "num_decode_steps", "Decode steps, drafting or not."),
 )
 
 

@@ -27,6 +27,13 @@ Keys (vLLM names and meanings):
   replicated on every device of the target's mesh) or the target's (sharded as the target).
 - max_model_len: no draft past this position (vLLM's draft max_model_len), besides the
   drafter's own max_position_embeddings and the target's max_model_len.
+- disable_by_batch_size: at this many running rows or more a decode step runs without the
+  drafter (vLLM's key; int >= 2, or None).
+- dynamic (jspec's, default False): each decode step verifies as many drafts as pays, from
+  the measured step times and each request's measured acceptance, 0 included
+  (jspec/engine/dynamic_spec.py). Off by default while its cost model still misjudges
+  some batch sizes (docs/benchmarks.md "Dynamic speculation"), and for the decode
+  programs it adds to warmup.
 vLLM's other keys are taken as jspec/vllm_args.py takes its engine arguments: accepted with
 one log line saying why they change nothing (NO_EFFECT), or only at vLLM's default
 (DEFAULT_ONLY). Unknown keys raise ValueError naming the key; a method jspec does not have
@@ -61,7 +68,6 @@ DEFAULT_ONLY = {
     "revision": (None, "jspec loads local folders; no model hub is reached"),
     "code_revision": (None, "jspec runs no code from a checkpoint"),
     "speculative_token_tree": (None, "jspec drafts one chain of tokens, not a tree"),
-    "disable_by_batch_size": (None, "jspec speculates at every batch size"),
 }
 REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -98,9 +104,16 @@ class SpeculativeConfig:
     max_model_len: int | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
+    dynamic: bool = False
 
     def __post_init__(self):
         self._check_ngram()
+        b = self.disable_by_batch_size
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 2):
+            raise ValueError(f"speculative_config 'disable_by_batch_size' must be an int >= 2 or None, got {b!r}")
+        if not isinstance(self.dynamic, bool):
+            raise ValueError(f"speculative_config 'dynamic' must be true or false, got {self.dynamic!r}")
         m = self.max_model_len
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"speculative_config 'max_model_len' must be an int >= 1, got {m!r}")

@@ -7,8 +7,9 @@ beside the workload's hardware bound from the bandwidth and matrix-peak probes o
     PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --methods none,eagle3 --tau 3.5
     # text prompts from a file (one per line), the model's tokenizer when the folder has one
     PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --dataset prompts.txt --num-prompts 200
-    # a poor drafter against plain at each batch (B prompts at once, one engine per method)
-    PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --methods none,eagle3 --tau 1.3 --batches 1,8,32,64,128,256
+    # a poor drafter against plain at each batch (B prompts at once, one engine per method),
+    # with dynamic speculation (each step's drafts chosen as pays; its widths and times printed)
+    PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --methods none,eagle3 --tau 1.3 --batches 1,8,32,64,128,256 --dynamic on
     PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --quick     # tiny shapes (CPU smoke)
 
 The bound (../shared/reference/performance.md, "Bounds"): prefill FLOPs (2 x the
@@ -113,6 +114,7 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict) -> list[dict]:
     if method != "none":
         spec = {"method": method, **({} if method == "ngram" else {"model": ddir}), "num_speculative_tokens": K,
                 "rejection_sample_method": "synthetic", "synthetic_acceptance_length": args.tau}
+        spec["dynamic"] = args.dynamic == "on"  # dynamic speculation (jspec/engine/dynamic_spec.py)
     kw = dict(dtype="bfloat16", load_format="dummy", max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
               max_model_len=args.input_len + args.output_len + 2 * (K + 1) + 16,
               max_num_batched_tokens=args.max_num_batched_tokens)
@@ -128,6 +130,7 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict) -> list[dict]:
     rows = []
     for n in sizes:
         llm.engine.spec_metrics.__init__()
+        before = llm.engine.stats()
         t = time.perf_counter()
         outs = llm.generate(prompts[:n], sp, use_tqdm=False)
         secs = time.perf_counter() - t
@@ -135,14 +138,19 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict) -> list[dict]:
         n_in = sum(len(p) for p in prompts[:n])
         bound = workload_bound(cfg, n, args.input_len, args.output_len, args.max_num_seqs, peak, bw)
         tau = llm.engine.spec_metrics.mean_acceptance_length if spec else None
+        after = llm.engine.stats()
+        widths = {q: n_q - before.get("decode_steps_by_width", {}).get(q, 0)
+                  for q, n_q in after.get("decode_steps_by_width", {}).items()}
         row = dict(method=method, K=K if spec else 0, synthetic_tau=args.tau if spec else None, tau=tau,
                    num_prompts=n, input_len=args.input_len, output_len=args.output_len,
                    max_num_seqs=args.max_num_seqs, seconds=secs, requests_per_s=n / secs,
                    output_tok_s=n_out / secs, total_tok_s=(n_in + n_out) / secs, bound_s=bound.seconds,
                    bound_prefill_s=bound.prefill_s, bound_decode_s=bound.decode_s, of_bound=bound.seconds / secs,
-                   vs_plain=plain[n] / secs if n in plain else None)
+                   vs_plain=plain[n] / secs if n in plain else None, decode_steps_by_width=widths,
+                   step_ms=step_times(llm.engine))
         label = "plain" if spec is None else f"{method} K={K} tau {tau:.2f}"
         vs = "" if row["vs_plain"] is None else f"; {row['vs_plain']:.2f}x plain"
+        vs += f"; decode steps by width {widths}" if widths else ""
         print(f"{label}: {n} x ({args.input_len} -> {args.output_len}), {secs:.2f} s: "
               f"{row['requests_per_s']:.2f} req/s, {row['output_tok_s']:.0f} output tok/s, {row['total_tok_s']:.0f} "
               f"total tok/s; hardware bound {bound.seconds:.2f} s (prefill {bound.prefill_s:.2f} s at "
@@ -153,6 +161,15 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict) -> list[dict]:
     del llm
     gc.collect()
     return rows
+
+
+def step_times(engine) -> dict:
+    """Dynamic speculation's step times, ms by "width,batch bucket": measured, and warmup's on empty rows."""
+    p = engine.policy
+    if p is None:
+        return {}
+    return {f"{kind} {q},{N}": round(t * 1e3, 2) for kind, d in (("measured", p.times), ("warm", p.warm))
+            for (q, N), t in sorted(d.items())}
 
 
 def main(argv=None):
@@ -170,6 +187,8 @@ def main(argv=None):
     ap.add_argument("--batches", default=None, help="comma-separated workload sizes in place of --num-prompts, "
                     "each B prompts at once on one engine (batch B when B <= --max-num-seqs): speedup by batch")
     ap.add_argument("--dataset", default="random", help="'random' token ids, or a text file of prompts (a line each)")
+    ap.add_argument("--dynamic", choices=("on", "off"), default="off",
+                    help="speculative_config 'dynamic': the width of each decode step chosen as pays")
     ap.add_argument("--tau", type=float, default=3.5, help="synthetic acceptance length of the drafters")
     ap.add_argument("-k", "--k", type=int, default=0, help="num_speculative_tokens (default: the method's)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and workload (a CPU smoke run)")

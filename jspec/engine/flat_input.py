@@ -6,7 +6,9 @@ without speculation). Segment i is tokens[cu_q_lens[i] : cu_q_lens[i + 1]]; N se
 slots, ``num_seqs`` of them used. Shapes come from two families of buckets
 (``FlatShapes``), so the set a server compiles is closed and known at startup:
   decode   every row a decode row of the same width Q: N from the batch buckets, T = N * Q;
-           a chained call (async scheduling) continues such a step on the device
+           a chained call (async scheduling) continues such a step on the device. With
+           dynamic speculation (jspec/engine/dynamic_spec.py) one family per width Q in
+           ``FlatShapes.widths``: 1 (speculation off: no drafter), K + 1, and widths between
   general  any mix of prefill chunks and decode rows: T from the token buckets, N = the
            batch bucket of min(T, max_num_seqs)
 A decode step's rows take Q tokens each (row i from i * Q; a row with fewer drafts ends in
@@ -85,18 +87,25 @@ class FlatShapes:
 
     batch: tuple[int, ...]  # N buckets: powers of two up to max_num_seqs
     tokens: tuple[int, ...]  # T buckets of general steps
-    q: int  # decode row width: K + 1 (1 without speculation)
+    q: int  # a general step's row width: K + 1 (1 without speculation)
     max_chunk: int  # longest prefill segment
+    widths: tuple[int, ...] = ()  # decode row widths (dynamic speculation); () means (q,)
 
     @classmethod
-    def create(cls, max_num_seqs: int, max_num_batched_tokens: int, max_prefill_chunk: int, q: int):
+    def create(cls, max_num_seqs: int, max_num_batched_tokens: int, max_prefill_chunk: int, q: int,
+               widths: tuple[int, ...] = ()):
         lo = min(8, max_num_batched_tokens)
         return cls(pow2_buckets(1, max_num_seqs), pow2_buckets(lo, max_num_batched_tokens), q,
-                   max_prefill_chunk)
+                   max_prefill_chunk, tuple(widths))
 
-    def decode_shape(self, n: int, steps: int = 0) -> FlatShape:
+    @property
+    def decode_widths(self) -> tuple[int, ...]:
+        return self.widths or (self.q,)
+
+    def decode_shape(self, n: int, steps: int = 0, q: int | None = None) -> FlatShape:
+        """The decode program of n rows of width ``q`` (default: K + 1)."""
         N = pick(self.batch, n)
-        return FlatShape(N * self.q, N, steps, True)
+        return FlatShape(N * (q or self.q), N, steps, True)
 
     def general_shape(self, num_tokens: int) -> FlatShape:
         T = pick(self.tokens, num_tokens)
@@ -105,13 +114,20 @@ class FlatShapes:
     def all(self, decode_steps: tuple[int, ...] = (0,)) -> list[FlatShape]:
         """Every program: the decode family for each ``decode_steps`` (0: one host-fed step),
         then the general family, each without and with top-k / top-p filtering."""
-        shapes = [self.decode_shape(n, s) for s in decode_steps for n in self.batch]
+        shapes = [self.decode_shape(n, s, q) for q in self.decode_widths for s in decode_steps for n in self.batch]
         shapes += [self.general_shape(t) for t in self.tokens]
         return [FlatShape(*s[:4], f) for f in ("off", "on") for s in shapes]
 
     def windows(self, shape: FlatShape) -> tuple[int, int]:
         """The query windows of the XLA attention path (RaggedMetadata.windows)."""
-        return (self.q, self.q) if shape.decode else (self.q, min(shape.tokens, max(self.max_chunk, self.q)))
+        if shape.decode:
+            return (row_width(shape),) * 2
+        return (self.q, min(shape.tokens, max(self.max_chunk, self.q)))
+
+
+def row_width(shape: FlatShape) -> int:
+    """A decode program's row width Q (T = N * Q)."""
+    return shape.tokens // shape.seqs
 
 
 def build_flat_input(sched: SchedulerOutput, shape: FlatShape, shapes: FlatShapes, *, page_size: int, num_pages: int,
@@ -125,7 +141,7 @@ def build_flat_input(sched: SchedulerOutput, shape: FlatShape, shapes: FlatShape
     proposed them). ``forward_only``: no processors or masks (a split step's forward).
     ``prob_rows``: request id -> its row of the draft-probability buffer."""
     T, N = shape.tokens, shape.seqs
-    Q = shapes.q
+    Q = row_width(shape) if shape.decode else shapes.q
     rows = sched.seqs
     n_dec = len(rows) if sched.kind == "decode" else sched.num_decode
     drop = num_pages * page_size

@@ -44,7 +44,7 @@ from jspec.engine.sampling_step import (
     token_logprobs,
     tokens_of,
 )
-from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
+from jspec.engine.scheduler import SchedulerOutput
 from jspec.kv_cache import KVCache
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
@@ -162,12 +162,20 @@ class FlatRunner:
             return state.replace(kv=kv), out
         if steps:
             inp = flat_spec.continue_flat(inp, prev, self.K, self.page_size, self.num_pages)
+        off = self.K and inp.logits_idx.shape[1] == 1  # a decode step of width 1: speculation off
         h, aux, kv = self.model.apply({"params": params}, inp.tokens[None], inp.meta, state.kv,
-                                      aux_layers=self.aux_layers)
+                                      aux_layers=() if off else self.aux_layers)
         state = state.replace(kv=kv)
         logits = self._lm(params, h[0][inp.logits_idx])  # f32[N, Q, V]
-        if self.K == 0:
+        if self.K == 0 or off:
             tokens, lp = self._sample_one(logits, inp, inp.proc, inp.sample_pos, filtering)
+            if off:  # packed as a verification that emitted one token and proposed nothing
+                N = tokens.shape[0]
+                out = flat_spec.pack(tokens, jnp.ones((N,), jnp.int32), jnp.zeros((N, self.K), jnp.int32), self.K,
+                                     None if lp is None else lp.reshape(N, 1, -1))
+                if inp.proc is None:
+                    return state, out
+                return state, (out, self._flat_prompt_logprobs(params, h[0], inp.proc), inp.meta.cu_q_lens)
             if lp is None:
                 return state, tokens[:, 0]
             plp = self._flat_prompt_logprobs(params, h[0], inp.proc)
@@ -193,13 +201,15 @@ class FlatRunner:
         on ``logits`` f32[N, Q, V], rejection sampling of each decode row's drafts, then the
         drafter over the step's pairs -> (state, packed). ``s``: the sampling fields (the
         input's own, or a split step's tail's)."""
-        drafts = inp.tokens[inp.logits_idx[:, 1:]]  # i32[N, K]: d_1..d_K of decode rows
+        drafts = inp.tokens[inp.logits_idx[:, 1:]]  # i32[N, Q - 1]: d_1.. of decode rows (Q <= K + 1)
+        k = drafts.shape[1]
         probs_buf = state.probs
-        q = probs_buf[s.prob_rows] if self.with_probs else None
+        q = probs_buf[s.prob_rows][:, :k] if self.with_probs else None
         logits, raw = process(logits, s, s.proc, drafts)  # position j sees the drafts before it
         out, n_emit = ops.rejection_sample(
             self.plan, logits, drafts, s.num_draft, q, s.temperature, s.top_k, s.top_p, s.seeds, s.sample_pos,
-            method=self.spec.rejection_sample_method, synthetic_rates=rates, filtering=filtering)
+            method=self.spec.rejection_sample_method, synthetic_rates=None if rates is None else rates[:k],
+            filtering=filtering)
         N = out.shape[0]
         aux = None if aux is None else aux.reshape(1, aux.shape[1], -1)  # None: no aux layers (n-gram, a draft model)
         draft_temp = s.temperature if self.with_probs else jnp.zeros_like(s.temperature)
@@ -212,7 +222,7 @@ class FlatRunner:
         if self.with_probs:
             rows = jnp.where(s.sample, s.prob_rows, probs_buf.shape[0])  # rows that do not sample: dropped
             probs_buf = probs_buf.at[rows].set(probs[:, : self.K], mode="drop")  # the registry allows >= K
-        lp = None if s.proc is None else self._token_logprobs(raw, logits, out, s).reshape(N, -1)
+        lp = None if s.proc is None else self._token_logprobs(raw, logits, out, s).reshape(N, k + 1, -1)
         return state.replace(dkv=dkv, probs=probs_buf), flat_spec.pack(out, n_emit, nxt, self.K, lp)
 
     def _lm(self, params, h):
@@ -295,9 +305,10 @@ class FlatRunner:
         return self._verify_and_propose(params, dparams, state, rates, logits, aux, inp, s, filtering)
 
     # ---- host side: building and running steps ----------------------------------------
-    def shape_of(self, sched: SchedulerOutput, steps: int = 0) -> FlatShape:
+    def shape_of(self, sched: SchedulerOutput, steps: int = 0, q: int | None = None) -> FlatShape:
+        """``q``: a decode step's row width (default K + 1)."""
         if sched.kind == "decode":
-            return self.shapes.decode_shape(len(sched.seqs), steps)
+            return self.shapes.decode_shape(len(sched.seqs), steps, q)
         return self.shapes.general_shape(sum(r.num_new for r in sched.seqs))
 
     def build(self, sched: SchedulerOutput, shape: FlatShape, **kw) -> FlatInput:
@@ -336,34 +347,35 @@ class FlatRunner:
         return "_step", (self.params, self.dparams, self.state, self.synthetic_rates, ints, floats, prev), kw
 
     def dispatch(self, sched: SchedulerOutput, steps: int = 0, prev: jax.Array | None = None,
-                 running: set | None = None):
+                 running: set | None = None, q: int | None = None):
         """Start a step over ``sched``'s rows; its output stays on the device until ``read``.
         steps = 0: one step fed by the host; steps >= 1 (decode rows): without a drafter that
         many decode steps each fed back, with one a verification step; either continues
         ``prev`` (the output of a call not yet read) when given. ``running``: the running
         request ids, for ``assign_prob_rows`` (a chained call keeps the rows of the call it
-        continues)."""
+        continues). ``q``: a decode step's row width (dynamic speculation; default K + 1):
+        a row verifies num_new - 1 <= q - 1 drafts (chained: the first of those ``prev``
+        proposed); q = 1 runs no drafter."""
         if prev is None:
             self.assign_prob_rows(sched, running or set())
             self.num_mixed_steps += sched.kind == "mixed"
         if steps == 0:
-            return self.run(self.build(sched, self.shape_of(sched)))
+            return self.run(self.build(sched, self.shape_of(sched, 0, q)))
         prev = None if prev is None else tokens_of(prev)
         if self.K:
-            rows = sched if prev is None else self._chained(sched)
-            return self.run(self.build(rows, self.shape_of(rows, 1), tokens_on_device=prev is not None), 1, prev)
+            return self.run(self.build(sched, self.shape_of(sched, 1, q), tokens_on_device=prev is not None), 1,
+                            prev)
         inp = self.build(sched, self.shape_of(sched, steps), advance=0 if prev is None else prev.shape[1])
         return self.run(inp, steps, prev)
 
-    def _chained(self, sched: SchedulerOutput) -> SchedulerOutput:
-        """A verification step continuing the one before (on the device): every row verifies K drafts."""
-        return SchedulerOutput("decode", [ScheduledSeq(r.seq, self.K + 1, True) for r in sched.seqs], [])
-
-    def read(self, out, n: int, steps: int = 0) -> flat_spec.StepResult:
+    def read(self, out, n: int, steps: int = 0, q: int | None = None) -> flat_spec.StepResult:
         """Wait for a step's output (``dispatch``'s, or ``dispatch_tail``'s with steps 1) and
-        split its first n rows."""
+        split its first n rows (``q`` = 1: a step without the drafter proposed nothing)."""
         if self.K:
-            return flat_spec.read_packed(out, n, self.K, self.n_top_logprobs)
+            res = flat_spec.read_packed(out, n, self.K, self.n_top_logprobs)
+            if q == 1:
+                res.drafts = res.drafts[:, :0]
+            return res
         tokens = np.asarray(tokens_of(out))[:n]
         tokens = tokens[:, None] if tokens.ndim == 1 else tokens  # [n, 1], or [n, steps]
         res = flat_spec.StepResult(tokens, np.full((n,), tokens.shape[1], np.int32), np.zeros((n, 0), np.int32))
@@ -393,8 +405,7 @@ class FlatRunner:
         masks need ``prev``'s tokens (and drafts), which the host reads meanwhile."""
         prev = tokens_of(prev)
         if self.K:
-            chained = self._chained(sched)
-            inp = self.build(chained, self.shape_of(chained, 1), tokens_on_device=True, forward_only=True)
+            inp = self.build(sched, self.shape_of(sched, 1), tokens_on_device=True, forward_only=True)
         else:
             inp = self.build(sched, self.shape_of(sched, 1), advance=prev.shape[1], forward_only=True)
         return self.run_forward(inp, prev)

@@ -1,6 +1,7 @@
 """The speculative pieces of a flat step (jspec/engine/flat_runner.py), as plain functions.
 
-Device data flow of a speculative flat step, K drafts (Q = K + 1):
+Device data flow of a speculative flat step, K drafts (Q = K + 1; a decode step of width
+Q < K + 1 verifies Q - 1 of them, and Q = 1, speculation off, runs no drafter):
   tokens [T] --target (aux layers)--> hidden [1, T, H], aux [1, T, n, H]
   hidden at logits_idx [N, Q] --lm_head--> logits f32[N, Q, V]
   drafts = tokens at logits_idx[:, 1:] (a decode row's d_1..d_K; num_draft says how many)
@@ -40,27 +41,29 @@ class StepResult:
 
 
 def continue_flat(inp: FlatInput, prev, K: int, page_size: int, num_pages: int) -> FlatInput:
-    """The verification input of a decode step (rows [N, K + 1]) whose rows with host
-    tokens -1 continue ``prev`` (i32[N, (K+1) + 1 + K], the step before's packed output,
-    still on the device). Such a row holds its state before ``prev`` (positions from its
-    num_computed then, K drafts): ``prev`` emitted n tokens, so the row moves n positions on
-    and verifies [bonus, prev's drafts]. Rows with host tokens are left as they are (an
-    unchained step takes this call with ``prev`` zeros)."""
+    """The verification input of a decode step (rows [N, Q], Q <= K + 1) whose rows with
+    host tokens -1 continue ``prev`` (i32[N, (K+1) + 1 + K], the step before's packed
+    output, still on the device). Such a row holds its state before ``prev`` (positions from
+    its num_computed then, ``num_draft`` drafts): ``prev`` emitted n tokens, so the row moves
+    n positions on and verifies [bonus, prev's first num_draft drafts]; its positions past
+    them stay padding. Rows with host tokens are left as they are (an unchained step takes
+    this call with ``prev`` zeros)."""
     m = inp.meta
-    N, Q = inp.sample.shape[0], K + 1
+    N, Q = inp.logits_idx.shape
     host = inp.tokens.reshape(N, Q)
     chained = (jnp.arange(N) < m.num_seqs[0]) & (host[:, 0] < 0)
     n_prev = jnp.where(chained, prev[:, K + 1], 0)  # i32[N]
-    bonus = jnp.take_along_axis(prev[:, :Q], jnp.maximum(n_prev - 1, 0)[:, None], axis=1)  # [N, 1]
-    tokens = jnp.where(chained[:, None], jnp.concatenate([bonus, prev[:, Q + 1 : Q + 1 + K]], axis=1), host)
+    bonus = jnp.take_along_axis(prev[:, : K + 1], jnp.maximum(n_prev - 1, 0)[:, None], axis=1)  # [N, 1]
+    tokens = jnp.where(chained[:, None], jnp.concatenate([bonus, prev[:, K + 2 : K + 1 + Q]], axis=1), host)
     positions = m.positions.reshape(N, Q) + n_prev[:, None]
-    slots = jnp.where(chained[:, None], slots_for(m.page_table, positions, jnp.ones((N, Q), bool), page_size,
-                                                   num_pages), m.slot_mapping.reshape(N, Q))
+    valid = jnp.arange(Q)[None] <= inp.num_draft[:, None]
+    slots = jnp.where(chained[:, None], slots_for(m.page_table, positions, valid, page_size, num_pages),
+                      m.slot_mapping.reshape(N, Q))
     meta = m.replace(positions=positions.reshape(1, -1), slot_mapping=slots.reshape(1, -1),
                      kv_lens=m.kv_lens + n_prev)
     proc = inp.proc
     if proc is not None:  # the history as the host knew it lacks what prev emitted
-        hist, n_hist = extend_history(proc.hist, proc.n_hist, prev[:, :Q], n_prev)
+        hist, n_hist = extend_history(proc.hist, proc.n_hist, prev[:, : K + 1], n_prev)
         proc = proc.replace(hist=hist, n_hist=n_hist)
     return inp.replace(tokens=tokens.reshape(-1), meta=meta, sample_pos=inp.sample_pos + n_prev, proc=proc)
 
@@ -111,9 +114,12 @@ def empty_prev(N: int, K: int, mesh):
 
 
 def pack(out, n_emit, drafts, K: int, lp=None):
-    """One int32 block [N, (K+1) + 1 + K (+ (K+1) F)]: a single device->host read per step."""
-    parts = [out, n_emit[:, None], drafts[:, :K].astype(jnp.int32)]
+    """One int32 block [N, (K+1) + 1 + K (+ (K+1) F)]: a single device->host read per step.
+    ``out`` i32[N, Q] and ``lp`` i32[N, Q, F] of a step of width Q <= K + 1 are padded to
+    K + 1 (-1, zeros), so every width's output has one layout and any call can chain
+    behind any other."""
+    pad = K + 1 - out.shape[1]
+    parts = [jnp.pad(out, ((0, 0), (0, pad)), constant_values=-1), n_emit[:, None], drafts[:, :K].astype(jnp.int32)]
     if lp is not None:  # logprob blocks of the emitted tokens ride along
-        parts.append(lp.reshape(lp.shape[0], -1))
+        parts.append(jnp.pad(lp, ((0, 0), (0, pad), (0, 0))).reshape(lp.shape[0], -1))
     return jnp.concatenate(parts, axis=1)
-

@@ -20,6 +20,7 @@ from jspec.checkpoint.model_files import generation_eos, load_tokenizer, samplin
 from jspec.checkpoint.target import auto_dtype, load_target, resolve_dtype
 from jspec.config import load_model_config
 from jspec.engine.block_manager import BlockManager
+from jspec.engine.dynamic_spec import DynamicSpeculation, decode_widths
 from jspec.engine.engine_config import EngineConfig
 from jspec.engine.flat_input import FlatShapes
 from jspec.engine.flat_runner import FlatRunner
@@ -32,12 +33,12 @@ from jspec.engine.kv_memory import (
 from jspec.engine.logprobs import LOGPROBS_MODES, record_logprobs, record_prompt_logprobs
 from jspec.engine.outputs import CompletionOutput, RequestOutput, SampleGroups, make_output  # noqa: F401 (re-exported)
 from jspec.engine.recovery import restore_after_failure
-from jspec.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jspec.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from jspec.engine.sequence import Sequence, SpecMetrics, Status
 from jspec.engine.speculation import load_speculation
 from jspec.engine.stopping import append_tokens
 from jspec.engine.structured import GrammarCompiler, advance, any_grammar
-from jspec.engine.warmup import run_warmup
+from jspec.engine.warmup import run_warmup, time_decode_calls
 from jspec.inputs import check_cache_salt, parse_prompt
 from jspec.ops import plan_kernels, plan_params
 from jspec.sampling_params import SamplingParams
@@ -48,10 +49,13 @@ logger = logging.getLogger("jspec.engine")
 class _InFlight:
     """A decode call dispatched but not yet read (async scheduling)."""
 
-    sched: SchedulerOutput  # its rows, in the order of the call's batch
+    sched: SchedulerOutput  # its rows, in the order of the call's batch (a decode row: 1 + drafts it verifies)
     steps: int  # FlatRunner.dispatch's: decode steps fed back (1: one step, or a verification)
     out: object  # on the device: the call's output (None until a split call's tail is dispatched)
     split: object = None  # structured outputs: the forward's Split
+    q: int | None = None  # a speculative decode call's row width (1: no drafter ran)
+    t0: float = 0.0  # when its dispatch returned (time.monotonic)
+    c0: int = 0  # the runner's compilations then
 
 
 def default_token_budget(c: EngineConfig, K: int, chunk: int) -> int:
@@ -151,7 +155,12 @@ class LLMEngine:
         params = plan_params(plan, params)  # the weight layout the plan's modules declare
         # the most tokens a step can hold: decode rows and at most ``mix`` chunks when mixing
         most = (c.max_num_seqs * (self.K + 1) + mix * chunk) if mix else c.max_num_seqs * chunk
-        shapes = FlatShapes.create(c.max_num_seqs, min(sched_cfg.max_num_batched_tokens, most), chunk, q=self.K + 1)
+        dynamic = self.spec is not None and self.spec.dynamic
+        off_at = self.spec.disable_by_batch_size if self.spec is not None else None
+        widths = decode_widths(self.K, dynamic, off_at) if self.K else ()
+        self.policy = DynamicSpeculation(self.K, widths, dynamic, off_at) if self.K else None
+        shapes = FlatShapes.create(c.max_num_seqs, min(sched_cfg.max_num_batched_tokens, most), chunk, q=self.K + 1,
+                                   widths=widths)
         self.runner = FlatRunner(mc, params, kv, shapes, width=pages_per_seq, dtype=dtype, plan=plan, spec=self.spec,
                                  dcfg=self.dcfg, dparams=plan_params(plan, sp.dparams) if self.spec else None, dkv=dkv,
                                  max_num_seqs=c.max_num_seqs)
@@ -166,6 +175,8 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_chained_calls = 0  # decode calls dispatched before the previous one was read
+        self._last_read = 0.0  # when the host last read a call's output (time.monotonic)
+        self._compiles_at_read = 0  # the runner's compilations then
         logger.info("engine ready in %.1f s", time.monotonic() - t0)
 
     # ---- requests ---------------------------------------------------------------------
@@ -254,6 +265,8 @@ class LLMEngine:
         seq = self._seqs.pop(request_id, None)
         if seq is not None and seq.status is not Status.FINISHED:
             self.scheduler.finish(seq, "abort")
+        if self.policy is not None:
+            self.policy.forget(request_id)
 
     def warmup_shapes(self) -> list:
         """The shapes ``warmup`` compiles (``FlatShape``s): every one a request can reach."""
@@ -273,6 +286,8 @@ class LLMEngine:
             compiled, loaded = run_warmup(
                 self.runner, self.sched_steps, self._async, structured=self.config.warmup_structured_outputs,
                 threads=self.runner.plan.compile_threads, store=store, progress=progress)
+            if self.policy is not None and self.policy.enabled:
+                self.policy.warm.update(time_decode_calls(self.runner, self.warmup_shapes()))
         finally:
             self.runner.log_compiles = True
             if store is not None:
@@ -345,17 +360,46 @@ class LLMEngine:
         if not all(self.blocks.ensure_slots(r.seq, r.seq.num_computed + grow + self.lookahead) for r in f.sched.seqs):
             return None
         self.num_chained_calls += 1
+        # f proposed K drafts a row, unless it ran without the drafter
+        q, sched = self._widths(f.sched, [0 if f.q == 1 else self.K] * len(f.sched.seqs))
         if any_grammar(f.sched.seqs):  # its masks need f's tokens: the forward now, the rest in step()
-            return _InFlight(f.sched, 1, None, self.runner.dispatch_forward(f.sched, f.out))
-        return _InFlight(f.sched, f.steps, self.runner.dispatch(f.sched, f.steps, prev=f.out))
+            split = self.runner.dispatch_forward(sched, f.out)
+            return _InFlight(sched, 1, None, split, q, time.monotonic(), self.runner.num_compilations)
+        out = self.runner.dispatch(sched, f.steps, prev=f.out, q=q)
+        return _InFlight(sched, f.steps, out, q=q, t0=time.monotonic(), c0=self.runner.num_compilations)
+
+    def _widths(self, sched: SchedulerOutput, have: list[int]) -> tuple[int | None, SchedulerOutput]:
+        """A speculative decode call's row width (dynamic speculation, ``DynamicSpeculation.choose``)
+        and its rows, each verifying the drafts chosen for it of the ``have`` it holds.
+        Without a drafter: (None, sched)."""
+        if not self.K or sched.kind != "decode":
+            return None, sched
+        rows = sched.seqs
+        N = self.runner.shapes.decode_shape(len(rows)).seqs
+        q, ks = self.policy.choose([(r.seq.request_id, self._draft_room(r.seq.num_tokens), h)
+                                    for r, h in zip(rows, have)], N, fixed=any_grammar(rows))
+        rows = [ScheduledSeq(r.seq, 1 + k, r.sample) for r, k in zip(rows, ks)]
+        return q, SchedulerOutput("decode", rows, sched.preempted)
 
     def _collect(self, f: _InFlight) -> list[RequestOutput]:
         """Read a dispatched call (waits for the device) and apply its tokens. Rows that
         stopped or were aborted meanwhile are skipped: a chained call ran past them."""
-        res = self.runner.read(f.out, len(f.sched.seqs), f.steps)
+        res = self.runner.read(f.out, len(f.sched.seqs), f.steps, f.q)
+        self._timed(f)
         live = [r.seq.status is Status.RUNNING for r in f.sched.seqs]
         return [o for r, (toks, n, lp), ok in zip(f.sched.seqs, self._apply(f.sched, res, live), live)
                 if ok and (o := self._advance(r.seq, toks, n, lp)) is not None]
+
+    def _timed(self, f: _InFlight):
+        """Record a speculative decode call's time for dynamic speculation: from its dispatch,
+        or the read of the call before it when that came later (the host's work between
+        reads counts: chained calls wait for it), to its own read; not when anything
+        compiled meanwhile (a first call of a shape, without warmup)."""
+        now, compiles = time.monotonic(), self.runner.num_compilations
+        start, c_start = (f.t0, f.c0) if f.t0 > self._last_read else (self._last_read, self._compiles_at_read)
+        if f.q is not None and compiles == c_start:
+            self.policy.record_time(f.q, self.runner.shapes.decode_shape(len(f.sched.seqs)).seqs, now - start)
+        self._last_read, self._compiles_at_read = now, compiles
 
     def _running_ids(self) -> set:
         """Ids of the running requests (the runner keeps their draft-probability rows)."""
@@ -366,7 +410,7 @@ class LLMEngine:
         (emitted tokens, positions newly computed, their logprob blocks or None). A decode
         row computed the positions of the tokens it emitted; a prefill row its chunk. Rows
         not ``live`` are left alone."""
-        out = []
+        out, verified = [], []
         for i, r in enumerate(sched.seqs):
             seq = r.seq
             lp = None if res.logprobs is None else res.logprobs[i]
@@ -375,15 +419,19 @@ class LLMEngine:
                 continue
             if sched.kind == "decode" or i < sched.num_decode:  # a decode row ("mixed": the first rows)
                 n_emit = int(res.num_emitted[i])
-                n_draft = len(seq.draft_token_ids)
+                # the drafts it verified: its own, up to the call's choice (a grammar may have cut them)
+                n_draft = min(len(seq.draft_token_ids), r.num_new - 1)
                 if n_draft:
                     seq.metrics.record(n_draft, n_emit - 1, self.K)
                     self.spec_metrics.record(n_draft, n_emit - 1, self.K)
+                    verified.append((seq.request_id, n_draft, n_emit - 1))
                 out.append((res.tokens[i, :n_emit].tolist(), n_emit, lp))
             else:
                 out.append(([int(res.tokens[i, 0])] if r.sample else [], r.num_new, lp))
             seq.draft_token_ids = res.drafts[i, : self._draft_room(seq.num_tokens + len(out[-1][0]))].tolist() \
                 if r.sample else []
+        if verified:
+            self.policy.record_acceptance(verified)
         return out
 
     def _draft_room(self, num_tokens: int) -> int:
@@ -402,14 +450,16 @@ class LLMEngine:
                 if sched is None or not sched.seqs:
                     return []
                 n = self._decode_steps(sched)
-                out = self.runner.dispatch(sched, n, running=self._running_ids())
+                q, sched = self._widths(sched, [r.num_new - 1 for r in sched.seqs])
+                out = self.runner.dispatch(sched, n, running=self._running_ids(), q=q)
+                f = _InFlight(sched, n, out, q=q, t0=time.monotonic(), c0=self.runner.num_compilations)
                 if n == 0:  # read before the next step
-                    res = self.runner.read(out, len(sched.seqs))
+                    res = self.runner.read(out, len(sched.seqs), 0, q)
+                    self._timed(f)
                     record_prompt_logprobs(sched.seqs, res.prompt_logprobs, self.runner.n_top_logprobs,
                                            self.tokenizer)
                     return self._groups.merge([o for r, (toks, computed, lp) in zip(sched.seqs, self._apply(sched, res))
                                                if (o := self._advance(r.seq, toks, computed, lp)) is not None])
-                f = _InFlight(sched, n, out)
             # The next call goes to the device before this one is read: the host work below
             # (and the caller's, until the next step()) overlaps the device's.
             self._inflight = nxt = self._chain(f)
@@ -444,6 +494,8 @@ class LLMEngine:
             seq.finished_time = time.time()
             self.scheduler.finish(seq, seq.finish_reason)
             self._seqs.pop(seq.request_id, None)
+            if self.policy is not None:
+                self.policy.forget(seq.request_id)
         return make_output(seq, new, self.tokenizer) if new or seq.finish_reason else None
 
     def stats(self) -> dict:
@@ -463,4 +515,5 @@ class LLMEngine:
             "num_compilations": self.runner.num_compilations,
             "num_chained_calls": self.num_chained_calls,
             "num_mixed_steps": getattr(self.runner, "num_mixed_steps", 0),
+            **(self.policy.stats() if self.policy is not None else {}),
         }

@@ -7,7 +7,7 @@ the caches keep their contents. ``prepare`` makes each call's executable: loaded
 disk when this code, configuration and device compiled it before
 (jspec/engine/executables.py), else lowered and compiled, several at once, into the
 runner's map (``exe_key``) that ``FlatRunner._invoke`` reads. ``run_warmup`` does both and
-runs every call once.
+runs every call once; ``time_decode_calls`` times the decode programs for dynamic speculation.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 
 from jspec.engine.executables import Store, compile_and_keep, stable_repr
-from jspec.engine.flat_input import FlatInput, FlatShape
+from jspec.engine.flat_input import FlatInput, FlatShape, row_width
 from jspec.engine.flat_runner import FlatRunner, exe_key
 from jspec.engine.sampling_step import Split, allow_all, empty_sample_input
 from jspec.engine.scheduler import SchedulerOutput
@@ -40,6 +40,8 @@ def warmup_calls(runner: FlatRunner, num_scheduler_steps: int = 1, async_schedul
     every = r.warmup_shapes(num_scheduler_steps, async_scheduling)
     calls = [(lambda sh=sh: r._call(empty_input(r, sh), sh.steps, None, sh.filtering)) for sh in shapes or every]
     for sh in every if structured else ():
+        if sh.decode and row_width(sh) != r.shapes.q:  # a batch with a grammar verifies every draft (dynamic_spec)
+            continue
         if sh.steps <= 1:
             calls.append(lambda sh=sh: r._call(empty_input(r, sh).replace(
                 grammar_mask=allow_all(sh.seqs, r.shapes.q, V)), sh.steps, None, sh.filtering))
@@ -133,3 +135,21 @@ def run_warmup(runner: FlatRunner, num_scheduler_steps: int = 1, async_schedulin
         fwd = out if name == "_fwd" else fwd
     jax.block_until_ready(r.state)
     return compiled, loaded
+
+
+def time_decode_calls(runner: FlatRunner, shapes) -> dict[tuple[int, int], float]:
+    """Seconds of each decode program among ``shapes`` (without top-k / top-p filtering) on
+    empty rows, its second run timed: dynamic speculation's step times before any request
+    (jspec/engine/dynamic_spec.py). -> {(row width Q, batch bucket N): seconds}."""
+    import time
+
+    out = {}
+    for sh in shapes:
+        if not sh.decode or sh.filtering != "off":
+            continue
+        for _ in range(2):
+            t = time.perf_counter()
+            runner.state, res = runner._invoke(*runner._call(empty_input(runner, sh), sh.steps, None, sh.filtering))
+            jax.block_until_ready(res)
+        out[(row_width(sh), sh.seqs)] = time.perf_counter() - t
+    return out

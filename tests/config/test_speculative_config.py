@@ -51,9 +51,14 @@ def test_vllm_keys_taken_logged_or_refused(caplog):
     assert c.max_model_len == 2048
     assert "disable_padded_drafter_batch=True has no effect in jspec" in caplog.text
     for key, value, why in [("quantization", "fp8", "unquantized"), ("revision", "main", "no model hub"),
-                            ("speculative_token_tree", "[(0,), (1,)]", "not a tree"),
-                            ("disable_by_batch_size", 4, "every batch size")]:
+                            ("speculative_token_tree", "[(0,), (1,)]", "not a tree")]:
         with pytest.raises(ValueError, match=f"speculative_config {key}=.* is not supported: .*{why}"):
+            SpeculativeConfig.from_dict({"method": "eagle3", key: value})
+    # dynamic speculation's keys: vLLM's disable_by_batch_size and jspec's dynamic
+    c = SpeculativeConfig.from_dict({"method": "eagle3", "disable_by_batch_size": 4, "dynamic": False})
+    assert (c.disable_by_batch_size, c.dynamic) == (4, False)
+    for key, value in [("disable_by_batch_size", 1), ("disable_by_batch_size", "4"), ("dynamic", 1), ("dynamic", None)]:
+        with pytest.raises(ValueError, match=f"'{key}' must be"):
             SpeculativeConfig.from_dict({"method": "eagle3", key: value})
     # a method jspec lacks is named before its own keys are (vLLM's suffix decoding)
     with pytest.raises(ValueError, match="'method' must be one of .* got 'suffix'"):

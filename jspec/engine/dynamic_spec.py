@@ -1,0 +1,222 @@
+"""Dynamic speculation (plain Python): how many drafts each decode step verifies.
+
+A decode step runs at one row width Q of ``widths`` (its program's shape, flat_input.py):
+Q = 1 is plain decoding (no drafter runs; the next step's rows have no drafts), Q = K + 1
+verifies every draft, the widths between verify the first Q - 1 of the K the drafter
+proposed. Before each decode call the engine asks ``choose`` for the width that emits the
+most tokens per second:
+
+    value(Q) = sum over rows of E_i(min(Q - 1, room_i)) / t(Q, N)
+
+- E_i(k) = 1 + sum_{j<=k} prod_{l<=j} c_il: the tokens row i is expected to emit verifying
+  k drafts, from its request's measured conditional acceptance c_il at draft position l
+  (a decayed count, ``decay``, with ``prior`` pseudo-counts of the engine-wide rate, itself
+  starting at 1: a drafter is trusted until measured).
+- t(Q, N): the measured time of a decode call of width Q at the batch bucket N (from its
+  dispatch, or the read of the call before it, to its read: with async scheduling the
+  host's work counts where the device waits for it). A width not yet run at N: the time
+  warmup measured for it on empty rows (``warm``, a lower bound: no context, no host), so
+  it is tried when it might pay; without warmup (a CPU) it is tried once.
+A request whose first draft is rarely accepted (c_i1 < ``min_first_acceptance``) stops
+drafting: its rows verify nothing, except one step in ``probe_every`` that measures it
+again. While a batch runs plain nothing is measured: every ``probe_off_every`` steps two
+steps draft again. Greedy and sampled output stay exactly as without: a row verifying fewer drafts, or
+none, is rejection sampling over fewer positions (lossless at every count).
+
+``disable_by_batch_size`` (vLLM's key): at that many rows or more a step runs plain. With
+``enabled`` False (speculative_config "dynamic", default off) and no such key, every step
+verifies every draft.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+
+def decode_widths(K: int, dynamic: bool, disable_by_batch_size: int | None) -> tuple[int, ...]:
+    """The decode step widths an engine with K drafts compiles: K + 1, with dynamic
+    speculation also 1 and the powers of two between; 1 also for disable_by_batch_size."""
+    if not dynamic:
+        return (1, K + 1) if disable_by_batch_size else (K + 1,)
+    return tuple(sorted({1, K + 1} | {2**i for i in range(1, K.bit_length() + 1) if 2**i < K + 1}))
+
+
+def expected_tokens(rates: np.ndarray) -> np.ndarray:
+    """f64[n, K + 1]: E_i(k), the tokens row i is expected to emit verifying k = 0..K drafts,
+    from its conditional acceptance rates f64[n, K]."""
+    c = np.cumsum(np.cumprod(rates, axis=1), axis=1)
+    return 1 + np.concatenate([np.zeros((len(rates), 1)), c], axis=1)
+
+
+class DynamicSpeculation:
+    decay = 0.9  # a request's counts: about its last ten verifications
+    global_decay = 0.99
+    prior = 2.0  # pseudo-counts of the engine-wide rate in a request's estimate
+    min_first_acceptance = 0.1
+    probe_every = 16
+    probe_off_every = 256  # steps at width 1 before two steps at the best drafting width
+    switch_margin = 1.03  # a new width must promise this much more than the one in use
+    plain_margin = 1.05  # drafting must promise this much more than plain
+    refresh_every = 64
+
+    def __init__(self, K: int, widths: tuple[int, ...], enabled: bool, disable_by_batch_size: int | None = None):
+        self.K, self.widths, self.enabled = K, tuple(widths), enabled
+        self.disable_by_batch_size = disable_by_batch_size
+        # Decayed per-position counts, a row per request (``_slot``): tried[:, l] drafts at
+        # position l + 1 verified, hit[:, l] accepted; one vectorized update per step, which
+        # keeps the host's work small at hundreds of rows.
+        self._slots: dict[str, int] = {}
+        self._free: list[int] = []
+        self.tried, self.hit = np.zeros((0, K)), np.zeros((0, K))
+        self.all_tried, self.all_hit = np.zeros(K), np.zeros(K)  # engine-wide
+        self._skipped: dict[str, int] = {}  # request id -> steps since it last drafted (stopped requests)
+        self.warm: dict[tuple[int, int], float] = {}  # (Q, N) -> seconds on empty rows (warmup)
+        self._recent: dict[tuple[int, int], collections.deque] = {}  # (Q, N) -> its last measured seconds
+        self.times: dict[tuple[int, int], float] = {}  # (Q, N) -> their median
+        self._measured_at: dict[tuple[int, int], int] = {}  # (Q, N) -> num_decode_steps then
+        self.current: dict[int, int] = {}  # N -> the width in use
+        self._plain: dict[int, int] = {}  # N -> steps at width 1 since the last probe
+        self._probe: dict[int, int] = {}  # N -> probe steps left
+        self.steps_by_width: collections.Counter = collections.Counter()
+        self.num_decode_steps = 0
+        self.num_scheduled_drafts = 0
+
+    # ---- what the engine reports ---------------------------------------------------------
+    def _slot(self, request_id: str) -> int:
+        i = self._slots.get(request_id)
+        if i is None:
+            if not self._free:  # grow the tables
+                n = len(self.tried)
+                self.tried = np.concatenate([self.tried, np.zeros((max(n, 8), self.K))])
+                self.hit = np.concatenate([self.hit, np.zeros((max(n, 8), self.K))])
+                self._free = list(range(len(self.tried) - 1, n - 1, -1))
+            i = self._slots[request_id] = self._free.pop()
+            self.tried[i], self.hit[i] = 0, 0
+        return i
+
+    def record_acceptance(self, rows: list[tuple[str, int, int]]):
+        """One step's verifications: (request id, drafts verified k, accepted a) per row; a
+        row tried positions 1..min(a + 1, k) and hit 1..a."""
+        rows = [r for r in rows if r[1] > 0]
+        if not rows:
+            return
+        idx = np.array([self._slot(rid) for rid, _, _ in rows])
+        k = np.array([r[1] for r in rows])
+        a = np.array([r[2] for r in rows])
+        pos = np.arange(self.K)[None]
+        tried, hit = pos < np.minimum(a + 1, k)[:, None], pos < a[:, None]
+        self.tried[idx] = self.tried[idx] * self.decay + tried
+        self.hit[idx] = self.hit[idx] * self.decay + hit
+        self.all_tried = self.all_tried * self.global_decay ** len(rows) + tried.sum(0)
+        self.all_hit = self.all_hit * self.global_decay ** len(rows) + hit.sum(0)
+
+    def record_time(self, q: int, N: int, seconds: float):
+        """A decode call of width q at batch bucket N took ``seconds`` (its dispatch, or the
+        read of the call before it, to its own read)."""
+        recent = self._recent.setdefault((q, N), collections.deque(maxlen=5))
+        recent.append(seconds)
+        # a stall (a prefill's admission, the host) is no trend: the median of five (the least of fewer)
+        self.times[(q, N)] = float(np.median(recent) if len(recent) >= 3 else min(recent))
+        self._measured_at[(q, N)] = self.num_decode_steps
+
+    def forget(self, request_id: str):
+        i = self._slots.pop(request_id, None)
+        if i is not None:
+            self._free.append(i)
+        self._skipped.pop(request_id, None)
+
+    # ---- the choice ----------------------------------------------------------------------
+    def rates(self, request_ids: list[str]) -> np.ndarray:
+        """f64[n, K] each request's conditional acceptance estimate per draft position."""
+        g = (self.all_hit + 1) / (self.all_tried + 1)
+        idx = [self._slots.get(rid, -1) for rid in request_ids]
+        known = np.array([i >= 0 for i in idx])
+        out = np.broadcast_to(g, (len(idx), self.K)).copy()
+        if known.any():
+            j = np.array([i for i in idx if i >= 0])
+            out[known] = (self.hit[j] + self.prior * g) / (self.tried[j] + self.prior)
+        return out
+
+    def _time(self, q: int, N: int, cur: int) -> float | None:
+        """Estimated seconds of a width-q call at N: measured, else warmup's time on empty rows
+        scaled by what the width in use ``cur`` measured against its own (context, host);
+        None: neither (try it)."""
+        t = self.times.get((q, N))
+        if t is not None or (q, N) not in self.warm:
+            return t
+        c, w = self.times.get((cur, N)), self.warm.get((cur, N))
+        return self.warm[(q, N)] * (c / w if c and w else 1.0)
+
+    def choose(self, rows: list[tuple[str, int, int]], N: int, fixed: bool = False) -> tuple[int, list[int]]:
+        """The width of a decode call over ``rows`` at batch bucket N, and the drafts each row
+        verifies. A row: (request id, drafts it may verify in a steady state (room left
+        before max_model_len, at most K), drafts it has now (none after a plain step)). The
+        width is chosen for the steady state: the first step after a plain one verifies
+        nothing and proposes. ``fixed``: the full width (a batch with a grammar: its masked
+        programs exist at K + 1 only)."""
+        self.num_decode_steps += 1
+        rids = [r[0] for r in rows]
+        room = np.array([r[1] for r in rows], np.int64)
+        have = np.array([r[2] for r in rows], np.int64)
+        dynamic = self.enabled and not fixed and 1 in self.widths
+        rates = self.rates(rids) if dynamic else None
+        q = self._width(rates, room, N, fixed)
+        ks = np.minimum(np.minimum(room, have), q - 1)
+        if dynamic and q > 1:  # requests that stopped drafting: one probe in probe_every
+            for i in np.flatnonzero((rates[:, 0] < self.min_first_acceptance) & (ks > 0)):
+                n = self._skipped.get(rids[i], 0) + 1
+                self._skipped[rids[i]] = n % self.probe_every
+                ks[i] = ks[i] if n >= self.probe_every else 0
+        self.steps_by_width[q] += 1
+        self.num_scheduled_drafts += int(ks.sum())
+        return q, ks.tolist()
+
+    def _width(self, rates, room, N: int, fixed: bool) -> int:
+        full = self.K + 1
+        if self.disable_by_batch_size and len(room) >= self.disable_by_batch_size and not fixed:
+            return 1
+        if rates is None:
+            return full
+        if self._probe.get(N):  # plain for probe_off_every steps: two steps of the best drafting width
+            self._probe[N] -= 1
+            return self.current[N]
+        cur = self.current.get(N, full)
+        E = expected_tokens(rates)
+        rows = np.arange(len(room))
+        values = {}
+        for q in self.widths:
+            t = self._time(q, N, cur)
+            if t is None:  # never run at this batch: run it once
+                self.current[N] = q
+                return q
+            values[q] = E[rows, np.minimum(room, q - 1)].sum() / max(t, 1e-9)
+        # drafting must promise more than plain by a margin: its rows end unevenly (a call's
+        # last rows run alone) and the drafter's share of the prefill is not in the model
+        values[1] *= self.plain_margin
+        best = max(values, key=values.get)
+        if values[best] < self.switch_margin * values[cur]:
+            best = cur
+        # a width not run for refresh_every steps is timed again when it might still pay
+        stale = [q for q in values if q != best and (q, N) in self.times and values[q] > 0.8 * values[best]
+                 and self.num_decode_steps - self._measured_at[(q, N)] > self.refresh_every]
+        if stale and best != 1:
+            best = max(stale, key=values.get)
+            self._measured_at[(best, N)] = self.num_decode_steps  # once, even if its time is not recorded
+            return best
+        if best == 1:
+            self._plain[N] = self._plain.get(N, 0) + 1
+            if self._plain[N] >= self.probe_off_every:  # acceptance is not measured while plain
+                self._plain[N] = 0
+                best = max((q for q in values if q > 1), key=values.get)
+                self._probe[N] = 1
+        self.current[N] = best
+        return best
+
+    def stats(self) -> dict:
+        """Counters for LLMEngine.stats: decode steps by width, drafts scheduled per decode step."""
+        n = self.num_decode_steps
+        return {"decode_steps_by_width": dict(sorted(self.steps_by_width.items())),
+                "num_decode_steps": n, "num_scheduled_drafts": self.num_scheduled_drafts,
+                "mean_drafts_per_step": self.num_scheduled_drafts / n if n else 0.0}

@@ -1,0 +1,103 @@
+"""Issue 58 must-show: dynamic speculation (jspec/engine/dynamic_spec.py) stays lossless and
+stops a useless drafter.
+
+- Every step's width and every row's draft count drawn at random (a seeded stand-in for the
+  policy's choice, so every transition is exercised: plain steps without the drafter,
+  narrower widths, rows verifying fewer drafts, chained calls behind each): greedy output
+  equals plain greedy token for token (EAGLE3 with async scheduling, DFlash without, a draft
+  model), and sampled output follows the target's distribution (chi-squared at the first
+  verified positions, as tests/e2e/test_spec_distribution.py).
+- The policy itself, with a draft model that never agrees with the target (random weights,
+  nothing planted): after a few measured steps its request stops drafting (a probe in
+  probe_every), and its output is still plain greedy's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jspec
+from tests.e2e.test_spec_distribution import PROMPT, target_probs
+from tests.helpers import spec_e2e as h
+
+MAX_TOKENS = 24
+PROMPTS = h.varied_prompts(6, 1, 40, seed=3)
+DYNAMIC = {"dynamic": True}
+
+
+def random_widths(eng, seed: int):
+    """Replace the engine's choice by a seeded random one (any width, any drafts per row)."""
+    rng = np.random.default_rng(seed)
+    policy = eng.policy
+    choose = policy.choose
+
+    def pick(rows, N, fixed=False):
+        q, _ = choose(rows, N, fixed)  # the policy's bookkeeping runs as usual
+        q = q if fixed else int(rng.choice(policy.widths))
+        return q, [int(rng.integers(0, min(q - 1, room, have) + 1)) for _, room, have in rows]
+
+    policy.choose = pick
+    return choose
+
+
+@pytest.mark.parametrize("name,k,asyn", [("eagle3", 3, True), ("dflash8_zlab", 7, False), ("draft_llama", 3, True)])
+def test_random_widths_are_lossless(name, k, asyn):
+    want = h.greedy_reference(PROMPTS, MAX_TOKENS)
+    llm = h.llm(name, k, spec_extra=DYNAMIC, async_scheduling=asyn)
+    eng = llm.engine
+    assert eng.policy.widths == (1, 2, 4) + ((8,) if k == 7 else ())
+    choose = random_widths(eng, seed=k)
+    try:
+        before = eng.stats()
+        outs = llm.generate(PROMPTS, jspec.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    finally:
+        eng.policy.choose = choose
+    d = h.stats_delta(before, eng.stats())
+    for p, o, w in zip(PROMPTS, outs, want):
+        assert o.token_ids == w, f"prompt of length {len(p)}: dynamic speculation's output differs"
+    assert d["mean_acceptance_length"] > 1.3, d  # drafts were verified and accepted, not only plain steps
+    if asyn:
+        assert eng.stats()["num_chained_calls"] > 0
+
+
+def test_random_widths_sample_the_target():
+    eng = h.llm("eagle3", 3, spec_extra=DYNAMIC, async_scheduling=True).engine
+    choose = random_widths(eng, seed=11)
+    try:
+        toks = h.sample_trials(eng, PROMPT, 10 * h.V, 3)
+    finally:
+        eng.policy.choose = choose
+    for j in (1, 2):
+        ctx, inverse = np.unique(toks[:, :j], axis=0, return_inverse=True)
+        probs = target_probs(ctx)[inverse.reshape(-1)]
+        counts = np.bincount(toks[:, j], minlength=h.V).astype(np.float64)
+        p, df = h.chi2_pvalue(counts, probs.sum(0))
+        p_wrong, _ = h.chi2_pvalue(counts, target_probs(ctx, temperature=0.7)[inverse.reshape(-1)].sum(0))
+        assert p > 1e-3 and p_wrong < 1e-6, (j, p, df, p_wrong)
+
+
+def test_a_useless_drafter_stops_drafting(tmp_path):
+    h.build_target(seed=13, num_layers=2, boost=0.0).save_pretrained(tmp_path)  # agrees with nothing
+    folder, _ = h.target()
+    sp = jspec.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = h.greedy_reference(PROMPTS[:1], 40)[0]
+    for dynamic in (False, True):
+        llm = jspec.LLM(folder, speculative_config={"method": "draft_model", "model": str(tmp_path),
+                                                    "num_speculative_tokens": 3, "dynamic": dynamic},
+                        warmup=False, **h.ENGINE_KW)
+        eng = llm.engine
+        for _ in range(2):  # the second call's request starts from what the first measured
+            before = eng.stats()
+            assert llm.generate(PROMPTS[:1], sp)[0].token_ids == want
+            a = eng.stats()
+            steps, drafts = a["num_decode_steps"] - before["num_decode_steps"], \
+                a["num_scheduled_drafts"] - before["num_scheduled_drafts"]
+            assert steps >= 30
+            # a random draft is accepted one time in V = 64 or so
+            assert a["num_accepted_tokens"] - before["num_accepted_tokens"] <= max(3, drafts // 16)
+        if not dynamic:  # every step verifies K drafts (fewer near max_model_len)
+            assert drafts >= 2 * steps
+        else:  # once measured (the first call), a new request trusts the engine-wide rate for a step or
+            # two, then stops: K drafts in probe_every steps
+            assert drafts <= 2 * 3 + 3 * (steps // eng.policy.probe_every + 1), (steps, drafts)
