@@ -198,10 +198,12 @@ class DynamicSpeculation:
         best = max(values, key=values.get)
         if values[best] < self.switch_margin * values[cur]:
             best = cur
-        # a width not run for refresh_every steps is timed again when it might still pay
-        stale = [q for q in values if q != best and (q, N) in self.times and values[q] > 0.8 * values[best]
-                 and self.num_decode_steps - self._measured_at[(q, N)] > self.refresh_every]
-        if stale and best != 1:
+        # A width close behind is timed when it never was at N (its estimate is warmup's, scaled),
+        # and again after refresh_every steps; plain's calls are left alone but for the first.
+        stale = [q for q in values if q != best and values[q] > 0.8 * values[best]
+                 and ((q, N) not in self.times or best != 1)
+                 and self.num_decode_steps - self._measured_at.get((q, N), -self.refresh_every - 1) > self.refresh_every]
+        if stale:
             best = max(stale, key=values.get)
             self._measured_at[(best, N)] = self.num_decode_steps  # once, even if its time is not recorded
             return best

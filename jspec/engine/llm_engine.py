@@ -329,8 +329,8 @@ class LLMEngine:
             return 0
         if n <= 1 or any_grammar(sched.seqs):  # a grammar's mask holds for one step
             return 1 if self._async else 0
-        # A batch that cannot grow n positions takes a plain step.
-        if sched.preempted or self.scheduler.waiting or not self._can_grow(sched, n):
+        # A batch that cannot grow n positions, or that a waiting request could join, takes a plain step.
+        if sched.preempted or self.scheduler.can_admit() or not self._can_grow(sched, n):
             return 0
         return n
 
@@ -342,8 +342,7 @@ class LLMEngine:
         # A waiting request that could be admitted now goes into the next step; one that cannot
         # (max_num_seqs run: saturation) waits for a row to end, one call later when chained.
         sch = self.scheduler
-        if not self._async or len(sch.running) != len(f.sched.seqs) or (
-                sch.waiting and len(sch.running) < sch.cfg.max_num_seqs):
+        if not self._async or len(sch.running) != len(f.sched.seqs) or sch.can_admit():
             return None
         if any(r.seq.status is not Status.RUNNING or self._seqs.get(r.seq.request_id) is not r.seq
                for r in f.sched.seqs):

@@ -84,6 +84,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def can_admit(self) -> bool:
+        """A waiting request has a row to take now (fewer than max_num_seqs running): the next
+        step schedules it. One that has none (saturation) waits for a row to end."""
+        return bool(self.waiting) and len(self.running) < self.cfg.max_num_seqs
+
     def _slots_needed(self, seq: Sequence, num_new: int) -> int:
         # The drafter writes up to `lookahead` slots past this step's tokens, so those pages
         # must exist before the step (prefill too: vLLM #42971). The engine caps the drafts

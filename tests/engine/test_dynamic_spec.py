@@ -19,9 +19,12 @@ def test_decode_widths():
     assert decode_widths(3, False, 8) == (1, 4)
 
 
-def policy(K, times, N=8, **kw):
+def policy(K, times, N=8, measured=False, **kw):
+    """A policy with warmup's times (and as many measured, ``measured``) at batch bucket N."""
     p = DynamicSpeculation(K, decode_widths(K, True, None), True, **kw)
     p.warm = {(q, N): t for q, t in times.items()}
+    for q, t in times.items() if measured else ():
+        p.record_time(q, N, t)
     return p
 
 
@@ -34,7 +37,7 @@ def test_the_width_that_emits_most_per_second():
     # DFlash-like: the first five drafts always accepted, the rest never; a step's time grows
     # with its width (compute-bound at this batch)
     times = {q: 1.0 + 0.5 * q for q in (1, 2, 4, 8, 16)}
-    p = policy(15, times)
+    p = policy(15, times, measured=True)
     rows = [(f"r{i}", 15, 15) for i in range(8)]
     for rid, _, _ in rows:
         accept(p, rid, 15, 5)
@@ -46,7 +49,9 @@ def test_the_width_that_emits_most_per_second():
     q, ks = p.choose(rows[:7] + [("r7", 1, 15)], 8)
     assert q == 4 and ks == [3] * 7 + [1]
     # cheap wide steps (memory-bound): every draft is worth verifying... up to the last accepted one
-    p.warm = {(q, 8): 1.0 + 0.01 * q for q in (1, 2, 4, 8, 16)}
+    p = policy(15, {q: 1.0 + 0.01 * q for q in (1, 2, 4, 8, 16)}, measured=True)
+    for rid, _, _ in rows:
+        accept(p, rid, 15, 5)
     assert p.choose(rows, 8)[0] == 8
 
 
@@ -116,3 +121,12 @@ def test_a_width_close_behind_is_timed_again_now_and_then():
     assert [p.choose(rows, 8)[0] for _ in range(3)] == [4, 4, 4]
     p.num_decode_steps += p.refresh_every
     assert [p.choose(rows, 8)[0] for _ in range(3)] == [2, 4, 4]  # once, then back
+
+
+def test_a_width_never_timed_at_a_batch_is_tried_once_when_it_might_pay():
+    # warmup's times only: width 2 promises 2 / 1.1, close behind width 4's 4 / 1.9 (over 0.8 of it)
+    p = policy(3, {1: 1.0, 2: 1.1, 4: 1.9})
+    rows = [("r0", 3, 3)]
+    accept(p, "r0", 3, 3)
+    got = [p.choose(rows, 8)[0] for _ in range(3)]
+    assert got == [2, 4, 4] or got == [4, 2, 4], got
