@@ -22,6 +22,13 @@ are vLLM's definitions and names, so figures compare with ``vllm bench serve``'s
     python scripts/bench_serving.py --rates 1,4 --launch "--model M" \\
         --launch "--model M --speculative-config '$SPEC'"
 
+``--bound MODEL`` prints beside each block the workload's hardware bound (docs/benchmarks.md's
+serving figures sit beside it): the model folder's shape (default: the first --launch's
+--model), bandwidth and bf16 matrix-peak probes run on this machine's device in a child process
+before any server starts, and ``bench_throughput.workload_bound``'s prefill FLOPs + decode bytes
+at the server's --max-num-seqs rows (default 256) a step; a rated run can end no sooner than its
+last arrival. Fixed lengths only (--range-ratio 0).
+
 Exit status 1 if any request failed (the first error is printed), 2 if a server did not start.
 """
 
@@ -331,8 +338,9 @@ def _free_port() -> int:
 
 
 # ------------------------------------------------------------------------------ driver
-def bench_server(base_url: str, a, label: str) -> list[dict]:
-    """Every rate of ``a.rates`` against one server; one result block per rate."""
+def bench_server(base_url: str, a, label: str, bound=None) -> list[dict]:
+    """Every rate of ``a.rates`` against one server; one result block per rate. ``bound``:
+    (target ModelConfig, max_num_seqs, bandwidth, matrix peak) for each block's bound."""
     card = model_card(base_url, a.model, a.api_key)
     model = card["id"]
     vocab = a.vocab_size or vocab_size_of(card)
@@ -360,6 +368,12 @@ def bench_server(base_url: str, a, label: str) -> list[dict]:
         m["compilations"] = compilations_delta(before, after)
         title = f"{label} | rate {rate:g} req/s"
         print(format_metrics(m, title), flush=True)
+        if bound is not None:  # (cfg, max_num_seqs, bandwidth, peak)
+            m["bound"] = b = serving_bound(bound[0], a.num_prompts, a.input_len, a.output_len, bound[1], bound[2],
+                                           bound[3], float(arrivals[-1]))
+            print(f"bound: {b['seconds']:.2f} s (hardware {b['hardware_s']:.2f} s: prefill {b['prefill_s']:.2f} + "
+                  f"decode {b['decode_s']:.2f}; last arrival {b['last_arrival_s']:.2f} s), {b['output_tok_s']:.0f} "
+                  f"output tok/s: achieved {b['seconds'] / duration:.2f} of it", flush=True)
         errors = [r.error for r in results if not r.success]
         if errors:
             print(f"{len(errors)} failed; first error: {errors[0]}", file=sys.stderr, flush=True)
@@ -373,6 +387,49 @@ def bench_server(base_url: str, a, label: str) -> list[dict]:
                                      "e2el": r.e2el, "chunks": r.chunks, "error": r.error or None}
                                     for r in results]})
     return blocks
+
+
+# ------------------------------------------------------------------------------ the bound
+PROBE = """
+import json, os, sys
+sys.path.insert(0, {scripts!r})
+from bench_common import measure_bandwidth
+from bench_throughput import measure_matrix_peak
+quick = os.environ.get("JAX_PLATFORMS") == "cpu"
+print(json.dumps(dict(bw=measure_bandwidth(quick)["best_TBps"] * 1e12, peak=measure_matrix_peak(quick))))
+"""
+
+
+def probe_device() -> tuple[float, float]:
+    """(bandwidth bytes/s, bf16 matrix FLOP/s) of this machine's device, measured in a child
+    process (its memory is the device's again before a server starts)."""
+    code = PROBE.format(scripts=os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    d = json.loads(out.strip().splitlines()[-1])
+    return d["bw"], d["peak"]
+
+
+def launch_option(args: str, name: str, default=None):
+    """The value of ``--name`` in a --launch argument string."""
+    words = shlex.split(args)
+    for i, w in enumerate(words):
+        if w == name and i + 1 < len(words):
+            return words[i + 1]
+        if w.startswith(name + "="):
+            return w.split("=", 1)[1]
+    return default
+
+
+def serving_bound(cfg, n: int, input_len: int, output_len: int, max_seqs: int, bw: float, peak: float,
+                  last_arrival: float) -> dict:
+    """The least time the workload can take: the hardware's (bench_throughput.workload_bound),
+    and no sooner than its last request arrives; with the output tok/s it allows."""
+    from bench_throughput import workload_bound
+
+    hw = workload_bound(cfg, n, input_len, output_len, max_seqs, peak, bw)
+    seconds = max(hw.seconds, last_arrival)
+    return dict(seconds=seconds, hardware_s=hw.seconds, prefill_s=hw.prefill_s, decode_s=hw.decode_s,
+                last_arrival_s=last_arrival, output_tok_s=n * output_len / seconds)
 
 
 def _rate_json(rate: float):
@@ -402,14 +459,36 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     p.add_argument("--launch-timeout", type=float, default=1800.0, help="seconds a launched server may take to start")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
+    p.add_argument("--bound", nargs="?", const="", default=None, metavar="MODEL",
+                   help="print the workload's hardware bound beside each block (MODEL: the target's folder, "
+                        "default the first --launch's --model)")
     a = p.parse_args(argv)
     a.rates = [float(r) for r in a.rates.split(",")] if a.rates else [a.request_rate]
     return a
 
 
+def bound_inputs(a):
+    """(ModelConfig, max_num_seqs, bandwidth, peak) for --bound, or None without it."""
+    if a.bound is None:
+        return None
+    if a.range_ratio:
+        raise SystemExit("--bound takes fixed lengths: --range-ratio 0")
+    folder = a.bound or (launch_option(a.launch[0], "--model") if a.launch else None)
+    if not folder:
+        raise SystemExit("--bound needs the target's folder (or a --launch with --model)")
+    from jspec.config import load_model_config
+
+    seqs = int(launch_option(a.launch[0], "--max-num-seqs", 256)) if a.launch else 256
+    bw, peak = probe_device()
+    print(f"bound inputs: {folder}, {seqs} rows a step, bandwidth {bw / 1e12:.2f} TB/s, bf16 matrix peak "
+          f"{peak / 1e12:.0f} TFLOP/s", flush=True)
+    return load_model_config(folder), seqs, bw, peak
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     blocks, launch_failed = [], False
+    bound = bound_inputs(a)
     if a.launch:
         for args in a.launch:
             try:
@@ -419,13 +498,13 @@ def main(argv=None) -> int:
                 launch_failed = True
                 continue
             try:
-                blocks += bench_server(srv.base_url, a, f"jspec.serve {args}")
+                blocks += bench_server(srv.base_url, a, f"jspec.serve {args}", bound)
             finally:
                 rc = srv.stop()
                 print(f"server stopped (exit {rc}); log: {srv.log_path}", flush=True)
     else:
         url = a.base_url or "http://127.0.0.1:8000"
-        blocks += bench_server(url, a, url)
+        blocks += bench_server(url, a, url, bound)
     if a.json:
         with open(a.json, "w") as f:
             args = {k: v for k, v in vars(a).items() if k != "api_key"}

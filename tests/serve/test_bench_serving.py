@@ -86,3 +86,22 @@ def test_bench_against_launched_server(tmp_path, monkeypatch):
             assert 0 < b[f"median_{name}_ms"] <= b[f"p90_{name}_ms"] <= b[f"p99_{name}_ms"]
         assert b["spec_decode"] is None
         assert isinstance(b["compilations"], int) and b["compilations"] >= 0  # jspec's /metrics gauge, read
+
+
+def test_the_bound_beside_a_served_workload():
+    from bench_common import LLAMA_8B
+    from bench_throughput import workload_bound
+
+    hw = workload_bound(LLAMA_8B, 40, 1024, 256, 64, 600e12, 4.4e12)
+    b = bench_serving.serving_bound(LLAMA_8B, 40, 1024, 256, 64, 4.4e12, 600e12, last_arrival=0.0)
+    assert b["seconds"] == pytest.approx(hw.seconds) and b["output_tok_s"] == pytest.approx(40 * 256 / hw.seconds)
+    assert 1.0 < hw.seconds < 4.0  # ~1.1 s of prefill FLOPs and ~1 s of weight and KV bytes
+    # a rated run ends no sooner than its last request arrives
+    assert bench_serving.serving_bound(LLAMA_8B, 40, 1024, 256, 64, 4.4e12, 600e12, 100.0)["seconds"] == 100.0
+    assert bench_serving.launch_option("--model /m --max-num-seqs 64", "--max-num-seqs") == "64"
+    assert bench_serving.launch_option("--model=/m --dtype x", "--model") == "/m"
+    assert bench_serving.launch_option("--model /m", "--max-num-seqs", 256) == 256
+    bw, peak = bench_serving.probe_device()  # this machine's device, in a child process
+    assert bw > 0 and peak > 0
+    with pytest.raises(SystemExit, match="range-ratio 0"):
+        bench_serving.main(["--bound", "/m", "--range-ratio", "0.5"])
