@@ -24,10 +24,10 @@ are vLLM's definitions and names, so figures compare with ``vllm bench serve``'s
 
 ``--bound MODEL`` prints beside each block the workload's hardware bound (docs/benchmarks.md's
 serving figures sit beside it): the model folder's shape (default: the first --launch's
---model), bandwidth and bf16 matrix-peak probes run on this machine's device in a child process
+model), bandwidth and bf16 matrix-peak probes run on this machine's device in a child process
 before any server starts, and ``bench_throughput.workload_bound``'s prefill FLOPs + decode bytes
-at the server's --max-num-seqs rows (default 256) a step; a rated run can end no sooner than its
-last arrival. Fixed lengths only (--range-ratio 0).
+at the server's --max-num-seqs rows a step (the first --launch's, read by the server's own
+parser; its default for a running server); a rated run can end no sooner than its last arrival. Fixed lengths only (--range-ratio 0).
 
 Exit status 1 if any request failed (the first error is printed), 2 if a server did not start.
 """
@@ -409,15 +409,13 @@ def probe_device() -> tuple[float, float]:
     return d["bw"], d["peak"]
 
 
-def launch_option(args: str, name: str, default=None):
-    """The value of ``--name`` in a --launch argument string."""
-    words = shlex.split(args)
-    for i, w in enumerate(words):
-        if w == name and i + 1 < len(words):
-            return words[i + 1]
-        if w.startswith(name + "="):
-            return w.split("=", 1)[1]
-    return default
+def launch_settings(args: str) -> tuple[str | None, int]:
+    """(model folder or None, max_num_seqs) of a --launch argument string, as the server's own
+    parser reads them (its defaults included)."""
+    from jspec.serve.cli import build_parser
+
+    known, _ = build_parser().parse_known_args(shlex.split(args))
+    return known.model or known.model_tag, known.max_num_seqs
 
 
 def serving_bound(cfg, n: int, input_len: int, output_len: int, max_seqs: int, bw: float, peak: float,
@@ -473,12 +471,12 @@ def bound_inputs(a):
         return None
     if a.range_ratio:
         raise SystemExit("--bound takes fixed lengths: --range-ratio 0")
-    folder = a.bound or (launch_option(a.launch[0], "--model") if a.launch else None)
+    model, seqs = launch_settings(a.launch[0] if a.launch else "")  # a running server: its defaults assumed
+    folder = a.bound or model
     if not folder:
         raise SystemExit("--bound needs the target's folder (or a --launch with --model)")
     from jspec.config import load_model_config
 
-    seqs = int(launch_option(a.launch[0], "--max-num-seqs", 256)) if a.launch else 256
     bw, peak = probe_device()
     print(f"bound inputs: {folder}, {seqs} rows a step, bandwidth {bw / 1e12:.2f} TB/s, bf16 matrix peak "
           f"{peak / 1e12:.0f} TFLOP/s", flush=True)

@@ -98,9 +98,10 @@ def test_the_bound_beside_a_served_workload():
     assert 1.0 < hw.seconds < 4.0  # ~1.1 s of prefill FLOPs and ~1 s of weight and KV bytes
     # a rated run ends no sooner than its last request arrives
     assert bench_serving.serving_bound(LLAMA_8B, 40, 1024, 256, 64, 4.4e12, 600e12, 100.0)["seconds"] == 100.0
-    assert bench_serving.launch_option("--model /m --max-num-seqs 64", "--max-num-seqs") == "64"
-    assert bench_serving.launch_option("--model=/m --dtype x", "--model") == "/m"
-    assert bench_serving.launch_option("--model /m", "--max-num-seqs", 256) == 256
+    # a launch's model and rows a step, as the server reads them (its default rows: 8)
+    assert bench_serving.launch_settings("--model /m --max-num-seqs 64") == ("/m", 64)
+    assert bench_serving.launch_settings("--model=/m --dtype bfloat16") == ("/m", 8)
+    assert bench_serving.launch_settings("/m --max-num-seqs=16") == ("/m", 16)
     bw, peak = bench_serving.probe_device()  # this machine's device, in a child process
     assert bw > 0 and peak > 0
     with pytest.raises(SystemExit, match="range-ratio 0"):
