@@ -5,6 +5,8 @@ beside the workload's hardware bound from the bandwidth and matrix-peak probes o
 
     # the 8B shape, random weights, 512 x (1,024 -> 256), plain then EAGLE3 at tau 3.5
     PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --methods none,eagle3 --tau 3.5
+    # DFlash and PEagle (the Qwen3 shape) at their issue's acceptance lengths
+    PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --methods none,dflash:6.5,peagle:4.5 --dynamic on
     # text prompts from a file (one per line), the model's tokenizer when the folder has one
     PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --dataset prompts.txt --num-prompts 200
     # a poor drafter against plain at each batch (B prompts at once, one engine per method),
@@ -102,10 +104,10 @@ def prompts_of(args, cfg, rng, tokenizer, n: int):
     return out
 
 
-def run(args, method: str, folders, cfg, bw, peak, plain: dict) -> list[dict]:
-    """One engine for ``method``, timed on each workload: --num-prompts prompts, or with
-    --batches B prompts for each B (batch B: every request runs at once). ``plain``: plain's
-    seconds by workload size, for the ratio."""
+def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> list[dict]:
+    """One engine for ``method`` at synthetic acceptance length ``tau``, timed on each
+    workload: --num-prompts prompts, or with --batches B prompts for each B (batch B: every
+    request runs at once). ``plain``: plain's seconds by workload size, for the ratio."""
     import jspec
 
     K = args.k or DEFAULT_K.get(method, 0)
@@ -113,7 +115,7 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict) -> list[dict]:
     spec = None
     if method != "none":
         spec = {"method": method, **({} if method == "ngram" else {"model": ddir}), "num_speculative_tokens": K,
-                "rejection_sample_method": "synthetic", "synthetic_acceptance_length": args.tau}
+                "rejection_sample_method": "synthetic", "synthetic_acceptance_length": tau}
         spec["dynamic"] = args.dynamic == "on"  # dynamic speculation (jspec/engine/dynamic_spec.py)
     kw = dict(dtype="bfloat16", load_format="dummy", max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
               max_model_len=args.input_len + args.output_len + 2 * (K + 1) + 16,
@@ -128,29 +130,32 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict) -> list[dict]:
     sp = jspec.SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], sp, use_tqdm=False)  # (every shape is compiled: LLM's warmup) first-call costs
     rows = []
+    waits = ReadWaits(llm.engine.runner)
     for n in sizes:
         llm.engine.spec_metrics.__init__()
         before = llm.engine.stats()
+        waits.reset()
         t = time.perf_counter()
         outs = llm.generate(prompts[:n], sp, use_tqdm=False)
         secs = time.perf_counter() - t
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         n_in = sum(len(p) for p in prompts[:n])
         bound = workload_bound(cfg, n, args.input_len, args.output_len, args.max_num_seqs, peak, bw)
-        tau = llm.engine.spec_metrics.mean_acceptance_length if spec else None
+        measured = llm.engine.spec_metrics.mean_acceptance_length if spec else None
         after = llm.engine.stats()
         widths = {q: n_q - before.get("decode_steps_by_width", {}).get(q, 0)
                   for q, n_q in after.get("decode_steps_by_width", {}).items()}
-        row = dict(method=method, K=K if spec else 0, synthetic_tau=args.tau if spec else None, tau=tau,
+        row = dict(method=method, K=K if spec else 0, synthetic_tau=tau if spec else None, tau=measured,
                    num_prompts=n, input_len=args.input_len, output_len=args.output_len,
                    max_num_seqs=args.max_num_seqs, seconds=secs, requests_per_s=n / secs,
                    output_tok_s=n_out / secs, total_tok_s=(n_in + n_out) / secs, bound_s=bound.seconds,
                    bound_prefill_s=bound.prefill_s, bound_decode_s=bound.decode_s, of_bound=bound.seconds / secs,
                    vs_plain=plain[n] / secs if n in plain else None, decode_steps_by_width=widths,
-                   step_ms=step_times(llm.engine))
-        label = "plain" if spec is None else f"{method} K={K} tau {tau:.2f}"
+                   step_ms=step_times(llm.engine), read_wait_s=waits.seconds, reads=waits.calls)
+        label = "plain" if spec is None else f"{method} K={K} tau {measured:.2f}"
         vs = "" if row["vs_plain"] is None else f"; {row['vs_plain']:.2f}x plain"
         vs += f"; decode steps by width {widths}" if widths else ""
+        vs += f"; {waits.calls} reads waited {waits.seconds:.2f} s"
         print(f"{label}: {n} x ({args.input_len} -> {args.output_len}), {secs:.2f} s: "
               f"{row['requests_per_s']:.2f} req/s, {row['output_tok_s']:.0f} output tok/s, {row['total_tok_s']:.0f} "
               f"total tok/s; hardware bound {bound.seconds:.2f} s (prefill {bound.prefill_s:.2f} s at "
@@ -161,6 +166,28 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict) -> list[dict]:
     del llm
     gc.collect()
     return rows
+
+
+class ReadWaits:
+    """Time the host spends in the runner's reads (waiting for the device, then the copy):
+    what is left of a run's seconds is the host's own work. A run of many reads that
+    waited little is bound by the host, not the device."""
+
+    def __init__(self, runner):
+        self.read, self.seconds, self.calls = runner.read, 0.0, 0
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return self.read(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t
+                self.calls += 1
+
+        runner.read = timed
+
+    def reset(self):
+        self.seconds, self.calls = 0.0, 0
 
 
 def step_times(engine) -> dict:
@@ -175,7 +202,8 @@ def step_times(engine) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default="none,eagle3", help="'none' (plain) and drafters: eagle3, peagle, "
-                    "dflash, ngram, draft_model (each beside the plain run of its target)")
+                    "dflash, ngram, draft_model (each beside the plain run of its target); METHOD:TAU sets "
+                    "that drafter's synthetic acceptance length (default --tau)")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--num-prompts", type=int, default=512)
@@ -200,7 +228,8 @@ def main(argv=None):
     bw, peak = bwd["best_TBps"] * 1e12, measure_matrix_peak(args.quick)
     print(f"{jax.devices()[0].device_kind}: bandwidth {bwd}, bf16 matrix peak {peak / 1e12:.1f} TFLOP/s", flush=True)
     root = tempfile.mkdtemp(prefix="jspec_bench_throughput_")
-    methods = args.methods.split(",")
+    taus = dict((m.split(":")[0], float(m.split(":")[1]) if ":" in m else args.tau) for m in args.methods.split(","))
+    methods = list(taus)
     rows, plain = [], {}
     for family in ("llama", "qwen3"):
         mine = [m for m in methods if (m in LLAMA_METHODS) == (family == "llama")]
@@ -214,7 +243,7 @@ def main(argv=None):
             if method == "draft_model":
                 small = dataclasses.replace(TINY, num_layers=2) if args.quick else LLAMA_1B
                 folders = (folders[0], write_target_folder(os.path.join(root, "draft-model"), small))
-            got = run(args, method, folders, cfg, bw, peak, plain.get(family, {}))
+            got = run(args, method, folders, cfg, bw, peak, plain.get(family, {}), taus.get(method, args.tau))
             if method == "none":
                 plain[family] = {r["num_prompts"]: r["seconds"] for r in got}
             rows += [dict(r, family=family) for r in got]

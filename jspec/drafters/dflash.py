@@ -42,7 +42,7 @@ from jspec.drafters.eagle3 import DraftVocab, embed
 from jspec.drafters.layers import DFlashLayer
 from jspec.drafters.loader import add_layer_specs, load_from_spec
 from jspec.drafters.method import Method
-from jspec.drafters.propose import ProposeInputs, create_kv_cache, gather_rows, pick_drafts, span_metadata
+from jspec.drafters.propose import ProposeInputs, create_kv_cache, gather_rows, no_drafts, pick_drafts, span_metadata
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import Linear, RMSNorm
 from jspec.models.transformer import next_input_norm
@@ -182,6 +182,8 @@ def dflash_propose(
     bs = c.block_size
     variables = {"params": params}
     kv = drafter.apply(variables, aux, meta, kv, method=DFlashDrafter.write_context)
+    if num_tokens == 0:
+        return no_drafts(last_idx.shape[0], kv)
     pos = gather_rows(meta.positions, last_idx) + 1  # i32[B] block start = bonus position
     block = span_metadata(meta.page_table, pos, bs, active, kv.page_size, kv.num_pages, causal=False)
     B = bonus.shape[0]

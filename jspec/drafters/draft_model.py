@@ -26,7 +26,7 @@ from jspec.checkpoint.target import load_target
 from jspec.config import ModelConfig
 from jspec.drafters.config import DrafterConfig
 from jspec.drafters.method import Method
-from jspec.drafters.propose import create_kv_cache, gather_rows, pick, span_metadata
+from jspec.drafters.propose import create_kv_cache, gather_rows, no_drafts, pick, span_metadata
 from jspec.kv_cache import KVCache
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
@@ -83,6 +83,8 @@ def draft_model_propose(dm: DraftModel, params, kv: KVCache, inp, *, num_tokens:
     meta = inp.meta
     P, S = kv.num_pages, kv.page_size
     _, _, kv = model.apply(variables, inp.inputs, meta, kv)  # KV of every verified position
+    if not num_tokens:
+        return no_drafts(inp.last_idx.shape[0], kv)
     bonus = gather_rows(inp.tokens, inp.last_idx)  # i32[N] the bonus token (the last pair's)
     pos = gather_rows(meta.positions, inp.last_idx) + 1  # i32[N] its position
     drafts, probs = [], []

@@ -37,7 +37,7 @@ from jspec.drafters.config import FMT_EAGLE3_ORIGINAL, DrafterConfig, MethodFiel
 from jspec.drafters.layers import Eagle3FirstLayer
 from jspec.drafters.loader import add_layer_specs, load_from_spec
 from jspec.drafters.method import Method
-from jspec.drafters.propose import ProposeInputs, create_kv_cache, gather_rows, pick, span_metadata
+from jspec.drafters.propose import ProposeInputs, create_kv_cache, gather_rows, no_drafts, pick, span_metadata
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import Linear, RMSNorm
 from jspec.models.transformer import DecoderLayer, next_input_norm
@@ -209,6 +209,8 @@ def eagle3_propose(
     embed_table = None if drafter.cfg.has_own_embeddings else inp.embed
     variables = {"params": params}
     h, kv = drafter.apply(variables, tokens, aux, meta, kv, embed_table, hidden_is_fc_input=True)
+    if not num_tokens:
+        return no_drafts(last_idx.shape[0], kv)
     h = gather_rows(h, last_idx)[:, None]  # [B, 1, H] pre-norm output at the bonus pair
     pos = gather_rows(meta.positions, last_idx)  # i32[B]
     page_size, num_pages = kv.page_size, kv.num_pages

@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jspec.config import ModelConfig
 from jspec.drafters.config import DrafterConfig, layerless_config
 from jspec.drafters.method import Method
-from jspec.drafters.propose import gather_rows
+from jspec.drafters.propose import gather_rows, no_drafts
 
 
 @struct.dataclass
@@ -85,6 +85,8 @@ def ngram_propose(proposer: NgramProposer, params, cache: TokenHistory, inp, *, 
     c = proposer.cfg
     P, S = cache.tokens.shape
     flat = cache.tokens.reshape(-1).at[inp.meta.slot_mapping.reshape(-1)].set(inp.tokens.reshape(-1), mode="drop")
+    if not num_tokens:
+        return no_drafts(inp.last_idx.shape[0], TokenHistory(flat.reshape(cache.tokens.shape)))
     B = inp.last_idx.shape[0]
     pages = jnp.clip(inp.meta.page_table, 0, P - 1)  # [B, W]; entries past a row's pages are masked below
     hist = flat.reshape(P, S)[pages].reshape(B, -1)  # i32[B, N]: history slot i = the token at i + 1

@@ -24,7 +24,7 @@ from jspec.drafters.config import DrafterConfig, MethodFields
 from jspec.drafters.eagle3 import Eagle3Drafter
 from jspec.drafters.loader import load_from_spec
 from jspec.drafters.method import Method
-from jspec.drafters.propose import ProposeInputs, create_kv_cache, gather_rows, pick_drafts, span_metadata
+from jspec.drafters.propose import ProposeInputs, create_kv_cache, gather_rows, no_drafts, pick_drafts, span_metadata
 from jspec.kv_cache import KVCache, MixedMetadata
 
 PEagleDrafter = Eagle3Drafter  # cfg.method == "peagle" adds the mask_hidden parameter
@@ -65,8 +65,10 @@ def peagle_propose(
     N, M = last_idx.shape[0], num_tokens - 1
     pos = gather_rows(meta.positions, last_idx)  # i32[N] position of the bonus pair
     variables = {"params": params}
-    if M == 0:
+    if M <= 0:
         h, kv = drafter.apply(variables, tokens, aux, meta, kv, embed_table, hidden_is_fc_input=True)
+        if not num_tokens:
+            return no_drafts(N, kv)
         logits = drafter.apply(variables, gather_rows(h, last_idx)[:, None], method=Eagle3Drafter.logits)
         return pick_drafts(drafter, variables, logits, pos + 2, temperature, seeds, with_probs, Eagle3Drafter) + (kv,)
     # The mask slots [N, M] after the pairs, one forward over both (jspec.kv_cache.MixedMetadata:

@@ -32,6 +32,10 @@ RaggedMetadata (jspec/engine/flat_input.py; N sequences, index i of last_idx int
                           a draft model's KV at p is built from the token at p, not p + 1.
 Returned: drafts i32[N, K] (target vocab ids), probs f32[B, K, Vt] (the draft distribution
 over the target vocab: one-hot at the draft for greedy rows), and the updated drafter KV.
+K = 0 (``no_drafts``): the cache written for the step's pairs, nothing proposed: a decode
+step that verifies no drafts (dynamic speculation's width 1) keeps the drafter's cache
+whole, so its later proposals read every position (vLLM V0 ran its proposer on such steps
+for the same reason).
 
 Lookahead: each method's ``Method.lookahead`` says how many slots past the step's last
 verified token its proposal writes (EAGLE3/PEagle K - 1 past the bonus pair; DFlash its
@@ -68,6 +72,11 @@ def create_kv_cache(cfg, num_pages: int, page_size: int, dtype, sharding=None) -
     """The drafter's own cache (``cfg``: its DrafterConfig): num_layers x [P, S, KVH, D],
     the same page ids as the target's page table, its own buffers."""
     return KVCache.create(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, sharding)
+
+
+def no_drafts(n: int, cache):
+    """A proposal of K = 0 for n rows (the module docstring): (i32[n, 0], None, cache)."""
+    return jnp.zeros((n, 0), jnp.int32), None, cache
 
 
 def slots_for(page_table, positions, valid, page_size: int, num_pages: int):

@@ -1,7 +1,8 @@
 """Dynamic speculation (plain Python): how many drafts each decode step verifies.
 
 A decode step runs at one row width Q of ``widths`` (its program's shape, flat_input.py):
-Q = 1 is plain decoding (no drafter runs; the next step's rows have no drafts), Q = K + 1
+Q = 1 is plain decoding (the drafter only takes the step's tokens into its cache and
+proposes nothing: the next step's rows have no drafts), Q = K + 1
 verifies every draft, the widths between verify the first Q - 1 of the K the drafter
 proposed. Before each decode call the engine asks ``choose`` for the width that emits the
 most tokens per second:
@@ -15,8 +16,9 @@ most tokens per second:
 - t(Q, N): the measured time of a decode call of width Q at the batch bucket N (from its
   dispatch, or the read of the call before it, to its read: with async scheduling the
   host's work counts where the device waits for it). A width not yet run at N: the time
-  warmup measured for it on empty rows (``warm``, a lower bound: no context, no host), so
-  it is tried when it might pay; without warmup (a CPU) it is tried once.
+  warmup measured for it on empty rows (``warm``: no context, no host, but a lone call's
+  launch), scaled by what the width in use measured against its own warm time; a width
+  with neither (no warmup: a CPU) is tried once.
 A request whose first draft is rarely accepted (c_i1 < ``min_first_acceptance``) stops
 drafting: its rows verify nothing, except one step in ``probe_every`` that measures it
 again. While a batch runs plain nothing is measured: every ``probe_off_every`` steps two

@@ -162,16 +162,20 @@ class FlatRunner:
             return state.replace(kv=kv), out
         if steps:
             inp = flat_spec.continue_flat(inp, prev, self.K, self.page_size, self.num_pages)
-        off = self.K and inp.logits_idx.shape[1] == 1  # a decode step of width 1: speculation off
+        off = self.K and inp.logits_idx.shape[1] == 1  # a decode step of width 1: nothing verified
         h, aux, kv = self.model.apply({"params": params}, inp.tokens[None], inp.meta, state.kv,
-                                      aux_layers=() if off else self.aux_layers)
+                                      aux_layers=self.aux_layers)
         state = state.replace(kv=kv)
         logits = self._lm(params, h[0][inp.logits_idx])  # f32[N, Q, V]
         if self.K == 0 or off:
             tokens, lp = self._sample_one(logits, inp, inp.proc, inp.sample_pos, filtering)
             if off:  # packed as a verification that emitted one token and proposed nothing
                 N = tokens.shape[0]
-                out = flat_spec.pack(tokens, jnp.ones((N,), jnp.int32), jnp.zeros((N, self.K), jnp.int32), self.K,
+                n_emit = jnp.ones((N,), jnp.int32)
+                # the drafter's cache still takes the step's pairs (K = 0: it proposes nothing)
+                _, _, dkv = self._propose(params, dparams, state, aux, inp, inp, tokens, n_emit, 0)
+                state = state.replace(dkv=dkv)
+                out = flat_spec.pack(tokens, n_emit, jnp.zeros((N, self.K), jnp.int32), self.K,
                                      None if lp is None else lp.reshape(N, 1, -1))
                 if inp.proc is None:
                     return state, out
@@ -211,19 +215,25 @@ class FlatRunner:
             method=self.spec.rejection_sample_method, synthetic_rates=None if rates is None else rates[:k],
             filtering=filtering)
         N = out.shape[0]
-        aux = None if aux is None else aux.reshape(1, aux.shape[1], -1)  # None: no aux layers (n-gram, a draft model)
-        draft_temp = s.temperature if self.with_probs else jnp.zeros_like(s.temperature)
-        nxt, probs, dkv = self.drafter.propose(
-            dparams, state.dkv,
-            ProposeInputs(flat_spec.pairs(inp, out), aux, inp.meta, flat_spec.bonus_index(inp, n_emit),
-                          self.embedding_table(params), self.lm_head_weight(params), s.seeds, draft_temp, s.sample,
-                          inp.tokens[None]),
-            num_tokens=self.K, with_probs=self.with_probs)
+        nxt, probs, dkv = self._propose(params, dparams, state, aux, inp, s, out, n_emit, self.K)
         if self.with_probs:
             rows = jnp.where(s.sample, s.prob_rows, probs_buf.shape[0])  # rows that do not sample: dropped
             probs_buf = probs_buf.at[rows].set(probs[:, : self.K], mode="drop")  # the registry allows >= K
         lp = None if s.proc is None else self._token_logprobs(raw, logits, out, s).reshape(N, k + 1, -1)
         return state.replace(dkv=dkv, probs=probs_buf), flat_spec.pack(out, n_emit, nxt, self.K, lp)
+
+    def _propose(self, params, dparams, state: EngineState, aux, inp: FlatInput, s, out, n_emit, num_tokens: int):
+        """The drafter over the step's pairs (out i32[N, Q] emitted, n_emit i32[N]) -> (drafts
+        i32[N, num_tokens], probs | None, its cache); num_tokens 0: the cache alone."""
+        aux = None if aux is None else aux.reshape(1, aux.shape[1], -1)  # None: no aux layers (n-gram, a draft model)
+        with_probs = self.with_probs and num_tokens > 0
+        draft_temp = s.temperature if with_probs else jnp.zeros_like(s.temperature)
+        return self.drafter.propose(
+            dparams, state.dkv,
+            ProposeInputs(flat_spec.pairs(inp, out), aux, inp.meta, flat_spec.bonus_index(inp, n_emit),
+                          self.embedding_table(params), self.lm_head_weight(params), s.seeds, draft_temp, s.sample,
+                          inp.tokens[None]),
+            num_tokens=num_tokens, with_probs=with_probs)
 
     def _lm(self, params, h):
         return self.model.apply({"params": params}, h, method=Transformer.logits)
@@ -355,7 +365,8 @@ class FlatRunner:
         request ids, for ``assign_prob_rows`` (a chained call keeps the rows of the call it
         continues). ``q``: a decode step's row width (dynamic speculation; default K + 1):
         a row verifies num_new - 1 <= q - 1 drafts (chained: the first of those ``prev``
-        proposed); q = 1 runs no drafter."""
+        proposed); q = 1 verifies none and proposes none (the drafter's cache still takes the
+        step's tokens)."""
         if prev is None:
             self.assign_prob_rows(sched, running or set())
             self.num_mixed_steps += sched.kind == "mixed"
@@ -370,7 +381,7 @@ class FlatRunner:
 
     def read(self, out, n: int, steps: int = 0, q: int | None = None) -> flat_spec.StepResult:
         """Wait for a step's output (``dispatch``'s, or ``dispatch_tail``'s with steps 1) and
-        split its first n rows (``q`` = 1: a step without the drafter proposed nothing)."""
+        split its first n rows (``q`` = 1: a step of width 1 proposed nothing)."""
         if self.K:
             res = flat_spec.read_packed(out, n, self.K, self.n_top_logprobs)
             if q == 1:

@@ -1,7 +1,8 @@
 """The speculative pieces of a flat step (jspec/engine/flat_runner.py), as plain functions.
 
 Device data flow of a speculative flat step, K drafts (Q = K + 1; a decode step of width
-Q < K + 1 verifies Q - 1 of them, and Q = 1, speculation off, runs no drafter):
+Q < K + 1 verifies Q - 1 of them; Q = 1 verifies none, and its drafter only writes its
+cache for the step's pairs, proposing nothing):
   tokens [T] --target (aux layers)--> hidden [1, T, H], aux [1, T, n, H]
   hidden at logits_idx [N, Q] --lm_head--> logits f32[N, Q, V]
   drafts = tokens at logits_idx[:, 1:] (a decode row's d_1..d_K; num_draft says how many)

@@ -45,6 +45,7 @@ from jspec.sampling_params import SamplingParams
 
 logger = logging.getLogger("jspec.engine")
 
+
 @dataclasses.dataclass
 class _InFlight:
     """A decode call dispatched but not yet read (async scheduling)."""
@@ -53,7 +54,7 @@ class _InFlight:
     steps: int  # FlatRunner.dispatch's: decode steps fed back (1: one step, or a verification)
     out: object  # on the device: the call's output (None until a split call's tail is dispatched)
     split: object = None  # structured outputs: the forward's Split
-    q: int | None = None  # a speculative decode call's row width (1: no drafter ran)
+    q: int | None = None  # a speculative decode call's row width (1: nothing verified nor proposed)
     t0: float = 0.0  # when its dispatch returned (time.monotonic)
     c0: int = 0  # the runner's compilations then
 
@@ -359,11 +360,11 @@ class LLMEngine:
         if not all(self.blocks.ensure_slots(r.seq, r.seq.num_computed + grow + self.lookahead) for r in f.sched.seqs):
             return None
         self.num_chained_calls += 1
-        # f proposed K drafts a row, unless it ran without the drafter
+        # f proposed K drafts a row, unless it ran at width 1
         q, sched = self._widths(f.sched, [0 if f.q == 1 else self.K] * len(f.sched.seqs))
         if any_grammar(f.sched.seqs):  # its masks need f's tokens: the forward now, the rest in step()
             split = self.runner.dispatch_forward(sched, f.out)
-            return _InFlight(sched, 1, None, split, q, time.monotonic(), self.runner.num_compilations)
+            return _InFlight(sched, 1, None, split, q=q, t0=time.monotonic(), c0=self.runner.num_compilations)
         out = self.runner.dispatch(sched, f.steps, prev=f.out, q=q)
         return _InFlight(sched, f.steps, out, q=q, t0=time.monotonic(), c0=self.runner.num_compilations)
 

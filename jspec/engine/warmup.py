@@ -139,17 +139,17 @@ def run_warmup(runner: FlatRunner, num_scheduler_steps: int = 1, async_schedulin
 
 def time_decode_calls(runner: FlatRunner, shapes) -> dict[tuple[int, int], float]:
     """Seconds of each decode program among ``shapes`` (without top-k / top-p filtering) on
-    empty rows, its second run timed: dynamic speculation's step times before any request
-    (jspec/engine/dynamic_spec.py). -> {(row width Q, batch bucket N): seconds}."""
+    empty rows, one run each after warmup's (compiled and run once already): dynamic
+    speculation's step times before any request (jspec/engine/dynamic_spec.py).
+    -> {(row width Q, batch bucket N): seconds}."""
     import time
 
     out = {}
     for sh in shapes:
         if not sh.decode or sh.filtering != "off":
             continue
-        for _ in range(2):
-            t = time.perf_counter()
-            runner.state, res = runner._invoke(*runner._call(empty_input(runner, sh), sh.steps, None, sh.filtering))
-            jax.block_until_ready(res)
+        t = time.perf_counter()
+        runner.state, res = runner._invoke(*runner._call(empty_input(runner, sh), sh.steps, None, sh.filtering))
+        jax.block_until_ready(res)
         out[(row_width(sh), sh.seqs)] = time.perf_counter() - t
     return out

@@ -7,6 +7,10 @@ stops a useless drafter.
   equals plain greedy token for token (EAGLE3 with async scheduling, DFlash without, a draft
   model), and sampled output follows the target's distribution (chi-squared at the first
   verified positions, as tests/e2e/test_spec_distribution.py).
+- A step of width 1 verifies nothing but still writes the drafter's cache: with the trained
+  family, the drafts proposed at every position of a run at random widths equal those of a
+  run at full width (a cache with holes where plain steps ran proposes other drafts: 85% equal
+  for EAGLE3 before the drafter ran at width 1).
 - The policy itself, with a draft model that never agrees with the target (random weights,
   nothing planted): after a few measured steps its request stops drafting (a probe in
   probe_every), and its output is still plain greedy's.
@@ -14,10 +18,14 @@ stops a useless drafter.
 
 from __future__ import annotations
 
+import inspect
+import json
+
 import numpy as np
 import pytest
 
 import jspec
+from jspec import family
 from tests.e2e.test_spec_distribution import PROMPT, target_probs
 from tests.helpers import spec_e2e as h
 
@@ -59,6 +67,54 @@ def test_random_widths_are_lossless(name, k, asyn):
     assert d["mean_acceptance_length"] > 1.3, d  # drafts were verified and accepted, not only plain steps
     if asyn:
         assert eng.stats()["num_chained_calls"] > 0
+
+
+def _proposals(llm, prompts, sp, widths_seed: int | None):
+    """(outputs, {(prompt index, sequence length): the drafts proposed there}) of one generate
+    call, at random widths (``random_widths``) or at the full width."""
+    eng = llm.engine
+    seen, order = {}, {}
+    advance = eng._advance
+
+    def record(seq, toks, n, lp):
+        out = advance(seq, toks, n, lp)
+        if seq.draft_token_ids and seq.num_tokens < len(seq.prompt_token_ids) + sp.max_tokens:  # still running
+            seen[(order.setdefault(seq.request_id, len(order)), seq.num_tokens)] = tuple(seq.draft_token_ids)
+        return out
+
+    eng._advance = record
+    choose = random_widths(eng, widths_seed) if widths_seed is not None else None
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    finally:
+        del eng._advance
+        if choose is not None:
+            eng.policy.choose = choose
+    return [o.token_ids for o in outs], seen
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_width_one_keeps_the_drafter_cache_whole(method):
+    from jspec.train import tokenizer
+
+    tok = tokenizer.load_tokenizer(family.TARGET)
+    prompts = [tok.encode(inspect.getsource(m)[:400]).ids[:64] for m in (json, inspect, np.lib.npyio, pytest)]
+    sp = jspec.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    runs = []
+    for seed in (None, 5):  # the full width throughout; random widths, plain steps among them
+        llm = jspec.LLM(speculative_config={"method": method, "num_speculative_tokens": 3, "dynamic": True},
+                        dtype="float32", max_model_len=160, max_num_seqs=4, warmup=False)
+        if seed is None:
+            llm.engine.policy.enabled = False
+        runs.append(_proposals(llm, prompts, sp, seed))
+        widths = llm.engine.stats()["decode_steps_by_width"]
+    (want, full), (got, mixed) = runs
+    assert got == want
+    assert widths.get(1, 0) >= 4, widths  # plain steps ran, each followed by proposals
+    common = sorted(set(full) & set(mixed))
+    assert len(common) >= 40
+    equal = sum(full[k] == mixed[k] for k in common)
+    assert equal >= 0.98 * len(common), [(k, full[k], mixed[k]) for k in common if full[k] != mixed[k]]
 
 
 def test_random_widths_sample_the_target():
