@@ -131,10 +131,13 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
     llm.generate(prompts[:2], sp, use_tqdm=False)  # (every shape is compiled: LLM's warmup) first-call costs
     rows = []
     waits = ReadWaits(llm.engine.runner)
+    trace = PolicyTrace(llm.engine.policy) if args.trace_policy and llm.engine.policy is not None else None
     for n in sizes:
         llm.engine.spec_metrics.__init__()
         before = llm.engine.stats()
         waits.reset()
+        if trace:
+            trace.steps = []
         t = time.perf_counter()
         outs = llm.generate(prompts[:n], sp, use_tqdm=False)
         secs = time.perf_counter() - t
@@ -151,7 +154,8 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
                    output_tok_s=n_out / secs, total_tok_s=(n_in + n_out) / secs, bound_s=bound.seconds,
                    bound_prefill_s=bound.prefill_s, bound_decode_s=bound.decode_s, of_bound=bound.seconds / secs,
                    vs_plain=plain[n] / secs if n in plain else None, decode_steps_by_width=widths,
-                   step_ms=step_times(llm.engine), read_wait_s=waits.seconds, reads=waits.calls)
+                   step_ms=step_times(llm.engine), read_wait_s=waits.seconds, reads=waits.calls,
+                   **({"policy_trace": trace.steps} if trace else {}))
         label = "plain" if spec is None else f"{method} K={K} tau {measured:.2f}"
         vs = "" if row["vs_plain"] is None else f"; {row['vs_plain']:.2f}x plain"
         vs += f"; decode steps by width {widths}" if widths else ""
@@ -163,7 +167,8 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
               f"{row['of_bound']:.2f} of it{vs}", flush=True)
         rows.append(row)
         del outs
-    del llm
+    waits.close()  # (its wrapper holds the runner: the next engine needs that memory)
+    del llm, waits
     gc.collect()
     return rows
 
@@ -174,7 +179,7 @@ class ReadWaits:
     waited little is bound by the host, not the device."""
 
     def __init__(self, runner):
-        self.read, self.seconds, self.calls = runner.read, 0.0, 0
+        self.runner, self.read, self.seconds, self.calls = runner, runner.read, 0.0, 0
 
         def timed(*a, **kw):
             t = time.perf_counter()
@@ -188,6 +193,30 @@ class ReadWaits:
 
     def reset(self):
         self.seconds, self.calls = 0.0, 0
+
+    def close(self):
+        del self.runner.read  # the class's method again
+        self.runner = self.read = None
+
+
+class PolicyTrace:
+    """Each decode call's choice (--trace-policy): width, batch bucket, rows, drafts
+    scheduled, the mean estimated acceptance per draft position and the times (ms) the
+    policy held for each width at that bucket."""
+
+    def __init__(self, policy):
+        self.steps, choose = [], policy.choose
+
+        def traced(rows, N, fixed=False):
+            q, ks = choose(rows, N, fixed)
+            rates = policy.rates([r[0] for r in rows]).mean(0) if rows else []
+            self.steps.append(dict(q=q, N=N, rows=len(rows), drafts=int(sum(ks)),
+                                   rates=[round(float(x), 3) for x in rates],
+                                   ms={w: round(policy.times[(w, N)] * 1e3, 2) for w in policy.widths
+                                       if (w, N) in policy.times}))
+            return q, ks
+
+        policy.choose = traced
 
 
 def step_times(engine) -> dict:
@@ -219,6 +248,8 @@ def main(argv=None):
                     help="speculative_config 'dynamic': the width of each decode step chosen as pays")
     ap.add_argument("--tau", type=float, default=3.5, help="synthetic acceptance length of the drafters")
     ap.add_argument("-k", "--k", type=int, default=0, help="num_speculative_tokens (default: the method's)")
+    ap.add_argument("--trace-policy", action="store_true", help="dynamic speculation's choice at each decode "
+                    "call, in the json rows (policy_trace)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and workload (a CPU smoke run)")
     ap.add_argument("--json", default=None, help="write the rows here (default $OUT/bench_throughput.json)")
     args = ap.parse_args(argv)

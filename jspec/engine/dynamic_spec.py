@@ -11,8 +11,9 @@ most tokens per second:
 
 - E_i(k) = 1 + sum_{j<=k} prod_{l<=j} c_il: the tokens row i is expected to emit verifying
   k drafts, from its request's measured conditional acceptance c_il at draft position l
-  (a decayed count, ``decay``, with ``prior`` pseudo-counts of the engine-wide rate, itself
-  starting at 1: a drafter is trusted until measured).
+  (a decayed count, ``decay``, with ``prior`` pseudo-counts of the engine-wide rate,
+  ``engine_rates``: the first position's starting at 1, a drafter trusted until measured,
+  each later one at the position before's).
 - t(Q, N): the measured time of a decode call of width Q at the batch bucket N (from its
   dispatch, or the read of the call before it, to its read: with async scheduling the
   host's work counts where the device waits for it). A width not yet run at N: the time
@@ -132,13 +133,24 @@ class DynamicSpeculation:
     # ---- the choice ----------------------------------------------------------------------
     def rates(self, request_ids: list[str]) -> np.ndarray:
         """f64[n, K] each request's conditional acceptance estimate per draft position."""
-        g = (self.all_hit + 1) / (self.all_tried + 1)
+        g = self.engine_rates()
         idx = [self._slots.get(rid, -1) for rid in request_ids]
         known = np.array([i >= 0 for i in idx])
         out = np.broadcast_to(g, (len(idx), self.K)).copy()
         if known.any():
             j = np.array([i for i in idx if i >= 0])
             out[known] = (self.hit[j] + self.prior * g) / (self.tried[j] + self.prior)
+        return out
+
+    def engine_rates(self) -> np.ndarray:
+        """f64[K] the engine-wide conditional acceptance per draft position, each with one
+        pseudo-count of the position before's (the first's: 1, a drafter trusted until
+        measured). A later position is tried only after an acceptance at every position
+        before it, so its counts come slowly: a prior of 1 there read a position never tried
+        as always accepted."""
+        out, prev = np.empty(self.K), 1.0
+        for l in range(self.K):
+            out[l] = prev = (self.all_hit[l] + prev) / (self.all_tried[l] + 1)
         return out
 
     def _time(self, q: int, N: int, cur: int) -> float | None:

@@ -130,3 +130,17 @@ def test_a_width_never_timed_at_a_batch_is_tried_once_when_it_might_pay():
     accept(p, "r0", 3, 3)
     got = [p.choose(rows, 8)[0] for _ in range(3)]
     assert got == [2, 4, 4] or got == [4, 2, 4], got
+
+
+
+def test_a_position_rarely_tried_leans_on_the_one_before():
+    """A later draft position is tried only when every one before it was accepted: until
+    measured it takes the position before's rate, not a trusted drafter's 1."""
+    p = policy(3, {1: 1.0, 2: 1.5, 4: 2.0})
+    p.record_acceptance([("a", 3, 1)])  # position 1 accepted, 2 rejected, 3 never tried
+    g = p.engine_rates()
+    assert g[0] == pytest.approx(1.0) and g[1] == pytest.approx(0.5) and g[2] == pytest.approx(g[1])
+    for _ in range(20):  # 30% of first drafts accepted, never a second
+        p.record_acceptance([(f"r{i}", 3, int(i < 3)) for i in range(10)])
+    g = p.engine_rates()
+    assert g[0] == pytest.approx(0.3, abs=0.05) and g[1] < 0.05 and g[2] <= g[1]
