@@ -464,6 +464,15 @@ def weight_partition(plan: KernelPlan, split: str | None, ndim: int):
     return P(*axes)
 
 
+def _quant_partition(plan: KernelPlan, split: str | None, w: QuantWeight) -> QuantWeight:
+    """An FP8 leaf's PartitionSpecs (a QuantWeight of them): the weight's, and its scale's:
+    the same, except a row-parallel leaf's per-channel scale, which is replicated
+    (jspec/parallel/placement.py)."""
+    spec = weight_partition(plan, split, w.ndim)
+    scale = P() if split == "in" and w.block is None else spec
+    return QuantWeight(spec, scale, w.block, w.dtype)
+
+
 def reduce_add(y, residual, bias=None):
     """residual + (sum over the devices of each one's partial y [+ bias]): a row-parallel
     projection's output (f32 partial sums, rounded once, after the sum, as tp 1 rounds its
@@ -478,6 +487,7 @@ def per_shard_layer(plan: KernelPlan, fn, weights: dict, splits: dict, x, meta, 
     weight_partition) and of the cache's KV heads; x (the residual stream), the metadata
     and rope replicated. fn calls reduce_add where a partial sum needs the other devices'."""
     heads, rep = _KV_HEADS, P()
-    wspecs = {k: weight_partition(plan, splits.get(k), w.ndim) for k, w in weights.items()}
+    wspecs = {k: _quant_partition(plan, splits.get(k), w) if isinstance(w, QuantWeight)
+              else weight_partition(plan, splits.get(k), w.ndim) for k, w in weights.items()}
     return jax.shard_map(fn, mesh=plan.mesh, in_specs=(wspecs, rep, rep, heads, heads, rep),
                          out_specs=(rep, heads, heads), check_vma=False)(weights, x, meta, k_pages, v_pages, rope)

@@ -159,6 +159,8 @@ def load_target(path, dtype="float32", sharding=None, progress=None, load_format
         sharding.check_target(cfg)
     dt = resolve_dtype(dtype)
     specs = target_param_spec(cfg)
+    if isinstance(sharding, Placement):
+        sharding.check_quant(specs)
     if check_load_format(load_format) == "dummy":
         params = dummy_params(specs, dt, seed=0, sharding=sharding)
     elif os.path.isdir(os.path.join(path, ORBAX_DIR)):
