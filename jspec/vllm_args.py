@@ -1,7 +1,7 @@
 """vLLM's engine arguments in jspec: one table of those jspec takes under another name,
 takes with no setting of its own, takes at vLLM's default value only, or takes at some of
-vLLM's values (``CHOICES``: quantization). ``jspec.LLM``
-reads it for keyword arguments and ``python -m jspec.serve`` for flags, so a vLLM user
+vLLM's values (``CHOICES``: quantization). ``jspec.LLM`` reads it for keyword arguments
+and ``python -m jspec.serve`` for flags, so a vLLM user
 keeps their keys and flags: each is honoured, or accepted with one log line saying why it
 changes nothing here, or refused with an error naming the key and the reason.
 """
@@ -116,7 +116,7 @@ def translate(engine_args: dict, known: set[str]) -> dict:
             near = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise ValueError(f"unknown engine argument {key!r}{hint} (jspec.EngineConfig takes {sorted(known)}, "
-                             f"and vLLM's {sorted(set(RENAMED) | set(NO_EFFECT) | set(DEFAULT_ONLY))})")
+                             f"and vLLM's {sorted(set(RENAMED) | set(NO_EFFECT) | set(DEFAULT_ONLY) | set(CHOICES))})")
     if "dtype" in out:
         out["dtype"] = DTYPE_ALIASES.get(out["dtype"], out["dtype"])
     return out
