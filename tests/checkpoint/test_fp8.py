@@ -100,6 +100,20 @@ def test_online_fp8_is_the_per_channel_checkpoint(ckpt_root):
             assert np.array_equal(x, y), k
 
 
+def test_pytorch_bin_reads_the_same(ckpt_root, tmp_path):
+    """The FP8 checkpoint as pytorch_model.bin (torch's float8_e4m3fn tensors) loads the same tree."""
+    import torch
+    from safetensors.torch import load_file
+
+    folder, _, _ = fp8_folder(ckpt_root, "qwen3", "fp8_block", (16, 24))
+    shutil.copy(os.path.join(folder, "config.json"), tmp_path)
+    torch.save(load_file(os.path.join(folder, "model.safetensors")), tmp_path / "pytorch_model.bin")
+    a, b = flat_params(load_target(folder)[1]), flat_params(load_target(str(tmp_path))[1])
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and np.array_equal(np.asarray(a[k], np.float32), np.asarray(b[k], np.float32)), k
+
+
 def test_dummy_weights_quantized(ckpt_root):
     folder, _, _ = fp8_folder(ckpt_root, "qwen3", "ct_tensor")
     llm = jspec.LLM(folder + "_src", load_format="dummy", quantization="fp8", max_num_seqs=1, max_model_len=64,
