@@ -13,6 +13,8 @@ import json
 import os
 from typing import Any
 
+from jspec.quantization import QuantConfig, quant_config_from_hf
+
 # architecture name -> model family. Only decoder-only Llama 3.x / Qwen3 shapes (Qwen3's
 # mixture-of-experts models, Qwen3-30B-A3B and the like, are the qwen3 family with experts).
 SUPPORTED_ARCHITECTURES = {
@@ -46,7 +48,7 @@ _READ_KEYS = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
     "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "attention_bias",
-    "mlp_bias", "eos_token_id", "max_position_embeddings",
+    "mlp_bias", "eos_token_id", "max_position_embeddings", "quantization_config",
 } | _MOE_KEYS
 
 
@@ -93,6 +95,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # FP8 projection weights (jspec/quantization.py): config.json's quantization_config, or
+    # quantization="fp8" on an unquantized checkpoint (quantization.resolve); None: unquantized.
+    quantization: QuantConfig | None = None
 
     @property
     def q_size(self) -> int:
@@ -151,7 +156,8 @@ def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
 
 
 def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
-    """Translate a HF config dict (Llama 3.x or Qwen3) into a ModelConfig."""
+    """Translate a HF config dict (Llama 3.x or Qwen3) into a ModelConfig (its
+    quantization_config through jspec/quantization.py)."""
     archs = d.get("architectures") or []
     model_type = d.get("model_type")
     for a in archs:
@@ -205,6 +211,7 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
         eos_token_ids=eos_ids,
         max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
         dtype=_checkpoint_dtype(d),
+        quantization=quant_config_from_hf(d.get("quantization_config")),
         **moe,
     )
 

@@ -18,6 +18,7 @@ from jspec import envs
 from jspec.config import ModelConfig
 from jspec.kernel_backend import GPU, XLA, Backend, parse_impl, platform_kernels
 from jspec.parallel.mesh import padded_vocab
+from jspec.quantization import QuantWeight
 from kernels_pallas import fused_linear as _fl
 
 # Wider projections stay with XLA: gate_up (28672 x 4096) streams at 4.0-4.2 TB/s through
@@ -149,15 +150,16 @@ def vocab_rows(plan: KernelPlan, vocab_size: int) -> int:
 def plan_params(plan: KernelPlan, params):
     """A loaded parameter tree (HF [out, in] projection weights) in the plan's layout: with
     in_out_weights every projection weight transposed. Projection weights are the 2-D leaves
-    named ``weight`` (Linear) and ``lm_head``; embedding tables (``embedding``,
-    ``embed_tokens``) stay [vocab, hidden], as the gathers read them."""
+    named ``weight`` (Linear) and ``lm_head``, an FP8 one (QuantWeight) with its scale;
+    embedding tables (``embedding``, ``embed_tokens``) stay [vocab, hidden], as the gathers
+    read them."""
     if not plan.in_out_weights:
         return params
 
     def relayout(path, x):
         return x.T if x.ndim == 2 and path[-1].key in ("weight", "lm_head") else x
 
-    return jax.tree_util.tree_map_with_path(relayout, params)
+    return jax.tree_util.tree_map_with_path(relayout, params, is_leaf=lambda x: isinstance(x, QuantWeight))
 
 
 # ---- RMSNorm travelling into the next projection ---------------------------------------

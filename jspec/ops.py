@@ -20,6 +20,9 @@ Where kernels run (with the GPU plan):
   More rows (prefill, larger batches) run the XLA ops, where a GEMM, not launch count,
   dominates;
 - rejection sampling (``rejection_sample``): the plan's ``sample`` backend's block kernels.
+FP8 weights (``jspec.quantization.QuantWeight``: weight-only, a quantized checkpoint's or
+quantization="fp8") take the XLA path with the weight dequantized right before its dot
+(``_dequantized``); the glue kernels run on 16/32-bit weights only.
 Each kernel file holds its jnp reference and its kernels' entries; the plan's typed backends
 (jspec/kernel_backend.py: XLA(), GPU(interpret), TPU(interpret)) pick among them here and in
 jspec/ops_attention.py. A shape a kernel cannot tile runs the XLA path with one log line
@@ -50,6 +53,7 @@ from jspec.kernel_plan import (  # noqa: F401 (the facade's names: model code re
 )
 from jspec.ops_attention import _KV_HEADS, attention  # noqa: F401 (re-exported: ops.attention)
 from jspec.parallel.mesh import TP_AXIS
+from jspec.quantization import QuantWeight
 from kernels_pallas import fused_linear as _fl
 from kernels_pallas import fused_linear_rows as _flr
 from kernels_pallas import moe_experts as _moe
@@ -120,6 +124,18 @@ def _rows(x) -> int:
     return math.prod(x.shape[:-1])
 
 
+def _dequantized(plan: KernelPlan, *ws):
+    """For a call with FP8 weights (QuantWeight): (the plan with its glue kernels off, the
+    weights dequantized to their compute dtype right before the dot, where XLA can fuse the
+    conversion into the GEMM's operand on a GPU); None for a call without. Decided by the
+    weights' Python type at trace time, so an unquantized call is traced exactly as without
+    quantization support."""
+    if not any(isinstance(w, QuantWeight) for w in ws):
+        return None
+    plan = dataclasses.replace(plan, linear=XLA(), norm_handoff=False)
+    return plan, [w.dequantize() if isinstance(w, QuantWeight) else w for w in ws]
+
+
 def _project(plan, x, w, b, *, prologue="none", norm_w=None, eps=1e-6, residual=None, out_dtype=None, sumsq=None,
              out_in=False, next_norm_w=None):
     # An [in, out] weight goes to the reference as is: a transpose back to [out, in] (or of
@@ -137,8 +153,10 @@ def _project(plan, x, w, b, *, prologue="none", norm_w=None, eps=1e-6, residual=
 def linear(plan: KernelPlan, x, w, b=None, *, residual=None, out_dtype=None, out_in=False):
     """[residual +] x @ w.T [+ b]. x: f[..., K] or Normed; w: [F, K] (HF layout; [K, F] with
     plan.in_out_weights, as every weight the ops take, unless ``out_in``: an embedding table
-    read as a tied lm_head); b: [F]; residual: [..., F]; out_dtype: None (w.dtype) or
-    float32 (logits). -> [..., F]"""
+    read as a tied lm_head) or a QuantWeight of that shape; b: [F]; residual: [..., F];
+    out_dtype: None (w.dtype) or float32 (logits). -> [..., F]"""
+    if (dq := _dequantized(plan, w)) is not None:
+        plan, (w,) = dq
     if isinstance(x, Normed) and x.sumsq is not None and _rows(x) > 1 and linear_kernel(
             plan, _rows(x), w.shape, fused=True, dtype=w.dtype):
         # handed over (mlp's next_norm): fused_linear_rows scales x * weight by each row's 1 / rms
@@ -173,6 +191,8 @@ def linear_then_norm(plan: KernelPlan, x, w, b=None, *, residual, norm_w, eps) -
     o_proj's kernel and +1.0-1.2 in down's (commit 5527950). In the engine's decode step
     (bench.py, batch 1, ctx 512, three interleaved pairs): 4.15-4.17 ms per token with it,
     4.18-4.22 without."""
+    if (dq := _dequantized(plan, w)) is not None:
+        plan, (w,) = dq
     if plan.norm_handoff and linear_kernel(plan, _rows(x), w.shape, fused=True, dtype=w.dtype):
         h, scaled, sumsq = _fused_linear(plan, x, w, kernel=True, bias=b, residual=residual, next_norm_w=norm_w)
         return Normed(h, norm_w, eps, scaled, sumsq)
@@ -199,7 +219,9 @@ def mlp(plan: KernelPlan, x, w_gate_up, b_gate_up, w_down, b_down, *, residual=N
     (the weights') or float32 (a per-shard layer's partial sums). next_norm: (weight [H],
     eps) of the RMSNorm after this MLP (the next layer's input norm): where down_proj runs
     fused_linear_rows' kernel (2-16 rows), it hands that norm over and the result comes as
-    Normed (for ``linear``); elsewhere a plain array."""
+    Normed (for ``linear``); elsewhere a plain array. Either weight may be a QuantWeight."""
+    if (dq := _dequantized(plan, w_gate_up, w_down)) is not None:
+        plan, (w_gate_up, w_down) = dq
     if plan.tp > 1:  # gate|up tp-interleaved: g and u split per device, down's input sharded likewise
         gu = linear(plan, x, w_gate_up, b_gate_up)
         g, u = split_fused(plan, gu, (gu.shape[-1] // 2,) * 2)
@@ -264,7 +286,9 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
         1024 (compute-bound there), where the gather re-reads an expert per pair (1.6 ms at
         64) and XLA's grouped GEMM (lax.ragged_dot) took 1.8, 4.3 and 14.6 ms
         (docs/bench/2026-11-27_moe_layer_dense_h100.log).
-    Each token sums its top_k rows (zeros elsewhere add nothing)."""
+    Each token sums its top_k rows (zeros elsewhere add nothing).
+    FP8 experts (QuantWeight leaves, jspec/quantization.py) run the XLA ways: at most E pairs
+    each pair's expert gathered still FP8, then dequantized; more, every expert dequantized."""
     x = x.value() if isinstance(x, Normed) else x
     shape, H = x.shape, x.shape[-1]
     xf = x.reshape(-1, H)  # [N, H]
@@ -277,8 +301,13 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
     else:
         weights, experts = _router.ref_router_top_k(logits, top_k=top_k, norm=norm_topk_prob)
     weights = weights.astype(x.dtype)
+    quant = isinstance(w_gate_up, QuantWeight)
     if N * top_k <= E:  # y [N k, H]: pair j is token j // k
-        if (gpu and N * top_k >= MOE_KERNEL_MIN_FRACTION * E
+        if quant:
+            pairs = experts.reshape(-1)
+            y = _moe.ref_moe_experts(xf, jnp.arange(pairs.shape[0]), w_gate_up.take(pairs).dequantize(),
+                                     w_down.take(pairs).dequantize(), top_k=top_k)
+        elif (gpu and N * top_k >= MOE_KERNEL_MIN_FRACTION * E
                 and _moe.supports(w_gate_up.shape, w_down.shape, w_gate_up.dtype)):
             y = _moe.moe_experts(xf, experts.reshape(-1), w_gate_up, w_down, top_k=top_k,
                                  interpret=plan.linear.interpret)
@@ -286,6 +315,8 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
             y = _moe.ref_moe_experts(xf, experts.reshape(-1), w_gate_up, w_down, top_k=top_k)
         out = (y.reshape(N, top_k, H) * weights[..., None]).sum(1)
     else:
+        if quant:
+            w_gate_up, w_down = w_gate_up.dequantize(), w_down.dequantize()
         rows = jnp.arange(N)[:, None]
         dense_w = jnp.zeros((N, E), x.dtype).at[rows, experts].set(weights)  # [N, E]
 
@@ -310,7 +341,10 @@ def qkv_rope_write(plan: KernelPlan, x, w, b, rope, slot_mapping, k_pages, v_pag
     / k_norm, eps) -> rotate-half RoPE; k and v written into the paged cache at their slots.
     x: f[B, Q, K] or Normed; w: [(H + 2 KVH) D, K]; b: [(H + 2 KVH) D] | None; rope: (cos,
     sin) f32[B, Q, D/2]; slot_mapping: i32[B, Q] (P * S: not written); k_pages, v_pages:
-    [P, S, KVH, D]; q_norm_w, k_norm_w: [D] | None. -> (q [B, Q, H, D], k_pages, v_pages)"""
+    [P, S, KVH, D]; q_norm_w, k_norm_w: [D] | None. w may be a QuantWeight.
+    -> (q [B, Q, H, D], k_pages, v_pages)"""
+    if (dq := _dequantized(plan, w)) is not None:
+        plan, (w,) = dq
     B, Q, _ = x.shape
     M, D = B * Q, k_pages.shape[-1]
     (cos, sin), rows = rope, lambda a: a.reshape(M, -1)
@@ -430,6 +464,15 @@ def weight_partition(plan: KernelPlan, split: str | None, ndim: int):
     return P(*axes)
 
 
+def _quant_partition(plan: KernelPlan, split: str | None, w: QuantWeight) -> QuantWeight:
+    """An FP8 leaf's PartitionSpecs (a QuantWeight of them): the weight's, and its scale's:
+    the same, except a row-parallel leaf's per-channel scale, which is replicated
+    (jspec/parallel/placement.py)."""
+    spec = weight_partition(plan, split, w.ndim)
+    scale = P() if split == "in" and w.block is None else spec
+    return QuantWeight(spec, scale, w.block, w.dtype)
+
+
 def reduce_add(y, residual, bias=None):
     """residual + (sum over the devices of each one's partial y [+ bias]): a row-parallel
     projection's output (f32 partial sums, rounded once, after the sum, as tp 1 rounds its
@@ -444,6 +487,7 @@ def per_shard_layer(plan: KernelPlan, fn, weights: dict, splits: dict, x, meta, 
     weight_partition) and of the cache's KV heads; x (the residual stream), the metadata
     and rope replicated. fn calls reduce_add where a partial sum needs the other devices'."""
     heads, rep = _KV_HEADS, P()
-    wspecs = {k: weight_partition(plan, splits.get(k), w.ndim) for k, w in weights.items()}
+    wspecs = {k: _quant_partition(plan, splits.get(k), w) if isinstance(w, QuantWeight)
+              else weight_partition(plan, splits.get(k), w.ndim) for k, w in weights.items()}
     return jax.shard_map(fn, mesh=plan.mesh, in_specs=(wspecs, rep, rep, heads, heads, rep),
                          out_specs=(rep, heads, heads), check_vma=False)(weights, x, meta, k_pages, v_pages, rope)

@@ -1,6 +1,7 @@
 """vLLM's engine arguments in jspec: one table of those jspec takes under another name,
-takes with no setting of its own, or takes at vLLM's default value only. ``jspec.LLM``
-reads it for keyword arguments and ``python -m jspec.serve`` for flags, so a vLLM user
+takes with no setting of its own, takes at vLLM's default value only, or takes at some of
+vLLM's values (``CHOICES``: quantization). ``jspec.LLM`` reads it for keyword arguments
+and ``python -m jspec.serve`` for flags, so a vLLM user
 keeps their keys and flags: each is honoured, or accepted with one log line saying why it
 changes nothing here, or refused with an error naming the key and the reason.
 """
@@ -40,7 +41,6 @@ NO_EFFECT = {
 # value, the default), in NO_EFFECT's order with the default last.
 DEFAULT_ONLY = {
     "kv_cache_dtype": (str, "the KV cache is kept in the model's dtype", "auto"),
-    "quantization": (str, "jspec loads unquantized weights only", None),
     "pipeline_parallel_size": (int, "jspec splits a model by tensor parallelism only (tensor_parallel_size)", 1),
     "data_parallel_size": (int, "run one jspec server per replica", 1),
     "revision": (str, "jspec loads local folders; no model hub is reached", None),
@@ -53,8 +53,19 @@ DEFAULT_ONLY = {
                                  "sha256"),
 }
 
+# Arguments jspec takes at some of vLLM's values (an EngineConfig field of the same name): (the
+# flag's type, the values, what they mean here).
+CHOICES = {
+    "quantization": (str, (None, "fp8", "compressed-tensors"),
+                     "jspec serves FP8 weights (weight-only): a checkpoint whose quantization_config is "
+                     "quant_method 'fp8' or 'compressed-tensors' FP8 (None takes it too), or 'fp8' to quantize "
+                     "an unquantized checkpoint's projections as they load"),
+}
+
 # The server's flag type of each of vLLM's arguments above (bool: a switch).
-FLAGS = {key: entry[0] for key, entry in {**NO_EFFECT, **DEFAULT_ONLY}.items()}
+FLAGS = {key: entry[0] for key, entry in {**NO_EFFECT, **DEFAULT_ONLY, **CHOICES}.items()}
+# A server flag's spelling of None
+_NONE = ("", "none", "None")
 
 
 def note_no_effect(key: str, value, why: str, where: str = "") -> None:
@@ -74,8 +85,12 @@ def check_supported(engine_args: dict) -> None:
     for key, value in engine_args.items():
         if key in DEFAULT_ONLY:
             _, why, default = DEFAULT_ONLY[key]
-            if not (default is None and value in ("", "none", "None")):  # a server flag's spelling of None
+            if not (default is None and value in _NONE):
                 check_default(key, value, default, why)
+        if key in CHOICES:
+            _, values, why = CHOICES[key]
+            if value not in values and value not in _NONE:
+                raise ValueError(f"{key}={value!r} is not supported: {why} (choose from {list(values)})")
 
 
 def translate(engine_args: dict, known: set[str]) -> dict:
@@ -92,14 +107,16 @@ def translate(engine_args: dict, known: set[str]) -> dict:
             out[name] = value
         elif key in NO_EFFECT:
             note_no_effect(key, value, NO_EFFECT[key][1])
+        elif key in CHOICES:
+            out[key] = None if value in _NONE else value
         elif key in known:
             out[key] = value
         elif key not in DEFAULT_ONLY:
-            names = sorted(known | set(RENAMED) | set(NO_EFFECT) | set(DEFAULT_ONLY))
+            names = sorted(known | set(RENAMED) | set(NO_EFFECT) | set(DEFAULT_ONLY) | set(CHOICES))
             near = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise ValueError(f"unknown engine argument {key!r}{hint} (jspec.EngineConfig takes {sorted(known)}, "
-                             f"and vLLM's {sorted(set(RENAMED) | set(NO_EFFECT) | set(DEFAULT_ONLY))})")
+                             f"and vLLM's {sorted(set(RENAMED) | set(NO_EFFECT) | set(DEFAULT_ONLY) | set(CHOICES))})")
     if "dtype" in out:
         out["dtype"] = DTYPE_ALIASES.get(out["dtype"], out["dtype"])
     return out

@@ -60,16 +60,21 @@ from bench_common import (
 )
 from bench_llm import llm_section, moe_section, structured_section
 
-from jspec.checkpoint.target import target_param_spec
+from jspec.checkpoint.target import quantize_target, target_param_spec
 from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jspec.engine.warmup import run_warmup
+
+
+def quantized(cfg, params):
+    """The tree the engine holds under --quantization (FP8 weights: their bytes for the rooflines)."""
+    return quantize_target(cfg, params, bench_common.QUANTIZATION, "bfloat16")[1]
 
 
 def plain_section(args, bw):
     cfg = TINY if args.quick else LLAMA_8B
     dtype = "bfloat16"
     params = random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
-    wbytes = weight_bytes(params)
+    wbytes = weight_bytes(quantized(cfg, params))
     rng = np.random.default_rng(0)
     rows = []
     kv_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bytes per token, bf16
@@ -110,7 +115,7 @@ def diag_section(args, bw):
     """Where a batch-1 step goes: engine loop vs the jitted step alone vs back-to-back steps."""
     cfg = TINY if args.quick else LLAMA_8B
     params = random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
-    wbytes = weight_bytes(params)
+    wbytes = weight_bytes(quantized(cfg, params))
     rng = np.random.default_rng(0)
     eng = make_engine(cfg, params, max_num_seqs=8, ctx=512, dtype="bfloat16")
     step, _, _ = engine_decode(eng, 1, 512, rng, args.steps)
@@ -298,6 +303,9 @@ def main():
     ap.add_argument("--no-sync-rows", action="store_true", help="plain section: skip the async-off batch-1 row")
     ap.add_argument("--linear-impl", default="auto", help="EngineConfig.linear_impl (auto | reference | gpu)")
     ap.add_argument("--attn-impl", default="auto", help="EngineConfig.attn_impl (auto | reference | gpu | tpu)")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="the target's projections as FP8, quantized per output channel (vLLM's online fp8); "
+                         "the rooflines count the weights' bytes so")
     ap.add_argument("--spec-batches", default="1,32", help="eagle3/parallel sections: batch sizes")
     ap.add_argument("--ks", default="", help="eagle3/parallel sections: only these K (default: the plan's)")
     ap.add_argument("--methods", default="dflash,peagle", help="parallel / llm sections: which drafters")
@@ -312,9 +320,11 @@ def main():
     # Module state of bench_common, read by its engines and jspec.LLM keywords at call time.
     bench_common.LINEAR_IMPL, bench_common.ATTN_IMPL = args.linear_impl, args.attn_impl
     bench_common.PROFILE_DRAFT, bench_common.LLM_REPS = args.kernels, args.llm_reps
+    bench_common.QUANTIZATION = args.quantization
     info = dict(date=time.strftime("%Y-%m-%d"), jax=jax.__version__, device=str(jax.devices()[0].device_kind),
                 backend=jax.default_backend(), xla_flags=os.environ.get("XLA_FLAGS", ""),
-                linear_impl=bench_common.LINEAR_IMPL, attn_impl=bench_common.ATTN_IMPL)
+                linear_impl=bench_common.LINEAR_IMPL, attn_impl=bench_common.ATTN_IMPL,
+                quantization=bench_common.QUANTIZATION)
     print(info, flush=True)
     bw = measure_bandwidth(args.quick)
     print("bandwidth", {k: round(v, 3) for k, v in bw.items()}, flush=True)

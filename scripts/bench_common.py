@@ -133,6 +133,7 @@ LINEAR_IMPL = "auto"  # --linear-impl: fused small-batch projections ("auto": on
 PROFILE_DRAFT = False  # --kernels: also the drafter's proposal alone, by kernel
 LLM_REPS = 1  # --llm-reps: timed runs per figure of the llm / structured sections (their median)
 ATTN_IMPL = "auto"  # --attn-impl: the paged attention kernel ("auto": on GPU / TPU) or "reference" (XLA)
+QUANTIZATION = None  # --quantization fp8: the target's projections as FP8 (EngineConfig.quantization)
 
 
 def make_engine(cfg, params, *, max_num_seqs, ctx, dtype, spec=None, drafter=None, page_size=16, extra=64,
@@ -142,7 +143,7 @@ def make_engine(cfg, params, *, max_num_seqs, ctx, dtype, spec=None, drafter=Non
         model=f"random-{cfg.family}", dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=ctx + extra,
         page_size=page_size, num_pages=max_num_seqs * pages_per_seq + 4, enable_prefix_caching=False,
         speculative_config=spec, num_scheduler_steps=sched_steps, linear_impl=LINEAR_IMPL, attn_impl=ATTN_IMPL,
-        async_scheduling=async_scheduling,
+        async_scheduling=async_scheduling, quantization=QUANTIZATION,
     )
     eng = LLMEngine(ec, preloaded=(cfg, params), preloaded_drafter=drafter)
     # Random KV everywhere: attention must not run on zeros.
@@ -358,7 +359,8 @@ def llm_engine_kwargs(batches, ctx: int, new: int, ahead: int) -> dict:
     leave none for the speculative one after it."""
     num_pages = max(batches) * (-(-(ctx + new + 64 + ahead) // 16) + 2) + 8
     return dict(dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches), enable_prefix_caching=False,
-                max_model_len=ctx + new + 64, num_pages=num_pages, linear_impl=LINEAR_IMPL, attn_impl=ATTN_IMPL)
+                max_model_len=ctx + new + 64, num_pages=num_pages, linear_impl=LINEAR_IMPL, attn_impl=ATTN_IMPL,
+                quantization=QUANTIZATION)
 
 
 

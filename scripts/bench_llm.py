@@ -199,7 +199,7 @@ def structured_section(args, bw):
     write_tokenizer(tdir, cfg.vocab_size)
     llm = jspec.LLM(tdir, dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches),
                     enable_prefix_caching=False, max_model_len=ctx + new + 64, linear_impl=bench_common.LINEAR_IMPL,
-                    attn_impl=bench_common.ATTN_IMPL)
+                    attn_impl=bench_common.ATTN_IMPL, quantization=bench_common.QUANTIZATION)
     so = jspec.StructuredOutputsParams(json=STRUCTURED_SCHEMA)
     rng, rows = np.random.default_rng(0), []
     for B in batches:

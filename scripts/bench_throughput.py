@@ -9,6 +9,8 @@ beside the workload's hardware bound from the bandwidth and matrix-peak probes o
     PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --methods none,dflash:6.5,peagle:4.5 --dynamic on
     # text prompts from a file (one per line), the model's tokenizer when the folder has one
     PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --dataset prompts.txt --num-prompts 200
+    # the 8B shape's projections as FP8 (weight-only), plain and EAGLE3
+    PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --methods none,eagle3 --quantization fp8
     # a poor drafter against plain at each batch (B prompts at once, one engine per method),
     # with dynamic speculation (each step's drafts chosen as pays; its widths and times printed)
     PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --methods none,eagle3 --tau 1.3 --batches 1,8,32,64,128,256 --dynamic on
@@ -65,12 +67,13 @@ class Bound:
 
 
 def workload_bound(cfg, n: int, inp: int, out: int, max_seqs: int, peak_flops: float, bw: float,
-                   itemsize: int = 2) -> Bound:
+                   itemsize: int = 2, layer_itemsize: int | None = None) -> Bound:
     """The hardware bound of ``n`` prompts of ``inp`` tokens -> ``out`` new tokens each at most
     ``max_seqs`` at a time, for a dense target ``cfg``: prefill FLOPs / ``peak_flops`` +
     decode bytes / ``bw`` (bytes/s). The first new token comes from the prefill; each of the
     other out - 1 is a decode step of the wave's rows, streaming the layers' and the
-    lm_head's weights once and reading each row's KV so far."""
+    lm_head's weights once and reading each row's KV so far. ``layer_itemsize``: bytes of a
+    layer's weight (1: FP8 projections; default ``itemsize``, also the KV's and the lm_head's)."""
     H, L = cfg.hidden_size, cfg.num_layers
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     layer = H * (q + 2 * kv) + q * H + 3 * H * cfg.intermediate_size  # a layer's matrices (norms: negligible)
@@ -84,7 +87,7 @@ def workload_bound(cfg, n: int, inp: int, out: int, max_seqs: int, peak_flops: f
         steps = out - 1
         # step j (1..out-1) writes its token's K and V at position inp + j - 1 and reads inp + j
         kv_read = rows * kv_token * (steps * inp + steps * (steps + 1) // 2)
-        decode_bytes += steps * (L * layer + head) * itemsize + kv_read
+        decode_bytes += steps * (L * layer * (layer_itemsize or itemsize) + head * itemsize) + kv_read
     return Bound(n * flops_prompt / peak_flops, decode_bytes / bw)
 
 
@@ -120,7 +123,8 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
     kw = dict(dtype="bfloat16", load_format="dummy", max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
               max_model_len=args.input_len + args.output_len + 2 * (K + 1) + 16,
               max_num_batched_tokens=args.max_num_batched_tokens)
-    kw.update({k: v for k in ("max_prefill_chunk", "max_num_partial_prefills") if (v := getattr(args, k)) is not None})
+    kw.update({k: v for k in ("max_prefill_chunk", "max_num_partial_prefills", "quantization")
+               if (v := getattr(args, k)) is not None})
     if args.quick:  # a CPU: every shape compiled before the timed call, as an accelerator does at construction
         kw.update(num_pages=args.max_num_seqs * (-(-kw["max_model_len"] // 16) + 2) + 8, warmup=True)
     llm = jspec.LLM(tdir, speculative_config=spec, **kw)
@@ -143,12 +147,14 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
         secs = time.perf_counter() - t
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         n_in = sum(len(p) for p in prompts[:n])
-        bound = workload_bound(cfg, n, args.input_len, args.output_len, args.max_num_seqs, peak, bw)
+        bound = workload_bound(cfg, n, args.input_len, args.output_len, args.max_num_seqs, peak, bw,
+                               layer_itemsize=1 if args.quantization else None)
         measured = llm.engine.spec_metrics.mean_acceptance_length if spec else None
         after = llm.engine.stats()
         widths = {q: n_q - before.get("decode_steps_by_width", {}).get(q, 0)
                   for q, n_q in after.get("decode_steps_by_width", {}).items()}
-        row = dict(method=method, K=K if spec else 0, synthetic_tau=tau if spec else None, tau=measured,
+        row = dict(method=method, quantization=args.quantization, K=K if spec else 0,
+                   synthetic_tau=tau if spec else None, tau=measured,
                    num_prompts=n, input_len=args.input_len, output_len=args.output_len,
                    max_num_seqs=args.max_num_seqs, seconds=secs, requests_per_s=n / secs,
                    output_tok_s=n_out / secs, total_tok_s=(n_in + n_out) / secs, bound_s=bound.seconds,
@@ -246,6 +252,9 @@ def main(argv=None):
     ap.add_argument("--dataset", default="random", help="'random' token ids, or a text file of prompts (a line each)")
     ap.add_argument("--dynamic", choices=("on", "off"), default="off",
                     help="speculative_config 'dynamic': the width of each decode step chosen as pays")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="the target's projections as FP8, quantized per output channel as they load (vLLM's "
+                         "online fp8; the drafters stay unquantized); the bound counts a layer's weights at a byte")
     ap.add_argument("--tau", type=float, default=3.5, help="synthetic acceptance length of the drafters")
     ap.add_argument("-k", "--k", type=int, default=0, help="num_speculative_tokens (default: the method's)")
     ap.add_argument("--trace-policy", action="store_true", help="dynamic speculation's choice at each decode "

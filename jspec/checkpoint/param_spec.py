@@ -6,7 +6,8 @@ its shape and the checkpoint tensors it is made of. From that list alone
 ``check_specs`` checks every tensor name and shape before any tensor is read (a bad
 checkpoint fails naming the tensor, and both shapes), ``load_params`` streams the tensors
 into the tree, dummy.py draws random weights and target.py's orbax restore builds its
-target tree.
+target tree. A quantized leaf (``ParamSpec.quant``: FP8 weights, jspec/checkpoint/quantized.py)
+is checked and read with its scales, as a ``jspec.quantization.QuantWeight``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.checkpoint.quantized import QuantSpec, check_quant, read_quant
 from jspec.checkpoint.safetensors_io import CheckpointError
 
 logger = logging.getLogger("jspec.checkpoint")
@@ -43,19 +45,24 @@ class ParamSpec:
     # Axis 0 is a vocabulary (an embedding, an lm_head): on the mesh it is padded with zero
     # rows to a multiple of tp (parallel.padded_vocab, Placement.shape), so any size splits.
     vocab: bool = False
+    # FP8 weights (a float8_e4m3fn weight and its scales, read as a QuantWeight): the scales'
+    # tensors and scheme (jspec/checkpoint/quantized.py); None: an ordinary leaf.
+    quant: QuantSpec | None = None
 
 
 class SpecList(list):
     """The ParamSpecs of one model, in load order, appended through ``add``."""
 
-    def add(self, path, sources, source_shapes, shape=None, integer=False, split=None, vocab=False):
+    def add(self, path, sources, source_shapes, shape=None, integer=False, split=None, vocab=False, quant=None):
         """A leaf at ``path``; ``shape`` defaults to the sources' concatenation on axis 0;
         ``split``: the axis tensor parallelism shards (ParamSpec.split); ``vocab``: a
-        vocabulary table, split by its rows and padded (ParamSpec.vocab)."""
+        vocabulary table, split by its rows and padded (ParamSpec.vocab); ``quant``: its
+        scales when quantized (ParamSpec.quant)."""
         source_shapes = tuple(tuple(s) for s in source_shapes)
         cat = (sum(s[0] for s in source_shapes),) + source_shapes[0][1:]
         split = 0 if vocab else split
-        self.append(ParamSpec(tuple(path), tuple(shape or cat), tuple(sources), source_shapes, integer, split, vocab))
+        self.append(ParamSpec(tuple(path), tuple(shape or cat), tuple(sources), source_shapes, integer, split, vocab,
+                              quant))
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
@@ -74,7 +81,8 @@ def set_path(tree: dict, path: tuple[str, ...], value):
 
 def check_specs(src, specs: list[ParamSpec], folder: str, what: str, ignored=()):
     """Every source tensor of ``specs`` is in ``src`` with its shape and kind (floating point,
-    or integer for integer leaves), else CheckpointError. Tensors of ``src`` that no spec
+    or integer for integer leaves; float8_e4m3fn where, and only where, the leaf is quantized
+    from the file, with its scales: quantized.check_quant), else CheckpointError. Tensors of ``src`` that no spec
     reads are logged as a warning (transformers warns of them too), except ``ignored``
     names (those a format carries and jspec has no use for).
 
@@ -93,7 +101,10 @@ def check_specs(src, specs: list[ParamSpec], folder: str, what: str, ignored=())
             if src.is_float(name) == spec.integer:
                 raise CheckpointError(f"tensor {name!r} in {folder!r} is stored as {src.dtype(name)}: expected "
                                       f"{'an integer' if spec.integer else 'a floating-point'} tensor")
+        if not spec.integer:
+            check_quant(src, spec, folder)
     used = {n for spec in specs for n in spec.sources}
+    used |= {n for spec in specs if spec.quant is not None for n in spec.quant.scales + spec.quant.unread}
     if unused := sorted(n for n in src.names() if n not in used and n not in ignored):
         logger.warning("%s %r: %d tensor(s) not used by jspec (%s%s)", what, folder, len(unused),
                        ", ".join(unused[:5]), ", ..." if len(unused) > 5 else "")
@@ -116,28 +127,32 @@ def load_params(src, specs: list[ParamSpec], dtype, sharding=None, progress=None
         from tqdm.auto import tqdm
 
         bar = tqdm(total=sum(len(s.sources) for s in specs), desc="loading weights", unit="tensor")
-    params: dict = {}
-    for spec in specs:
+
+    def read(src, spec, dtype):  # one plain leaf
         if isinstance(sharding, Placement):
-            set_path(params, spec.path, sharding.load_leaf(src, spec, dtype))
-            if bar is not None:
-                bar.update(len(spec.sources))
-            continue
+            return sharding.load_leaf(src, spec, dtype)
         parts = []
         for name in spec.sources:
             if spec.integer:
                 parts.append(jnp.asarray(np.asarray(src.get_int(name)).astype(np.int32)))
             else:
                 parts.append(jnp.asarray(src.get(name)).astype(dtype))
-            if bar is not None:
-                bar.update(1)
         arr = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
         if arr.shape != spec.shape:
             arr = arr.reshape(spec.shape)
-        if sharding is not None:
-            arr = jax.device_put(arr, sharding)
-        set_path(params, spec.path, arr)
-        del parts
+        return arr if sharding is None else jax.device_put(arr, sharding)
+
+    def place(arr, spec):  # an array made here (a weight quantized at load) where ``read`` puts that leaf
+        if isinstance(sharding, Placement):
+            return jax.device_put(arr, sharding.sharding(spec))
+        return arr if sharding is None else jax.device_put(arr, sharding)
+
+    params: dict = {}
+    for spec in specs:
+        set_path(params, spec.path, read(src, spec, dtype) if spec.quant is None
+                 else read_quant(src, spec, dtype, read, place))
+        if bar is not None:
+            bar.update(len(spec.sources))
     if bar is not None:
         bar.close()
     return params

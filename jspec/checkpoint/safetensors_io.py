@@ -2,13 +2,19 @@
 
 Tensors are read one at a time (``safe_open`` maps the file; only the requested tensor is
 materialised), so loading never holds a second full copy of the model in host memory.
+float8_e4m3fn tensors (FP8 weights), which safetensors' numpy and flax readers cannot make
+(numpy has no such dtype), are read from the file's bytes as ml_dtypes' float8_e4m3fn, the
+dtype jnp uses (``get_fp8``).
 tensor_sources.py picks this reader or the ``pytorch_model.bin`` one for a folder.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
+
+import numpy as np
 
 from jspec.config import read_json_object
 
@@ -54,6 +60,7 @@ class SafetensorsReader:
                 f"no model.safetensors or model.safetensors.index.json in {folder!r}"
             )
         self._handles = {}
+        self._headers = {}  # file -> (offset of the data, its header)
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -90,6 +97,30 @@ class SafetensorsReader:
             raise CheckpointError(f"checkpoint in {self.folder!r} is missing tensor {name!r}")
         return self._handle(self.files[name]).get_slice(name)[index]
 
+    def is_fp8(self, name: str) -> bool:
+        """Is the tensor float8_e4m3fn (an FP8 weight)?"""
+        return self.dtype(name) == "F8_E4M3"
+
+    def get_fp8(self, name: str) -> np.ndarray:
+        """A float8_e4m3fn tensor, mapped from the file (a numpy array of ml_dtypes' float8_e4m3fn;
+        slicing it reads only that part)."""
+        import ml_dtypes
+
+        if name not in self.files:
+            raise CheckpointError(f"checkpoint in {self.folder!r} is missing tensor {name!r}")
+        fn = self.files[name]
+        if fn not in self._headers:
+            with open(fn, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                self._headers[fn] = (8 + n, json.loads(f.read(n)))
+        start, header = self._headers[fn]
+        info = header[name]
+        if info["dtype"] != "F8_E4M3":
+            raise CheckpointError(f"tensor {name!r} in {fn!r} is stored as {info['dtype']}, not F8_E4M3")
+        a, b = info["data_offsets"]
+        raw = np.memmap(fn, dtype=np.uint8, mode="r", offset=start + a, shape=(b - a,))
+        return raw.view(ml_dtypes.float8_e4m3fn).reshape(info["shape"])
+
     def get_int(self, name: str):
         # framework="flax" would truncate int64 with a warning; numpy keeps it exact.
         with safe_open_checked(self.files[name], "np") as f:
@@ -100,6 +131,7 @@ class SafetensorsReader:
 
     def close(self):
         self._handles.clear()
+        self._headers.clear()
 
     def __enter__(self):
         return self

@@ -7,6 +7,7 @@ check / load loop, shared with the drafters, are in param_spec.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -22,10 +23,12 @@ from jspec.checkpoint.param_spec import (
     resolve_dtype,
     set_path,
 )
+from jspec.checkpoint.quantized import dummy_quant, quant_spec
 from jspec.checkpoint.safetensors_io import CheckpointError
 from jspec.checkpoint.tensor_sources import open_tensor_source
 from jspec.config import ModelConfig, load_model_config
 from jspec.parallel.placement import Placement
+from jspec.quantization import resolve as resolve_quantization
 
 # DTYPES, ParamSpec, resolve_dtype and set_path are re-exported for existing importers.
 __all__ = [
@@ -40,9 +43,14 @@ def target_param_spec(c: ModelConfig) -> list[ParamSpec]:
     """Our tree <- HF names, with the Megatron split of each leaf (ParamSpec.split): q/k/v and
     gate/up by output rows, o and down by input columns, embedding and lm_head by vocabulary
     (padded where tp does not divide it: ParamSpec.vocab); norms and the o / down biases
-    replicated."""
+    replicated. Under c.quantization the decoder layers' projection weights are FP8 with
+    their scales (ParamSpec.quant, jspec/checkpoint/quantized.py)."""
     H, D, I = c.hidden_size, c.head_dim, c.intermediate_size
     specs = SpecList()
+
+    def quant(modules, shapes, stacked=1):  # the scales of a leaf of these projections
+        return quant_spec(c.quantization, modules, shapes, stacked)
+
     specs.add(("embed_tokens", "embedding"), ["model.embed_tokens.weight"], [(c.vocab_size, H)], vocab=True)
     for i in range(c.num_layers):
         p, L = f"model.layers.{i}", f"layers_{i}"
@@ -51,11 +59,12 @@ def target_param_spec(c: ModelConfig) -> list[ParamSpec]:
         qkv = [f"{p}.self_attn.{n}_proj" for n in "qkv"]
         qkv_shapes = [(c.q_size,), (c.kv_size,), (c.kv_size,)]
         specs.add((L, "attn", "qkv_proj", "weight"), [n + ".weight" for n in qkv], [s + (H,) for s in qkv_shapes],
-                  split=0)
+                  split=0, quant=quant(qkv, [s + (H,) for s in qkv_shapes]))
         if c.attention_bias:
             specs.add((L, "attn", "qkv_proj", "bias"), [n + ".bias" for n in qkv], qkv_shapes, split=0)
             specs.add((L, "attn", "o_proj", "bias"), [f"{p}.self_attn.o_proj.bias"], [(H,)])
-        specs.add((L, "attn", "o_proj", "weight"), [f"{p}.self_attn.o_proj.weight"], [(H, c.q_size)], split=1)
+        specs.add((L, "attn", "o_proj", "weight"), [f"{p}.self_attn.o_proj.weight"], [(H, c.q_size)], split=1,
+                  quant=quant([f"{p}.self_attn.o_proj"], [(H, c.q_size)]))
         if c.qk_norm:
             specs.add((L, "attn", "q_norm", "weight"), [f"{p}.self_attn.q_norm.weight"], [(D,)])
             specs.add((L, "attn", "k_norm", "weight"), [f"{p}.self_attn.k_norm.weight"], [(D,)])
@@ -63,13 +72,17 @@ def target_param_spec(c: ModelConfig) -> list[ParamSpec]:
             E, Im = c.num_experts, c.moe_intermediate_size
             ex = [f"{p}.mlp.experts.{e}" for e in range(E)]
             specs.add((L, "mlp", "gate", "weight"), [f"{p}.mlp.gate.weight"], [(E, H)])
-            specs.add((L, "mlp", "gate_up"), [f"{x}.{n}_proj.weight" for x in ex for n in ("gate", "up")],
-                      [(Im, H)] * 2 * E, shape=(E, 2 * Im, H))
-            specs.add((L, "mlp", "down"), [f"{x}.down_proj.weight" for x in ex], [(H, Im)] * E, shape=(E, H, Im))
+            gate_up = [f"{x}.{n}_proj" for x in ex for n in ("gate", "up")]
+            specs.add((L, "mlp", "gate_up"), [n + ".weight" for n in gate_up], [(Im, H)] * 2 * E, shape=(E, 2 * Im, H),
+                      quant=quant(gate_up, [(Im, H)] * 2 * E, E))
+            specs.add((L, "mlp", "down"), [f"{x}.down_proj.weight" for x in ex], [(H, Im)] * E, shape=(E, H, Im),
+                      quant=quant([f"{x}.down_proj" for x in ex], [(H, Im)] * E, E))
             continue
         gu = [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
-        specs.add((L, "mlp", "gate_up_proj", "weight"), [n + ".weight" for n in gu], [(I, H), (I, H)], split=0)
-        specs.add((L, "mlp", "down_proj", "weight"), [f"{p}.mlp.down_proj.weight"], [(H, I)], split=1)
+        specs.add((L, "mlp", "gate_up_proj", "weight"), [n + ".weight" for n in gu], [(I, H), (I, H)], split=0,
+                  quant=quant(gu, [(I, H), (I, H)]))
+        specs.add((L, "mlp", "down_proj", "weight"), [f"{p}.mlp.down_proj.weight"], [(H, I)], split=1,
+                  quant=quant([f"{p}.mlp.down_proj"], [(H, I)]))
         if c.mlp_bias:
             specs.add((L, "mlp", "gate_up_proj", "bias"), [n + ".bias" for n in gu], [(I,), (I,)], split=0)
             specs.add((L, "mlp", "down_proj", "bias"), [f"{p}.mlp.down_proj.bias"], [(H,)])
@@ -125,7 +138,7 @@ def auto_dtype(checkpoint_dtype: str, backend: str) -> str:
     return "float32" if backend == "cpu" else checkpoint_dtype
 
 
-def load_target(path, dtype="float32", sharding=None, progress=None, load_format="auto"):
+def load_target(path, dtype="float32", sharding=None, progress=None, load_format="auto", quantization=None):
     """Load (ModelConfig, params) from a HF folder, or from its orbax copy when present.
 
     A folder holding ``orbax_params/`` (written by scripts/convert_to_orbax.py) restores
@@ -133,18 +146,27 @@ def load_target(path, dtype="float32", sharding=None, progress=None, load_format
     ``load_format="dummy"`` reads config.json alone and draws random weights
     (jspec/checkpoint/dummy.py). ``sharding``: a jax Sharding for every leaf, or a
     ``jspec.parallel.Placement`` (tensor parallelism, each leaf split by its ParamSpec).
+    ``quantization`` (vLLM's argument): None or the method of the checkpoint's
+    quantization_config (FP8 weights, read as they are), or "fp8" on an unquantized checkpoint:
+    its projections quantized per output channel as they load (jspec/quantization.py).
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path!r} is not a directory")
     cfg = load_model_config(path)
+    cfg = dataclasses.replace(cfg, quantization=resolve_quantization(cfg.quantization, quantization, path))
     if isinstance(sharding, Placement):  # tensor parallelism: the shapes must split (before any read)
         sharding.check_target(cfg)
     dt = resolve_dtype(dtype)
     specs = target_param_spec(cfg)
+    if isinstance(sharding, Placement):
+        sharding.check_quant(specs)
     if check_load_format(load_format) == "dummy":
         params = dummy_params(specs, dt, seed=0, sharding=sharding)
     elif os.path.isdir(os.path.join(path, ORBAX_DIR)):
+        if cfg.quantization is not None:
+            raise CheckpointError(f"{path!r}: an orbax copy of quantized weights is not supported (remove "
+                                  f"{ORBAX_DIR}/ to read the safetensors)")
         params = restore_orbax(path, specs, dt, sharding)
     else:
         with open_tensor_source(path) as src:
@@ -153,6 +175,24 @@ def load_target(path, dtype="float32", sharding=None, progress=None, load_format
             params = load_params(src, specs, dt, sharding, progress)
     jax.block_until_ready(params)
     return cfg, params
+
+
+def quantize_target(cfg: ModelConfig, params: dict, quantization: str | None, dtype) -> tuple[ModelConfig, dict]:
+    """A target's unquantized parameter tree (HF layout; benchmarks' random weights made on
+    the device) under ``quantization`` as load_target would hold it: "fp8" quantizes its
+    projections per output channel, None leaves it as it is."""
+    qc = resolve_quantization(cfg.quantization, quantization, "the preloaded weights")
+    if qc is None or cfg.quantization is not None:  # unquantized, or the tree's own (already FP8)
+        return cfg, params
+    cfg = dataclasses.replace(cfg, quantization=qc)
+    out = jax.tree.map(lambda x: x, params)  # a copy of the containers: the caller's tree is left alone
+    for spec in target_param_spec(cfg):
+        if spec.quant is not None:
+            leaf = out
+            for k in spec.path:
+                leaf = leaf[k]
+            set_path(out, spec.path, dummy_quant(leaf, spec, resolve_dtype(dtype)))
+    return cfg, out
 
 
 def flat_params(params) -> dict[str, np.ndarray]:

@@ -3,6 +3,7 @@
 A tensor source (``SafetensorsReader`` or ``BinReader``) answers ``name in src``,
 ``names()``, ``shape(name)``, ``is_float(name)``, ``dtype(name)``, ``get(name)`` (floats, cast by the caller), ``get_int(name)``
 (integer maps, exact), ``get_part(name, index)`` (a slice, for tensor parallelism),
+``is_fp8(name)`` and ``get_fp8(name)`` (FP8 weights, as ml_dtypes' float8_e4m3fn),
 ``nbytes()`` and ``close()``, and is a context manager; target and
 drafter loaders read through it alike (jspec/checkpoint/param_spec.py).
 """
@@ -49,6 +50,17 @@ class BinReader:
         return (t.float() if t.is_floating_point() else t).numpy()
 
     get_int = get  # torch keeps integer tensors exact
+
+    def is_fp8(self, name) -> bool:
+        import torch
+
+        return self.tensors[name].dtype == torch.float8_e4m3fn
+
+    def get_fp8(self, name) -> np.ndarray:
+        import ml_dtypes
+        import torch
+
+        return self.tensors[name].contiguous().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
 
     def get_part(self, name, index: tuple) -> np.ndarray:
         # torch.load has already read the whole file: a slice saves device memory, not host memory.

@@ -13,6 +13,12 @@ class EngineConfig:
     # "auto": the folder's weights; "dummy" (vLLM's name): config.json alone, random weights
     # for target and drafter (benchmarks of shapes with no checkpoint at hand).
     load_format: str = "auto"
+    # vLLM's name: None, or the checkpoint's quantization_config method ("fp8" |
+    # "compressed-tensors": FP8 weights, read as they are; None takes them too, as vLLM), or
+    # "fp8" on an unquantized checkpoint (or load_format "dummy"): the target's projections
+    # quantized per output channel as they load. Weight-only (jspec/quantization.py); a
+    # drafter is loaded unquantized.
+    quantization: str | None = None
     max_num_seqs: int = 8
     max_model_len: int | None = None  # None: min(max_position_embeddings, 4096)
     page_size: int = 16

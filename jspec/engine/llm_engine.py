@@ -17,7 +17,7 @@ import numpy as np
 
 from jspec import envs, parallel
 from jspec.checkpoint.model_files import generation_eos, load_tokenizer, sampling_defaults
-from jspec.checkpoint.target import auto_dtype, load_target, resolve_dtype
+from jspec.checkpoint.target import auto_dtype, load_target, quantize_target, resolve_dtype
 from jspec.config import load_model_config
 from jspec.engine.block_manager import BlockManager
 from jspec.engine.dynamic_spec import DynamicSpeculation, decode_widths
@@ -96,12 +96,14 @@ class LLMEngine:
         if preloaded is None:
             t = time.monotonic()
             self.model_cfg, params = load_target(c.model, c.dtype, self.par.placement(sharding),
-                                                 load_format=c.load_format)
+                                                 load_format=c.load_format, quantization=c.quantization)
             logger.info("target loaded in %.1f s (%s)", time.monotonic() - t, c.load_format)
             self.tokenizer = load_tokenizer(c.tokenizer or c.model, required=c.tokenizer is not None)
             gen_eos = generation_eos(c.model)
         else:
             (self.model_cfg, params), self.tokenizer, gen_eos = preloaded, None, ()
+            if c.quantization is not None:
+                self.model_cfg, params = quantize_target(self.model_cfg, params, c.quantization, c.dtype)
         mc = self.model_cfg
         self.model_name = os.path.basename(os.path.normpath(c.model))
         self.eos_token_ids = set(mc.eos_token_ids) | set(gen_eos)

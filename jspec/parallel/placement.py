@@ -10,7 +10,11 @@ of source 1 | ...], so every device computes whole local q/k/v (gate/up) columns
 communication; ``jspec.ops.split_fused`` reads that layout. With tp == 1 it is the plain
 concatenation. A vocabulary table (``ParamSpec.vocab``) that tp does not divide is held with
 zero rows appended up to a multiple of tp (``Placement.shape``, ``padded_vocab``): the last
-device's block ends in them, made on the host, never read from the file.
+device's block ends in them, made on the host, never read from the file. An FP8 leaf's weight
+and scale are read as two such leaves (jspec/checkpoint/quantized.py: scale_spec): a
+column-parallel leaf's scales split by rows with it, a row-parallel leaf's per-channel scales
+replicated and its block scales split by block columns; each device's slice must then hold
+whole blocks (``check_quant``).
 """
 
 from __future__ import annotations
@@ -61,6 +65,20 @@ class Placement:
 
     def check_drafter(self, cfg):
         check_drafter(cfg, self.tp)
+
+    def check_quant(self, specs):
+        """Each device's slice of a block-quantized leaf holds whole blocks, so its scale
+        splits with it: rows (column parallel) or columns (row parallel) a multiple of tp
+        blocks. ValueError naming the tensor."""
+        for spec in specs:
+            q = spec.quant
+            if self.tp == 1 or spec.split is None or q is None or q.block is None:
+                continue
+            ax, b = spec.split, q.block[spec.split]
+            for name, shape in zip(spec.sources, spec.source_shapes):
+                if shape[ax] % (self.tp * b):
+                    raise ValueError(f"tensor parallel size {self.tp}: axis {ax} of tensor {name!r} (shape "
+                                     f"{list(shape)}) does not split into whole quantization blocks of {b}")
 
     def _check_split(self, spec):
         ax = spec.split
