@@ -26,6 +26,12 @@ logger = logging.getLogger("jspec.engine")
 # (activations, logits, attention's partial results); before this module's pool claim it was
 # the implicit (1 - gpu_memory_utilization) of JAX's pool: 10% at vLLM's default.
 TEMP_RESERVE = 0.1
+# More where a step's logits are large: XLA's temporaries of a step hold several f32 [rows, V]
+# arrays (the logits, the sampler's and the rejection's copies, a drafter's own logits). DFlash
+# K=15 at 256 rows (4,096 logit rows of Qwen3's 151,936) asked one 16.31 GiB temp buffer on the
+# H200, seven such arrays (11.9 GiB compiled for the CPU), above the 12.6 GB of TEMP_RESERVE:
+# warmup ran out of memory beside the KV pool (2026-11-29).
+LOGIT_COPIES = 8
 
 
 def _backend_started() -> bool:
@@ -65,10 +71,12 @@ def device_bytes_in_use() -> int:
     return (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
 
 
-def create_pools(c, mc, dcfg, par, pages_per_seq: int, max_model_len: int, dtype, own_bytes: int = 0):
+def create_pools(c, mc, dcfg, par, pages_per_seq: int, max_model_len: int, dtype, own_bytes: int = 0,
+                 logit_rows: int = 0):
     """The target's KV pool and the drafter's (``dcfg``; None: no drafter) over the same
     page ids: (kv, dkv or None, num_pages), with ``c.num_pages`` pages or as many as fit
-    (``pages_from_memory``; ``own_bytes``: the engine's weights on the device).
+    (``pages_from_memory``; ``own_bytes``: the engine's weights on the device;
+    ``logit_rows``: the most logit rows a step computes).
 
     A pool sized from memory is allocated here and waited for, so that a failure shows now,
     not at the first step. Its arrays (K and V of each layer) are separate blocks of XLA's
@@ -77,7 +85,7 @@ def create_pools(c, mc, dcfg, par, pages_per_seq: int, max_model_len: int, dtype
     embedded family's 16 arrays of 5.9 GB, the 16th failed with 16 GB free and 5.4 GB its
     largest block, and surfaced as an out-of-memory error in the first step. Each failure
     gives back 5% of the pages, down to one sequence's."""
-    num_pages = c.num_pages or pages_from_memory(c, mc, dcfg, par, pages_per_seq, own_bytes)
+    num_pages = c.num_pages or pages_from_memory(c, mc, dcfg, par, pages_per_seq, own_bytes, logit_rows)
     if num_pages < pages_per_seq:
         raise ValueError(f"num_pages={num_pages} x page_size={c.page_size} cannot hold one sequence of "
                          f"max_model_len={max_model_len}: need at least {pages_per_seq} pages")
@@ -110,12 +118,13 @@ def _allocate(c, mc, dcfg, par, num_pages: int, dtype):
     return kv, make_drafter(dcfg).create_cache(num_pages, c.page_size, dtype, sharding)
 
 
-def pages_from_memory(c, mc, dcfg, par, pages_per_seq: int, own_bytes: int = 0) -> int:
+def pages_from_memory(c, mc, dcfg, par, pages_per_seq: int, own_bytes: int = 0, logit_rows: int = 0) -> int:
     """Pages that fit the engine's share of device 0 (``c``: the EngineConfig, ``mc``: the
     target's ModelConfig, ``dcfg``: the drafter's config or None, ``par``: the engine's
     parallel.EngineMesh, ``own_bytes``: what the engine holds already, its weights): as in
     vLLM, ``c.gpu_memory_utilization`` of the whole device (JAX's pool over its share) is the
-    engine's, its weights, the KV cache and TEMP_RESERVE of it for XLA's temporaries; the
+    engine's, its weights, the KV cache and TEMP_RESERVE of it for XLA's temporaries, or
+    LOGIT_COPIES f32 arrays of ``logit_rows`` x the vocabulary where that is more; the
     pool's free bytes cap it (other engines of the process hold theirs). On the CPU, or
     without memory stats, what max_num_seqs full sequences need."""
     stats = jax.devices()[0].memory_stats() or {}
@@ -132,6 +141,6 @@ def pages_from_memory(c, mc, dcfg, par, pages_per_seq: int, own_bytes: int = 0) 
     page_bytes = sum(2 * n * c.page_size * kvh * d * itemsize for n, kvh, d in layers)
     fraction = envs.XLA_PYTHON_CLIENT_MEM_FRACTION  # the pool's share of the device (None: no pool)
     share = c.gpu_memory_utilization * (limit / fraction if fraction else limit)
-    free = min(share * (1 - TEMP_RESERVE) - own_bytes,
-               limit - share * TEMP_RESERVE - stats.get("bytes_in_use", 0))
+    reserve = max(share * TEMP_RESERVE, LOGIT_COPIES * logit_rows * mc.vocab_size * 4)
+    free = min(share - reserve - own_bytes, limit - reserve - stats.get("bytes_in_use", 0))
     return max(pages_per_seq, int(free // page_bytes))

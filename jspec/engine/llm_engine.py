@@ -134,7 +134,8 @@ class LLMEngine:
         pages_per_seq = -(-(self.max_model_len + self.lookahead) // c.page_size)
         dtype = resolve_dtype(c.dtype)
         kv, dkv, num_pages = create_pools(c, mc, self.dcfg, self.par, pages_per_seq, self.max_model_len, dtype,
-                                          own_bytes=device_bytes_in_use() - own_before)
+                                          own_bytes=device_bytes_in_use() - own_before,
+                                          logit_rows=c.max_num_seqs * (self.K + 1))
         chunk = min(c.max_prefill_chunk, self.max_model_len)
         # EAGLE-style drafters: their KV at p depends on token p + 1 (see BlockManager).
         eagle_style = sp.reads_next_token

@@ -58,7 +58,7 @@ def test_a_share_outside_0_1_is_an_error_before_anything_loads(bad):
         jspec.LLM("/nonexistent/model", gpu_memory_utilization=bad)
 
 
-def _pages(monkeypatch, *, fraction, limit, in_use, own, util):
+def _pages(monkeypatch, *, fraction, limit, in_use, own, util, logit_rows=0, vocab=1):
     """pages_from_memory on a fake GPU, in KV bytes: a one-layer float32 model, 8 bytes a page."""
     if fraction is None:
         monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
@@ -69,9 +69,9 @@ def _pages(monkeypatch, *, fraction, limit, in_use, own, util):
     monkeypatch.setattr(jax, "devices", lambda *a: [dev])
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     c = NS(max_num_seqs=1, page_size=1, dtype="float32", gpu_memory_utilization=util)
-    mc = NS(num_layers=1, num_kv_heads=1, head_dim=1)
+    mc = NS(num_layers=1, num_kv_heads=1, head_dim=1, vocab_size=vocab)
     par = NS(local_kv_heads=lambda h, draft=False: h)
-    return kv_memory.pages_from_memory(c, mc, None, par, pages_per_seq=1, own_bytes=own) * 8
+    return kv_memory.pages_from_memory(c, mc, None, par, pages_per_seq=1, own_bytes=own, logit_rows=logit_rows) * 8
 
 
 def test_kv_cache_gets_the_share_less_weights_and_temporaries(monkeypatch):
@@ -94,3 +94,17 @@ def test_kv_cache_gets_the_share_less_weights_and_temporaries(monkeypatch):
     assert got == pytest.approx((1 - r) * 40 * GB - 16 * GB, abs=8)
     # Nothing left: still one sequence's pages (create_pools then says whether they fit).
     assert _pages(monkeypatch, fraction=0.9, limit=72 * GB, in_use=71 * GB, own=70 * GB, util=0.9) == 8
+
+
+def test_large_logits_reserve_their_temporaries(monkeypatch):
+    """A step of many logit rows over a large vocabulary (DFlash K=15 at 256 rows: 4,096 rows of
+    Qwen3's 151,936) leaves LOGIT_COPIES f32 [rows, V] arrays to XLA's temporaries, not 10%;
+    a small one (EAGLE3 K=3 at 8 rows) the 10% as before."""
+    kw = dict(fraction=0.9, limit=126 * GB, in_use=17 * GB, own=17 * GB, util=0.9)
+    share = 126 * GB
+    big = kv_memory.LOGIT_COPIES * 4096 * 151936 * 4
+    assert big > kv_memory.TEMP_RESERVE * share
+    got = _pages(monkeypatch, logit_rows=4096, vocab=151936, **kw)
+    assert got == pytest.approx(share - big - 17 * GB, abs=8)
+    got = _pages(monkeypatch, logit_rows=32, vocab=128256, **kw)
+    assert got == pytest.approx((1 - kv_memory.TEMP_RESERVE) * share - 17 * GB, abs=8)
