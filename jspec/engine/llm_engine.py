@@ -15,13 +15,13 @@ import time
 import jax
 import numpy as np
 
-from jspec import envs, parallel
+from jspec import parallel
 from jspec.checkpoint.model_files import generation_eos, load_tokenizer, sampling_defaults
 from jspec.checkpoint.target import auto_dtype, load_target, quantize_target, resolve_dtype
 from jspec.config import load_model_config
 from jspec.engine.block_manager import BlockManager
 from jspec.engine.dynamic_spec import DynamicSpeculation, decode_widths
-from jspec.engine.engine_config import EngineConfig
+from jspec.engine.engine_config import EngineConfig, checked_max_model_len, default_token_budget
 from jspec.engine.flat_input import FlatShapes
 from jspec.engine.flat_runner import FlatRunner
 from jspec.engine.kv_memory import (
@@ -30,7 +30,7 @@ from jspec.engine.kv_memory import (
     device_bytes_in_use,
     log_device_memory_claim,
 )
-from jspec.engine.logprobs import LOGPROBS_MODES, record_logprobs, record_prompt_logprobs
+from jspec.engine.logprobs import record_logprobs, record_prompt_logprobs
 from jspec.engine.outputs import CompletionOutput, RequestOutput, SampleGroups, make_output  # noqa: F401 (re-exported)
 from jspec.engine.recovery import restore_after_failure
 from jspec.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
@@ -57,20 +57,6 @@ class _InFlight:
     q: int | None = None  # a speculative decode call's row width (1: nothing verified nor proposed)
     t0: float = 0.0  # when its dispatch returned (time.monotonic)
     c0: int = 0  # the runner's compilations then
-
-
-def default_token_budget(c: EngineConfig, K: int, chunk: int) -> int:
-    """max_num_batched_tokens when unset. Mixing: 2048 (vLLM's chunked-prefill default), more
-    if max_num_seqs rows of K + 1 tokens and a chunk need it. Unmixed on an accelerator: up to
-    16,384 (vLLM's offline default on large GPUs): many prompts' chunks in one step make the
-    prefill's matrix products compute-bound (8B on an H200: 512 x 1,024-token prompts
-    prefilled in 22.9 s at 256 tokens a step, 12.9 s at 8,192). On a CPU: a chunk or a
-    decode batch, the fewest programs to compile."""
-    if c.max_num_partial_prefills:
-        return max(2048, c.max_num_seqs * (K + 1) + chunk)
-    if jax.default_backend() != "cpu":
-        return max(chunk, c.max_num_seqs, min(16384, c.max_num_seqs * chunk))
-    return max(chunk, c.max_num_seqs)
 
 
 class LLMEngine:
@@ -109,21 +95,8 @@ class LLMEngine:
         self.eos_token_ids = set(mc.eos_token_ids) | set(gen_eos)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        if c.max_model_len and c.max_model_len > mc.max_position_embeddings and not envs.JSPEC_ALLOW_LONG_MAX_MODEL_LEN:
-            raise ValueError(
-                f"max_model_len={c.max_model_len} is greater than the model's max_position_embeddings="
-                f"{mc.max_position_embeddings} (config.json): positions past it were never trained. Set "
-                f"JSPEC_ALLOW_LONG_MAX_MODEL_LEN=1 (or vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) to allow it"
-            )
-        self.max_model_len = c.max_model_len or min(mc.max_position_embeddings, 4096)
-        if c.page_size < 1 or c.max_num_seqs < 1:
-            raise ValueError(f"page_size and max_num_seqs must be >= 1 (got {c.page_size}, {c.max_num_seqs})")
-        if c.num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps must be >= 1, got {c.num_scheduler_steps}")
+        self.max_model_len = checked_max_model_len(c, mc.max_position_embeddings)
         self.sched_steps = c.num_scheduler_steps  # decode steps per call (1 with a drafter: below)
-        if c.logprobs_mode not in LOGPROBS_MODES or not isinstance(c.max_logprobs, int) or c.max_logprobs < -1:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES} (got {c.logprobs_mode!r}) and "
-                             f"max_logprobs an integer >= -1 (got {c.max_logprobs!r})")
         sp = load_speculation(c, mc, self.par, sharding, preloaded_drafter)
         self.spec, self.dcfg, self.K, self.lookahead = sp.spec, sp.dcfg, sp.K, sp.lookahead
         self.draft_max_len = sp.draft_max_len
