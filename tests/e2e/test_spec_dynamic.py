@@ -100,15 +100,15 @@ def test_width_one_keeps_the_drafter_cache_whole(method):
     tok = tokenizer.load_tokenizer(family.TARGET)
     prompts = [tok.encode(inspect.getsource(m)[:400]).ids[:64] for m in (json, inspect, np.lib.npyio, pytest)]
     sp = jspec.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    runs = []
-    for seed in (None, 5):  # the full width throughout; random widths, plain steps among them
-        llm = jspec.LLM(speculative_config={"method": method, "num_speculative_tokens": 3, "dynamic": True},
-                        dtype="float32", max_model_len=160, max_num_seqs=4, warmup=False)
-        if seed is None:
-            llm.engine.policy.enabled = False
-        runs.append(_proposals(llm, prompts, sp, seed))
-        widths = llm.engine.stats()["decode_steps_by_width"]
-    (want, full), (got, mixed) = runs
+    # one engine (no prefix cache: the second run computes what the first did)
+    llm = jspec.LLM(speculative_config={"method": method, "num_speculative_tokens": 3, "dynamic": True},
+                    dtype="float32", max_model_len=160, max_num_seqs=4, warmup=False, enable_prefix_caching=False)
+    llm.engine.policy.enabled = False
+    want, full = _proposals(llm, prompts, sp, None)  # the full width throughout
+    llm.engine.policy.enabled = True
+    before = llm.engine.stats()["decode_steps_by_width"]
+    got, mixed = _proposals(llm, prompts, sp, 5)  # random widths, plain steps among them
+    widths = {q: n - before.get(q, 0) for q, n in llm.engine.stats()["decode_steps_by_width"].items()}
     assert got == want
     assert widths.get(1, 0) >= 4, widths  # plain steps ran, each followed by proposals
     common = sorted(set(full) & set(mixed))
