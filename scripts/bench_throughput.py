@@ -271,9 +271,10 @@ def main(argv=None):
     taus = dict((m.split(":")[0], float(m.split(":")[1]) if ":" in m else args.tau) for m in args.methods.split(","))
     methods = list(taus)
     rows, plain = [], {}
+    drafters = [m for m in methods if m != "none"]
     for family in ("llama", "qwen3"):
-        mine = [m for m in methods if (m in LLAMA_METHODS) == (family == "llama")]
-        if not mine:
+        mine = [m for m in drafters if (m in LLAMA_METHODS) == (family == "llama")]
+        if not mine and (drafters or family != "llama"):  # plain alone: the Llama shape's
             continue
         cfg = dataclasses.replace(TINY, family=family, qk_norm=family == "qwen3") if args.quick else \
             (LLAMA_8B if family == "llama" else QWEN3_8B)
