@@ -216,15 +216,19 @@ class QuantWeight:
     def dequantize(self) -> jax.Array:
         """[..., rows, cols] in ``dtype``: w * scale in float32, rounded once (XLA fuses the
         conversion into the consumer where it can)."""
-        s = self.scale
-        if self.block is not None:
-            (b0, b1), (r, c) = self.block, self.w.shape[-2:]
-            s = jnp.repeat(jnp.repeat(s, b0, axis=-2)[..., :r, :], b1, axis=-1)[..., :c]
+        s = self.scale if self.block is None else _per_element(self.scale, self.block, self.w.shape)
         return (self.w.astype(jnp.float32) * s).astype(self.dtype)
 
     def take(self, idx) -> QuantWeight:
         """The stacked experts ``idx`` (axis 0) of a [E, ...] leaf, still quantized."""
         return QuantWeight(jnp.take(self.w, idx, axis=0), jnp.take(self.scale, idx, axis=0), self.block, self.dtype)
+
+
+def _per_element(scale, block: tuple[int, int], shape):
+    """A block scale [..., R, C] repeated over its blocks' elements: [..., rows, cols] of ``shape``
+    (the last blocks cut to the weight's edge)."""
+    (b0, b1), (r, c) = block, shape[-2:]
+    return jnp.repeat(jnp.repeat(scale, b0, axis=-2)[..., :r, :], b1, axis=-1)[..., :c]
 
 
 def quantize_fp8(w, block: tuple[int, int] | None = None, dtype="float32") -> QuantWeight:
@@ -242,7 +246,7 @@ def quantize_fp8(w, block: tuple[int, int] | None = None, dtype="float32") -> Qu
         tiles = jnp.pad(jnp.abs(w), pad).reshape(w.shape[:-2] + (R, b0, C, b1))
         amax = jnp.max(tiles, axis=(-3, -1))
         scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-        full = jnp.repeat(jnp.repeat(scale, b0, axis=-2)[..., :r, :], b1, axis=-1)[..., :c]
+        full = _per_element(scale, block, w.shape)
     q = jnp.clip(w / full, -FP8_MAX, FP8_MAX).astype(FP8)
     return QuantWeight(q, scale.astype(jnp.float32), block, jnp.dtype(dtype).name)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import difflib
 import logging
 
+from jspec import quantization
+
 logger = logging.getLogger("jspec")
 
 # vLLM's name -> EngineConfig's.
@@ -56,7 +58,7 @@ DEFAULT_ONLY = {
 # Arguments jspec takes at some of vLLM's values (an EngineConfig field of the same name): (the
 # flag's type, the values, what they mean here).
 CHOICES = {
-    "quantization": (str, (None, "fp8", "compressed-tensors"),
+    "quantization": (str, (None, *quantization.METHODS),
                      "jspec serves FP8 weights (weight-only): a checkpoint whose quantization_config is "
                      "quant_method 'fp8' or 'compressed-tensors' FP8 (None takes it too), or 'fp8' to quantize "
                      "an unquantized checkpoint's projections as they load"),
@@ -112,11 +114,11 @@ def translate(engine_args: dict, known: set[str]) -> dict:
         elif key in known:
             out[key] = value
         elif key not in DEFAULT_ONLY:
-            names = sorted(known | set(RENAMED) | set(NO_EFFECT) | set(DEFAULT_ONLY) | set(CHOICES))
-            near = difflib.get_close_matches(key, names, n=1)
+            vllm = set(RENAMED) | set(NO_EFFECT) | set(DEFAULT_ONLY) | set(CHOICES)
+            near = difflib.get_close_matches(key, sorted(known | vllm), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise ValueError(f"unknown engine argument {key!r}{hint} (jspec.EngineConfig takes {sorted(known)}, "
-                             f"and vLLM's {sorted(set(RENAMED) | set(NO_EFFECT) | set(DEFAULT_ONLY) | set(CHOICES))})")
+                             f"and vLLM's {sorted(vllm)})")
     if "dtype" in out:
         out["dtype"] = DTYPE_ALIASES.get(out["dtype"], out["dtype"])
     return out
