@@ -65,16 +65,18 @@ from jspec.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jspec.engine.warmup import run_warmup
 
 
-def quantized(cfg, params):
-    """The tree the engine holds under --quantization (FP8 weights: their bytes for the rooflines)."""
-    return quantize_target(cfg, params, bench_common.QUANTIZATION, "bfloat16")[1]
+def held_weight_bytes(cfg, params) -> int:
+    """weight_bytes of the tree the engine holds under --quantization (FP8 weights: a byte each),
+    from its shapes alone (the engine quantizes its own copy)."""
+    return weight_bytes(jax.eval_shape(lambda p: quantize_target(cfg, p, bench_common.QUANTIZATION, "bfloat16")[1],
+                                       params))
 
 
 def plain_section(args, bw):
     cfg = TINY if args.quick else LLAMA_8B
     dtype = "bfloat16"
     params = random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
-    wbytes = weight_bytes(quantized(cfg, params))
+    wbytes = held_weight_bytes(cfg, params)
     rng = np.random.default_rng(0)
     rows = []
     kv_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bytes per token, bf16
@@ -115,7 +117,7 @@ def diag_section(args, bw):
     """Where a batch-1 step goes: engine loop vs the jitted step alone vs back-to-back steps."""
     cfg = TINY if args.quick else LLAMA_8B
     params = random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
-    wbytes = weight_bytes(quantized(cfg, params))
+    wbytes = held_weight_bytes(cfg, params)
     rng = np.random.default_rng(0)
     eng = make_engine(cfg, params, max_num_seqs=8, ctx=512, dtype="bfloat16")
     step, _, _ = engine_decode(eng, 1, 512, rng, args.steps)
