@@ -21,8 +21,10 @@ Where kernels run (with the GPU plan):
   dominates;
 - rejection sampling (``rejection_sample``): the plan's ``sample`` backend's block kernels.
 FP8 weights (``jspec.quantization.QuantWeight``: weight-only, a quantized checkpoint's or
-quantization="fp8") take the XLA path with the weight dequantized right before its dot
-(``_dequantized``); the glue kernels run on 16/32-bit weights only.
+quantization="fp8") take the XLA path (``_fp8_plan``; the glue kernels run on 16/32-bit
+weights only): a per-channel or per-tensor weight enters its dot as its FP8 values, the scale
+applied to the f32 result (``_fp8_linear``: XLA fuses that conversion into the GEMM, which
+then streams a byte a weight); a block-scaled one is dequantized before its dot.
 Each kernel file holds its jnp reference and its kernels' entries; the plan's typed backends
 (jspec/kernel_backend.py: XLA(), GPU(interpret), TPU(interpret)) pick among them here and in
 jspec/ops_attention.py. A shape a kernel cannot tile runs the XLA path with one log line
@@ -124,16 +126,30 @@ def _rows(x) -> int:
     return math.prod(x.shape[:-1])
 
 
-def _dequantized(plan: KernelPlan, *ws):
-    """For a call with FP8 weights (QuantWeight): (the plan with its glue kernels off, the
-    weights dequantized to their compute dtype right before the dot, where XLA can fuse the
-    conversion into the GEMM's operand on a GPU); None for a call without. Decided by the
-    weights' Python type at trace time, so an unquantized call is traced exactly as without
-    quantization support."""
+def _fp8_plan(plan: KernelPlan, *ws) -> KernelPlan | None:
+    """For a call with FP8 weights (QuantWeight): the plan with its glue kernels off (XLA's
+    dots); None for a call without. Decided by the weights' Python type at trace time, so an
+    unquantized call is traced exactly as without quantization support."""
     if not any(isinstance(w, QuantWeight) for w in ws):
         return None
-    plan = dataclasses.replace(plan, linear=XLA(), norm_handoff=False)
-    return plan, [w.dequantize() if isinstance(w, QuantWeight) else w for w in ws]
+    return dataclasses.replace(plan, linear=XLA(), norm_handoff=False)
+
+
+def _fp8_linear(plan: KernelPlan, x, w: QuantWeight, b, *, residual, out_dtype, out_in):
+    """``linear`` of an FP8 weight. Per channel or tensor: (x @ w.T in float32) * scale, the
+    weight entering the dot as its FP8 values (exact in bf16 and f32), so XLA fuses their
+    conversion into the GEMM: on the H200 (jax 0.11.2, 2026-11-29) a [28672, 4096] weight at
+    1-8 rows took 34-43 us a call this way, 206 us dequantized first (w * scale written out
+    in bf16, then read), 58-59 us in bf16. Then rounded, bias and residual added as the
+    unquantized path does. A block scale varies along the dot's sum: dequantized first."""
+    if w.block is not None:
+        return linear(plan, x, w.dequantize(), b, residual=residual, out_dtype=out_dtype, out_in=out_in)
+    dt = jnp.dtype(w.dtype)
+    y = linear(plan, x, w.w.astype(dt), out_dtype=jnp.float32, out_in=out_in) * w.scale.reshape(-1)
+    y = y.astype(out_dtype or dt)
+    if b is not None:
+        y = y + b
+    return y if residual is None else residual + y
 
 
 def _project(plan, x, w, b, *, prologue="none", norm_w=None, eps=1e-6, residual=None, out_dtype=None, sumsq=None,
@@ -155,8 +171,8 @@ def linear(plan: KernelPlan, x, w, b=None, *, residual=None, out_dtype=None, out
     plan.in_out_weights, as every weight the ops take, unless ``out_in``: an embedding table
     read as a tied lm_head) or a QuantWeight of that shape; b: [F]; residual: [..., F];
     out_dtype: None (w.dtype) or float32 (logits). -> [..., F]"""
-    if (dq := _dequantized(plan, w)) is not None:
-        plan, (w,) = dq
+    if isinstance(w, QuantWeight):
+        return _fp8_linear(_fp8_plan(plan, w), x, w, b, residual=residual, out_dtype=out_dtype, out_in=out_in)
     if isinstance(x, Normed) and x.sumsq is not None and _rows(x) > 1 and linear_kernel(
             plan, _rows(x), w.shape, fused=True, dtype=w.dtype):
         # handed over (mlp's next_norm): fused_linear_rows scales x * weight by each row's 1 / rms
@@ -191,8 +207,7 @@ def linear_then_norm(plan: KernelPlan, x, w, b=None, *, residual, norm_w, eps) -
     o_proj's kernel and +1.0-1.2 in down's (commit 5527950). In the engine's decode step
     (bench.py, batch 1, ctx 512, three interleaved pairs): 4.15-4.17 ms per token with it,
     4.18-4.22 without."""
-    if (dq := _dequantized(plan, w)) is not None:
-        plan, (w,) = dq
+    plan = _fp8_plan(plan, w) or plan
     if plan.norm_handoff and linear_kernel(plan, _rows(x), w.shape, fused=True, dtype=w.dtype):
         h, scaled, sumsq = _fused_linear(plan, x, w, kernel=True, bias=b, residual=residual, next_norm_w=norm_w)
         return Normed(h, norm_w, eps, scaled, sumsq)
@@ -220,8 +235,12 @@ def mlp(plan: KernelPlan, x, w_gate_up, b_gate_up, w_down, b_down, *, residual=N
     eps) of the RMSNorm after this MLP (the next layer's input norm): where down_proj runs
     fused_linear_rows' kernel (2-16 rows), it hands that norm over and the result comes as
     Normed (for ``linear``); elsewhere a plain array. Either weight may be a QuantWeight."""
-    if (dq := _dequantized(plan, w_gate_up, w_down)) is not None:
-        plan, (w_gate_up, w_down) = dq
+    if (fp8 := _fp8_plan(plan, w_gate_up, w_down)) is not None:  # XLA's dots, each weight through linear
+        if isinstance(x, Normed) and x.sumsq is not None:  # (an unquantized layer's hand-over before)
+            x = Normed(x.x, x.weight, x.eps)
+        gu = linear(fp8, x, w_gate_up, b_gate_up)
+        g, u = split_fused(fp8, gu, (gu.shape[-1] // 2,) * 2)
+        return linear(fp8, jax.nn.silu(g) * u, w_down, b_down, residual=residual, out_dtype=out_dtype)
     if plan.tp > 1:  # gate|up tp-interleaved: g and u split per device, down's input sharded likewise
         gu = linear(plan, x, w_gate_up, b_gate_up)
         g, u = split_fused(plan, gu, (gu.shape[-1] // 2,) * 2)
@@ -343,8 +362,7 @@ def qkv_rope_write(plan: KernelPlan, x, w, b, rope, slot_mapping, k_pages, v_pag
     sin) f32[B, Q, D/2]; slot_mapping: i32[B, Q] (P * S: not written); k_pages, v_pages:
     [P, S, KVH, D]; q_norm_w, k_norm_w: [D] | None. w may be a QuantWeight.
     -> (q [B, Q, H, D], k_pages, v_pages)"""
-    if (dq := _dequantized(plan, w)) is not None:
-        plan, (w,) = dq
+    plan = _fp8_plan(plan, w) or plan
     B, Q, _ = x.shape
     M, D = B * Q, k_pages.shape[-1]
     (cos, sin), rows = rope, lambda a: a.reshape(M, -1)

@@ -135,11 +135,13 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
     llm.generate(prompts[:2], sp, use_tqdm=False)  # (every shape is compiled: LLM's warmup) first-call costs
     rows = []
     waits = ReadWaits(llm.engine.runner)
+    clock = PhaseClock(llm.engine.scheduler)
     trace = PolicyTrace(llm.engine.policy) if args.trace_policy and llm.engine.policy is not None else None
     for n in sizes:
         llm.engine.spec_metrics.__init__()
         before = llm.engine.stats()
         waits.reset()
+        clock.reset()
         if trace:
             trace.steps = []
         t = time.perf_counter()
@@ -161,11 +163,13 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
                    bound_prefill_s=bound.prefill_s, bound_decode_s=bound.decode_s, of_bound=bound.seconds / secs,
                    vs_plain=plain[n] / secs if n in plain else None, decode_steps_by_width=widths,
                    step_ms=step_times(llm.engine), read_wait_s=waits.seconds, reads=waits.calls,
+                   prefill_phase_s=clock.prefill_s, decode_steps=clock.decode_steps,
                    **({"policy_trace": trace.steps} if trace else {}))
         label = "plain" if spec is None else f"{method} K={K} tau {measured:.2f}"
         vs = "" if row["vs_plain"] is None else f"; {row['vs_plain']:.2f}x plain"
         vs += f"; decode steps by width {widths}" if widths else ""
         vs += f"; {waits.calls} reads waited {waits.seconds:.2f} s"
+        vs += f"; prefill phase {clock.prefill_s:.2f} s" if clock.prefill_s is not None else ""
         print(f"{label}: {n} x ({args.input_len} -> {args.output_len}), {secs:.2f} s: "
               f"{row['requests_per_s']:.2f} req/s, {row['output_tok_s']:.0f} output tok/s, {row['total_tok_s']:.0f} "
               f"total tok/s; hardware bound {bound.seconds:.2f} s (prefill {bound.prefill_s:.2f} s at "
@@ -174,7 +178,8 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
         rows.append(row)
         del outs
     waits.close()  # (its wrapper holds the runner: the next engine needs that memory)
-    del llm, waits
+    clock.close()
+    del llm, waits, clock
     gc.collect()
     return rows
 
@@ -203,6 +208,36 @@ class ReadWaits:
     def close(self):
         del self.runner.read  # the class's method again
         self.runner = self.read = None
+
+
+class PhaseClock:
+    """Seconds from a run's start to its first decode step scheduled after the last step
+    that prefilled (prefill and mixed steps): where every prompt is admitted at once (B <=
+    max_num_seqs, no mixed steps), the prefill phase; the rest is decoding."""
+
+    def __init__(self, scheduler):
+        self.scheduler, self.schedule = scheduler, scheduler.schedule
+        self.reset()
+
+        def timed(*a, **kw):
+            out = self.schedule(*a, **kw)
+            if out is not None:
+                now = time.perf_counter() - self.t0
+                if out.kind != "decode":
+                    self.prefill_s, self._prefilling = None, True
+                elif self._prefilling:
+                    self.prefill_s, self._prefilling = now, False
+                self.decode_steps += out.kind == "decode"
+            return out
+
+        scheduler.schedule = timed
+
+    def reset(self):
+        self.t0, self.prefill_s, self._prefilling, self.decode_steps = time.perf_counter(), None, False, 0
+
+    def close(self):
+        del self.scheduler.schedule
+        self.scheduler = self.schedule = None
 
 
 class PolicyTrace:

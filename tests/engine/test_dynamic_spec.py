@@ -103,11 +103,15 @@ def test_a_request_whose_drafts_are_never_accepted_stops_drafting():
     p = policy(3, {1: 1.0, 2: 1.0, 4: 1.0})  # drafting costs nothing: the step keeps its width
     good, bad = ("good", 3, 3), ("bad", 3, 3)
     accept(p, "good", 3, 3)
-    accept(p, "bad", 3, 0)
+    accept(p, "bad", 3, 0, n=p.stop_after - 1)
+    assert p.choose([good, bad], 8)[1] == [3, 3]  # not yet: a run this long is not improbable enough
+    accept(p, "bad", 3, 0, n=1)
     ks = [p.choose([good, bad], 8)[1] for _ in range(2 * p.probe_every)]
     assert all(k[0] == 3 for k in ks)
     assert sum(k[1] > 0 for k in ks) == 2  # one probe in probe_every
-    assert p.stats()["num_decode_steps"] == 2 * p.probe_every
+    assert p.stats()["num_decode_steps"] == 2 * p.probe_every + 1
+    accept(p, "bad", 3, 1, n=1)  # a probe's hit: drafting again
+    assert p.choose([good, bad], 8)[1] == [3, 3]
     p.forget("bad")  # a new request of that id starts from the engine-wide rate
     assert "bad" not in p._slots
 

@@ -445,6 +445,36 @@ def test_moe_target(method, gpu_ckpts, gpu_refs, on_gpu, record_property):
     record_property("detail", f"{len(outs)} x {MOE_TOKENS} greedy tokens == transformers (float32){extra}")
 
 
+@pytest.mark.parametrize("method", [
+    pytest.param(None, id="plain", marks=line("eagle3", "an FP8 target (compressed-tensors, per channel) == "
+                                                        "transformers on its dequantized weights: plain, float32")),
+    pytest.param("eagle3", id="eagle3", marks=line("eagle3", "an FP8 target == transformers on its dequantized "
+                                                             "weights: EAGLE3 K=3, float32"))])
+def test_fp8_target(method, gpu_ckpts, gpu_refs, on_gpu, record_property):
+    """An FP8 checkpoint's greedy output on the GPU == transformers' on its dequantized weights
+    (float32), plain or with an (unquantized) EAGLE3 drafter: the FP8 weights' dots as XLA
+    fuses them (jspec/ops.py, _fp8_linear) beside the GPU attention kernels."""
+    import jspec
+    from jspec.quantization import QuantWeight
+    from tests.helpers import spec_e2e as h
+    from tests.helpers.gpu_lines import FP8_TOKENS
+
+    r = gpu_refs["target_fp8"]
+    spec = None if method is None else h.spec_config(method, 3)
+    llm = jspec.LLM(os.path.join(gpu_ckpts, "target_fp8"), warmup=False, max_num_seqs=2, max_model_len=64,
+                    page_size=8, num_pages=32, speculative_config=spec)
+    _on_gpu_kernels(llm.engine, on_gpu)
+    assert isinstance(llm.engine.runner.params["layers_0"]["attn"]["qkv_proj"]["weight"], QuantWeight)
+    before = llm.engine.stats()
+    outs = llm.generate(r["prompts"], jspec.SamplingParams(temperature=0, max_tokens=FP8_TOKENS, ignore_eos=True))
+    for o, want in zip(outs, r["greedy"]):
+        assert o.token_ids == want, f"{o.token_ids} vs transformers {want}"
+    d = h.stats_delta(before, llm.engine.stats())
+    extra = "" if spec is None else f"; mean acceptance length {d['mean_acceptance_length']:.2f}"
+    record_property("detail", f"{len(outs)} x {FP8_TOKENS} greedy tokens == transformers on the dequantized "
+                              f"weights (float32){extra}")
+
+
 # ---- the rejection kernel ---------------------------------------------------------------
 @pytest.mark.parametrize("method,with_probs", [
     pytest.param(m, p, id=i, marks=line("peagle", f"rejection kernel == reference: {what}"))

@@ -26,13 +26,16 @@ DRAFTERS = [
 ]
 FALLBACK_PROMPT_LEN, FALLBACK_TOKENS = 12, 12  # the head_dim 24 line's prompt and greedy tokens
 MOE_TOKENS = 16  # greedy tokens of each of the mixture-of-experts line's two prompts
+FP8_TOKENS = 16  # greedy tokens of each of the FP8 target line's prompts
 
 
 def build(folder: str):
     """Tiny checkpoints and the transformers references into ``folder`` (CPU; needs torch +
     speculators): spec_e2e's target (``target/``) and every drafter of ``DRAFTERS`` (one
     folder each), a head_dim 24 Qwen3 (``qwen3_hd24/``), a Qwen3 mixture of experts
-    (``qwen3_moe/``), and ``references.json``: transformers' greedy tokens of both."""
+    (``qwen3_moe/``), spec_e2e's target as a compressed-tensors per-channel FP8 checkpoint
+    (``target_fp8/``, ``build_fp8``), and ``references.json``: transformers' greedy tokens
+    of the last three."""
     from tests.helpers import spec_e2e as h
     from tests.helpers.targets import build_hf_model, hf_greedy
 
@@ -51,7 +54,27 @@ def build(folder: str):
     refs["qwen3_moe"] = {"prompts": prompts, "greedy": [hf_greedy(moe, p, MOE_TOKENS) for p in prompts]}
     with open(os.path.join(folder, "references.json"), "w") as f:
         json.dump(refs, f)
+    build_fp8(folder)
     print(f"built {sorted(os.listdir(folder))} under {folder}")
+
+
+def build_fp8(folder: str):
+    """spec_e2e's target as an FP8 checkpoint (``target_fp8/``: compressed-tensors, per output
+    channel; its planted feature survives, so an EAGLE3 drafter's proposals are accepted) and
+    transformers' greedy tokens of its dequantized weights (float32) for two prompts, added to
+    ``folder``'s references.json (``target_fp8``)."""
+    from tests.helpers import spec_e2e as h
+    from tests.helpers.fp8 import write_fp8
+    from tests.helpers.targets import hf_greedy
+
+    _, _, ref = write_fp8(h.build_target(), os.path.join(folder, "target_fp8"), "ct_channel")
+    prompts = h.varied_prompts(2, 5, 30, seed=6)
+    path = os.path.join(folder, "references.json")
+    with open(path) as f:
+        refs = json.load(f)
+    refs["target_fp8"] = {"prompts": prompts, "greedy": [hf_greedy(ref, p, FP8_TOKENS) for p in prompts]}
+    with open(path, "w") as f:
+        json.dump(refs, f)
 
 
 def use_checkpoints(folder: str) -> dict:
