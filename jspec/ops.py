@@ -135,21 +135,46 @@ def _fp8_plan(plan: KernelPlan, *ws) -> KernelPlan | None:
     return dataclasses.replace(plan, linear=XLA(), norm_handoff=False)
 
 
+# Rows up to which a block-scaled FP8 weight's dot takes _fp8_block_dot (more: dequantized first)
+FP8_BLOCK_DOT_ROWS = 16
+
+
 def _fp8_linear(plan: KernelPlan, x, w: QuantWeight, b, *, residual, out_dtype, out_in):
     """``linear`` of an FP8 weight. Per channel or tensor: (x @ w.T in float32) * scale, the
     weight entering the dot as its FP8 values (exact in bf16 and f32), so XLA fuses their
     conversion into the GEMM: on the H200 (jax 0.11.2, 2026-11-29) a [28672, 4096] weight at
     1-8 rows took 34-43 us a call this way, 206 us dequantized first (w * scale written out
     in bf16, then read), 58-59 us in bf16. Then rounded, bias and residual added as the
-    unquantized path does. A block scale varies along the dot's sum: dequantized first."""
-    if w.block is not None:
-        return linear(plan, x, w.dequantize(), b, residual=residual, out_dtype=out_dtype, out_in=out_in)
+    unquantized path does. A block scale varies along the dot's sum: up to
+    FP8_BLOCK_DOT_ROWS rows _fp8_block_dot, else dequantized first."""
     dt = jnp.dtype(w.dtype)
-    y = linear(plan, x, w.w.astype(dt), out_dtype=jnp.float32, out_in=out_in) * w.scale.reshape(-1)
+    if w.block is not None:
+        if _rows(x) > FP8_BLOCK_DOT_ROWS or plan.in_out_weights or out_in or w.shape[0] % w.block[0]:
+            return linear(plan, x, w.dequantize(), b, residual=residual, out_dtype=out_dtype, out_in=out_in)
+        x = x.value() if isinstance(x, Normed) else x
+        y = _fp8_block_dot(x.astype(dt), w)
+    else:
+        y = linear(plan, x, w.w.astype(dt), out_dtype=jnp.float32, out_in=out_in) * w.scale.reshape(-1)
     y = y.astype(out_dtype or dt)
     if b is not None:
         y = y + b
     return y if residual is None else residual + y
+
+
+def _fp8_block_dot(x, w: QuantWeight):
+    """x @ dequantize(w).T in float32 for an [F, K] weight of [b0, b1] block scales (F a
+    multiple of b0): each of the F / b0 row blocks is a dot of x scaled by that block's
+    scales (per b1 columns, rounded to x's dtype) with its FP8 rows as they are, so the
+    weight streams once at a byte an element and only x, F / b0 times over, is written:
+    x [..., K] -> f32[..., F]."""
+    (b0, b1), (F, K) = w.block, w.shape
+    lead = x.shape[:-1]
+    xs = x.reshape(-1, K)  # [M, K]
+    s = jnp.repeat(w.scale, b1, axis=-1)[:, :K]  # [F / b0, K]: each row block's scale per column
+    xb = (xs[None].astype(jnp.float32) * s[:, None, :]).astype(x.dtype)  # [F / b0, M, K]
+    wb = w.w.reshape(F // b0, b0, K).astype(x.dtype)
+    y = jnp.einsum("gmk,gfk->mgf", xb, wb, preferred_element_type=jnp.float32)  # [M, F / b0, b0]
+    return y.reshape(lead + (F,))
 
 
 def _project(plan, x, w, b, *, prologue="none", norm_w=None, eps=1e-6, residual=None, out_dtype=None, sumsq=None,

@@ -181,3 +181,28 @@ def test_quantization_argument_and_unsupported_configs(ckpt_root):
         with pytest.raises(ConfigError, match=match) as e:
             model_config_from_hf({**base, "quantization_config": qc})
         assert str(e.value).startswith("config.json: quantization_config."), e.value
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17])
+@pytest.mark.parametrize("block", [None, (16, 24), (32, 32)])
+def test_fp8_dots_equal_the_dequantized_weight(rows, block):
+    """ops.linear on FP8 weights in HF's [out, in] layout (the GPU plan's), each form
+    (per-channel scale on the f32 result; a block scale's row blocks up to
+    FP8_BLOCK_DOT_ROWS rows, dequantized first beyond) == x @ dequantize(w).T in float32,
+    with a bias and a residual; float32 activations, so only the summation order differs."""
+    import jax.numpy as jnp
+
+    from jspec import ops
+    from jspec.quantization import quantize_fp8
+
+    rng = np.random.default_rng(rows)
+    F, K = 96, 88  # K: a partial column block at the edge for (16, 24)
+    w = quantize_fp8(jnp.asarray(rng.normal(size=(F, K)) * 0.1, jnp.float32), block)
+    x = jnp.asarray(rng.normal(size=(rows, K)), jnp.float32)
+    b, res = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((F,), (rows, F)))
+    want = res + (np.asarray(x, np.float64) @ np.asarray(w.dequantize(), np.float64).T + b)
+    got = ops.linear(ops.KernelPlan(), x, w, b, residual=res)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    normed = ops.Normed(x, jnp.asarray(rng.normal(size=(K,)), jnp.float32), 1e-6)
+    want = np.asarray(normed.value(), np.float64) @ np.asarray(w.dequantize(), np.float64).T
+    np.testing.assert_allclose(np.asarray(ops.linear(ops.KernelPlan(), normed, w)), want, rtol=2e-5, atol=2e-5)

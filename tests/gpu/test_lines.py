@@ -445,23 +445,30 @@ def test_moe_target(method, gpu_ckpts, gpu_refs, on_gpu, record_property):
     record_property("detail", f"{len(outs)} x {MOE_TOKENS} greedy tokens == transformers (float32){extra}")
 
 
-@pytest.mark.parametrize("method", [
-    pytest.param(None, id="plain", marks=line("eagle3", "an FP8 target (compressed-tensors, per channel) == "
-                                                        "transformers on its dequantized weights: plain, float32")),
-    pytest.param("eagle3", id="eagle3", marks=line("eagle3", "an FP8 target == transformers on its dequantized "
-                                                             "weights: EAGLE3 K=3, float32"))])
-def test_fp8_target(method, gpu_ckpts, gpu_refs, on_gpu, record_property):
+@pytest.mark.parametrize("name,method", [
+    pytest.param("target_fp8", None, id="channel-plain", marks=line(
+        "eagle3", "an FP8 target == transformers on its dequantized weights: compressed-tensors per channel, "
+                  "plain, float32")),
+    pytest.param("target_fp8", "eagle3", id="channel-eagle3", marks=line(
+        "eagle3", "an FP8 target == transformers on its dequantized weights: compressed-tensors per channel, "
+                  "EAGLE3 K=3, float32")),
+    pytest.param("target_fp8_block", "eagle3", id="block-eagle3", marks=line(
+        "eagle3", "an FP8 target == transformers on its dequantized weights: fp8 16 x 16 blocks, EAGLE3 K=3, "
+                  "float32"))])
+def test_fp8_target(name, method, gpu_ckpts, gpu_refs, on_gpu, record_property):
     """An FP8 checkpoint's greedy output on the GPU == transformers' on its dequantized weights
     (float32), plain or with an (unquantized) EAGLE3 drafter: the FP8 weights' dots as XLA
-    fuses them (jspec/ops.py, _fp8_linear) beside the GPU attention kernels."""
+    runs them (jspec/ops.py, _fp8_linear: per channel the scale after the dot; per block the
+    row blocks' dots up to FP8_BLOCK_DOT_ROWS rows, decode and verification here, and the
+    weight dequantized first for the prompts) beside the GPU attention kernels."""
     import jspec
     from jspec.quantization import QuantWeight
     from tests.helpers import spec_e2e as h
     from tests.helpers.gpu_lines import FP8_TOKENS
 
-    r = gpu_refs["target_fp8"]
+    r = gpu_refs[name]
     spec = None if method is None else h.spec_config(method, 3)
-    llm = jspec.LLM(os.path.join(gpu_ckpts, "target_fp8"), warmup=False, max_num_seqs=2, max_model_len=64,
+    llm = jspec.LLM(os.path.join(gpu_ckpts, name), warmup=False, max_num_seqs=2, max_model_len=64,
                     page_size=8, num_pages=32, speculative_config=spec)
     _on_gpu_kernels(llm.engine, on_gpu)
     assert isinstance(llm.engine.runner.params["layers_0"]["attn"]["qkv_proj"]["weight"], QuantWeight)

@@ -33,9 +33,8 @@ def build(folder: str):
     """Tiny checkpoints and the transformers references into ``folder`` (CPU; needs torch +
     speculators): spec_e2e's target (``target/``) and every drafter of ``DRAFTERS`` (one
     folder each), a head_dim 24 Qwen3 (``qwen3_hd24/``), a Qwen3 mixture of experts
-    (``qwen3_moe/``), spec_e2e's target as a compressed-tensors per-channel FP8 checkpoint
-    (``target_fp8/``, ``build_fp8``), and ``references.json``: transformers' greedy tokens
-    of the last three."""
+    (``qwen3_moe/``), spec_e2e's target as FP8 checkpoints (``build_fp8``), and
+    ``references.json``: transformers' greedy tokens of all but the first."""
     from tests.helpers import spec_e2e as h
     from tests.helpers.targets import build_hf_model, hf_greedy
 
@@ -58,21 +57,26 @@ def build(folder: str):
     print(f"built {sorted(os.listdir(folder))} under {folder}")
 
 
+# The FP8 checkpoints of spec_e2e's target (build_fp8): folder -> (format, block)
+FP8_TARGETS = {"target_fp8": ("ct_channel", (128, 128)), "target_fp8_block": ("fp8_block", (16, 16))}
+
+
 def build_fp8(folder: str):
-    """spec_e2e's target as an FP8 checkpoint (``target_fp8/``: compressed-tensors, per output
-    channel; its planted feature survives, so an EAGLE3 drafter's proposals are accepted) and
-    transformers' greedy tokens of its dequantized weights (float32) for two prompts, added to
-    ``folder``'s references.json (``target_fp8``)."""
+    """spec_e2e's target as FP8 checkpoints (FP8_TARGETS: compressed-tensors per output
+    channel, and quant_method fp8 with 16 x 16 blocks; its planted feature survives, so an
+    EAGLE3 drafter's proposals are accepted) and transformers' greedy tokens of their
+    dequantized weights (float32) for two prompts, added to ``folder``'s references.json."""
     from tests.helpers import spec_e2e as h
     from tests.helpers.fp8 import write_fp8
     from tests.helpers.targets import hf_greedy
 
-    _, _, ref = write_fp8(h.build_target(), os.path.join(folder, "target_fp8"), "ct_channel")
     prompts = h.varied_prompts(2, 5, 30, seed=6)
     path = os.path.join(folder, "references.json")
     with open(path) as f:
         refs = json.load(f)
-    refs["target_fp8"] = {"prompts": prompts, "greedy": [hf_greedy(ref, p, FP8_TOKENS) for p in prompts]}
+    for name, (fmt, block) in FP8_TARGETS.items():
+        _, _, ref = write_fp8(h.build_target(), os.path.join(folder, name), fmt, block)
+        refs[name] = {"prompts": prompts, "greedy": [hf_greedy(ref, p, FP8_TOKENS) for p in prompts]}
     with open(path, "w") as f:
         json.dump(refs, f)
 
