@@ -436,13 +436,22 @@ def test_moe_target(method, gpu_ckpts, gpu_refs, on_gpu, record_property):
     llm = jspec.LLM(os.path.join(gpu_ckpts, "qwen3_moe"), warmup=False, max_num_seqs=2, max_model_len=64,
                     page_size=8, num_pages=32, speculative_config=spec)
     _on_gpu_kernels(llm.engine, on_gpu)
+    record_property("detail", _greedy_equals_references(llm, r, MOE_TOKENS, "transformers (float32)"))
+
+
+def _greedy_equals_references(llm, r, n: int, what: str) -> str:
+    """Generate ``n`` greedy tokens for each of ``r["prompts"]``, assert them equal to
+    ``r["greedy"]`` (transformers'), and return the line's detail."""
+    import jspec
+    from tests.helpers import spec_e2e as h
+
     before = llm.engine.stats()
-    outs = llm.generate(r["prompts"], jspec.SamplingParams(temperature=0, max_tokens=MOE_TOKENS, ignore_eos=True))
+    outs = llm.generate(r["prompts"], jspec.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     for o, want in zip(outs, r["greedy"]):
         assert o.token_ids == want, f"{o.token_ids} vs transformers {want}"
     d = h.stats_delta(before, llm.engine.stats())
-    extra = "" if spec is None else f"; mean acceptance length {d['mean_acceptance_length']:.2f}"
-    record_property("detail", f"{len(outs)} x {MOE_TOKENS} greedy tokens == transformers (float32){extra}")
+    extra = "" if llm.engine.K == 0 else f"; mean acceptance length {d['mean_acceptance_length']:.2f}"
+    return f"{len(outs)} x {n} greedy tokens == {what}{extra}"
 
 
 @pytest.mark.parametrize("name,method", [
@@ -472,14 +481,8 @@ def test_fp8_target(name, method, gpu_ckpts, gpu_refs, on_gpu, record_property):
                     page_size=8, num_pages=32, speculative_config=spec)
     _on_gpu_kernels(llm.engine, on_gpu)
     assert isinstance(llm.engine.runner.params["layers_0"]["attn"]["qkv_proj"]["weight"], QuantWeight)
-    before = llm.engine.stats()
-    outs = llm.generate(r["prompts"], jspec.SamplingParams(temperature=0, max_tokens=FP8_TOKENS, ignore_eos=True))
-    for o, want in zip(outs, r["greedy"]):
-        assert o.token_ids == want, f"{o.token_ids} vs transformers {want}"
-    d = h.stats_delta(before, llm.engine.stats())
-    extra = "" if spec is None else f"; mean acceptance length {d['mean_acceptance_length']:.2f}"
-    record_property("detail", f"{len(outs)} x {FP8_TOKENS} greedy tokens == transformers on the dequantized "
-                              f"weights (float32){extra}")
+    record_property("detail", _greedy_equals_references(llm, r, FP8_TOKENS,
+                                                        "transformers on the dequantized weights (float32)"))
 
 
 # ---- the rejection kernel ---------------------------------------------------------------
