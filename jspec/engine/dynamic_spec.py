@@ -29,8 +29,9 @@ ends the run). Not on c_i1 alone: a step's rows are [N, Q] whatever each verifie
 row that stops saves that step nothing, and a poor drafter's estimate over its last ten or
 so verifications drops below the bar by chance: at synthetic tau 1.3 (an H200, 8B, 64 rows
 of 256 tokens, 2026-11-29) a tenth of the rows had stopped at any time and the batch's
-last row set its end, 240-251 decode calls where 215 do without. While a batch runs plain nothing is measured: every ``probe_off_every`` steps two
-steps draft again. Greedy and sampled output stay exactly as without: a row verifying fewer drafts, or
+last row set its end, 240-251 decode calls where a replay of the policy without that
+takes 215. While a batch runs plain nothing is measured: every ``probe_off_every`` steps
+two steps draft again. Greedy and sampled output stay exactly as without: a row verifying fewer drafts, or
 none, is rejection sampling over fewer positions (lossless at every count).
 
 ``disable_by_batch_size`` (vLLM's key): at that many rows or more a step runs plain. With
