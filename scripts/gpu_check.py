@@ -27,8 +27,8 @@ the change (overwritten each run). Each line passes or fails on its own:
     tokens within NEAR_TIE_ULPS bfloat16 steps of the top logit), each one reported;
   - a head_dim (24) that the GPU kernels cannot take runs on the XLA path and matches
     transformers' greedy output;
-  - an FP8 checkpoint (compressed-tensors, per channel) matches transformers on its
-    dequantized weights, plain and with an EAGLE3 drafter;
+  - FP8 checkpoints (compressed-tensors per channel; quant_method fp8 in blocks) match
+    transformers on their dequantized weights, plain and with an EAGLE3 drafter;
   - the GPU rejection-sampling kernel == its jnp reference on seeded inputs (greedy,
     probabilistic with draft probabilities, synthetic), at a Llama-3 vocabulary;
   - LLMEngine.warmup() with a drafter, and ``python -m jspec.serve`` with a drafter

@@ -23,33 +23,30 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jspec.engine.buckets import pick, pow2_buckets  # noqa: E402
 from jspec.engine.dynamic_spec import DynamicSpeculation, decode_widths  # noqa: E402
 
 
-def step_times(path: str, method: str) -> dict[tuple[int, int], float]:
-    """(width, batch bucket) -> seconds: the last ``method`` row's measured times; a pair
-    never measured, warmup's time on empty rows scaled as width 1's measured against its own
-    (the policy's own estimate, DynamicSpeculation._time)."""
+def step_times(path: str, method: str) -> tuple[dict[tuple[int, int], float], tuple[int, ...]]:
+    """((width, batch bucket) -> seconds, the engine's batch buckets) of the last ``method``
+    row: its measured times; a pair never measured, the policy's own estimate from warmup's
+    time on empty rows (DynamicSpeculation._time, scaled as width 1's measured time)."""
     rows = [r for r in json.load(open(path))["rows"] if r["method"] == method and r.get("step_ms")]
     if not rows:
         raise SystemExit(f"{path}: no {method} row with step times (bench_throughput.py --dynamic on)")
-    got = {"measured": {}, "warm": {}}
+    p = DynamicSpeculation(1, (1,), True)
     for key, ms in rows[-1]["step_ms"].items():
         kind, qn = key.split(" ")
         q, n = map(int, qn.split(","))
-        got[kind][(q, n)] = ms / 1e3
-    out, warm = dict(got["measured"]), got["warm"]
-    for (q, n), t in warm.items():
-        if (q, n) not in out and (1, n) in out and (1, n) in warm:
-            out[(q, n)] = t * out[(1, n)] / warm[(1, n)]
-    return out
+        if kind == "measured":
+            p.record_time(q, n, ms / 1e3)
+        else:
+            p.warm[(q, n)] = ms / 1e3
+    pairs = set(p.times) | {(q, n) for q, n in p.warm if (1, n) in p.times}
+    return {(q, n): p._time(q, n, 1) for q, n in pairs}, pow2_buckets(1, rows[-1]["max_num_seqs"])
 
 
-def bucket(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def replay(times, B: int, tokens: int, alpha: float, K: int, seed: int):
+def replay(times, buckets, B: int, tokens: int, alpha: float, K: int, seed: int):
     """(decode seconds, calls, calls by width) of one replay."""
     rng = np.random.default_rng(seed)
     p = DynamicSpeculation(K, decode_widths(K, True, None), True)
@@ -60,7 +57,7 @@ def replay(times, B: int, tokens: int, alpha: float, K: int, seed: int):
     seconds = calls = 0
     while left:
         rows = list(left)
-        N = bucket(len(rows))
+        N = pick(buckets, len(rows))
         q, ks = p.choose([(r, K, have[r]) for r in rows], N)
         if (q, N) not in times:
             raise SystemExit(f"no measured time for width {q} at batch bucket {N}")
@@ -92,13 +89,13 @@ def main():
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--plain-ms", default="", help="a plain engine's ms a step at each batch (comma-separated)")
     args = ap.parse_args()
-    times = step_times(args.json, args.method)
+    times, buckets = step_times(args.json, args.method)
     batches = [int(b) for b in args.batches.split(",")]
     plain = [float(x) for x in args.plain_ms.split(",")] if args.plain_ms else [None] * len(batches)
     for B, plain_ms in zip(batches, plain):
-        runs = [replay(times, B, args.tokens, args.alpha, args.k, s) for s in range(args.seeds)]
+        runs = [replay(times, buckets, B, args.tokens, args.alpha, args.k, s) for s in range(args.seeds)]
         secs = float(np.mean([r[0] for r in runs]))
-        width1 = args.tokens * times[(1, bucket(B))]
+        width1 = args.tokens * times[(1, pick(buckets, B))]
         vs = f"; a plain engine's {args.tokens} steps {args.tokens * plain_ms / 1e3:.3f} s -> " \
              f"{args.tokens * plain_ms / 1e3 / secs:.3f}x" if plain_ms else ""
         print(f"B={B}: {np.mean([r[1] for r in runs]):.1f} calls {runs[0][2]}, decode {secs:.3f} s; width 1 "

@@ -16,11 +16,12 @@ RUN = os.path.join(ROOT, "docs", "bench", "2026-11-29_throughput_dynamic_tau1.3_
 
 
 def test_replays_by_acceptance():
-    times = rp.step_times(RUN, "eagle3")
+    times, buckets = rp.step_times(RUN, "eagle3")
+    assert buckets[-1] == 256
     assert (4, 128) in times and times[(4, 128)] > times[(1, 128)]  # warmup's estimate, scaled
-    _, calls, widths = rp.replay(times, 32, 128, 0.0, 3, seed=0)
+    _, calls, widths = rp.replay(times, buckets, 32, 128, 0.0, 3, seed=0)
     assert calls >= 128 and widths.get(1, 0) >= 0.9 * calls, widths
-    _, poor, _ = rp.replay(times, 32, 128, 0.28, 3, seed=0)
+    _, poor, _ = rp.replay(times, buckets, 32, 128, 0.28, 3, seed=0)
     assert poor < 0.9 * 128
-    _, good, widths = rp.replay(times, 32, 128, 0.8, 3, seed=0)
+    _, good, widths = rp.replay(times, buckets, 32, 128, 0.8, 3, seed=0)
     assert good < 0.5 * 128 and max(widths, key=widths.get) == 4, widths
