@@ -10,20 +10,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
 from jspec.quantization import QuantConfig, quant_config_from_hf
 
-# architecture name -> model family. Only decoder-only Llama 3.x / Qwen3 shapes (Qwen3's
-# mixture-of-experts models, Qwen3-30B-A3B and the like, are the qwen3 family with experts).
+# architecture name -> model family. Decoder-only Llama 3.x / Qwen3 shapes (Qwen3's
+# mixture-of-experts models, Qwen3-30B-A3B and the like, are the qwen3 family with experts)
+# and gpt-oss (experts in every layer, attention sinks, sliding-window layers, YaRN).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # model_type -> family (the family decides the rest, e.g. Qwen3's per-head q/k RMSNorm)
-MODEL_TYPE_FAMILY = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
+MODEL_TYPE_FAMILY = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3", "gpt_oss": "gpt_oss"}
 SUPPORTED_MODEL_TYPES = set(MODEL_TYPE_FAMILY)
 
 # Keys that carry no meaning for inference here (metadata, training-only knobs, tokens
@@ -43,6 +46,11 @@ _IGNORED_KEYS = {
 # Qwen3 MoE's keys (transformers 5 writes num_experts as num_local_experts)
 _MOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
              "decoder_sparse_step", "mlp_only_layers"}
+# gpt-oss's own keys (its shipped config.json also carries experts_per_token and
+# initial_context_length, the same facts as num_experts_per_tok and the rope's
+# original_max_position_embeddings)
+_GPT_OSS_KEYS = {"num_local_experts", "num_experts_per_tok", "experts_per_token", "swiglu_alpha", "swiglu_limit",
+                 "initial_context_length"}
 # Keys that we read (below).
 _READ_KEYS = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -59,12 +67,18 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    rope_type: str = "default"  # "default" | "llama3"
-    # llama3 scaling (only meaningful for rope_type == "llama3")
+    rope_type: str = "default"  # "default" | "llama3" | "yarn"
+    # llama3 and yarn scaling (only meaningful for those rope types)
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn (gpt-oss): the ramp between interpolated and original frequencies, and the factor
+    # cos and sin are multiplied by (jspec.models.layers.rope_inv_freq / rope_scale)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +112,20 @@ class ModelConfig:
     # FP8 projection weights (jspec/quantization.py): config.json's quantization_config, or
     # quantization="fp8" on an unquantized checkpoint (quantization.resolve); None: unquantized.
     quantization: QuantConfig | None = None
+    # gpt-oss. Attention: a learned logit per head (``sinks``) joins every query's softmax
+    # (its share of the probability goes nowhere); in the layers ``sliding_layers`` a query at
+    # position p sees keys p - sliding_window < j <= p only. Experts: router and expert
+    # biases, gate and up interleaved in the checkpoint, the clamped SwiGLU
+    # (up.clip(-limit, limit) + 1) * g * sigmoid(alpha * g), g = gate.clip(max=limit), the
+    # router's softmax over its top k (= norm_topk_prob). ``mxfp4``: the checkpoint holds the
+    # experts as MXFP4 blocks and scales (dequantized as they load).
+    attention_sinks: bool = False
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    moe_bias: bool = False
+    swiglu_limit: float = 0.0  # 0: SwiGLU as silu(g) * u (Qwen3); > 0: gpt-oss's clamped form
+    swiglu_alpha: float = 1.702
+    mxfp4: bool = False
 
     @property
     def q_size(self) -> int:
@@ -114,6 +142,10 @@ class ModelConfig:
 
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    def window(self, layer: int) -> int:
+        """Keys a query of ``layer`` sees, itself included (0: all before it)."""
+        return self.sliding_window if layer in self.sliding_layers else 0
 
     def num_params(self) -> int:
         h, i, L, v = self.hidden_size, self.intermediate_size, self.num_layers, self.vocab_size
@@ -137,10 +169,12 @@ def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
     rope_type = src.pop("rope_type", src.pop("type", "default"))
     if rope_type == "default":
         return RopeConfig(theta=theta)
+    key = "rope_parameters" if params is not None else "rope_scaling"
+    if rope_type == "yarn":
+        return _yarn_from_hf(src, theta, d, key)
     if rope_type != "llama3":
-        key = "rope_parameters" if params is not None else "rope_scaling"
         raise ConfigError(
-            f"config.json: {key}.rope_type={rope_type!r} is not supported (supported: 'default', 'llama3')"
+            f"config.json: {key}.rope_type={rope_type!r} is not supported (supported: 'default', 'llama3', 'yarn')"
         )
     try:
         return RopeConfig(
@@ -153,6 +187,31 @@ def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
         )
     except KeyError as e:
         raise ConfigError(f"config.json: llama3 rope scaling is missing key {e.args[0]!r}") from None
+
+
+def _yarn_from_hf(src: dict[str, Any], theta: float, d: dict[str, Any], key: str) -> RopeConfig:
+    """YaRN scaling (transformers' _compute_yarn_parameters): the attention factor, when not
+    given, is 0.1 ln(factor) + 1, or its ratio for mscale / mscale_all_dim."""
+    unknown = sorted(set(src) - {"factor", "beta_fast", "beta_slow", "truncate", "original_max_position_embeddings",
+                                 "attention_factor", "mscale", "mscale_all_dim"})
+    if unknown:
+        raise ConfigError(f"config.json: {key}.{unknown[0]} is not supported for yarn rope scaling")
+    orig = src.get("original_max_position_embeddings") or d.get("initial_context_length")
+    factor = src.get("factor")
+    if orig is None:
+        raise ConfigError(f"config.json: {key}.original_max_position_embeddings is required for yarn rope scaling")
+    factor = float(factor if factor is not None else int(d.get("max_position_embeddings", orig)) / int(orig))
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = src.get("attention_factor")
+    if attention is None:
+        m, m_all = src.get("mscale"), src.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeConfig(theta=theta, rope_type="yarn", factor=factor, original_max_position_embeddings=int(orig),
+                      beta_fast=float(src.get("beta_fast") or 32.0), beta_slow=float(src.get("beta_slow") or 1.0),
+                      truncate=bool(src.get("truncate", True)), attention_factor=float(attention))
 
 
 def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
@@ -171,7 +230,8 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
             f"config.json: model_type {model_type!r} is not supported "
             f"(supported: {sorted(SUPPORTED_MODEL_TYPES)})"
         )
-    unknown = sorted(k for k in d if k not in _READ_KEYS and k not in _IGNORED_KEYS)
+    read = _READ_KEYS | (_GPT_OSS_KEYS if model_type == "gpt_oss" else set())
+    unknown = sorted(k for k in d if k not in read and k not in _IGNORED_KEYS)
     if unknown:
         raise ConfigError(f"config.json: unsupported key(s) {unknown} for model_type {model_type!r}")
     if d.get("hidden_act", "silu") != "silu":
@@ -190,7 +250,12 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
             f"config.json: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
         )
     head_dim = d.get("head_dim") or int(d["hidden_size"]) // heads
-    moe = _moe_from_hf(d, model_type, int(d["num_hidden_layers"]))
+    if model_type == "gpt_oss":
+        moe = _gpt_oss_from_hf(d, int(d["num_hidden_layers"]))
+        quant = None  # its experts' MXFP4 (moe["mxfp4"]); nothing else is quantized
+    else:
+        moe = _moe_from_hf(d, model_type, int(d["num_hidden_layers"]))
+        quant = quant_config_from_hf(d.get("quantization_config"))
     eos = d.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
     return ModelConfig(
@@ -211,7 +276,7 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
         eos_token_ids=eos_ids,
         max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
         dtype=_checkpoint_dtype(d),
-        quantization=quant_config_from_hf(d.get("quantization_config")),
+        quantization=quant,
         **moe,
     )
 
@@ -243,6 +308,38 @@ def _moe_from_hf(d: dict[str, Any], model_type: str, num_layers: int) -> dict[st
     return dict(num_experts=experts, num_experts_per_tok=d["num_experts_per_tok"],
                 moe_intermediate_size=d["moe_intermediate_size"], norm_topk_prob=bool(d.get("norm_topk_prob", False)),
                 moe_layers=layers)
+
+
+def _gpt_oss_from_hf(d: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """ModelConfig's gpt-oss fields: experts in every layer (intermediate_size is theirs),
+    sinks, the sliding-window layers of ``layer_types``, MXFP4 experts."""
+    experts, k = d.get("num_local_experts"), d.get("num_experts_per_tok") or d.get("experts_per_token")
+    for key, value in (("num_local_experts", experts), ("num_experts_per_tok", k)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"config.json: {key} must be a positive integer for model_type 'gpt_oss', got {value!r}")
+    if k > experts:
+        raise ConfigError(f"config.json: num_experts_per_tok={k} exceeds num_local_experts={experts}")
+    types = d.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ConfigError(f"config.json: layer_types must list 'sliding_attention' or 'full_attention' for each of "
+                          f"the {num_layers} layers, got {types!r}")
+    window = d.get("sliding_window") or 0
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if sliding and (not isinstance(window, int) or window < 1):
+        raise ConfigError(f"config.json: sliding_window must be a positive integer, got {window!r}")
+    q = d.get("quantization_config")
+    if q is not None:
+        if not isinstance(q, dict) or q.get("quant_method") != "mxfp4":
+            method = q.get("quant_method") if isinstance(q, dict) else q
+            raise ConfigError(f"config.json: quantization_config.quant_method={method!r} is not supported for "
+                              f"model_type 'gpt_oss' (supported: 'mxfp4', the experts as shipped)")
+        if unknown := sorted(set(q) - {"quant_method", "modules_to_not_convert"}):
+            raise ConfigError(f"config.json: quantization_config.{unknown[0]} is not supported for mxfp4")
+    return dict(num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=int(d["intermediate_size"]),
+                norm_topk_prob=True, moe_layers=tuple(range(num_layers)), attention_sinks=True,
+                sliding_window=int(window), sliding_layers=sliding, moe_bias=True,
+                swiglu_limit=float(d.get("swiglu_limit", 7.0)), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
+                mxfp4=q is not None)
 
 
 _DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",

@@ -311,7 +311,8 @@ MOE_KERNEL_MIN_FRACTION = 0.5
 
 
 def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_topk_prob: bool, residual=None,
-        chunk: int = MOE_DENSE_CHUNK):
+        chunk: int = MOE_DENSE_CHUNK, b_router=None, b_gate_up=None, b_down=None, swiglu_limit: float = 0.0,
+        swiglu_alpha: float = 1.702):
     """Qwen3-MoE's sparse MLP: [residual +] sum over the top_k experts e of the softmax router
     (f32; renormalised over the chosen when norm_topk_prob, then cast to x's dtype) of
     w_e * down_e(silu(g_e) * u_e). x: f[..., H] or Normed; w_router: [E, H] (a Linear's
@@ -334,13 +335,18 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
         64) and XLA's grouped GEMM (lax.ragged_dot) took 1.8, 4.3 and 14.6 ms
         (docs/bench/2026-11-27_moe_layer_dense_h100.log).
     Each token sums its top_k rows (zeros elsewhere add nothing).
+    gpt-oss: the router's bias b_router [E], the experts' b_gate_up [E, 2I] and b_down [E, H],
+    the clamped SwiGLU (swiglu_limit > 0: kernels_pallas/moe_experts.swiglu); the expert
+    kernels take none of them, so those layers run the XLA ways.
     FP8 experts (QuantWeight leaves, jspec/quantization.py) run the XLA ways: at most E pairs
     each pair's expert gathered still FP8, then dequantized; more, every expert dequantized."""
     x = x.value() if isinstance(x, Normed) else x
     shape, H = x.shape, x.shape[-1]
     xf = x.reshape(-1, H)  # [N, H]
     N, E = xf.shape[0], w_gate_up.shape[0]
-    logits = linear(plan, xf, w_router).astype(jnp.float32)  # [N, E]
+    logits = linear(plan, xf, w_router, b_router).astype(jnp.float32)  # [N, E]
+    oss = dict(b_gate_up=b_gate_up, b_down=b_down, limit=swiglu_limit, alpha=swiglu_alpha)
+    plain_experts = b_gate_up is None and b_down is None and not swiglu_limit
     gpu = isinstance(plan.linear, GPU)
     if gpu and _router.supports(E, top_k):
         weights, experts = _router.router_top_k(logits, top_k=top_k, norm=norm_topk_prob,
@@ -352,14 +358,15 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
     if N * top_k <= E:  # y [N k, H]: pair j is token j // k
         if quant:
             pairs = experts.reshape(-1)
+            gathered = {k: (b[pairs] if k.startswith("b_") and b is not None else b) for k, b in oss.items()}
             y = _moe.ref_moe_experts(xf, jnp.arange(pairs.shape[0]), w_gate_up.take(pairs).dequantize(),
-                                     w_down.take(pairs).dequantize(), top_k=top_k)
-        elif (gpu and N * top_k >= MOE_KERNEL_MIN_FRACTION * E
+                                     w_down.take(pairs).dequantize(), top_k=top_k, **gathered)
+        elif (gpu and plain_experts and N * top_k >= MOE_KERNEL_MIN_FRACTION * E
                 and _moe.supports(w_gate_up.shape, w_down.shape, w_gate_up.dtype)):
             y = _moe.moe_experts(xf, experts.reshape(-1), w_gate_up, w_down, top_k=top_k,
                                  interpret=plan.linear.interpret)
         else:
-            y = _moe.ref_moe_experts(xf, experts.reshape(-1), w_gate_up, w_down, top_k=top_k)
+            y = _moe.ref_moe_experts(xf, experts.reshape(-1), w_gate_up, w_down, top_k=top_k, **oss)
         out = (y.reshape(N, top_k, H) * weights[..., None]).sum(1)
     else:
         if quant:
@@ -368,8 +375,13 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
         dense_w = jnp.zeros((N, E), x.dtype).at[rows, experts].set(weights)  # [N, E]
 
         def dense(xc, wc):  # [C, H], [C, E] -> [C, H]
-            g, u = jnp.split(jnp.einsum("nh,eih->nei", xc, w_gate_up), 2, axis=-1)
-            y = jnp.einsum("nei,ehi->neh", jax.nn.silu(g) * u, w_down)  # [C, E, H]
+            gu = jnp.einsum("nh,eih->nei", xc, w_gate_up)
+            if b_gate_up is not None:
+                gu = gu + b_gate_up
+            g, u = jnp.split(gu, 2, axis=-1)
+            y = jnp.einsum("nei,ehi->neh", _moe.swiglu(g, u, swiglu_limit, swiglu_alpha), w_down)  # [C, E, H]
+            if b_down is not None:
+                y = y + b_down
             return (y * wc[..., None]).sum(1)
 
         if N <= chunk:

@@ -3,6 +3,7 @@ attention half of the ops facade, jspec/ops.py, which re-exports ``attention``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,20 +18,27 @@ from kernels_pallas import ragged_paged_attention as _rpa
 from kernels_pallas.ragged_attention_xla import ragged_attention_xla
 
 
-def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata | MixedMetadata, *, sm_scale: float):
+def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata | MixedMetadata, *, sm_scale: float,
+              sinks=None, window: int = 0):
     """Paged attention of q [B, Q, H, D] over the cache [P, S, KVH, D] -> [B, Q, H, D]
     (kernels_pallas/paged_attention.py for the semantics). With ``MixedMetadata`` q is
     [1, N, H, D], the segments' rows flattened in order: one call per segment, on its
-    own [B_i, Q_i] layout."""
+    own [B_i, Q_i] layout. gpt-oss's ``sinks`` (f32[H]) and sliding ``window`` (static):
+    the references and the CPU path take them; the GPU and TPU kernels do not yet, so
+    those steps run XLA's reference there."""
+    if sinks is not None or window:
+        plan = dataclasses.replace(plan, attn=shape_fallback("paged_attention", plan.attn, _SINKS)) \
+            if not isinstance(plan.attn, XLA) else plan
+    extra = dict(sinks=sinks, window=window)
     if isinstance(meta, RaggedMetadata):
-        return _ragged_attention(plan, q[0], k_pages, v_pages, meta, sm_scale)[None]
+        return _ragged_attention(plan, q[0], k_pages, v_pages, meta, sm_scale, **extra)[None]
     if isinstance(meta, MixedMetadata):
         H, D = q.shape[2:]
         outs, off = [], 0
         for m in meta.segments:
             b, n = m.positions.shape
             qs = q[:, off : off + b * n].reshape(b, n, H, D)
-            outs.append(attention(plan, qs, k_pages, v_pages, m, sm_scale=sm_scale).reshape(1, b * n, H, D))
+            outs.append(attention(plan, qs, k_pages, v_pages, m, sm_scale=sm_scale, **extra).reshape(1, b * n, H, D))
             off += b * n
         return jax.numpy.concatenate(outs, axis=1)
     backend = shape_fallback("paged_attention", plan.attn, _unsupported(plan.attn, _pa, q.shape[-1]))
@@ -40,8 +48,14 @@ def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata | M
                                  f"{kvh} KV heads, replicated over tensor parallel size {plan.tp}")
         if not isinstance(backend, XLA):
             return _sharded_attention(plan, backend, q, k_pages, v_pages, meta, sm_scale)
+    if sinks is not None or window:  # XLA here (above): the reference takes them
+        return _pa.ref_paged_attention(q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions,
+                                       meta.causal, sinks, sm_scale=sm_scale, window=window)
     return _paged(backend, q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.positions, meta.causal,
                   sm_scale=sm_scale)
+
+
+_SINKS = "attention sinks or a sliding window (gpt-oss) are not in this kernel yet"
 
 
 def _unsupported(backend: Backend, kernels, head_dim: int) -> str | None:
@@ -72,7 +86,8 @@ _paged = functools.partial(_kernel, _pa, _pa.ref_paged_attention)
 _ragged = functools.partial(_kernel, _rpa, _rpa.ref_ragged_paged_attention)
 
 
-def _ragged_attention(plan: KernelPlan, q, k_pages, v_pages, meta: RaggedMetadata, sm_scale: float):
+def _ragged_attention(plan: KernelPlan, q, k_pages, v_pages, meta: RaggedMetadata, sm_scale: float, *, sinks=None,
+                      window: int = 0):
     """q [T, H, D] of a flat step over the cache -> [T, H, D]: a decode step's [N, Q] rows
     through paged attention (its kernels, tuned for decode and verification), any other
     step through the ragged kernels on GPU and TPU (per shard of KV heads under tensor
@@ -83,7 +98,7 @@ def _ragged_attention(plan: KernelPlan, q, k_pages, v_pages, meta: RaggedMetadat
     if meta.uniform and not on_cpu:  # a decode step's [N, Q] rows: paged attention's kernels
         T, H, D = q.shape
         return attention(plan, q.reshape(T // meta.uniform, meta.uniform, H, D), k_pages, v_pages, meta.rows(),
-                         sm_scale=sm_scale).reshape(T, H, D)
+                         sm_scale=sm_scale, sinks=sinks, window=window).reshape(T, H, D)
     backend = shape_fallback("ragged_paged_attention", plan.attn, _unsupported(plan.attn, _rpa, q.shape[-1]))
     if plan.tp > 1 and not isinstance(backend, XLA):
         backend = shape_fallback("ragged_paged_attention", backend, None if kvh % plan.tp == 0 else
@@ -91,8 +106,10 @@ def _ragged_attention(plan: KernelPlan, q, k_pages, v_pages, meta: RaggedMetadat
     args = (meta.cu_q_lens, meta.kv_lens, meta.page_table, meta.num_seqs, meta.causal)
     if isinstance(backend, XLA) and on_cpu:
         short, long = meta.windows
-        return ragged_attention_xla(q, k_pages, v_pages, *args, meta.positions[0], sm_scale=sm_scale,
-                                    short=short, long=long)
+        return ragged_attention_xla(q, k_pages, v_pages, *args, meta.positions[0], sinks, sm_scale=sm_scale,
+                                    short=short, long=long, window=window)
+    if sinks is not None or window:  # XLA off the CPU (attention() chose it): the gathering reference
+        return _rpa.ref_ragged_paged_attention(q, k_pages, v_pages, *args, sinks, sm_scale=sm_scale, window=window)
     if plan.tp > 1 and not isinstance(backend, XLA):
         heads, rep = P(None, TP_AXIS, None), P()
         local = lambda q, k, v, *a: _ragged(backend, q, k, v, *a, sm_scale=sm_scale)  # noqa: E731

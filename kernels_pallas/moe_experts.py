@@ -50,13 +50,29 @@ from jax.experimental.pallas import triton as plt
 from kernels_pallas.fused_linear import one_row_blocks, silu_mul_rounded, stream_rows
 
 
-def ref_moe_experts(x, experts, w_gate_up, w_down, *, top_k: int):
+def swiglu(g, u, limit: float = 0.0, alpha: float = 1.702):
+    """The experts' gated activation: silu(g) * u (Qwen3); with ``limit`` > 0 gpt-oss's
+    clamped form (up.clip(-limit, limit) + 1) * g * sigmoid(alpha * g), g = gate.clip(max=limit)."""
+    if not limit:
+        return jax.nn.silu(g) * u
+    g = jnp.minimum(g, limit)
+    return (jnp.clip(u, -limit, limit) + 1) * (g * jax.nn.sigmoid(g * alpha))
+
+
+def ref_moe_experts(x, experts, w_gate_up, w_down, *, top_k: int, b_gate_up=None, b_down=None, limit: float = 0.0,
+                    alpha: float = 1.702):
     """The jnp reference (and the path on the CPU, the TPU and for many pairs): each pair's
-    expert weights gathered, then applied. x [N, H]; experts i32[N * top_k] -> [N * top_k, H]."""
+    expert weights gathered, then applied. x [N, H]; experts i32[N * top_k] -> [N * top_k, H].
+    gpt-oss: the experts' biases b_gate_up [E, 2I] and b_down [E, H], ``swiglu``'s limit and
+    alpha (the kernels take neither: jspec.ops.moe does not send them there)."""
     validate(x, experts, w_gate_up, w_down, top_k)
     xs = jnp.repeat(x, top_k, axis=0)  # [P, H]: pair p is token p // top_k
-    g, u = jnp.split(jnp.einsum("mh,mih->mi", xs, w_gate_up[experts]), 2, axis=-1)
-    return jnp.einsum("mi,mhi->mh", jax.nn.silu(g) * u, w_down[experts])
+    gu = jnp.einsum("mh,mih->mi", xs, w_gate_up[experts])
+    if b_gate_up is not None:
+        gu = gu + b_gate_up[experts]
+    g, u = jnp.split(gu, 2, axis=-1)
+    y = jnp.einsum("mi,mhi->mh", swiglu(g, u, limit, alpha), w_down[experts])
+    return y if b_down is None else y + b_down[experts]
 
 
 def supports(w_gate_up_shape, w_down_shape, dtype) -> bool:

@@ -12,6 +12,11 @@ every query mode of a speculative engine:
   - DFlash block: ``causal[b] = False``: every query sees all ``kv_lens[b]`` keys, i.e.
     the context plus the whole block (the block's K/V were just written at its positions).
 Causal masking is by position: key j is visible to a query at position p iff j <= p.
+gpt-oss's two additions (the references and the CPU path take them; the kernels do not yet,
+jspec.ops.attention routes around them): ``window`` > 0, a query sees only the ``window``
+keys up to its last visible one (last - window < j <= last); ``sinks`` f32[H], a logit per
+head that joins each query's softmax denominator, exp(sink - m) / (sum_j exp(s_j - m) +
+exp(sink - m)) left unattended (``softmax_with_sinks``).
 
 Pages past a sequence's length may hold anything (tests poison them with NaN), so the
 reference zeroes masked values rather than relying on exp(-inf) * v == 0.
@@ -25,6 +30,20 @@ import jax
 import jax.numpy as jnp
 
 NEG_INF = -1e30
+
+
+def softmax_with_sinks(s, mask, sink=None):
+    """Masked softmax over the last axis of the f32 scores ``s`` (``mask`` False: not seen);
+    ``sink``: f32 broadcastable to s[..., :1], the sinks' logits joining each denominator
+    (None: the plain softmax). A row that sees nothing gives zeros."""
+    m = jnp.max(jnp.where(mask, s, NEG_INF), axis=-1, keepdims=True)
+    if sink is not None:
+        m = jnp.maximum(m, sink)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + jnp.exp(sink - m)
+    return p / jnp.where(denom == 0, 1.0, denom)
 
 
 def validate_cache(num_heads: int, head_dim: int, k_pages, v_pages):
@@ -64,8 +83,10 @@ def ref_paged_attention(
     kv_lens,  # i32[B]
     positions,  # i32[B, Q]
     causal=None,  # bool[B] | None (None: all causal)
+    sinks=None,  # f32[H] | None
     *,
     sm_scale: float,
+    window: int = 0,
 ):  # -> [B, Q, H, D] in q.dtype
     validate(q, k_pages, v_pages, page_table, kv_lens, positions, causal)
     B, Q, H, D = q.shape
@@ -85,12 +106,13 @@ def ref_paged_attention(
     if causal is not None:
         causal_mask = causal_mask | ~causal[:, None, None]
     mask = visible & causal_mask  # [B, Q, L]
-    s = jnp.where(mask[:, None, None], s, NEG_INF)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - m)
-    p = jnp.where(mask[:, None, None], p, 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom == 0, 1.0, denom)  # rows with no visible key (padding) -> 0
+    if window:  # the window keys up to the last one each query sees
+        last = jnp.minimum(positions, kv_lens[:, None] - 1)
+        if causal is not None:
+            last = jnp.where(causal[:, None], last, kv_lens[:, None] - 1)
+        mask = mask & (kj[None, None, :] > last[:, :, None] - window)
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, KVH, G, 1, 1)
+    p = softmax_with_sinks(s, mask[:, None, None], sink)  # rows with no visible key (padding) -> 0
     o = jnp.einsum("bhgql,blhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o.reshape(B, Q, H, D).astype(q.dtype)
 

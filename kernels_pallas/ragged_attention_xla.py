@@ -25,10 +25,11 @@ from jax import lax
 from kernels_pallas.ragged_paged_attention import NEG_INF, validate
 
 
-def _window(q, positions, k_pages, v_pages, page_table_row, kv_len, q_len, causal, start, out, *, width: int,
-            block_kv: int, sm_scale: float):
+def _window(q, positions, k_pages, v_pages, sinks, page_table_row, kv_len, q_len, causal, start, out, *, width: int,
+            block_kv: int, sm_scale: float, window: int):
     """Attention of the ``width`` queries from ``start`` (rows past q_len are left as they
-    were in ``out``) over this sequence's keys, block by block up to kv_len."""
+    were in ``out``) over this sequence's keys, block by block up to kv_len (from the first
+    block a query's sliding ``window`` reaches)."""
     _, H, D = q.shape
     P, S, KVH, _ = k_pages.shape
     G = H // KVH
@@ -46,6 +47,8 @@ def _window(q, positions, k_pages, v_pages, page_table_row, kv_len, q_len, causa
         v = v_pages[ids].reshape(block_kv, KVH, D).astype(jnp.float32)
         key = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
         seen = key[None, :] <= last[:, None]  # [width, block]
+        if window:
+            seen = seen & (key[None, :] > last[:, None] - window)
         s = jnp.einsum("qhgd,khd->qhgk", qs, k)
         s = jnp.where(seen[:, None, None, :], s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -58,14 +61,23 @@ def _window(q, positions, k_pages, v_pages, page_table_row, kv_len, q_len, causa
     init = (jnp.full((width, KVH, G), NEG_INF, jnp.float32), jnp.zeros((width, KVH, G), jnp.float32),
             jnp.zeros((width, KVH, G, D), jnp.float32))
     n_blocks = (jnp.maximum(kv_len, 0) + block_kv - 1) // block_kv
-    _, l, acc = lax.fori_loop(0, n_blocks, body, init)
+    first = 0
+    if window:  # blocks wholly before every query's window are skipped
+        lowest = jnp.min(jnp.where(j < q_len, last, kv_len)) - window + 1
+        first = jnp.clip(lowest, 0, None) // block_kv
+    m, l, acc = lax.fori_loop(first, n_blocks, body, init)
+    if sinks is not None:  # each head's sink joins the denominator (paged_attention.softmax_with_sinks)
+        sink = sinks.astype(jnp.float32).reshape(KVH, G)[None]
+        m_all = jnp.maximum(m, sink)
+        scale = jnp.exp(m - m_all)
+        l, acc = l * scale + jnp.exp(sink - m_all), acc * scale[..., None]
     o = (acc / jnp.where(l == 0, 1.0, l)[..., None]).reshape(width, H, D).astype(out.dtype)
     keep = (j < q_len)[:, None, None]
     return lax.dynamic_update_slice_in_dim(out, jnp.where(keep, o, lax.dynamic_slice_in_dim(out, start, width)),
                                            start, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "short", "long", "block_kv"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "short", "long", "block_kv", "window"))
 def ragged_attention_xla(
     q,  # [T, H, D]
     k_pages,  # [P, S, KVH, D]
@@ -76,8 +88,10 @@ def ragged_attention_xla(
     num_seqs,  # i32[1]
     causal=None,  # bool[N] | None
     positions=None,  # i32[T] | None: each query's position (None: the contract's kv_len - q_len + j)
+    sinks=None,  # f32[H] | None: attention sinks (the reference's)
     *,
     sm_scale: float,
+    window: int = 0,  # > 0: sliding window (the reference's)
     short: int,  # query window of short segments (decode, verification): >= their q_len
     long: int,  # query window of the longer ones (prefill chunks): >= every q_len
     block_kv: int | None = None,  # keys per inner step (a multiple of page_size; None: 8 pages)
@@ -105,7 +119,8 @@ def ragged_attention_xla(
         positions = kv[seq] - (cu[seq + 1] - cu[seq]) + (jnp.arange(T, dtype=jnp.int32) - cu[seq])
     qp = jnp.pad(q, ((0, long), (0, 0), (0, 0)))  # every window stays inside, its rows past T dropped
     pp = jnp.pad(positions.astype(jnp.int32), (0, long))
-    win = functools.partial(_window, qp, pp, k_pages, v_pages, block_kv=block_kv, sm_scale=sm_scale)
+    win = functools.partial(_window, qp, pp, k_pages, v_pages, sinks, block_kv=block_kv, sm_scale=sm_scale,
+                            window=window)
 
     def seq(i, out):
         q_len = cu[i + 1] - cu[i]

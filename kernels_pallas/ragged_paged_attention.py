@@ -46,7 +46,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.paged_attention import validate_cache
+from kernels_pallas.paged_attention import softmax_with_sinks, validate_cache
 
 NEG_INF = -1e30  # finite "minus infinity": exp(NEG_INF - NEG_INF) stays defined
 
@@ -108,8 +108,10 @@ def ref_ragged_paged_attention(
     page_table,  # i32[N, W]
     num_seqs,  # i32[1]
     causal=None,  # bool[N] | None (None: all causal)
+    sinks=None,  # f32[H] | None: gpt-oss's attention sinks (paged_attention.softmax_with_sinks)
     *,
     sm_scale: float,
+    window: int = 0,  # > 0: a token sees the window keys up to its last (gpt-oss's sliding layers)
 ):  # -> [T, H, D] in q.dtype
     """Plain masked softmax, each token against its own sequence's keys.
 
@@ -125,15 +127,15 @@ def ref_ragged_paged_attention(
     pages = jnp.clip(page_table.astype(jnp.int32), 0, P - 1)[seq]  # [T, W]
     k = k_pages[pages].reshape(T, W * S, KVH, D)
     v = v_pages[pages].reshape(T, W * S, KVH, D)
-    visible = jnp.arange(W * S, dtype=jnp.int32)[None, :] <= last[:, None]  # [T, L]
+    key = jnp.arange(W * S, dtype=jnp.int32)[None, :]
+    visible = key <= last[:, None]  # [T, L]
+    if window:
+        visible = visible & (key > last[:, None] - window)
     v = jnp.where(visible[:, :, None, None], v, jnp.zeros((), v.dtype))  # unseen V may be NaN
     qg = q.reshape(T, KVH, G, D)
     s = jnp.einsum("thgd,tlhd->thgl", qg, k, preferred_element_type=jnp.float32) * sm_scale
-    mask = visible[:, None, None, :]
-    s = jnp.where(mask, s, NEG_INF)
-    p = jnp.where(mask, jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom == 0, 1.0, denom)  # tokens that see no key -> 0
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, KVH, G, 1)
+    p = softmax_with_sinks(s, visible[:, None, None, :], sink)  # tokens that see no key -> 0
     o = jnp.einsum("thgl,tlhd->thgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o.reshape(T, H, D).astype(q.dtype)
 

@@ -4,8 +4,11 @@
 # is installed without dependencies (its light ones are in the `test` extra).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q -e ".[test,serve]"
-python3 -m pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
+# --no-compile: pip byte-compiles every file of every package (torch's thousands), 45 of the
+# install's 83 s on the 2-core machine (2026-11-29, wheels cached); Python compiles the few
+# modules the tests import as they import them (about a second).
+python3 -m pip install -q --no-compile -e ".[test,serve]"
+python3 -m pip install -q --no-compile --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
 python3 -m ruff check jspec kernels_pallas scripts tests  # rules: pyproject.toml [tool.ruff]
 if [ "$#" -gt 0 ]; then exec python3 -m pytest -q "$@"; fi
 # One pytest process per group of test folders: XLA's CPU compiler (jax 0.10.2) crashed

@@ -48,21 +48,30 @@ class ParamSpec:
     # FP8 weights (a float8_e4m3fn weight and its scales, read as a QuantWeight): the scales'
     # tensors and scheme (jspec/checkpoint/quantized.py); None: an ordinary leaf.
     quant: QuantSpec | None = None
+    # A rearrangement of the sources into our layout (gpt_oss_layout.LAYOUTS' key: gpt-oss's
+    # interleaved and transposed experts, MXFP4 blocks and scales); None: concatenated as they are.
+    layout: str | None = None
+
+    @property
+    def packed(self) -> bool:
+        """Its sources are MXFP4 blocks and scales (uint8), dequantized as they load."""
+        return (self.layout or "").startswith("mxfp4")
 
 
 class SpecList(list):
     """The ParamSpecs of one model, in load order, appended through ``add``."""
 
-    def add(self, path, sources, source_shapes, shape=None, integer=False, split=None, vocab=False, quant=None):
+    def add(self, path, sources, source_shapes, shape=None, integer=False, split=None, vocab=False, quant=None,
+            layout=None):
         """A leaf at ``path``; ``shape`` defaults to the sources' concatenation on axis 0;
         ``split``: the axis tensor parallelism shards (ParamSpec.split); ``vocab``: a
         vocabulary table, split by its rows and padded (ParamSpec.vocab); ``quant``: its
-        scales when quantized (ParamSpec.quant)."""
+        scales when quantized (ParamSpec.quant); ``layout``: ParamSpec.layout."""
         source_shapes = tuple(tuple(s) for s in source_shapes)
         cat = (sum(s[0] for s in source_shapes),) + source_shapes[0][1:]
         split = 0 if vocab else split
         self.append(ParamSpec(tuple(path), tuple(shape or cat), tuple(sources), source_shapes, integer, split, vocab,
-                              quant))
+                              quant, layout))
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
@@ -98,9 +107,10 @@ def check_specs(src, specs: list[ParamSpec], folder: str, what: str, ignored=())
                 raise CheckpointError(
                     f"tensor {name!r} in {folder!r} has shape {list(got)}, expected {list(want)} from config.json"
                 )
-            if src.is_float(name) == spec.integer:
+            integer = spec.integer or spec.packed
+            if src.is_float(name) == integer:
                 raise CheckpointError(f"tensor {name!r} in {folder!r} is stored as {src.dtype(name)}: expected "
-                                      f"{'an integer' if spec.integer else 'a floating-point'} tensor")
+                                      f"{'an integer' if integer else 'a floating-point'} tensor")
         if not spec.integer:
             check_quant(src, spec, folder)
     used = {n for spec in specs for n in spec.sources}
@@ -129,6 +139,8 @@ def load_params(src, specs: list[ParamSpec], dtype, sharding=None, progress=None
         bar = tqdm(total=sum(len(s.sources) for s in specs), desc="loading weights", unit="tensor")
 
     def read(src, spec, dtype):  # one plain leaf
+        if spec.layout is not None:
+            return rearranged(src, spec, dtype)
         if isinstance(sharding, Placement):
             return sharding.load_leaf(src, spec, dtype)
         parts = []
@@ -141,6 +153,19 @@ def load_params(src, specs: list[ParamSpec], dtype, sharding=None, progress=None
         if arr.shape != spec.shape:
             arr = arr.reshape(spec.shape)
         return arr if sharding is None else jax.device_put(arr, sharding)
+
+    def rearranged(src, spec, dtype):  # a leaf of ParamSpec.layout, made on the host
+        from jspec.checkpoint.gpt_oss_layout import LAYOUTS
+
+        if isinstance(sharding, Placement):
+            raise CheckpointError(f"{spec.sources[0]!r}: tensor parallelism does not split {spec.layout} tensors yet")
+        parts = [np.asarray(src.get_int(n)) if spec.packed else np.asarray(jnp.asarray(src.get(n), jnp.float32))
+                 for n in spec.sources]
+        arr = LAYOUTS[spec.layout](*parts)
+        if arr.shape != spec.shape:
+            raise CheckpointError(f"{spec.sources[0]!r}: {spec.layout} gave shape {list(arr.shape)}, expected "
+                                  f"{list(spec.shape)} from config.json")
+        return place(jnp.asarray(arr).astype(dtype), spec)
 
     def place(arr, spec):  # an array made here (a weight quantized at load) where ``read`` puts that leaf
         if isinstance(sharding, Placement):

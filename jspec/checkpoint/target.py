@@ -68,6 +68,11 @@ def target_param_spec(c: ModelConfig) -> list[ParamSpec]:
         if c.qk_norm:
             specs.add((L, "attn", "q_norm", "weight"), [f"{p}.self_attn.q_norm.weight"], [(D,)])
             specs.add((L, "attn", "k_norm", "weight"), [f"{p}.self_attn.k_norm.weight"], [(D,)])
+        if c.attention_sinks:
+            specs.add((L, "attn", "sinks"), [f"{p}.self_attn.sinks"], [(c.num_heads,)])
+        if c.family == "gpt_oss":
+            _gpt_oss_experts(specs, c, p, L)
+            continue
         if c.is_moe(i):  # the router and every expert's gate|up and down, stacked [E, ...]
             E, Im = c.num_experts, c.moe_intermediate_size
             ex = [f"{p}.mlp.experts.{e}" for e in range(E)]
@@ -90,6 +95,27 @@ def target_param_spec(c: ModelConfig) -> list[ParamSpec]:
     if not c.tie_word_embeddings:
         specs.add(("lm_head",), ["lm_head.weight"], [(c.vocab_size, H)], vocab=True)
     return specs
+
+
+def _gpt_oss_experts(specs: SpecList, c: ModelConfig, p: str, L: str):
+    """gpt-oss's router and experts (jspec/checkpoint/gpt_oss_layout.py: its interleaved,
+    transposed bf16 tensors or its MXFP4 blocks and scales, each into our layout)."""
+    E, H, Im = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    x = f"{p}.mlp.experts"
+    specs.add((L, "mlp", "gate", "weight"), [f"{p}.mlp.router.weight"], [(E, H)])
+    specs.add((L, "mlp", "gate", "bias"), [f"{p}.mlp.router.bias"], [(E,)])
+    if c.mxfp4:
+        for name, rows, cols, ours in (("gate_up", 2 * Im, H, (E, 2 * Im, H)), ("down", H, Im, (E, H, Im))):
+            if cols % 32:
+                raise CheckpointError(f"{x}.{name}_proj: MXFP4 needs a multiple of 32 columns, config.json gives {cols}")
+            specs.add((L, "mlp", name), [f"{x}.{name}_proj_blocks", f"{x}.{name}_proj_scales"],
+                      [(E, rows, cols // 32, 16), (E, rows, cols // 32)], shape=ours, layout=f"mxfp4_{name}")
+    else:
+        specs.add((L, "mlp", "gate_up"), [f"{x}.gate_up_proj"], [(E, H, 2 * Im)], shape=(E, 2 * Im, H),
+                  layout="gpt_oss_gate_up")
+        specs.add((L, "mlp", "down"), [f"{x}.down_proj"], [(E, Im, H)], shape=(E, H, Im), layout="gpt_oss_down")
+    specs.add((L, "mlp", "gate_up_bias"), [f"{x}.gate_up_proj_bias"], [(E, 2 * Im)], layout="gpt_oss_gate_up_bias")
+    specs.add((L, "mlp", "down_bias"), [f"{x}.down_proj_bias"], [(E, H)])
 
 
 def save_orbax(params, folder: str) -> str:

@@ -13,12 +13,12 @@ from flax import linen as nn
 from jspec import ops
 from jspec.config import ModelConfig
 from jspec.kv_cache import AttentionMetadata
-from jspec.models.layers import GatedMLP, Linear, NormWeight, RMSNorm, rope_inv_freq
+from jspec.models.layers import GatedMLP, Linear, NormWeight, RMSNorm, rope_for
 from jspec.models.transformer import Attention
 from jspec.ops import KernelPlan
 from kernels_pallas.fused_linear import rms_norm
 from kernels_pallas.paged_attention import write_kv
-from kernels_pallas.rope_kv_write import rope_halves, rope_tables
+from kernels_pallas.rope_kv_write import rope_halves
 
 
 class Eagle3FirstLayer(nn.Module):
@@ -80,7 +80,7 @@ class DFlashAttention(nn.Module):
         parallelism XLA ops over the tp-interleaved k|v (ops.split_fused)."""
         c, plan = self.cfg, self.plan
         B, T, _ = kv.shape
-        rope = rope_tables(positions, rope_inv_freq(c.rope, c.head_dim))
+        rope = rope_for(c.rope, c.head_dim, positions)
         if plan.tp == 1:
             qkv = kv if q is None else jnp.concatenate([q, kv], axis=-1)
             H = 0 if q is None else c.num_heads

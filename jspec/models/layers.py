@@ -70,8 +70,10 @@ class NormWeight(nn.Module):
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """Inverse frequencies (float32 [head_dim/2]), with Llama 3 scaling when configured."""
+    """Inverse frequencies (float32 [head_dim/2]), with Llama 3 or YaRN scaling when configured."""
     inv = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, head_dim, inv)
     if rope.rope_type == "llama3":
         low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
         high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
@@ -84,6 +86,33 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = np.where(medium, smoothed, scaled)
     return inv.astype(np.float32)
+
+
+def _yarn_inv_freq(rope: RopeConfig, head_dim: int, inv: np.ndarray) -> np.ndarray:
+    """YaRN (transformers' _compute_yarn_parameters): the original frequencies for the
+    dimensions that turn more than beta_fast times over original_max_position_embeddings,
+    divided by ``factor`` for those under beta_slow, a linear ramp between."""
+    def dim_of(rotations):  # the dimension whose wavelength fits ``rotations`` times
+        return head_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(rope.theta))
+
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / ((high - low) or 0.001), 0, 1)
+    extrapolate = 1 - ramp  # 1: the original frequency
+    return (inv / rope.factor * ramp + inv * extrapolate).astype(np.float32)
+
+
+def rope_for(rope: RopeConfig, head_dim: int, positions):
+    """(cos, sin) f32[..., D/2] at ``positions`` (i32[...]): the tables every attention of a
+    model rotates q and k with; YaRN multiplies both by its attention factor (q . k by its
+    square), as transformers' rotary embedding does."""
+    cos, sin = rope_tables(positions, rope_inv_freq(rope, head_dim))
+    if rope.rope_type == "yarn" and rope.attention_factor != 1.0:
+        cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
+    return cos, sin
 
 
 def apply_rope(x, positions, inv_freq):
@@ -113,7 +142,7 @@ class GatedMLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Qwen3-MoE's sparse MLP (ops.moe): a router ``gate`` [E, H] (a Linear) and the experts'
+    """Qwen3-MoE's and gpt-oss's sparse MLP (ops.moe): a router ``gate`` [E, H] (a Linear) and the experts'
     stacked weights ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] (HF [out, in] per expert,
     in every plan). x may be an ops.Normed (the norm before the MLP)."""
 
@@ -124,14 +153,25 @@ class MoE(nn.Module):
     norm_topk_prob: bool
     dtype: jnp.dtype = jnp.float32
     plan: KernelPlan = KernelPlan()
+    # gpt-oss: the router's bias (gate/bias [E]) and the experts' (gate_up_bias [E, 2I],
+    # down_bias [E, H]); swiglu_limit > 0: its clamped SwiGLU (ops.moe)
+    use_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
 
     def setup(self):
         E, H, I = self.num_experts, self.hidden, self.intermediate
-        self.gate = Linear(E, H, False, self.dtype, self.plan)
+        self.gate = Linear(E, H, self.use_bias, self.dtype, self.plan)
         self.gate_up = self.param("gate_up", _normal, (E, 2 * I, H), self.dtype)
         self.down = self.param("down", _normal, (E, H, I), self.dtype)
+        if self.use_bias:
+            self.gate_up_bias = self.param("gate_up_bias", _zeros, (E, 2 * I), self.dtype)
+            self.down_bias = self.param("down_bias", _zeros, (E, H), self.dtype)
 
     def __call__(self, x, *, residual=None, next_norm=None):  # x: f[..., H] or ops.Normed -> [..., H]
         """next_norm: ignored (GatedMLP's signature): the output is never handed over."""
+        biases = dict(b_router=self.gate.bias, b_gate_up=self.gate_up_bias, b_down=self.down_bias) \
+            if self.use_bias else {}
         return ops.moe(self.plan, x, self.gate.weight, self.gate_up, self.down, top_k=self.top_k,
-                       norm_topk_prob=self.norm_topk_prob, residual=residual)
+                       norm_topk_prob=self.norm_topk_prob, residual=residual, swiglu_limit=self.swiglu_limit,
+                       swiglu_alpha=self.swiglu_alpha, **biases)

@@ -15,7 +15,8 @@ Parameter tree (HF names -> ours are mapped in jspec/checkpoint/target.py):
   layers_i/mlp/down_proj/weight [H, I]; norm/weight [H]; lm_head [V, H] (untied only).
   Under tensor parallelism V of embed_tokens and lm_head is padded to a multiple of tp
   (ops.vocab_rows, zero rows); the logits are the real vocabulary's.
-  A Qwen3-MoE layer's mlp instead: gate/weight [E, H] (the router), gate_up [E, 2I, H], down [E, H, I].
+  A Qwen3-MoE layer's mlp instead: gate/weight [E, H] (the router), gate_up [E, 2I, H], down [E, H, I];
+  gpt-oss's also gate/bias [E], gate_up_bias [E, 2I], down_bias [E, H], and attn/sinks [heads].
 Projection weights (``weight``, ``lm_head``) are [in, out] under the CPU plan (ops.weight_shape).
 """
 
@@ -29,9 +30,8 @@ from flax import linen as nn
 from jspec import ops
 from jspec.config import ModelConfig
 from jspec.kv_cache import AttentionMetadata, KVCache
-from jspec.models.layers import GatedMLP, Linear, MoE, NormWeight, RMSNorm, rope_inv_freq
+from jspec.models.layers import GatedMLP, Linear, MoE, NormWeight, RMSNorm, rope_for
 from jspec.ops import KernelPlan
-from kernels_pallas.rope_kv_write import rope_tables
 
 
 class Attention(nn.Module):
@@ -43,6 +43,7 @@ class Attention(nn.Module):
     dtype: jnp.dtype
     plan: KernelPlan = KernelPlan()
     in_features: int = 0
+    window: int = 0  # gpt-oss's sliding layers: keys a query sees (ModelConfig.window)
 
     def setup(self):
         c, plan = self.cfg, self.plan
@@ -52,6 +53,8 @@ class Attention(nn.Module):
         if c.qk_norm:
             self.q_norm = NormWeight(c.head_dim, self.dtype)
             self.k_norm = NormWeight(c.head_dim, self.dtype)
+        if c.attention_sinks:  # gpt-oss: a logit per head in every softmax (ops.attention)
+            self.sinks = self.param("sinks", nn.initializers.zeros, (c.num_heads,), self.dtype)
 
     def qk_norms(self):  # Qwen3's per-head norm weights [D] ([None, None] without)
         return (self.q_norm.weight, self.k_norm.weight) if self.cfg.qk_norm else (None, None)
@@ -64,11 +67,12 @@ class Attention(nn.Module):
         c, plan = self.cfg, self.plan
         B, Q, _ = x.shape
         qn, kn = self.qk_norms()
-        rope = rope if rope is not None else rope_tables(meta.positions, rope_inv_freq(c.rope, c.head_dim))
+        rope = rope if rope is not None else rope_for(c.rope, c.head_dim, meta.positions)
         q, k_pages, v_pages = ops.qkv_rope_write(plan, x, self.qkv_proj.weight, self.qkv_proj.bias, rope,
                                                  meta.slot_mapping, k_pages, v_pages, qn, kn, num_heads=c.num_heads,
                                                  eps=c.rms_norm_eps)
-        o = ops.attention(plan, q, k_pages, v_pages, meta, sm_scale=c.head_dim**-0.5).reshape(B, Q, c.q_size)
+        o = ops.attention(plan, q, k_pages, v_pages, meta, sm_scale=c.head_dim**-0.5,
+                          sinks=self.sinks if c.attention_sinks else None, window=self.window).reshape(B, Q, c.q_size)
         if out_norm is None:
             return self.o_proj(o, residual=residual), k_pages, v_pages
         out = ops.linear_then_norm(plan, o, self.o_proj.weight, self.o_proj.bias, residual=residual, norm_w=out_norm,
@@ -91,10 +95,10 @@ class DecoderLayer(nn.Module):
         c = self.cfg
         self.input_layernorm = NormWeight(c.hidden_size, self.dtype)
         self.post_attention_layernorm = NormWeight(c.hidden_size, self.dtype)
-        self.attn = Attention(c, self.dtype, self.plan)
+        self.attn = Attention(c, self.dtype, self.plan, window=c.window(self.index))
         if c.is_moe(self.index):
             self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
-                           c.norm_topk_prob, self.dtype, self.plan)
+                           c.norm_topk_prob, self.dtype, self.plan, c.moe_bias, c.swiglu_limit, c.swiglu_alpha)
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.plan)
 
@@ -104,7 +108,7 @@ class DecoderLayer(nn.Module):
         input norm), which the MLP may hand over (ops.mlp): the output then comes as Normed."""
         c = self.cfg
         if ops.layer_per_shard(self.plan, c.num_kv_heads):
-            rope = rope if rope is not None else rope_tables(meta.positions, rope_inv_freq(c.rope, c.head_dim))
+            rope = rope if rope is not None else rope_for(c.rope, c.head_dim, meta.positions)
             return self._per_shard(x.x if isinstance(x, ops.Normed) else x, meta, k_pages, v_pages, rope)
         norm1, norm2 = self.input_layernorm.weight, self.post_attention_layernorm.weight
         x_normed = x if isinstance(x, ops.Normed) else ops.Normed(x, norm1, c.rms_norm_eps)
@@ -179,7 +183,7 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         captured = {}
         ks, vs = list(kv.k), list(kv.v)
-        rope = rope_tables(meta.positions, rope_inv_freq(self.cfg.rope, self.cfg.head_dim))  # once for all layers
+        rope = rope_for(self.cfg.rope, self.cfg.head_dim, meta.positions)  # once for all layers
         stream = lambda x: x.x if isinstance(x, ops.Normed) else x  # noqa: E731  (a handed-over norm's input)
         for i, layer in enumerate(self.layers):
             if i in aux_layers:

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig
-from jspec.models.layers import rms_norm, rope_inv_freq
+from jspec.models.layers import rms_norm, rope_for
 from kernels_pallas.fused_linear import silu_mul
-from kernels_pallas.rope_kv_write import rope_halves, rope_tables
+from kernels_pallas.rope_kv_write import rope_halves
 
 
 def linear(x, w):  # x: [..., in], w: [out, in] (HF layout) -> [..., out]
@@ -31,7 +31,7 @@ def cast_tree(tree, dtype):
 
 
 def rope(c: ModelConfig, positions):  # positions: i32[B, T] -> (cos, sin) f32[B, T, D/2]
-    return rope_tables(positions, rope_inv_freq(c.rope, c.head_dim))
+    return rope_for(c.rope, c.head_dim, positions)
 
 
 def attention(q, k, v, mask):

@@ -108,7 +108,7 @@ def _edit_config(folder, **changes):
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "architecture 'GPT2LMHeadModel' is not supported"),
         ({"model_type": "mixtral"}, "model_type 'mixtral' is not supported"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_type='yarn'"),
+        ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}}, "rope_type=.longrope."),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"sliding_window_pattern": 4}, r"unsupported key\(s\) \['sliding_window_pattern'\]"),
         ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),

@@ -184,3 +184,20 @@ def test_validation_messages():
         kernel_tpu(q[..., :64], k[..., :64], v[..., :64], *meta, sm_scale=1.0, interpret=True)
     with pytest.raises(ValueError, match="paged_attention: head_dim 24 is not a power of 2"):
         kernel_gpu(q[..., :24], k[..., :24], v[..., :24], *meta, sm_scale=1.0, interpret=True)
+
+
+def test_sinks_and_window_match_the_ragged_reference():
+    """gpt-oss's sinks and sliding window in the [B, Q] reference equal the flat one's
+    (tests/kernels/test_ragged_paged_attention.py checks that against a dense float64 loop)."""
+    from kernels_pallas.ragged_paged_attention import ref_ragged_paged_attention
+
+    B, Q = 3, 4
+    q, k, v, table, kv_lens, positions, _ = make_batch(7, q_len=Q, kv_lens=[9, 40, 70], kv_heads=2, group=2,
+                                                       dtype=jnp.float32, causal=None)
+    sinks = jnp.asarray(np.random.default_rng(1).normal(0, 2, 4), jnp.float32)
+    flat = (q.reshape(B * Q, 4, D), k, v, jnp.arange(B + 1, dtype=jnp.int32) * Q, kv_lens, table,
+            jnp.asarray([B], jnp.int32), None)
+    for window in (0, 20):
+        got = ref_paged_attention(q, k, v, table, kv_lens, positions, None, sinks, sm_scale=0.1, window=window)
+        want = ref_ragged_paged_attention(*flat, sinks, sm_scale=0.1, window=window)
+        assert rel_err(got.reshape(B * Q, 4, D), want) < 1e-6, window

@@ -80,8 +80,9 @@ def make_step(seed, segments, *, num_tokens, max_seqs, group, dtype):
             jnp.asarray(kv_all), jnp.asarray(table), jnp.asarray([ns], jnp.int32), jnp.asarray(causal_all))
 
 
-def dense_attention(args, sm_scale):
-    """Independent float64 check: per sequence, gather its keys, masked softmax."""
+def dense_attention(args, sm_scale, sinks=None, window=0):
+    """Independent float64 check: per sequence, gather its keys, masked softmax (gpt-oss:
+    the ``window`` keys up to the last visible one; each head's sink logit in the denominator)."""
     q, k, v, cu, kv_lens, table, num_seqs, causal = (np.asarray(a, np.float64) if i < 3 else np.asarray(a)
                                                      for i, a in enumerate(args))
     T, H, _ = q.shape
@@ -97,10 +98,13 @@ def dense_attention(args, sm_scale):
             n_vis = kv_len if not causal[i] else max(0, min(kv_len, kv_len - q_len + j + 1))
             if n_vis == 0:
                 continue
+            lo = max(0, n_vis - window) if window else 0
             for h in range(H):
-                s = keys[:n_vis, h // G] @ q[t, h] * sm_scale
-                p = np.exp(s - s.max())
-                out[t, h] = p @ vals[:n_vis, h // G] / p.sum()
+                s = keys[lo:n_vis, h // G] @ q[t, h] * sm_scale
+                m = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+                p = np.exp(s - m)
+                denom = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
+                out[t, h] = p @ vals[lo:n_vis, h // G] / denom
     return out
 
 
@@ -198,3 +202,23 @@ def test_xla_loop_matches_the_reference(dtype):
     got = ragged_attention_xla(*args, sm_scale=0.1, short=4, long=32, block_kv=2 * PAGE)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=TOL[dtype],
                                atol=TOL[dtype])
+
+
+def test_sinks_and_sliding_window():
+    """gpt-oss's attention: each head's sink joins the softmax, a query sees the ``window``
+    keys up to its last; the reference against the dense check, the CPU loop (keys in blocks
+    of 2 pages: the blocks before every window are skipped) against the reference."""
+    from kernels_pallas.ragged_attention_xla import ragged_attention_xla
+
+    args = make_step(5, MIX, num_tokens=64, max_seqs=10, group=2, dtype=jnp.float32)
+    sinks = jnp.asarray(np.random.default_rng(0).normal(0, 2, KVH * 2), jnp.float32)
+    for window in (0, 20):
+        want = dense_attention(args, 0.1, np.asarray(sinks), window)
+        ref = jax.jit(ref_ragged_paged_attention, static_argnames=("sm_scale", "window"))(
+            *args, sinks, sm_scale=0.1, window=window)
+        assert rel_err(ref, want) < 1e-5, window
+        got = ragged_attention_xla(*args, sm_scale=0.1, short=4, long=32, block_kv=2 * PAGE, window=window,
+                                   sinks=sinks)
+        assert rel_err(got, want) < 1e-5, window
+    assert rel_err(ref, dense_attention(args, 0.1, np.asarray(sinks))) > 1e-2  # the window mattered
+    assert rel_err(ref, dense_attention(args, 0.1, None, window)) > 1e-2  # and the sinks

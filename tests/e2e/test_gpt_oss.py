@@ -1,0 +1,210 @@
+"""A gpt-oss target (GptOssForCausalLM) through the engine, against transformers' own model:
+attention sinks, sliding-window layers (window 8, contexts up to 56), YaRN RoPE, biases,
+experts in every layer with the clamped SwiGLU, the checkpoint's interleaved gate|up, and
+its experts shipped as MXFP4 blocks and scales (quantized here, compared with transformers
+on the dequantized weights). Speculative greedy equals plain greedy with EAGLE3 (a
+speculators drafter reading its hidden states), DFlash and n-gram; sampled output with
+EAGLE3 follows the target's distribution (chi-squared). Config translation and its errors.
+
+The target carries tests/helpers/spec_e2e.py's planted feature (no layer reads or writes
+residual dimension F: o_proj's and the experts' down rows and biases at F are zero), so the
+drafters agree with it often enough for accepts to happen."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import jspec
+from jspec.checkpoint.gpt_oss_layout import mxfp4_dequantize, mxfp4_quantize
+from jspec.config import ConfigError, model_config_from_hf
+from tests.helpers import spec_e2e as h
+from tests.helpers.drafters import fill_random
+from tests.helpers.targets import hf_greedy
+
+MAX_TOKENS = 16
+WINDOW = 8
+PROMPTS = h.varied_prompts(4, 1, 40, seed=7)
+ENGINE_KW = {**h.ENGINE_KW, "num_pages": 8}
+PROMPT = [9, 33, 17, 50, 12, 41]
+TRIALS = 1200
+
+
+def _config(**kw):
+    from transformers import GptOssConfig
+
+    cfg = GptOssConfig(vocab_size=h.V, hidden_size=h.H, intermediate_size=32, num_hidden_layers=h.L,
+                       num_attention_heads=h.HEADS, num_key_value_heads=h.KVH, head_dim=h.HD, num_local_experts=8,
+                       num_experts_per_tok=2, sliding_window=WINDOW, max_position_embeddings=128,
+                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "truncate": False, "original_max_position_embeddings": 32,
+                                        "rope_theta": 150000.0}, **kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _mxfp4_copy(m, folder: str):
+    """``folder``: m's checkpoint with its experts as MXFP4 blocks and scales (their [out, in]
+    rows, gate and up interleaved, as gpt-oss ships them); m's experts set to the values
+    transformers dequantizes them to, the reference's weights."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    m.save_pretrained(folder)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    for i, layer in enumerate(m.model.layers):
+        ex = layer.mlp.experts
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(ex, name).detach().transpose(1, 2).numpy()  # [E, out, in]
+            blocks, scales = mxfp4_quantize(w)
+            key = f"model.layers.{i}.mlp.experts.{name}"
+            del tensors[key]
+            tensors[key + "_blocks"] = torch.from_numpy(np.ascontiguousarray(blocks))
+            tensors[key + "_scales"] = torch.from_numpy(np.ascontiguousarray(scales))
+            ref = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+            assert np.array_equal(mxfp4_dequantize(blocks, scales), ref.transpose(1, 2).numpy())  # jspec's own
+            assert not np.allclose(ref.transpose(1, 2).numpy(), w)  # 4-bit values: not the weights themselves
+            with torch.no_grad():  # transformers' dequantized values [E, in, out]: the reference's weights
+                getattr(ex, name).copy_(ref)
+    save_file(tensors, path, metadata={"format": "pt"})
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
+
+
+@pytest.fixture(scope="module")
+def oss(tmp_path_factory):
+    """{"target", "mxfp4", "eagle3", "dflash4": folders; "hf", "hf_mxfp4": torch models}."""
+    from speculators.models import Eagle3DraftModel
+    from speculators.models.dflash import DFlashDraftModel
+    from transformers import GptOssForCausalLM
+
+    root = tmp_path_factory.mktemp("gpt_oss")
+    torch.manual_seed(0)
+    m = GptOssForCausalLM(_config()).eval()
+    with torch.no_grad():
+        fill_random(m, scale=0.15)
+        m.model.embed_tokens.weight[:, h.F] = h.C_EMBED
+        for layer in m.model.layers:
+            layer.self_attn.sinks.mul_(10)  # logits of a few units, as trained models have
+            layer.self_attn.o_proj.weight[h.F, :] = 0.0
+            layer.self_attn.o_proj.bias[h.F] = 0.0
+            layer.mlp.experts.down_proj[..., h.F] = 0.0  # [E, I, H]
+            layer.mlp.experts.down_proj_bias[:, h.F] = 0.0
+            layer.input_layernorm.weight[h.F] = 0.0
+            layer.post_attention_layernorm.weight[h.F] = 0.0
+        m.lm_head.weight[h.X, h.F] += h.A_TARGET
+    out = {"hf": m, "target": str(root / "target"), "mxfp4": str(root / "mxfp4")}
+    m.save_pretrained(out["target"])
+    q = GptOssForCausalLM(_config()).eval()
+    q.load_state_dict(m.state_dict())
+    _mxfp4_copy(q, out["mxfp4"])
+    out["hf_mxfp4"] = q
+    sc = h._spec_config("eagle3", "llama", 1, 3, draft_vocab_size=h.DRAFT_VOCAB, norm_before_residual=True,
+                        eagle_aux_hidden_state_layer_ids=h.AUX)
+    out["eagle3"] = str(root / "eagle3")
+    h._randomize(Eagle3DraftModel(sc), m, h.DRAFT_VOCAB, seed=1, fc_col=h.F).save_pretrained(out["eagle3"])
+    sc = h._spec_config("dflash", "qwen3", 1, 3, draft_vocab_size=h.DRAFT_VOCAB, mask_token_id=h.MASK, block_size=4,
+                        aux_hidden_state_layer_ids=h.DFLASH_AUX)
+    out["dflash4"] = str(root / "dflash4")
+    h._randomize(DFlashDraftModel(sc), m, h.DRAFT_VOCAB, seed=7, fc_col=h.F).save_pretrained(out["dflash4"])
+    return out
+
+
+def _greedy(llm):
+    return [o.token_ids for o in llm.generate(PROMPTS, jspec.SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                             ignore_eos=True))]
+
+
+def test_plain_greedy_equals_transformers(oss):
+    llm = jspec.LLM(oss["target"], **ENGINE_KW)
+    c = llm.engine.runner.cfg
+    assert c.family == "gpt_oss" and c.sliding_layers == (0, 2) and c.window(0) == WINDOW and c.window(1) == 0
+    assert max(len(p) for p in PROMPTS) + MAX_TOKENS > 4 * WINDOW  # contexts well past the window
+    for p, got in zip(PROMPTS, _greedy(llm)):
+        assert got == hf_greedy(oss["hf"], p, MAX_TOKENS), f"prompt of length {len(p)}"
+
+
+def test_mxfp4_experts_equal_transformers_on_their_dequantized_weights(oss):
+    llm = jspec.LLM(oss["mxfp4"], **ENGINE_KW)
+    assert llm.engine.runner.cfg.mxfp4
+    for p, got in zip(PROMPTS, _greedy(llm)):
+        assert got == hf_greedy(oss["hf_mxfp4"], p, MAX_TOKENS), f"prompt of length {len(p)}"
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "ngram"])
+def test_speculative_greedy_equals_plain(oss, method):
+    spec = {"eagle3": {"method": "eagle3", "model": oss["eagle3"], "num_speculative_tokens": 3},
+            "dflash": {"method": "dflash", "model": oss["dflash4"], "num_speculative_tokens": 3},
+            "ngram": h.spec_config("ngram", 3)}[method]
+    llm = jspec.LLM(oss["target"], speculative_config=spec, **ENGINE_KW)
+    before = llm.engine.stats()
+    for p, got in zip(PROMPTS, _greedy(llm)):
+        assert got == hf_greedy(oss["hf"], p, MAX_TOKENS), f"prompt of length {len(p)}"
+    d = h.stats_delta(before, llm.engine.stats())
+    assert d["mean_acceptance_length"] > 1.2, d  # accepts happened: not every draft rejected
+
+
+def test_sampled_output_follows_the_target(oss):
+    """EAGLE3, temperature 1: the first and second tokens (each verified, or a bonus) follow
+    transformers' distribution, and not the distribution at temperature 0.7."""
+    llm = jspec.LLM(oss["target"], speculative_config={"method": "eagle3", "model": oss["eagle3"],
+                                                       "num_speculative_tokens": 3}, **ENGINE_KW)
+    toks = h.sample_trials(llm.engine, PROMPT, TRIALS, 2)
+
+    def probs(ctx, temperature=1.0):
+        ids = torch.as_tensor(np.concatenate([np.tile(PROMPT, (len(ctx), 1)), ctx], 1))
+        with torch.no_grad():
+            return torch.softmax(oss["hf"](ids).logits[:, -1].double() / temperature, -1).numpy()
+
+    for j in (0, 1):
+        ctx, inverse = np.unique(toks[:, :j], axis=0, return_inverse=True)
+        counts = np.bincount(toks[:, j], minlength=h.V).astype(np.float64)
+        p, df = h.chi2_pvalue(counts, probs(ctx)[inverse.reshape(-1)].sum(0))
+        p_wrong, _ = h.chi2_pvalue(counts, probs(ctx, 0.7)[inverse.reshape(-1)].sum(0))
+        assert p > 1e-3 and p_wrong < 1e-6, (j, p, df, p_wrong)
+
+
+def _hf(**kw):
+    d = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 64, "hidden_size": 32,
+         "intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 128,
+         "layer_types": ["sliding_attention", "full_attention"] * 2, "attention_bias": True,
+         "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                          "original_max_position_embeddings": 4096}, "rope_theta": 150000,
+         "experts_per_token": 2, "initial_context_length": 4096, "swiglu_limit": 7.0}
+    d.update(kw)
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def test_config_as_gpt_oss_ships_it():
+    """The keys of gpt-oss-20b's config.json (rope_scaling, experts_per_token, MXFP4)."""
+    c = model_config_from_hf(_hf(quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": []}))
+    assert (c.family, c.num_experts, c.num_experts_per_tok, c.moe_layers, c.sliding_layers) == \
+        ("gpt_oss", 4, 2, (0, 1, 2, 3), (0, 2))
+    assert c.mxfp4 and c.quantization is None and c.attention_sinks and c.moe_bias and c.norm_topk_prob
+    assert c.rope.rope_type == "yarn" and abs(c.rope.attention_factor - (0.1 * np.log(32) + 1)) < 1e-12
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok=5 exceeds num_local_experts=4"),
+    ({"layer_types": ["sliding_attention"] * 3}, "layer_types must list"),
+    ({"sliding_window": 0}, "sliding_window must be a positive integer"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quant_method='fp8' is not supported for model_type"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "original_max_position_embeddings is required"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8, "low": 1}},
+     r"rope_scaling.low is not supported"),
+])
+def test_config_errors_name_the_key(bad, match):
+    d = _hf(**bad)
+    if "rope_scaling" in bad and "original_max_position_embeddings" not in bad["rope_scaling"]:
+        d.pop("initial_context_length")
+    with pytest.raises(ConfigError, match=match):
+        model_config_from_hf(d)
