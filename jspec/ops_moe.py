@@ -1,0 +1,110 @@
+"""Mixture-of-experts layers: which way and which kernels serve the experts (the MoE half of
+the ops facade, jspec/ops.py, which re-exports ``moe``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jspec.kernel_backend import GPU
+from jspec.kernel_plan import KernelPlan
+from jspec.quantization import QuantWeight
+from kernels_pallas import moe_experts as _moe
+from kernels_pallas import moe_router as _router
+
+# Tokens per dense pass of ``moe`` when the pairs outnumber the experts: bounds its [C, E, 2I]
+# intermediate (C * E * 2I elements: 200 MB of bf16 for Qwen3-30B-A3B's 128 x 1536 at 512). One
+# such layer on an H100 at 1024 tokens: 2.72 ms in passes of 256, 2.41 of 512, 2.16 of 1024.
+MOE_DENSE_CHUNK = 512
+# moe's few-pair way (at most E pairs) takes kernels_pallas/moe_experts.py's kernels, with the
+# plan's GPU kernels, from this fraction of E pairs up. Decode of the Qwen3-30B-A3B shape on an
+# H100 (scripts/bench_moe_kernel_ab.py, docs/bench/2026-11-27_moe_kernel_ab_h100.log), XLA's
+# gather against the kernels: batch 1 (8 pairs) 3.76 vs 4.08 ms a step, batch 4 (32) 7.10-7.19
+# vs 7.14-7.26, batch 16 (128) 21.4 vs 16.7.
+MOE_KERNEL_MIN_FRACTION = 0.5
+
+
+def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_topk_prob: bool, residual=None,
+        chunk: int = MOE_DENSE_CHUNK, b_router=None, b_gate_up=None, b_down=None, swiglu_limit: float = 0.0,
+        swiglu_alpha: float = 1.702):
+    """Qwen3-MoE's sparse MLP: [residual +] sum over the top_k experts e of the softmax router
+    (f32; renormalised over the chosen when norm_topk_prob, then cast to x's dtype) of
+    w_e * down_e(silu(g_e) * u_e). x: f[..., H] or Normed; w_router: [E, H] (a Linear's
+    layout); w_gate_up: [E, 2I, H]; w_down: [E, H, I] (HF [out, in] per expert). The
+    router's softmax and top-k: one kernel with the plan's GPU kernels
+    (kernels_pallas/moe_router.py), else XLA's softmax and lax.top_k.
+
+    Two ways, by the static number of (token, expert) pairs:
+      - at most E pairs (decode, a verification block at small batch): each pair's expert
+        MLP alone: XLA's gather, which XLA fuses into the dots' reductions (no copy of the
+        experts: one Qwen3-30B-A3B layer's expert projections at 1 token in 25.5 us of GPU
+        time on an H100, 2.96 TB/s; docs/bench/2026-11-27_moe_layer_gpu_time_h100.log), or
+        from MOE_KERNEL_MIN_FRACTION * E pairs up, with the plan's GPU kernels,
+        kernels_pallas/moe_experts.py, one weight stream per pair (faster there);
+      - more: every expert for every token, weights zero off the chosen (two batched GEMMs
+        over the stacked weights, ``chunk`` tokens a pass). Each expert streams once, at
+        E / top_k times the needed FLOPs, which the GPU has to spare up to a few hundred
+        tokens: one such layer on an H100 in 0.51 ms at 64 tokens, 0.70 at 256 and 2.4 at
+        1024 (compute-bound there), where the gather re-reads an expert per pair (1.6 ms at
+        64) and XLA's grouped GEMM (lax.ragged_dot) took 1.8, 4.3 and 14.6 ms
+        (docs/bench/2026-11-27_moe_layer_dense_h100.log).
+    Each token sums its top_k rows (zeros elsewhere add nothing).
+    gpt-oss: the router's bias b_router [E], the experts' b_gate_up [E, 2I] and b_down [E, H],
+    the clamped SwiGLU (swiglu_limit > 0: kernels_pallas/moe_experts.swiglu); the expert
+    kernels take none of them, so those layers run the XLA ways.
+    FP8 experts (QuantWeight leaves, jspec/quantization.py) run the XLA ways: at most E pairs
+    each pair's expert gathered still FP8, then dequantized; more, every expert dequantized."""
+    from jspec.ops import Normed, linear  # the facade's (it imports this module)
+
+    x = x.value() if isinstance(x, Normed) else x
+    shape, H = x.shape, x.shape[-1]
+    xf = x.reshape(-1, H)  # [N, H]
+    N, E = xf.shape[0], w_gate_up.shape[0]
+    logits = linear(plan, xf, w_router, b_router).astype(jnp.float32)  # [N, E]
+    oss = dict(b_gate_up=b_gate_up, b_down=b_down, limit=swiglu_limit, alpha=swiglu_alpha)
+    plain_experts = b_gate_up is None and b_down is None and not swiglu_limit
+    gpu = isinstance(plan.linear, GPU)
+    if gpu and _router.supports(E, top_k):
+        weights, experts = _router.router_top_k(logits, top_k=top_k, norm=norm_topk_prob,
+                                                interpret=plan.linear.interpret)  # [N, k]
+    else:
+        weights, experts = _router.ref_router_top_k(logits, top_k=top_k, norm=norm_topk_prob)
+    weights = weights.astype(x.dtype)
+    quant = isinstance(w_gate_up, QuantWeight)
+    if N * top_k <= E:  # y [N k, H]: pair j is token j // k
+        if quant:
+            pairs = experts.reshape(-1)
+            gathered = {k: (b[pairs] if k.startswith("b_") and b is not None else b) for k, b in oss.items()}
+            y = _moe.ref_moe_experts(xf, jnp.arange(pairs.shape[0]), w_gate_up.take(pairs).dequantize(),
+                                     w_down.take(pairs).dequantize(), top_k=top_k, **gathered)
+        elif (gpu and plain_experts and N * top_k >= MOE_KERNEL_MIN_FRACTION * E
+                and _moe.supports(w_gate_up.shape, w_down.shape, w_gate_up.dtype)):
+            y = _moe.moe_experts(xf, experts.reshape(-1), w_gate_up, w_down, top_k=top_k,
+                                 interpret=plan.linear.interpret)
+        else:
+            y = _moe.ref_moe_experts(xf, experts.reshape(-1), w_gate_up, w_down, top_k=top_k, **oss)
+        out = (y.reshape(N, top_k, H) * weights[..., None]).sum(1)
+    else:
+        if quant:
+            w_gate_up, w_down = w_gate_up.dequantize(), w_down.dequantize()
+        rows = jnp.arange(N)[:, None]
+        dense_w = jnp.zeros((N, E), x.dtype).at[rows, experts].set(weights)  # [N, E]
+
+        def dense(xc, wc):  # [C, H], [C, E] -> [C, H]
+            gu = jnp.einsum("nh,eih->nei", xc, w_gate_up)
+            if b_gate_up is not None:
+                gu = gu + b_gate_up
+            g, u = jnp.split(gu, 2, axis=-1)
+            y = jnp.einsum("nei,ehi->neh", _moe.swiglu(g, u, swiglu_limit, swiglu_alpha), w_down)  # [C, E, H]
+            if b_down is not None:
+                y = y + b_down
+            return (y * wc[..., None]).sum(1)
+
+        if N <= chunk:
+            out = dense(xf, dense_w)
+        else:  # whole chunks (the last padded with zero rows), one pass each
+            n = -(-N // chunk)
+            pad = lambda a: jnp.pad(a, ((0, n * chunk - N), (0, 0))).reshape(n, chunk, -1)  # noqa: E731
+            out = jax.lax.map(lambda c: dense(*c), (pad(xf), pad(dense_w))).reshape(n * chunk, H)[:N]
+    out = out.reshape(shape)
+    return out if residual is None else residual + out
