@@ -12,8 +12,8 @@ every query mode of a speculative engine:
   - DFlash block: ``causal[b] = False``: every query sees all ``kv_lens[b]`` keys, i.e.
     the context plus the whole block (the block's K/V were just written at its positions).
 Causal masking is by position: key j is visible to a query at position p iff j <= p.
-gpt-oss's two additions (the references and the CPU path take them; the kernels do not yet,
-jspec.ops.attention routes around them): ``window`` > 0, a query sees only the ``window``
+gpt-oss's two additions (the references, the CPU path and the GPU kernel take them; where a
+kernel does not yet, jspec.ops.attention runs the reference): ``window`` > 0, a query sees only the ``window``
 keys up to its last visible one (last - window < j <= last); ``sinks`` f32[H], a logit per
 head that joins each query's softmax denominator, exp(sink - m) / (sum_j exp(s_j - m) +
 exp(sink - m)) left unattended (``softmax_with_sinks``).
@@ -162,17 +162,19 @@ def _check(unsupported, q, k_pages, v_pages, page_table, kv_lens, positions, cau
         raise ValueError(f"paged_attention: {reason}")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret"))
-def kernel_gpu(q, k_pages, v_pages, page_table, kv_lens, positions, causal=None, *, sm_scale, interpret=False):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "window"))
+def kernel_gpu(q, k_pages, v_pages, page_table, kv_lens, positions, causal=None, sinks=None, *, sm_scale,
+               interpret=False, window: int = 0):
     """Public GPU entry: ref_paged_attention's arguments and result, through the Triton-backend
     kernel (paged_attention_gpu.py, its tuning at the defaults; ``interpret``: its body in
     Pallas' interpreter, any platform) on the head_dims ``unsupported_shape_gpu`` passes. The
-    kernel runs in the KV cache dtype; the output is in q.dtype like the reference's."""
+    kernel runs in the KV cache dtype; the output is in q.dtype like the reference's. It takes
+    gpt-oss's ``sinks`` and ``window`` (the TPU kernel does not yet)."""
     from kernels_pallas import paged_attention_gpu as gpu  # local: light imports
 
     _check(unsupported_shape_gpu, q, k_pages, v_pages, page_table, kv_lens, positions, causal)
     out = gpu.paged_attention_gpu(q.astype(k_pages.dtype), k_pages, v_pages, page_table, kv_lens, positions, causal,
-                                  sm_scale=sm_scale, interpret=interpret)
+                                  sinks, sm_scale=sm_scale, interpret=interpret, window=window)
     return out.astype(q.dtype)
 
 

@@ -109,15 +109,18 @@ def _kernel(
     tokens_per_split: int,  # the most keys of one split (W * S over the splits)
     splits: int,  # kv_splits
     has_causal: bool,
+    has_sinks: bool = False,  # gpt-oss: sinks_ref f32[H] after v_ref (one split: joined here; more: in the combine)
+    window: int = 0,  # gpt-oss's sliding layers: a row sees the window keys up to its last
 ):
     # refs: pt_ref i32[B * W] (flattened page table), pos_ref i32[B * Q], q_ref [N = B*Q*H, D],
-    # k_ref/v_ref [P * S * KVH, D] (row = (page * S + slot) * KVH + head), then outputs:
+    # k_ref/v_ref [P * S * KVH, D] (row = (page * S + slot) * KVH + head), [sinks_ref], then outputs:
     # o_ref [N + 1, D] (single split) or, per split, o_ref [N + 1, D] (this split's
     # normalised output, in split_dtype) and lse_ref f32[N + 1] (its log-sum-exp).
     # Row N is a trash row that padding rows write to: the
     # interpreter cannot discharge masked stores, so padding rows are redirected instead.
     causal_ref, refs = (refs[0], refs[1:]) if has_causal else (None, refs)
     pt_ref, pos_ref, q_ref, k_ref, v_ref, *out_refs = refs
+    sinks_ref = out_refs.pop(0) if has_sinks else None
     b = pl.program_id(0)
     h = pl.program_id(1)
     rb = pl.program_id(2)
@@ -143,8 +146,14 @@ def _kernel(
     # W * S: with one wide table for every context (jspec.ops.page_table_widths) a short
     # context still spreads over every split. tokens_per_split (from W) bounds it.
     end = jnp.minimum(kv_len, jnp.max(row_pos) + 1)
-    per_split = jnp.minimum(lax.div(kv_len + (splits * block_kv - 1), splits * block_kv) * block_kv, tokens_per_split)
-    start = split * per_split
+    base = 0  # the first key any row sees, rounded down to a block: a window's start
+    if window:
+        row_last = jnp.minimum(row_pos, kv_len - 1)
+        lowest = jnp.min(jnp.where(real, row_last, kv_len)) - window + 1
+        base = lax.div(jnp.maximum(lowest, 0), block_kv) * block_kv
+    span = kv_len - base
+    per_split = jnp.minimum(lax.div(span + (splits * block_kv - 1), splits * block_kv) * block_kv, tokens_per_split)
+    start = base + split * per_split
     end = jnp.minimum(end, start + per_split)
     num_blocks = jnp.maximum(0, lax.div(end - start + (block_kv - 1), block_kv))
 
@@ -167,6 +176,8 @@ def _kernel(
         if masked:
             key_ok = t < kv_len  # [block_kv]
             mask = key_ok[None, :] & (t[None, :] <= row_pos[:, None])  # [rows, block_kv]
+            if window:
+                mask = mask & (t[None, :] > row_last[:, None] - window)
             s = jnp.where(mask, s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
@@ -187,24 +198,32 @@ def _kernel(
     # (2026-11-21, batch 1) this took verify-8 from 10.1 to 9.5 us of kernel time.
     lo = jnp.min(jnp.where(real, row_pos, NONCAUSAL_POS)) + 1
     full_end = jnp.minimum(jnp.minimum(kv_len, lo), end)
-    n_full = jnp.clip(lax.div(full_end - start, block_kv), 0, num_blocks)
+    n_full = jnp.clip(lax.div(full_end - start, block_kv), 0, num_blocks) if not window else 0  # a window: all masked
     carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), (acc, m, l))
     acc, m, l = lax.fori_loop(n_full, num_blocks, body, carry)
 
     o_row = jnp.where(real, q_row, N)  # padding rows -> trash row N
     o_ref = out_refs[0]
+    if has_sinks and len(out_refs) == 1:  # one split: each row's head's sink joins its denominator
+        sink = sinks_ref[h * group + lax.rem(r, group)].astype(jnp.float32)
+        m_all = jnp.maximum(m, sink)
+        scale = jnp.exp(m - m_all)
+        acc, l = acc * scale[:, None], l * scale + jnp.exp(sink - m_all)
     o_ref[o_row, :] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
     if len(out_refs) == 2:  # a split: its softmax mass too (NEG_INF where it saw no key)
         out_refs[1][o_row] = jnp.where(l == 0.0, NEG_INF, m + jnp.log(jnp.where(l == 0.0, 1.0, l)))
 
 
-def _combine_kernel(lse_ref, o_ref, out_ref, *, splits: int, rows: int):
+def _combine_kernel(lse_ref, o_ref, *refs, splits: int, rows: int, heads: int = 0):
     """Merge the kv splits of one query row: out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max).
 
     lse_ref f32[splits * rows], o_ref [splits * rows, D] (split s of row n at s * rows + n).
     One launch instead of the 3-4 XLA fusions a jnp combine compiles to (each ~1 us of
-    GPU time at batch 1, as much as a third of a decode attention call).
+    GPU time at batch 1, as much as a third of a decode attention call). ``heads`` > 0: a
+    sinks_ref f32[heads] precedes out_ref, row n's (head n % heads) sink a split of its own
+    with no keys: its weight joins the denominator only.
     """
+    sinks_ref, out_ref = refs if heads else (None, refs[0])
     n = pl.program_id(0)
     s = jnp.arange(_next_pow2(splits), dtype=jnp.int32)
     real = s < splits
@@ -213,28 +232,41 @@ def _combine_kernel(lse_ref, o_ref, out_ref, *, splits: int, rows: int):
     o = o_ref[idx, :].astype(jnp.float32)  # [splits_pow2, D]
     # Splits that saw no key have lse = NEG_INF: weight exp(NEG_INF - max) = 0, or, when no
     # split saw a key, weight 1 on all-zero outputs (a zero row, as the reference gives).
+    if heads:
+        sink = sinks_ref[lax.rem(n, heads)].astype(jnp.float32)
+        top = jnp.maximum(jnp.max(lse), sink)
+        w = jnp.where(real, jnp.exp(lse - top), 0.0)
+        out_ref[...] = (jnp.sum(w[:, None] * o, axis=0) / (jnp.sum(w) + jnp.exp(sink - top))).astype(out_ref.dtype)
+        return
     w = jnp.where(real, jnp.exp(lse - jnp.max(lse)), 0.0)
     out_ref[...] = (jnp.sum(w[:, None] * o, axis=0) / jnp.sum(w)).astype(out_ref.dtype)
 
 
-def combine_splits(o_s, lse, n, dtype, *, kernel: bool, num_warps: int = 2, interpret: bool = False):
-    """[splits, rows, D] split outputs + f32[splits, rows] log-sum-exps -> [n, D] (first n rows)."""
+def combine_splits(o_s, lse, n, dtype, *, kernel: bool, num_warps: int = 2, interpret: bool = False, sinks=None):
+    """[splits, rows, D] split outputs + f32[splits, rows] log-sum-exps -> [n, D] (first n rows).
+    ``sinks`` f32[H] (gpt-oss): row r's head r % H sink joins its denominator."""
     splits, rows, D = o_s.shape
     if not kernel:  # the jnp combine (XLA fusions): the reference the kernel is checked against
-        w = jnp.exp(lse[:, :n] - jnp.max(lse[:, :n], axis=0)[None])
-        o = jnp.sum(w[..., None] * o_s[:, :n].astype(jnp.float32), axis=0) / jnp.sum(w, axis=0)[..., None]
+        lse, o_s = lse[:, :n], o_s[:, :n].astype(jnp.float32)
+        if sinks is not None:  # a split of its own, with no keys
+            H = sinks.shape[0]
+            sink = jnp.tile(sinks.astype(jnp.float32), -(-n // H))[:n]
+            lse, o_s = jnp.concatenate([lse, sink[None]]), jnp.concatenate([o_s, jnp.zeros_like(o_s[:1])])
+        w = jnp.exp(lse - jnp.max(lse, axis=0)[None])
+        o = jnp.sum(w[..., None] * o_s, axis=0) / jnp.sum(w, axis=0)[..., None]
         return o.astype(dtype)
     whole = pl.BlockSpec()
+    extra = [] if sinks is None else [sinks.astype(jnp.float32)]
     return pl.pallas_call(
-        functools.partial(_combine_kernel, splits=splits, rows=rows),
+        functools.partial(_combine_kernel, splits=splits, rows=rows, heads=0 if sinks is None else sinks.shape[0]),
         grid=(n,),
-        in_specs=[whole, whole],
+        in_specs=[whole, whole] + [whole] * len(extra),
         out_specs=pl.BlockSpec((None, D), lambda i: (i, 0)),
         out_shape=jax.ShapeDtypeStruct((n, D), dtype),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=f"paged_attention_combine_s{splits}",
-    )(lse.reshape(splits * rows), o_s.reshape(splits * rows, D))
+    )(lse.reshape(splits * rows), o_s.reshape(splits * rows, D), *extra)
 
 
 def default_kv_splits(batch, kv_heads, row_blocks, num_kv_blocks, num_sms: int):
@@ -254,7 +286,7 @@ def default_kv_splits(batch, kv_heads, row_blocks, num_kv_blocks, num_sms: int):
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "block_rows", "block_kv", "kv_splits", "num_warps", "num_stages", "split_dtype",
-                     "split_combine", "interpret"),
+                     "split_combine", "interpret", "window"),
 )
 def paged_attention_gpu(
     q,  # [B, Q, H, D] f32 | bf16
@@ -264,8 +296,10 @@ def paged_attention_gpu(
     kv_lens,  # i32[B]; keys valid per sequence (0 = empty slot)
     positions,  # i32[B, Q]; position of each query token (causal rows)
     causal=None,  # bool[B] | None; False = DFlash block (sees all kv_lens keys)
+    sinks=None,  # f32[H] | None: gpt-oss's attention sinks (paged_attention.softmax_with_sinks)
     *,
     sm_scale: float,
+    window: int = 0,  # > 0: gpt-oss's sliding window (the reference's)
     block_rows: int | None = None,  # query rows (tokens x heads of one kv head) per program; pow2
     block_kv: int | None = None,  # keys per inner-loop step; pow2, need not relate to page_size
     kv_splits: int | None = None,  # programs along the kv axis; None: default_kv_splits
@@ -322,11 +356,11 @@ def paged_attention_gpu(
         q.reshape(N, D),
         k_pages.reshape(P * S * KVH, D),
         v_pages.reshape(P * S * KVH, D),
-    ]
+    ] + ([] if sinks is None else [sinks.astype(jnp.float32)])
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, page_size=S, kv_heads=KVH, group=G, q_len=Q, table_width=W,
         block_rows=block_rows, block_kv=block_kv, tokens_per_split=tokens_per_split, splits=kv_splits,
-        has_causal=has_causal,
+        has_causal=has_causal, has_sinks=sinks is not None, window=window,
     )
     whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
     if kv_splits == 1:
@@ -355,12 +389,13 @@ def paged_attention_gpu(
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_attention_gpu_r{block_rows}_k{block_kv}_s{kv_splits}",
+        name=f"paged_attention_gpu_r{block_rows}_k{block_kv}_s{kv_splits}" + ("_sinks" if sinks is not None else "")
+        + (f"_w{window}" if window else ""),
     )(*inputs)
 
     if kv_splits == 1:
         return out[:N].reshape(B, Q, H, D)
     # More splits than the combine kernel holds (only when asked for explicitly): jnp.
     use_kernel = split_combine == "kernel" and kv_splits <= MAX_COMBINE_SPLITS
-    o = combine_splits(out[0], out[1], N, q.dtype, kernel=use_kernel, interpret=interpret)
+    o = combine_splits(out[0], out[1], N, q.dtype, kernel=use_kernel, interpret=interpret, sinks=sinks)
     return o.reshape(B, Q, H, D)

@@ -132,6 +132,25 @@ def test_plain_greedy_equals_transformers(oss):
         assert got == hf_greedy(oss["hf"], p, MAX_TOKENS), f"prompt of length {len(p)}"
 
 
+def test_plain_greedy_on_the_gpu_kernels_equals_transformers(oss, monkeypatch):
+    """With the GPU plan (kernel bodies in Pallas' interpreter, as on a GPU) decode rows take
+    the paged-attention kernel with sinks, on the sliding layers with their window too."""
+    from kernels_pallas import paged_attention_gpu as gpu
+
+    traced, real = [], gpu.paged_attention_gpu
+
+    def recording(*a, **k):
+        traced.append((k.get("window", 0), len(a) > 7 and a[7] is not None))
+        return real(*a, **k)
+
+    monkeypatch.setattr(gpu, "paged_attention_gpu", recording)
+    llm = jspec.LLM(oss["target"], attn_impl="interpret", linear_impl="interpret", **ENGINE_KW)
+    for p, got in zip(PROMPTS[:2], [o.token_ids for o in llm.generate(
+            PROMPTS[:2], jspec.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]):
+        assert got == hf_greedy(oss["hf"], p, MAX_TOKENS), f"prompt of length {len(p)}"
+    assert {(WINDOW, True), (0, True)} <= set(traced), traced
+
+
 def test_mxfp4_experts_equal_transformers_on_their_dequantized_weights(oss):
     llm = jspec.LLM(oss["mxfp4"], **ENGINE_KW)
     assert llm.engine.runner.cfg.mxfp4

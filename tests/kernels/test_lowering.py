@@ -99,6 +99,16 @@ def attention_gpu_splits(dtype, split_combine):
     return fn, attention_shapes(dtype, D=64, S=8, W=4), calls
 
 
+def attention_gpu_sinks(dtype, kv_splits):
+    """gpt-oss: sinks and a sliding window (in the kernel with one split, in the combine kernel with two)."""
+    def fn(*a):
+        return paged_attention_gpu(*a[:-1], a[-1], sm_scale=0.125, block_kv=16, kv_splits=kv_splits, window=24)
+    calls = [(TRITON, rf"paged_attention_gpu_r\d+_k16_s{kv_splits}_sinks_w24")]
+    if kv_splits > 1:
+        calls.append((TRITON, rf"paged_attention_combine_s{kv_splits}"))
+    return fn, attention_shapes(dtype, D=64, S=8, W=4) + [sds((4,), F32)], calls
+
+
 def attention_tpu_blocks(dtype):
     """Several kv steps (pages_per_block < table width) and row blocks (Q * G > block_rows)."""
     def fn(*a):
@@ -275,6 +285,8 @@ GPU_CASES = {
     "paged_attention-f32-causal": lambda: attention_entry("gpu", F32, causal=True),
     "paged_attention-splits-combine_kernel": lambda: attention_gpu_splits(BF16, "kernel"),
     "paged_attention-splits-combine_jnp": lambda: attention_gpu_splits(F32, "jnp"),
+    "paged_attention-sinks-window-bf16": lambda: attention_gpu_sinks(BF16, 1),
+    "paged_attention-sinks-window-splits-f32": lambda: attention_gpu_sinks(F32, 2),
     "ragged_paged_attention-bf16": lambda: ragged_entry("gpu", BF16, causal=True),
     "ragged_paged_attention-f32-all_causal": lambda: ragged_entry("gpu", F32, causal=False),
     "ragged_paged_attention-splits-combine": lambda: ragged_gpu_splits(BF16),
