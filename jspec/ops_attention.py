@@ -23,8 +23,8 @@ def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata | M
     (kernels_pallas/paged_attention.py for the semantics). With ``MixedMetadata`` q is
     [1, N, H, D], the segments' rows flattened in order: one call per segment, on its
     own [B_i, Q_i] layout. gpt-oss's ``sinks`` (f32[H]) and sliding ``window`` (static):
-    the references, the CPU path and the GPU paged kernel take them; a step the TPU kernel
-    or the ragged kernels would serve runs XLA's reference instead."""
+    the references, the CPU path and the GPU kernels take them; a step the TPU kernels
+    would serve runs XLA's reference instead."""
     extra = dict(sinks=sinks, window=window)
     if isinstance(meta, RaggedMetadata):
         return _ragged_attention(plan, q[0], k_pages, v_pages, meta, sm_scale, **extra)[None]
@@ -102,8 +102,9 @@ def _ragged_attention(plan: KernelPlan, q, k_pages, v_pages, meta: RaggedMetadat
         return attention(plan, q.reshape(T // meta.uniform, meta.uniform, H, D), k_pages, v_pages, meta.rows(),
                          sm_scale=sm_scale, sinks=sinks, window=window).reshape(T, H, D)
     backend = shape_fallback("ragged_paged_attention", plan.attn, _unsupported(plan.attn, _rpa, q.shape[-1]))
-    if sinks is not None or window:  # the ragged kernels do not take them yet
-        backend = shape_fallback("ragged_paged_attention", backend, _SINKS)
+    oss = sinks is not None or bool(window)
+    if oss:  # the GPU kernel takes them, the TPU kernel not yet
+        backend = shape_fallback("ragged_paged_attention", backend, _SINKS if isinstance(backend, TPU) else None)
     if plan.tp > 1 and not isinstance(backend, XLA):
         backend = shape_fallback("ragged_paged_attention", backend, None if kvh % plan.tp == 0 else
                                  f"{kvh} KV heads, replicated over tensor parallel size {plan.tp}")
@@ -112,7 +113,10 @@ def _ragged_attention(plan: KernelPlan, q, k_pages, v_pages, meta: RaggedMetadat
         short, long = meta.windows
         return ragged_attention_xla(q, k_pages, v_pages, *args, meta.positions[0], sinks, sm_scale=sm_scale,
                                     short=short, long=long, window=window)
-    if sinks is not None or window:  # XLA off the CPU (above): the gathering reference
+    if oss:  # the GPU kernel, or off the CPU the gathering reference (above)
+        if isinstance(backend, GPU):
+            return _rpa.kernel_gpu(q, k_pages, v_pages, *args, sinks, sm_scale=sm_scale, interpret=backend.interpret,
+                                   window=window)
         return _rpa.ref_ragged_paged_attention(q, k_pages, v_pages, *args, sinks, sm_scale=sm_scale, window=window)
     if plan.tp > 1 and not isinstance(backend, XLA):
         heads, rep = P(None, TP_AXIS, None), P()

@@ -161,7 +161,7 @@ def _check(unsupported, q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, num
         raise ValueError(f"ragged_paged_attention: {reason}")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "block_q", "block_kv"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "block_q", "block_kv", "window"))
 def kernel_gpu(
     q,  # [T, H, D]
     k_pages,  # [P, S, KVH, D]
@@ -171,8 +171,10 @@ def kernel_gpu(
     page_table,  # i32[N, W]
     num_seqs,  # i32[1]
     causal=None,  # bool[N] | None
+    sinks=None,  # f32[H] | None: gpt-oss (the reference's; the TPU kernel does not take them yet)
     *,
     sm_scale: float,
+    window: int = 0,
     interpret: bool = False,  # the kernel body in Pallas' interpreter (any platform)
     block_q: int | None = None,  # query tokens per program (None: the kernel's default)
     block_kv: int | None = None,  # keys per inner step
@@ -185,8 +187,8 @@ def kernel_gpu(
 
     meta = (cu_q_lens, kv_lens, page_table, num_seqs, causal)
     _check(unsupported_shape_gpu, q, k_pages, v_pages, *meta)
-    out = gpu.ragged_paged_attention_gpu(q.astype(k_pages.dtype), k_pages, v_pages, *meta, sm_scale=sm_scale,
-                                         block_q=block_q, block_kv=block_kv, interpret=interpret)
+    out = gpu.ragged_paged_attention_gpu(q.astype(k_pages.dtype), k_pages, v_pages, *meta, sinks, sm_scale=sm_scale,
+                                         window=window, block_q=block_q, block_kv=block_kv, interpret=interpret)
     return out.astype(q.dtype)
 
 

@@ -100,12 +100,15 @@ def _kernel(
     tokens_per_split: int,
     splits: int,
     has_causal: bool,
+    has_sinks: bool = False,  # gpt-oss: sinks_ref f32[H] after v_ref (as paged_attention_gpu.py)
+    window: int = 0,  # gpt-oss's sliding layers
 ):
-    # k_ref/v_ref: [P * S * KVH, D] (row = (page * S + slot) * KVH + head). Outputs: o_ref
+    # k_ref/v_ref: [P * S * KVH, D] (row = (page * S + slot) * KVH + head), [sinks_ref]. Outputs: o_ref
     # [T * H + 1, D] (one split) or per split o_ref [T * H + 1, D] and lse_ref f32[T * H + 1];
     # row T * H is the trash row that padding rows write to (as in paged_attention_gpu.py).
     causal_ref, refs = (refs[0], refs[1:]) if has_causal else (None, refs)
     pt_ref, q_ref, k_ref, v_ref, *out_refs = refs
+    sinks_ref = out_refs.pop(0) if has_sinks else None
     qb, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     D = q_ref.shape[1]
     N = kv_lens_ref.shape[0]
@@ -139,9 +142,13 @@ def _kernel(
     # Keys this program can see: below kv_len, at or before its rows' last position, in
     # its split (splits share kv_len evenly, whole blocks each; tokens_per_split bounds it).
     end = jnp.minimum(kv_len, jnp.max(row_pos) + 1)
-    per_split = jnp.minimum(lax.div(kv_len + (splits * block_kv - 1), splits * block_kv) * block_kv,
+    base = 0  # a window's first key any row sees, rounded down to a block
+    if window:
+        row_last = jnp.minimum(row_pos, kv_len - 1)
+        base = lax.div(jnp.maximum(jnp.min(jnp.where(real, row_last, kv_len)) - window + 1, 0), block_kv) * block_kv
+    per_split = jnp.minimum(lax.div(kv_len - base + (splits * block_kv - 1), splits * block_kv) * block_kv,
                             tokens_per_split)
-    start = split * per_split
+    start = base + split * per_split
     end = jnp.minimum(end, start + per_split)
     num_blocks = jnp.maximum(0, lax.div(end - start + (block_kv - 1), block_kv))
 
@@ -164,6 +171,8 @@ def _kernel(
         if masked:
             key_ok = t < kv_len
             mask = key_ok[None, :] & (t[None, :] <= row_pos[:, None])  # [rows, block_kv]
+            if window:
+                mask = mask & (t[None, :] > row_last[:, None] - window)
             s = jnp.where(mask, s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
@@ -183,12 +192,17 @@ def _kernel(
     # goes to the trash row); only blocks at the causal diagonal or kv_len are masked.
     lo = jnp.min(jnp.where(real, row_pos, NONCAUSAL_POS)) + 1
     full_end = jnp.minimum(jnp.minimum(kv_len, lo), end)
-    n_full = jnp.clip(lax.div(full_end - start, block_kv), 0, num_blocks)
+    n_full = jnp.clip(lax.div(full_end - start, block_kv), 0, num_blocks) if not window else 0  # a window: all masked
     carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), (acc, m, l))
     acc, m, l = lax.fori_loop(n_full, num_blocks, body, carry)
 
     o_row = jnp.where(real, q_row, T * H)  # padding rows -> trash row
     o_ref = out_refs[0]
+    if has_sinks and len(out_refs) == 1:  # one split: each row's head's sink joins its denominator
+        sink = sinks_ref[h * group + lax.rem(r, group)].astype(jnp.float32)
+        m_all = jnp.maximum(m, sink)
+        scale = jnp.exp(m - m_all)
+        acc, l = acc * scale[:, None], l * scale + jnp.exp(sink - m_all)
     o_ref[o_row, :] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
     if len(out_refs) == 2:  # a split: its softmax mass too (NEG_INF where it saw no key)
         out_refs[1][o_row] = jnp.where(l == 0.0, NEG_INF, m + jnp.log(jnp.where(l == 0.0, 1.0, l)))
@@ -196,7 +210,7 @@ def _kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "block_q", "block_kv", "kv_splits", "num_warps", "num_stages", "interpret"),
+    static_argnames=("sm_scale", "block_q", "block_kv", "kv_splits", "num_warps", "num_stages", "interpret", "window"),
 )
 def ragged_paged_attention_gpu(
     q,  # [T, H, D] f32 | bf16 | f16
@@ -207,8 +221,10 @@ def ragged_paged_attention_gpu(
     page_table,  # i32[N, W]
     num_seqs,  # i32[1]
     causal=None,  # bool[N] | None
+    sinks=None,  # f32[H] | None: gpt-oss's attention sinks (the reference's)
     *,
     sm_scale: float,
+    window: int = 0,  # > 0: gpt-oss's sliding window (the reference's)
     block_q: int | None = None,  # query tokens per program (None: default_block_q)
     block_kv: int | None = None,  # keys per inner-loop step; pow2 >= 16
     kv_splits: int | None = None,  # programs along the kv axis (None: by the grid's size)
@@ -250,11 +266,11 @@ def ragged_paged_attention_gpu(
         q.reshape(T * H, D),  # free reshapes only: no transposes around the call
         k_pages.reshape(P * S * KVH, D),
         v_pages.reshape(P * S * KVH, D),
-    ]
+    ] + ([] if sinks is None else [sinks.astype(jnp.float32)])
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, page_size=S, kv_heads=KVH, group=G, num_tokens=T, table_width=W,
         block_q=block_q, block_rows=block_rows, block_kv=block_kv, tokens_per_split=blocks_per_split * block_kv,
-        splits=kv_splits, has_causal=has_causal,
+        splits=kv_splits, has_causal=has_causal, has_sinks=sinks is not None, window=window,
     )
     rows = T * H
     whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
@@ -274,9 +290,11 @@ def ragged_paged_attention_gpu(
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"ragged_paged_attention_gpu_q{block_q}_k{block_kv}_s{kv_splits}",
+        name=f"ragged_paged_attention_gpu_q{block_q}_k{block_kv}_s{kv_splits}"
+        + ("_sinks" if sinks is not None else "") + (f"_w{window}" if window else ""),
     )(*inputs)
     if kv_splits == 1:
         return out[:rows].reshape(T, H, D)
-    o = combine_splits(out[0], out[1], rows, q.dtype, kernel=kv_splits <= MAX_COMBINE_SPLITS, interpret=interpret)
+    o = combine_splits(out[0], out[1], rows, q.dtype, kernel=kv_splits <= MAX_COMBINE_SPLITS, interpret=interpret,
+                       sinks=sinks)
     return o.reshape(T, H, D)

@@ -12,110 +12,28 @@ drafters agree with it often enough for accepts to happen."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import jspec
-from jspec.checkpoint.gpt_oss_layout import mxfp4_dequantize, mxfp4_quantize
 from jspec.config import ConfigError, model_config_from_hf
+from tests.helpers import gpt_oss
 from tests.helpers import spec_e2e as h
-from tests.helpers.drafters import fill_random
+from tests.helpers.gpt_oss import WINDOW
 from tests.helpers.targets import hf_greedy
 
 MAX_TOKENS = 16
-WINDOW = 8
 PROMPTS = h.varied_prompts(4, 1, 40, seed=7)
 ENGINE_KW = {**h.ENGINE_KW, "num_pages": 8}
 PROMPT = [9, 33, 17, 50, 12, 41]
 TRIALS = 1200
 
 
-def _config(**kw):
-    from transformers import GptOssConfig
-
-    cfg = GptOssConfig(vocab_size=h.V, hidden_size=h.H, intermediate_size=32, num_hidden_layers=h.L,
-                       num_attention_heads=h.HEADS, num_key_value_heads=h.KVH, head_dim=h.HD, num_local_experts=8,
-                       num_experts_per_tok=2, sliding_window=WINDOW, max_position_embeddings=128,
-                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                        "truncate": False, "original_max_position_embeddings": 32,
-                                        "rope_theta": 150000.0}, **kw)
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
-def _mxfp4_copy(m, folder: str):
-    """``folder``: m's checkpoint with its experts as MXFP4 blocks and scales (their [out, in]
-    rows, gate and up interleaved, as gpt-oss ships them); m's experts set to the values
-    transformers dequantizes them to, the reference's weights."""
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    m.save_pretrained(folder)
-    path = os.path.join(folder, "model.safetensors")
-    tensors = load_file(path)
-    for i, layer in enumerate(m.model.layers):
-        ex = layer.mlp.experts
-        for name in ("gate_up_proj", "down_proj"):
-            w = getattr(ex, name).detach().transpose(1, 2).numpy()  # [E, out, in]
-            blocks, scales = mxfp4_quantize(w)
-            key = f"model.layers.{i}.mlp.experts.{name}"
-            del tensors[key]
-            tensors[key + "_blocks"] = torch.from_numpy(np.ascontiguousarray(blocks))
-            tensors[key + "_scales"] = torch.from_numpy(np.ascontiguousarray(scales))
-            ref = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
-            assert np.array_equal(mxfp4_dequantize(blocks, scales), ref.transpose(1, 2).numpy())  # jspec's own
-            assert not np.allclose(ref.transpose(1, 2).numpy(), w)  # 4-bit values: not the weights themselves
-            with torch.no_grad():  # transformers' dequantized values [E, in, out]: the reference's weights
-                getattr(ex, name).copy_(ref)
-    save_file(tensors, path, metadata={"format": "pt"})
-    cfg = json.load(open(os.path.join(folder, "config.json")))
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
-
-
 @pytest.fixture(scope="module")
 def oss(tmp_path_factory):
     """{"target", "mxfp4", "eagle3", "dflash4": folders; "hf", "hf_mxfp4": torch models}."""
-    from speculators.models import Eagle3DraftModel
-    from speculators.models.dflash import DFlashDraftModel
-    from transformers import GptOssForCausalLM
-
-    root = tmp_path_factory.mktemp("gpt_oss")
-    torch.manual_seed(0)
-    m = GptOssForCausalLM(_config()).eval()
-    with torch.no_grad():
-        fill_random(m, scale=0.15)
-        m.model.embed_tokens.weight[:, h.F] = h.C_EMBED
-        for layer in m.model.layers:
-            layer.self_attn.sinks.mul_(10)  # logits of a few units, as trained models have
-            layer.self_attn.o_proj.weight[h.F, :] = 0.0
-            layer.self_attn.o_proj.bias[h.F] = 0.0
-            layer.mlp.experts.down_proj[..., h.F] = 0.0  # [E, I, H]
-            layer.mlp.experts.down_proj_bias[:, h.F] = 0.0
-            layer.input_layernorm.weight[h.F] = 0.0
-            layer.post_attention_layernorm.weight[h.F] = 0.0
-        m.lm_head.weight[h.X, h.F] += h.A_TARGET
-    out = {"hf": m, "target": str(root / "target"), "mxfp4": str(root / "mxfp4")}
-    m.save_pretrained(out["target"])
-    q = GptOssForCausalLM(_config()).eval()
-    q.load_state_dict(m.state_dict())
-    _mxfp4_copy(q, out["mxfp4"])
-    out["hf_mxfp4"] = q
-    sc = h._spec_config("eagle3", "llama", 1, 3, draft_vocab_size=h.DRAFT_VOCAB, norm_before_residual=True,
-                        eagle_aux_hidden_state_layer_ids=h.AUX)
-    out["eagle3"] = str(root / "eagle3")
-    h._randomize(Eagle3DraftModel(sc), m, h.DRAFT_VOCAB, seed=1, fc_col=h.F).save_pretrained(out["eagle3"])
-    sc = h._spec_config("dflash", "qwen3", 1, 3, draft_vocab_size=h.DRAFT_VOCAB, mask_token_id=h.MASK, block_size=4,
-                        aux_hidden_state_layer_ids=h.DFLASH_AUX)
-    out["dflash4"] = str(root / "dflash4")
-    h._randomize(DFlashDraftModel(sc), m, h.DRAFT_VOCAB, seed=7, fc_col=h.F).save_pretrained(out["dflash4"])
-    return out
+    return gpt_oss.build(str(tmp_path_factory.mktemp("gpt_oss")))
 
 
 def _greedy(llm):
@@ -134,21 +52,27 @@ def test_plain_greedy_equals_transformers(oss):
 
 def test_plain_greedy_on_the_gpu_kernels_equals_transformers(oss, monkeypatch):
     """With the GPU plan (kernel bodies in Pallas' interpreter, as on a GPU) decode rows take
-    the paged-attention kernel with sinks, on the sliding layers with their window too."""
-    from kernels_pallas import paged_attention_gpu as gpu
+    the paged-attention kernel and prompts the ragged one, with sinks, on the sliding layers
+    with their window too."""
+    from kernels_pallas import paged_attention_gpu, ragged_paged_attention_gpu
 
-    traced, real = [], gpu.paged_attention_gpu
+    traced = []
 
-    def recording(*a, **k):
-        traced.append((k.get("window", 0), len(a) > 7 and a[7] is not None))
-        return real(*a, **k)
+    def recording(name, real):
+        def call(*a, **k):
+            traced.append((name, k.get("window", 0), len(a) > 7 and a[7] is not None))
+            return real(*a, **k)
+        return call
 
-    monkeypatch.setattr(gpu, "paged_attention_gpu", recording)
+    for module in (paged_attention_gpu, ragged_paged_attention_gpu):
+        name = module.__name__.rsplit(".", 1)[1]
+        monkeypatch.setattr(module, name, recording(name, getattr(module, name)))
     llm = jspec.LLM(oss["target"], attn_impl="interpret", linear_impl="interpret", **ENGINE_KW)
     for p, got in zip(PROMPTS[:2], [o.token_ids for o in llm.generate(
             PROMPTS[:2], jspec.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]):
         assert got == hf_greedy(oss["hf"], p, MAX_TOKENS), f"prompt of length {len(p)}"
-    assert {(WINDOW, True), (0, True)} <= set(traced), traced
+    assert {(k, w, True) for k in ("paged_attention_gpu", "ragged_paged_attention_gpu") for w in (WINDOW, 0)} \
+        <= set(traced), traced
 
 
 def test_mxfp4_experts_equal_transformers_on_their_dequantized_weights(oss):

@@ -485,6 +485,30 @@ def test_fp8_target(name, method, gpu_ckpts, gpu_refs, on_gpu, record_property):
                                                         "transformers on the dequantized weights (float32)"))
 
 
+@pytest.mark.parametrize("name,method", [
+    pytest.param("target", None, id="plain", marks=line(
+        "eagle3", "a gpt-oss target == transformers: sinks, window 8, YaRN, experts with biases, plain, float32")),
+    pytest.param("target", "eagle3", id="eagle3", marks=line(
+        "eagle3", "a gpt-oss target == transformers: EAGLE3 K=3, float32")),
+    pytest.param("mxfp4", None, id="mxfp4", marks=line(
+        "eagle3", "a gpt-oss target with MXFP4 experts == transformers on their dequantized values, float32"))])
+def test_gpt_oss_target(name, method, gpu_ckpts, gpu_refs, on_gpu, record_property):
+    """gpt-oss's greedy output on the GPU == transformers': decode rows through the paged-attention
+    kernel, prompts through the ragged one, both with sinks and the sliding layers' window, the
+    experts through ops.moe's XLA ways."""
+    import jspec
+    from tests.helpers.gpu_lines import GPT_OSS_TOKENS
+
+    root = os.path.join(gpu_ckpts, "gpt_oss")
+    spec = None if method is None else {"method": "eagle3", "model": os.path.join(root, "eagle3"),
+                                        "num_speculative_tokens": 3}
+    llm = jspec.LLM(os.path.join(root, name), warmup=False, max_num_seqs=2, max_model_len=64, page_size=8,
+                    num_pages=32, speculative_config=spec)
+    _on_gpu_kernels(llm.engine, on_gpu)
+    record_property("detail", _greedy_equals_references(llm, gpu_refs[f"gpt_oss/{name}"], GPT_OSS_TOKENS,
+                                                        "transformers (float32)"))
+
+
 # ---- the rejection kernel ---------------------------------------------------------------
 @pytest.mark.parametrize("method,with_probs", [
     pytest.param(m, p, id=i, marks=line("peagle", f"rejection kernel == reference: {what}"))

@@ -33,8 +33,8 @@ def build(folder: str):
     """Tiny checkpoints and the transformers references into ``folder`` (CPU; needs torch +
     speculators): spec_e2e's target (``target/``) and every drafter of ``DRAFTERS`` (one
     folder each), a head_dim 24 Qwen3 (``qwen3_hd24/``), a Qwen3 mixture of experts
-    (``qwen3_moe/``), spec_e2e's target as FP8 checkpoints (``build_fp8``), and
-    ``references.json``: transformers' greedy tokens of all but the first."""
+    (``qwen3_moe/``), spec_e2e's target as FP8 checkpoints (``build_fp8``), a gpt-oss target
+    (``build_gpt_oss``), and ``references.json``: transformers' greedy tokens of all but the first."""
     from tests.helpers import spec_e2e as h
     from tests.helpers.targets import build_hf_model, hf_greedy
 
@@ -54,6 +54,7 @@ def build(folder: str):
     with open(os.path.join(folder, "references.json"), "w") as f:
         json.dump(refs, f)
     build_fp8(folder)
+    build_gpt_oss(folder)
     print(f"built {sorted(os.listdir(folder))} under {folder}")
 
 
@@ -77,6 +78,28 @@ def build_fp8(folder: str):
     for name, (fmt, block) in FP8_TARGETS.items():
         _, _, ref = write_fp8(h.build_target(), os.path.join(folder, name), fmt, block)
         refs[name] = {"prompts": prompts, "greedy": [hf_greedy(ref, p, FP8_TOKENS) for p in prompts]}
+    with open(path, "w") as f:
+        json.dump(refs, f)
+
+
+GPT_OSS_TOKENS = 16  # greedy tokens of each of the gpt-oss lines' prompts
+
+
+def build_gpt_oss(folder: str):
+    """tests/helpers/gpt_oss.py's target (``gpt_oss/target``), its MXFP4 copy (``gpt_oss/mxfp4``)
+    and EAGLE3 drafter (``gpt_oss/eagle3``), and transformers' greedy tokens of both targets
+    for two prompts (its window of 8 passed), added to ``folder``'s references.json."""
+    from tests.helpers import gpt_oss
+    from tests.helpers import spec_e2e as h
+    from tests.helpers.targets import hf_greedy
+
+    built = gpt_oss.build(os.path.join(folder, "gpt_oss"))
+    prompts = h.varied_prompts(2, 5, 30, seed=8)
+    path = os.path.join(folder, "references.json")
+    with open(path) as f:
+        refs = json.load(f)
+    for name, hf in (("target", built["hf"]), ("mxfp4", built["hf_mxfp4"])):
+        refs[f"gpt_oss/{name}"] = {"prompts": prompts, "greedy": [hf_greedy(hf, p, GPT_OSS_TOKENS) for p in prompts]}
     with open(path, "w") as f:
         json.dump(refs, f)
 

@@ -280,6 +280,15 @@ def rejection(platform, *, V, draft_probs, dtype=F32, bpp=1):
     return fn, shapes, calls
 
 
+def ragged_gpu_sinks(dtype):
+    """gpt-oss: sinks and a sliding window, kv splits > 1 (the sinks in the combine kernel)."""
+    def fn(*a):
+        return ragged_paged_attention_gpu(*a[:-1], a[-1], sm_scale=0.125, block_q=2, block_kv=16, kv_splits=2,
+                                          window=24)
+    calls = [(TRITON, r"ragged_paged_attention_gpu_q2_k16_s2_sinks_w24"), (TRITON, r"paged_attention_combine_s2")]
+    return fn, ragged_shapes(dtype, D=64, S=8, W=4) + [sds((4,), F32)], calls
+
+
 GPU_CASES = {
     "paged_attention-bf16": lambda: attention_entry("gpu", BF16, causal=False),
     "paged_attention-f32-causal": lambda: attention_entry("gpu", F32, causal=True),
@@ -290,6 +299,7 @@ GPU_CASES = {
     "ragged_paged_attention-bf16": lambda: ragged_entry("gpu", BF16, causal=True),
     "ragged_paged_attention-f32-all_causal": lambda: ragged_entry("gpu", F32, causal=False),
     "ragged_paged_attention-splits-combine": lambda: ragged_gpu_splits(BF16),
+    "ragged_paged_attention-sinks-window-splits": lambda: ragged_gpu_sinks(F32),
     "fused_linear-rmsnorm-bf16": lambda: linear("rmsnorm", BF16, bias=True),
     "fused_linear-rmsnorm-f32": lambda: linear("rmsnorm", F32),
     "fused_linear-rmsnorm-narrow-bf16": lambda: linear("rmsnorm", BF16, narrow=True),

@@ -222,3 +222,15 @@ def test_sinks_and_sliding_window():
         assert rel_err(got, want) < 1e-5, window
     assert rel_err(ref, dense_attention(args, 0.1, np.asarray(sinks))) > 1e-2  # the window mattered
     assert rel_err(ref, dense_attention(args, 0.1, None, window)) > 1e-2  # and the sinks
+
+
+@pytest.mark.parametrize("tuning", [dict(kv_splits=1), dict(kv_splits=3, block_kv=16)], ids=["one-split", "splits"])
+def test_gpu_kernel_takes_sinks_and_window(tuning):
+    """gpt-oss on the GPU kernel (interpreted), on the poisoned mix, against the reference."""
+    args = make_step(6, MIX, num_tokens=64, max_seqs=10, group=2, dtype=jnp.float32)
+    sinks = jnp.asarray(np.random.default_rng(3).normal(0, 2, KVH * 2), jnp.float32)
+    for window in (0, 20):
+        want = ref_ragged_paged_attention(*args, sinks, sm_scale=0.1, window=window)
+        got = ragged_paged_attention_gpu(*args, sinks, sm_scale=0.1, window=window, block_q=4, interpret=True,
+                                         **tuning)
+        assert rel_err(got, want) < TOL[jnp.float32], window
