@@ -16,7 +16,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 
-from jspec.serve.reasoning import ReasoningParser
+from jspec.serve.reasoning import HarmonyParser, ReasoningParser
 from jspec.serve.tool_parsers import Call
 from jspec.serve.tool_parsers import Reading as ToolReading
 
@@ -32,7 +32,7 @@ class Reading:
 class ReplyParsers:
     """The parsers one request's replies go through."""
 
-    reasoning: ReasoningParser | None
+    reasoning: ReasoningParser | HarmonyParser | None
     tools: Callable[[str, bool], ToolReading] | None  # a tool_parsers.TOOL_PARSERS function, for "auto"
     one_call: bool = False  # parallel_tool_calls false: the first call only (vLLM drops the others)
 

@@ -15,6 +15,13 @@ constrained from its first token here, where vLLM constrains what follows the re
 such a reply is reasoning only if it opens with ``<think>`` (a grammar that writes one),
 else all content.
 
+- ``openai_gptoss``: gpt-oss's harmony messages. The reply (decoded with its special tokens,
+  which the server keeps for this parser) is messages ``<|channel|>NAME<|message|>BODY``
+  ended by ``<|end|>`` (another follows after ``<|start|>assistant``), ``<|return|>`` or
+  ``<|call|>``: the bodies of the ``analysis`` channel are the reasoning, the others'
+  (``final``; ``commentary``, whose tool calls are not read yet) the content; text before
+  any channel (a model not writing harmony) is content.
+
 ``split`` reads a reply as it streams or whole (``final``), as the tool-call parsers do
 (jspec/serve/tool_parsers.py): each reading of a longer text extends the one before.
 """
@@ -58,13 +65,51 @@ class ReasoningParser:
         return text[begin:len(text) - max(tag_overlap(text[begin:], tag) for tag in self.ends)], None
 
 
-def reasoning_parser(name: str, chat_template_kwargs: dict | None, constrained: bool) -> ReasoningParser:
+CHANNEL, MESSAGE, END_MESSAGE = "<|channel|>", "<|message|>", "<|end|>"
+HARMONY_TAGS = ("<|start|>", END_MESSAGE, MESSAGE, CHANNEL, "<|return|>", "<|call|>", "<|constrain|>")
+
+
+@dataclasses.dataclass(frozen=True)
+class HarmonyParser:
+    """gpt-oss's harmony replies (module docstring); ReasoningParser's ``split``."""
+
+    name: str = "openai_gptoss"
+
+    def split(self, text: str, final: bool) -> tuple[str | None, str | None]:
+        if not final:  # a tag maybe being written is held back
+            text = text[:len(text) - max(tag_overlap(text, tag) for tag in HARMONY_TAGS)]
+        reasoning, content = [], []
+        first = text.find(CHANNEL)
+        lead = text if first < 0 else text[:first]
+        if lead.strip() and not lead.startswith("<|start|>"):
+            content.append(lead)
+        pos = len(text) if first < 0 else first
+        while pos < len(text):
+            body = text.find(MESSAGE, pos)
+            if body < 0:  # a header still being written
+                break
+            channel = text[pos + len(CHANNEL):body].split(" ")[0].split("<|")[0]
+            body += len(MESSAGE)
+            ends = [i for tag in (END_MESSAGE, "<|return|>", "<|call|>") if (i := text.find(tag, body)) >= 0]
+            stop = min(ends) if ends else len(text)
+            (reasoning if channel == "analysis" else content).append(text[body:stop])
+            nxt = text.find(CHANNEL, stop)
+            pos = len(text) if nxt < 0 else nxt
+        return ("".join(reasoning) if reasoning else None), ("".join(content) if content else None)
+
+
+def reasoning_parser(name: str, chat_template_kwargs: dict | None,
+                     constrained: bool) -> ReasoningParser | HarmonyParser:
     """The parser ``name`` for one request: its template's ``enable_thinking`` (qwen3),
     and whether a grammar holds its reply (``constrained``)."""
+    if name == "openai_gptoss":  # its channels are in the reply, grammar or not
+        return HarmonyParser()
     if name == "qwen3":
         thinking = (chat_template_kwargs or {}).get("enable_thinking", True) is not False
         return ReasoningParser(name, thinking and not constrained, thinking, (END, TOOL_CALL))
     return ReasoningParser(name, not constrained, True, (END,))
 
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "openai_gptoss", "qwen3")
+# parsers that read the special tokens of a reply (the server decodes it with them)
+KEEPS_SPECIAL_TOKENS = ("openai_gptoss",)

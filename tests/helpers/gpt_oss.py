@@ -21,10 +21,11 @@ WINDOW = 8  # its sliding layers' window: contexts of up to 56 tokens run well p
 def config(**kw):
     from transformers import GptOssConfig
 
-    cfg = GptOssConfig(vocab_size=h.V, hidden_size=h.H, intermediate_size=32, num_hidden_layers=h.L,
+    kw = {"vocab_size": h.V, "bos_token_id": 1, "eos_token_id": 2, **kw}
+    cfg = GptOssConfig(hidden_size=h.H, intermediate_size=32, num_hidden_layers=h.L,
                        num_attention_heads=h.HEADS, num_key_value_heads=h.KVH, head_dim=h.HD, num_local_experts=8,
                        num_experts_per_tok=2, sliding_window=WINDOW, max_position_embeddings=128,
-                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                       tie_word_embeddings=False,
                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                         "truncate": False, "original_max_position_embeddings": 32,
                                         "rope_theta": 150000.0}, **kw)
@@ -97,3 +98,46 @@ def build(root: str) -> dict:
     out["dflash4"] = os.path.join(root, "dflash4")
     h._randomize(DFlashDraftModel(sc), m, h.DRAFT_VOCAB, seed=7, fc_col=h.F).save_pretrained(out["dflash4"])
     return out
+
+
+# gpt-oss's harmony special tokens (a byte-level tokenizer's ids 256 and up in chat_model)
+HARMONY_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                    "<|constrain|>", "<|return|>", "<|call|>"]
+# A harmony-shaped template of our own (gpt-oss's, shortened): each message as
+# <|start|>ROLE<|message|>TEXT<|end|>, then <|start|>assistant for the reply.
+HARMONY_TEMPLATE = ("{%- for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endfor %}"
+                    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}")
+
+
+def chat_model(folder: str, seed: int = 0) -> str:
+    """``folder``: a random gpt-oss target over a byte-level tokenizer (ids 0-255 the bytes,
+    the harmony special tokens after) with a harmony-shaped chat template; <|return|> and
+    <|call|> end a reply (its generation_config.json, as gpt-oss's)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GenerationConfig, GptOssForCausalLM, PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:] + [256 + n for n in range(256 - len(bs))]
+    bs += [b for b in range(256) if b not in bs]
+    byte_to_char = dict(zip(bs, map(chr, cs)))
+    assert set(byte_to_char.values()) == set(alphabet)
+    tok = Tokenizer(models.BPE(vocab={byte_to_char[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(HARMONY_SPECIALS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|startoftext|>", eos_token="<|return|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = HARMONY_TEMPLATE
+    fast.save_pretrained(folder)
+    ids = {t: fast.convert_tokens_to_ids(t) for t in HARMONY_SPECIALS}
+    torch.manual_seed(seed)
+    m = GptOssForCausalLM(config(vocab_size=256 + len(HARMONY_SPECIALS), bos_token_id=ids["<|startoftext|>"],
+                                 eos_token_id=[ids["<|return|>"], ids["<|call|>"]],
+                                 pad_token_id=ids["<|endoftext|>"])).eval()
+    with torch.no_grad():
+        fill_random(m, scale=0.15)
+    m.save_pretrained(folder)
+    GenerationConfig(eos_token_id=[ids["<|return|>"], ids["<|call|>"]], bos_token_id=ids["<|startoftext|>"],
+                     pad_token_id=ids["<|endoftext|>"]).save_pretrained(folder)
+    return folder

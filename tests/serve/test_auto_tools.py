@@ -133,5 +133,5 @@ def test_tool_call_parser_alone_is_accepted():
     check_parsers(False, "llama3_json", "deepseek_r1")
     with pytest.raises(ValueError, match="--tool-call-parser 'pythonic' is not one of hermes, llama3_json"):
         check_parsers(True, "pythonic", None)
-    with pytest.raises(ValueError, match="--reasoning-parser 'r1' is not one of deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="--reasoning-parser 'r1' is not one of deepseek_r1, openai_gptoss, qwen3"):
         check_parsers(False, None, "r1")

@@ -1,5 +1,6 @@
 """The server's reply parsers on hand-written replies in their models' documented formats
-(no engine): tool calls (hermes, llama3_json), reasoning (qwen3, deepseek_r1), the JSON
+(no engine): tool calls (hermes, llama3_json), reasoning (qwen3, deepseek_r1, gpt-oss's
+harmony channels), the JSON
 prefix scan under them; each reply streamed in random splits adds up to its whole reading
 (vLLM's --tool-call-parser / --reasoning-parser semantics, jspec/serve/tool_parsers.py)."""
 
@@ -172,6 +173,28 @@ R1 = ReplyParsers(reasoning_parser("deepseek_r1", None, constrained=False), None
 ])
 def test_reasoning(parsers, text, want):
     check(parsers, text, want)
+
+
+HARMONY = ReplyParsers(reasoning_parser("openai_gptoss", None, constrained=False), None)
+
+
+@pytest.mark.parametrize("text, want", [
+    ("<|channel|>analysis<|message|>User greets.<|end|><|start|>assistant<|channel|>final<|message|>Hello!",
+     ("User greets.", "Hello!", [])),
+    ("<|channel|>analysis<|message|>a < b <|x|><|end|><|start|>assistant<|channel|>final<|message|>So a.<|return|>",
+     ("a < b <|x|>", "So a.", [])),
+    ("<|channel|>analysis<|message|>Still thinking when max_tokens hit", ("Still thinking when max_tokens hit", None, [])),
+    ("<|channel|>final<|message|>Just the answer.", (None, "Just the answer.", [])),
+    ("<|channel|>analysis<|message|>one<|end|><|start|>assistant<|channel|>analysis<|message|> two<|end|>"
+     "<|start|>assistant<|channel|>final<|message|>Done", ("one two", "Done", [])),
+    ("<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.",
+     (None, "Checking.Sunny.", [])),
+    ("Plain text, no harmony.", (None, "Plain text, no harmony.", [])),
+])
+def test_harmony_channels(text, want):
+    """gpt-oss (--reasoning-parser openai_gptoss): the analysis channel is the reasoning, the
+    final channel the content; the harmony tags are in neither."""
+    check(HARMONY, text, want)
 
 
 def test_reasoning_off_and_under_a_grammar():
