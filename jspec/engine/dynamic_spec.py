@@ -144,10 +144,11 @@ class DynamicSpeculation:
         self._skipped.pop(request_id, None)
 
     # ---- the choice ----------------------------------------------------------------------
-    def rates(self, request_ids: list[str]) -> np.ndarray:
-        """f64[n, K] each request's conditional acceptance estimate per draft position."""
+    def rates(self, request_ids: list[str], idx: list[int] | None = None) -> np.ndarray:
+        """f64[n, K] each request's conditional acceptance estimate per draft position (``idx``:
+        their rows of the tables, -1 for none, when the caller looked them up already)."""
         g = self.engine_rates()
-        idx = [self._slots.get(rid, -1) for rid in request_ids]
+        idx = [self._slots.get(rid, -1) for rid in request_ids] if idx is None else idx
         known = np.array([i >= 0 for i in idx])
         out = np.broadcast_to(g, (len(idx), self.K)).copy()
         if known.any():
@@ -188,11 +189,12 @@ class DynamicSpeculation:
         room = np.array([r[1] for r in rows], np.int64)
         have = np.array([r[2] for r in rows], np.int64)
         dynamic = self.enabled and not fixed and 1 in self.widths
-        rates = self.rates(rids) if dynamic else None
+        slots = [self._slots.get(rid, -1) for rid in rids] if dynamic else None  # once for rates and miss runs
+        rates = self.rates(rids, slots) if dynamic else None
         q = self._width(rates, room, N, fixed)
         ks = np.minimum(np.minimum(room, have), q - 1)
         if dynamic and q > 1:  # requests that stopped drafting: one probe in probe_every
-            runs = np.array([self.misses[j] if (j := self._slots.get(rid, -1)) >= 0 else 0 for rid in rids])
+            runs = np.array([self.misses[j] if j >= 0 else 0 for j in slots])
             stop = runs >= self.stop_after
             if self.engine_rates()[0] < self.min_first_acceptance:
                 stop |= rates[:, 0] < self.min_first_acceptance
