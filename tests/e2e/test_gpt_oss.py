@@ -2,7 +2,7 @@
 attention sinks, sliding-window layers (window 8, contexts up to 56), YaRN RoPE, biases,
 experts in every layer with the clamped SwiGLU, the checkpoint's interleaved gate|up, and
 its experts shipped as MXFP4 blocks and scales (quantized here, compared with transformers
-on the dequantized weights). Speculative greedy equals plain greedy with EAGLE3 (a
+on the dequantized weights); bf16 checkpoints, run in float32 on both sides. Speculative greedy equals plain greedy with EAGLE3 (a
 speculators drafter reading its hidden states), DFlash and n-gram; sampled output with
 EAGLE3 follows the target's distribution (chi-squared). Config translation and its errors.
 
@@ -44,6 +44,7 @@ def _greedy(llm):
 def test_plain_greedy_equals_transformers(oss):
     llm = jspec.LLM(oss["target"], **ENGINE_KW)
     c = llm.engine.runner.cfg
+    assert c.dtype == "bfloat16"  # the checkpoint's (run in float32 on the CPU)
     assert c.family == "gpt_oss" and c.sliding_layers == (0, 2) and c.window(0) == WINDOW and c.window(1) == 0
     assert max(len(p) for p in PROMPTS) + MAX_TOKENS > 4 * WINDOW  # contexts well past the window
     for p, got in zip(PROMPTS, _greedy(llm)):

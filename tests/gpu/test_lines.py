@@ -503,7 +503,7 @@ def test_gpt_oss_target(name, method, gpu_ckpts, gpu_refs, on_gpu, record_proper
     spec = None if method is None else {"method": "eagle3", "model": os.path.join(root, "eagle3"),
                                         "num_speculative_tokens": 3}
     llm = jspec.LLM(os.path.join(root, name), warmup=False, max_num_seqs=2, max_model_len=64, page_size=8,
-                    num_pages=32, speculative_config=spec)
+                    num_pages=32, speculative_config=spec, dtype="float32")
     _on_gpu_kernels(llm.engine, on_gpu)
     record_property("detail", _greedy_equals_references(llm, gpu_refs[f"gpt_oss/{name}"], GPT_OSS_TOKENS,
                                                         "transformers (float32)"))

@@ -45,7 +45,7 @@ def mxfp4_copy(m, folder: str):
     for i, layer in enumerate(m.model.layers):
         ex = layer.mlp.experts
         for name in ("gate_up_proj", "down_proj"):
-            w = getattr(ex, name).detach().transpose(1, 2).numpy()  # [E, out, in]
+            w = getattr(ex, name).detach().float().transpose(1, 2).numpy()  # [E, out, in]
             blocks, scales = mxfp4_quantize(w)
             key = f"model.layers.{i}.mlp.experts.{name}"
             del tensors[key]
@@ -84,11 +84,14 @@ def build(root: str) -> dict:
             layer.post_attention_layernorm.weight[h.F] = 0.0
         m.lm_head.weight[h.X, h.F] += h.A_TARGET
     out = {"hf": m, "target": os.path.join(root, "target"), "mxfp4": os.path.join(root, "mxfp4")}
-    m.save_pretrained(out["target"])
+    # bf16 checkpoints, as gpt-oss ships (its experts MXFP4 in the second); the references run
+    # their values in float32
+    m.to(torch.bfloat16).save_pretrained(out["target"])
+    m.to(torch.float32)
     q = GptOssForCausalLM(config()).eval()
     q.load_state_dict(m.state_dict())
-    mxfp4_copy(q, out["mxfp4"])
-    out["hf_mxfp4"] = q
+    mxfp4_copy(q.to(torch.bfloat16), out["mxfp4"])
+    out["hf_mxfp4"] = q.to(torch.float32)
     sc = h._spec_config("eagle3", "llama", 1, 3, draft_vocab_size=h.DRAFT_VOCAB, norm_before_residual=True,
                         eagle_aux_hidden_state_layer_ids=h.AUX)
     out["eagle3"] = os.path.join(root, "eagle3")
