@@ -39,8 +39,9 @@ def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata | M
         return jax.numpy.concatenate(outs, axis=1)
     backend = shape_fallback("paged_attention", plan.attn, _unsupported(plan.attn, _pa, q.shape[-1]))
     oss = sinks is not None or bool(window)
-    if oss:  # the GPU kernel takes them, the TPU kernel not yet
-        backend = shape_fallback("paged_attention", backend, _SINKS if isinstance(backend, TPU) else None)
+    if oss:  # the GPU kernel takes them (on one device), the TPU kernel not yet
+        backend = shape_fallback("paged_attention", backend, _SINKS if isinstance(backend, TPU) or plan.tp > 1
+                                 else None)
     if plan.tp > 1 and not isinstance(backend, XLA):
         kvh = k_pages.shape[2]
         backend = shape_fallback("paged_attention", backend, None if kvh % plan.tp == 0 else
@@ -57,7 +58,7 @@ def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata | M
                   sm_scale=sm_scale)
 
 
-_SINKS = "attention sinks or a sliding window (gpt-oss) are not in this kernel yet"
+_SINKS = "attention sinks or a sliding window (gpt-oss) are not in this kernel (or its sharded form) yet"
 
 
 def _unsupported(backend: Backend, kernels, head_dim: int) -> str | None:
@@ -103,8 +104,9 @@ def _ragged_attention(plan: KernelPlan, q, k_pages, v_pages, meta: RaggedMetadat
                          sm_scale=sm_scale, sinks=sinks, window=window).reshape(T, H, D)
     backend = shape_fallback("ragged_paged_attention", plan.attn, _unsupported(plan.attn, _rpa, q.shape[-1]))
     oss = sinks is not None or bool(window)
-    if oss:  # the GPU kernel takes them, the TPU kernel not yet
-        backend = shape_fallback("ragged_paged_attention", backend, _SINKS if isinstance(backend, TPU) else None)
+    if oss:  # the GPU kernel takes them (on one device), the TPU kernel not yet
+        backend = shape_fallback("ragged_paged_attention", backend, _SINKS if isinstance(backend, TPU) or plan.tp > 1
+                                 else None)
     if plan.tp > 1 and not isinstance(backend, XLA):
         backend = shape_fallback("ragged_paged_attention", backend, None if kvh % plan.tp == 0 else
                                  f"{kvh} KV heads, replicated over tensor parallel size {plan.tp}")
