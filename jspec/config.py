@@ -74,7 +74,7 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     # yarn (gpt-oss): the ramp between interpolated and original frequencies, and the factor
-    # cos and sin are multiplied by (jspec.models.layers.rope_inv_freq / rope_scale)
+    # cos and sin are multiplied by (jspec.models.layers.rope_inv_freq and rope_for)
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True

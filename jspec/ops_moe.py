@@ -73,10 +73,11 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
     quant = isinstance(w_gate_up, QuantWeight)
     if N * top_k <= E:  # y [N k, H]: pair j is token j // k
         if quant:
-            pairs = experts.reshape(-1)
-            gathered = {k: (b[pairs] if k.startswith("b_") and b is not None else b) for k, b in oss.items()}
+            pairs = experts.reshape(-1)  # each pair's expert gathered: pair p is row p of each
+            take = lambda b: None if b is None else b[pairs]  # noqa: E731
             y = _moe.ref_moe_experts(xf, jnp.arange(pairs.shape[0]), w_gate_up.take(pairs).dequantize(),
-                                     w_down.take(pairs).dequantize(), top_k=top_k, **gathered)
+                                     w_down.take(pairs).dequantize(), top_k=top_k, b_gate_up=take(b_gate_up),
+                                     b_down=take(b_down), limit=swiglu_limit, alpha=swiglu_alpha)
         elif (gpu and plain_experts and N * top_k >= MOE_KERNEL_MIN_FRACTION * E
                 and _moe.supports(w_gate_up.shape, w_down.shape, w_gate_up.dtype)):
             y = _moe.moe_experts(xf, experts.reshape(-1), w_gate_up, w_down, top_k=top_k,
