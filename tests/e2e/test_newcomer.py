@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+import jax
 import pytest
 
 import jspec
@@ -20,16 +21,22 @@ ENGINE = dict(max_num_seqs=20, max_model_len=256)
 
 def test_the_default_dtype_is_as_fast_as_float32_on_a_cpu():
     """"auto" takes the checkpoint's bfloat16 on accelerators; XLA's CPU backend emulates
-    16-bit floats (the family decoded 45x slower in bfloat16), so there it takes float32."""
+    16-bit floats (the family decoded 45x slower in bfloat16), so there it takes float32.
+    The rates are each dtype's best of three calls, interleaved, against a bound far below 1
+    and far above bfloat16's 1/45: CI runs another test process beside this one, and a single
+    timed call once measured "auto" (float32 too) at a third of float32's rate."""
     sp = jspec.SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    rates = {}
-    for dtype in ("auto", "float32"):
-        llm = jspec.LLM(dtype=dtype, max_num_seqs=1, max_model_len=128)
-        llm.generate("def fibonacci(n):\n", sp, use_tqdm=False)  # compiles
-        t = time.perf_counter()
-        llm.generate("def fibonacci(n):\n", sp, use_tqdm=False)
-        rates[dtype] = 48 / (time.perf_counter() - t)
-    assert rates["auto"] >= 0.5 * rates["float32"], rates
+    llms = {d: jspec.LLM(dtype=d, max_num_seqs=1, max_model_len=128) for d in ("auto", "float32")}
+    assert llms["auto"].llm_engine.config.dtype == "float32"
+    assert {str(a.dtype) for a in jax.tree.leaves(llms["auto"].llm_engine.runner.params)} == {"float32"}
+    times = {d: [] for d in llms}
+    for _ in range(4):  # the first call compiles
+        for d, llm in llms.items():
+            t = time.perf_counter()
+            llm.generate("def fibonacci(n):\n", sp, use_tqdm=False)
+            times[d].append(time.perf_counter() - t)
+    rates = {d: 48 / min(ts[1:]) for d, ts in times.items()}
+    assert rates["auto"] >= 0.2 * rates["float32"], rates
 
 
 def so_params(T: float, **kw) -> list[jspec.SamplingParams]:
