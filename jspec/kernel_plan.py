@@ -17,6 +17,7 @@ import jax
 from jspec import envs
 from jspec.config import ModelConfig
 from jspec.kernel_backend import GPU, XLA, Backend, parse_impl, platform_kernels
+from jspec.mxfp4 import Mxfp4Weight
 from jspec.parallel.mesh import padded_vocab
 from jspec.quantization import QuantWeight
 from kernels_pallas import fused_linear as _fl
@@ -159,7 +160,7 @@ def plan_params(plan: KernelPlan, params):
     def relayout(path, x):
         return x.T if x.ndim == 2 and path[-1].key in ("weight", "lm_head") else x
 
-    return jax.tree_util.tree_map_with_path(relayout, params, is_leaf=lambda x: isinstance(x, QuantWeight))
+    return jax.tree_util.tree_map_with_path(relayout, params, is_leaf=lambda x: isinstance(x, (QuantWeight, Mxfp4Weight)))
 
 
 # ---- RMSNorm travelling into the next projection ---------------------------------------

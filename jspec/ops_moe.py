@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from jspec.kernel_backend import GPU
 from jspec.kernel_plan import KernelPlan
+from jspec.mxfp4 import Mxfp4Weight
 from jspec.quantization import QuantWeight
 from kernels_pallas import moe_experts as _moe
 from kernels_pallas import moe_router as _router
@@ -52,8 +53,9 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
     gpt-oss: the router's bias b_router [E], the experts' b_gate_up [E, 2I] and b_down [E, H],
     the clamped SwiGLU (swiglu_limit > 0: kernels_pallas/moe_experts.swiglu); the expert
     kernels take none of them, so those layers run the XLA ways.
-    FP8 experts (QuantWeight leaves, jspec/quantization.py) run the XLA ways: at most E pairs
-    each pair's expert gathered still FP8, then dequantized; more, every expert dequantized."""
+    FP8 and MXFP4 experts (QuantWeight, jspec/quantization.py; Mxfp4Weight, jspec/mxfp4.py)
+    run the XLA ways: at most E pairs each pair's expert gathered still quantized, then
+    dequantized; more, every expert dequantized."""
     from jspec.ops import Normed, linear  # the facade's (it imports this module)
 
     x = x.value() if isinstance(x, Normed) else x
@@ -70,7 +72,7 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
     else:
         weights, experts = _router.ref_router_top_k(logits, top_k=top_k, norm=norm_topk_prob)
     weights = weights.astype(x.dtype)
-    quant = isinstance(w_gate_up, QuantWeight)
+    quant = isinstance(w_gate_up, (QuantWeight, Mxfp4Weight))
     if N * top_k <= E:  # y [N k, H]: pair j is token j // k
         if quant:
             pairs = experts.reshape(-1)  # each pair's expert gathered: pair p is row p of each

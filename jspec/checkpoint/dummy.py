@@ -6,7 +6,8 @@ parameter spec names is drawn on the device, so the engine runs the same code as
 weights. The values are what makes random weights usable for timing: matrices ~ N(0, 0.02)
 (activations stay finite through the layers), norm weights ~ 1, integer maps (a reduced
 draft vocabulary's d2t) zero, i.e. draft id i is target id i. A quantized leaf (FP8) is
-drawn so, then quantized as its scheme holds it (vLLM's dummy weights under quantization="fp8").
+drawn so, then quantized as its scheme holds it (vLLM's dummy weights under quantization="fp8");
+MXFP4 experts are drawn packed (jspec.mxfp4.dummy).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jspec import mxfp4
 from jspec.checkpoint.param_spec import ParamSpec, set_path
 from jspec.checkpoint.quantized import dummy_quant, scale_spec, weight_spec
 from jspec.parallel.placement import Placement
@@ -37,6 +39,11 @@ def dummy_params(specs: list[ParamSpec], dtype, seed: int = 0, sharding=None) ->
     for i, s in enumerate(specs):
         if s.integer:
             arr = jnp.zeros(s.shape, jnp.int32)
+        elif s.packed:  # MXFP4 experts, kept packed
+            w = mxfp4.dummy(jax.random.fold_in(key, i), s.shape, dtype)
+            set_path(tree, s.path, mxfp4.Mxfp4Weight(_place(w.blocks, s, sharding), _place(w.scales, s, sharding),
+                                                     w.dtype))
+            continue
         else:
             k = jax.random.fold_in(key, i)
             is_norm = len(s.shape) == 1 and "norm" in "/".join(s.path)

@@ -10,17 +10,15 @@ jspec's experts (jspec.models.layers.MoE) are [E, 2I, H] gate rows then up rows,
     a power of two per 32 values, 2^(scale - 127) (the OCP microscaling format): [out, in]
     already, gate and up rows interleaved.
 Each ``LAYOUTS`` entry takes a leaf's source arrays (ParamSpec.sources, in order: floats as
-float32, MXFP4 blocks and scales as uint8) and returns the leaf, float32.
+float32, MXFP4 blocks and scales as uint8) and returns the leaf, float32; an MXFP4 entry
+returns its blocks and scales, still packed, in our layout (jspec/mxfp4.py keeps them so).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-# e2m1: sign, two exponent bits, one mantissa bit (the OCP MX spec's FP4 values)
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                      np.float32)
-MXFP4_BLOCK = 32  # values sharing one scale
+from jspec.mxfp4 import FP4_VALUES, MXFP4_BLOCK
 
 
 def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -46,7 +44,7 @@ def mxfp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), 0).astype(np.int32)
     exp = np.clip(exp, -127, 127)
     scaled = g / np.ldexp(np.float32(1), exp)[..., None]
-    codes = np.abs(scaled[..., None] - FP4_VALUES[:8]).argmin(-1).astype(np.uint8)  # magnitude codes 0..7
+    codes = np.abs(np.abs(scaled)[..., None] - FP4_VALUES[:8]).argmin(-1).astype(np.uint8)  # magnitude codes 0..7
     codes |= (np.signbit(scaled) & (codes > 0)).astype(np.uint8) << 3
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
     return blocks, (exp + 127).astype(np.uint8)
@@ -62,6 +60,6 @@ LAYOUTS = {
     "gpt_oss_gate_up": lambda w: _deinterleave(np.swapaxes(w, 1, 2), 1),  # [E, H, 2I] -> [E, 2I, H]
     "gpt_oss_gate_up_bias": lambda b: _deinterleave(b, 1),  # [E, 2I]
     "gpt_oss_down": lambda w: np.swapaxes(w, 1, 2),  # [E, I, H] -> [E, H, I]
-    "mxfp4_gate_up": lambda blocks, scales: _deinterleave(mxfp4_dequantize(blocks, scales), 1),
-    "mxfp4_down": mxfp4_dequantize,
+    "mxfp4_gate_up": lambda blocks, scales: (_deinterleave(blocks, 1), _deinterleave(scales, 1)),  # rows
+    "mxfp4_down": lambda blocks, scales: (blocks, scales),
 }

@@ -7,7 +7,8 @@ its shape and the checkpoint tensors it is made of. From that list alone
 checkpoint fails naming the tensor, and both shapes), ``load_params`` streams the tensors
 into the tree, dummy.py draws random weights and target.py's orbax restore builds its
 target tree. A quantized leaf (``ParamSpec.quant``: FP8 weights, jspec/checkpoint/quantized.py)
-is checked and read with its scales, as a ``jspec.quantization.QuantWeight``.
+is checked and read with its scales, as a ``jspec.quantization.QuantWeight``; an MXFP4 one
+(gpt-oss's experts, ``ParamSpec.packed``) as a ``jspec.mxfp4.Mxfp4Weight``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from jspec.checkpoint.quantized import QuantSpec, check_quant, read_quant
 from jspec.checkpoint.safetensors_io import CheckpointError
+from jspec.mxfp4 import Mxfp4Weight
 
 logger = logging.getLogger("jspec.checkpoint")
 
@@ -54,7 +56,7 @@ class ParamSpec:
 
     @property
     def packed(self) -> bool:
-        """Its sources are MXFP4 blocks and scales (uint8), dequantized as they load."""
+        """Its sources are MXFP4 blocks and scales (uint8), read as a jspec.mxfp4.Mxfp4Weight."""
         return (self.layout or "").startswith("mxfp4")
 
 
@@ -162,10 +164,14 @@ def load_params(src, specs: list[ParamSpec], dtype, sharding=None, progress=None
         parts = [np.asarray(src.get_int(n)) if spec.packed else np.asarray(jnp.asarray(src.get(n), jnp.float32))
                  for n in spec.sources]
         arr = LAYOUTS[spec.layout](*parts)
-        if arr.shape != spec.shape:
+        if spec.packed:  # kept packed on the device (jspec/mxfp4.py)
+            blocks, scales = arr
+            arr = Mxfp4Weight(place(jnp.asarray(blocks), spec), place(jnp.asarray(scales), spec),
+                              jnp.dtype(dtype).name)
+        if tuple(arr.shape) != spec.shape:
             raise CheckpointError(f"{spec.sources[0]!r}: {spec.layout} gave shape {list(arr.shape)}, expected "
                                   f"{list(spec.shape)} from config.json")
-        return place(jnp.asarray(arr).astype(dtype), spec)
+        return arr if spec.packed else place(jnp.asarray(arr).astype(dtype), spec)
 
     def place(arr, spec):  # an array made here (a weight quantized at load) where ``read`` puts that leaf
         if isinstance(sharding, Placement):

@@ -190,7 +190,7 @@ def load_target(path, dtype="float32", sharding=None, progress=None, load_format
     if check_load_format(load_format) == "dummy":
         params = dummy_params(specs, dt, seed=0, sharding=sharding)
     elif os.path.isdir(os.path.join(path, ORBAX_DIR)):
-        if cfg.quantization is not None:
+        if cfg.quantization is not None or cfg.mxfp4:
             raise CheckpointError(f"{path!r}: an orbax copy of quantized weights is not supported (remove "
                                   f"{ORBAX_DIR}/ to read the safetensors)")
         params = restore_orbax(path, specs, dt, sharding)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from jspec import ops
+from jspec import mxfp4, ops
 from jspec.config import RopeConfig
 from jspec.ops import KernelPlan
 from kernels_pallas.fused_linear import rms_norm
@@ -144,7 +144,7 @@ class GatedMLP(nn.Module):
 class MoE(nn.Module):
     """Qwen3-MoE's and gpt-oss's sparse MLP (ops.moe): a router ``gate`` [E, H] (a Linear) and the experts'
     stacked weights ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] (HF [out, in] per expert,
-    in every plan). x may be an ops.Normed (the norm before the MLP)."""
+    in every plan; FP8 or MXFP4 leaves of those shapes where the checkpoint is quantized). x may be an ops.Normed (the norm before the MLP)."""
 
     hidden: int
     intermediate: int
@@ -158,12 +158,14 @@ class MoE(nn.Module):
     use_bias: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
+    mxfp4: bool = False  # the experts' weights kept packed (jspec.mxfp4.Mxfp4Weight): gpt-oss as shipped
 
     def setup(self):
         E, H, I = self.num_experts, self.hidden, self.intermediate
         self.gate = Linear(E, H, self.use_bias, self.dtype, self.plan)
-        self.gate_up = self.param("gate_up", _normal, (E, 2 * I, H), self.dtype)
-        self.down = self.param("down", _normal, (E, H, I), self.dtype)
+        init = mxfp4.declared if self.mxfp4 else _normal
+        self.gate_up = self.param("gate_up", init, (E, 2 * I, H), self.dtype)
+        self.down = self.param("down", init, (E, H, I), self.dtype)
         if self.use_bias:
             self.gate_up_bias = self.param("gate_up_bias", _zeros, (E, 2 * I), self.dtype)
             self.down_bias = self.param("down_bias", _zeros, (E, H), self.dtype)

@@ -98,7 +98,7 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(c, self.dtype, self.plan, window=c.window(self.index))
         if c.is_moe(self.index):
             self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
-                           c.norm_topk_prob, self.dtype, self.plan, c.moe_bias, c.swiglu_limit, c.swiglu_alpha)
+                           c.norm_topk_prob, self.dtype, self.plan, c.moe_bias, c.swiglu_limit, c.swiglu_alpha, c.mxfp4)
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, self.dtype, self.plan)
 

@@ -12,12 +12,15 @@ drafters agree with it often enough for accepts to happen."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 import jspec
 from jspec.config import ConfigError, model_config_from_hf
+from jspec.mxfp4 import Mxfp4Weight
 from tests.helpers import gpt_oss
 from tests.helpers import spec_e2e as h
 from tests.helpers.gpt_oss import WINDOW
@@ -79,6 +82,10 @@ def test_plain_greedy_on_the_gpu_kernels_equals_transformers(oss, monkeypatch):
 def test_mxfp4_experts_equal_transformers_on_their_dequantized_weights(oss):
     llm = jspec.LLM(oss["mxfp4"], **ENGINE_KW)
     assert llm.engine.runner.cfg.mxfp4
+    experts = [w for w in jax.tree.leaves(llm.engine.runner.params, is_leaf=lambda x: isinstance(x, Mxfp4Weight))
+               if isinstance(w, Mxfp4Weight)]
+    assert len(experts) == 2 * llm.engine.runner.cfg.num_layers  # gate_up and down, kept packed
+    assert all(w.blocks.dtype == jnp.uint8 for w in experts)
     for p, got in zip(PROMPTS, _greedy(llm)):
         assert got == hf_greedy(oss["hf_mxfp4"], p, MAX_TOKENS), f"prompt of length {len(p)}"
 
@@ -152,3 +159,19 @@ def test_config_errors_name_the_key(bad, match):
         d.pop("initial_context_length")
     with pytest.raises(ConfigError, match=match):
         model_config_from_hf(d)
+
+
+def test_dummy_weights_are_the_loaded_tree_packed_alike(oss, tmp_path):
+    """load_format="dummy" (the benchmarks' 20b / 120b shapes): the same leaves, shapes and
+    dtypes as the MXFP4 checkpoint's, experts packed."""
+    import shutil
+
+    from jspec.checkpoint.target import load_target
+
+    shutil.copy(f"{oss['mxfp4']}/config.json", tmp_path / "config.json")
+    shapes = lambda t: {jax.tree_util.keystr(k): (v.shape, str(v.dtype))  # noqa: E731
+                        for k, v in jax.tree_util.tree_leaves_with_path(t)}
+    _, real = load_target(oss["mxfp4"], "bfloat16")
+    _, dummy = load_target(str(tmp_path), "bfloat16", load_format="dummy")
+    assert shapes(dummy) == shapes(real)
+    assert any(s == "uint8" for _, s in shapes(dummy).values())
