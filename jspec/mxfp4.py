@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kernels_pallas.moe_experts_mxfp4 import dequantize
+
 MXFP4_BLOCK = 32  # values sharing one scale
 # e2m1: sign, two exponent bits, one mantissa bit (the OCP MX spec's FP4 values)
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -45,29 +47,13 @@ class Mxfp4Weight:
 
     def dequantize(self) -> jax.Array:
         """[..., rows, cols] in ``dtype``: every FP4 value times its block's power of two,
-        exact in float32 and in bfloat16 (an FP4 value has 2 significant bits)."""
-        return dequantize(self.blocks, self.scales).astype(self.dtype)
+        exact in float32 and in bfloat16 (an FP4 value has 2 significant bits; a block
+        scale of 0, 2^-127, reads as 0)."""
+        return dequantize(self.blocks, self.scales, self.dtype)
 
     def take(self, idx) -> Mxfp4Weight:
         """The stacked experts ``idx`` (axis 0), still packed."""
         return Mxfp4Weight(jnp.take(self.blocks, idx, axis=0), jnp.take(self.scales, idx, axis=0), self.dtype)
-
-
-def dequantize(blocks, scales):
-    """u8[..., G, 16] blocks and u8[..., G] scales -> f32[..., G * 32] (jnp; the host's
-    numpy twin is gpt_oss_layout.mxfp4_dequantize)."""
-    table = jnp.asarray(FP4_VALUES)
-    lo, hi = table[(blocks & 0x0F).astype(jnp.int32)], table[(blocks >> 4).astype(jnp.int32)]
-    values = jnp.stack([lo, hi], axis=-1).reshape(blocks.shape[:-1] + (MXFP4_BLOCK,))  # [..., G, 32]
-    values = values * power_of_two(scales)[..., None]
-    return values.reshape(blocks.shape[:-2] + (-1,))
-
-
-def power_of_two(scales):
-    """u8 biased exponents -> f32 2^(s - 127), exact (the exponent field itself; exp2 on
-    XLA's CPU is off in the last bits): s = 0 gives 2^-127, a float32 subnormal."""
-    bits = jax.lax.shift_left(scales.astype(jnp.uint32), jnp.uint32(23))
-    return jnp.where(scales == 0, jnp.float32(2.0**-127), jax.lax.bitcast_convert_type(bits, jnp.float32))
 
 
 def declared(key, shape, dtype) -> Mxfp4Weight:

@@ -11,6 +11,7 @@ from jspec.kernel_plan import KernelPlan
 from jspec.mxfp4 import Mxfp4Weight
 from jspec.quantization import QuantWeight
 from kernels_pallas import moe_experts as _moe
+from kernels_pallas import moe_experts_mxfp4 as _mxfp4
 from kernels_pallas import moe_router as _router
 
 # Tokens per dense pass of ``moe`` when the pairs outnumber the experts: bounds its [C, E, 2I]
@@ -55,7 +56,9 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
     kernels take none of them, so those layers run the XLA ways.
     FP8 and MXFP4 experts (QuantWeight, jspec/quantization.py; Mxfp4Weight, jspec/mxfp4.py)
     run the XLA ways: at most E pairs each pair's expert gathered still quantized, then
-    dequantized; more, every expert dequantized."""
+    dequantized; more, every expert dequantized. With the plan's GPU kernels, MXFP4 experts
+    at most E pairs stream packed through kernels_pallas/moe_experts_mxfp4.py (biases and
+    the clamped SwiGLU in the kernel)."""
     from jspec.ops import Normed, linear  # the facade's (it imports this module)
 
     x = x.value() if isinstance(x, Normed) else x
@@ -73,8 +76,13 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
         weights, experts = _router.ref_router_top_k(logits, top_k=top_k, norm=norm_topk_prob)
     weights = weights.astype(x.dtype)
     quant = isinstance(w_gate_up, (QuantWeight, Mxfp4Weight))
+    packed = isinstance(w_gate_up, Mxfp4Weight)
     if N * top_k <= E:  # y [N k, H]: pair j is token j // k
-        if quant:
+        if packed and gpu and _mxfp4.supports(xf.shape, w_gate_up.blocks.shape):
+            y = _mxfp4.moe_experts_mxfp4(xf.astype(w_gate_up.dtype), experts.reshape(-1), w_gate_up.blocks,
+                                         w_gate_up.scales, w_down.blocks, w_down.scales, top_k=top_k,
+                                         interpret=plan.linear.interpret, **oss)
+        elif quant:
             pairs = experts.reshape(-1)  # each pair's expert gathered: pair p is row p of each
             take = lambda b: None if b is None else b[pairs]  # noqa: E731
             y = _moe.ref_moe_experts(xf, jnp.arange(pairs.shape[0]), w_gate_up.take(pairs).dequantize(),

@@ -47,6 +47,10 @@ class DeviceTuning:
     attn_block_kv: int = 64  # keys per inner-loop step of paged attention
     attn_max_block_rows: int = 128  # query rows per program (all rows of a kv head up to this)
     rejection: tuple[int, int, int] = (1, 2, 1)  # (blocks_per_program, num_warps, num_stages)
+    # moe_experts_mxfp4.py: (block_f rows, block_g blocks of 32 values a step, num_warps,
+    # num_stages); a first guess, not yet measured on a GPU (a program streams block_f x
+    # block_g x 16 bytes a step: 4 KB)
+    moe_mxfp4: tuple[int, int, int, int] = (32, 8, 4, 2)
 
     def linear_tile(self, F: int, K: int, mma: bool) -> LinearTile | None:
         """The first row that takes [F, K]; None where no tensor-core row does (mma)."""

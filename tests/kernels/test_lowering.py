@@ -24,6 +24,7 @@ Kernels (grep -n pallas_call kernels_pallas/*.py):
   rope_kv_write.py         RoPE + paged KV write                    GPU
   qkv_rope_kv_write.py     RMSNorm + qkv + RoPE + KV write          GPU
   moe_experts.py           few-token MoE: gate_up + SwiGLU, down    GPU
+  moe_experts_mxfp4.py     MXFP4 experts, dequantized in-kernel     GPU
   moe_router.py            MoE router: softmax + top-k              GPU
   rejection_blocks.py      stats + residual kernels: GPU ones (gpu_kernels),
                            TPU ones (tpu_kernels)
@@ -42,6 +43,7 @@ from kernels_pallas import ragged_paged_attention as rpa
 from kernels_pallas.fused_linear import fused_linear
 from kernels_pallas.fused_linear_rows import fused_linear_rows
 from kernels_pallas.moe_experts import moe_experts, moe_experts_gpu
+from kernels_pallas.moe_experts_mxfp4 import moe_experts_mxfp4
 from kernels_pallas.moe_router import router_top_k
 from kernels_pallas.paged_attention_gpu import paged_attention_gpu
 from kernels_pallas.paged_attention_tpu import paged_attention_tpu
@@ -253,6 +255,19 @@ def moe(dtype, mma=False):
     return fn, shapes, [(TRITON, rf"moe_gate_up_f\d+_d\d+{suffix}"), (TRITON, rf"moe_down_f\d+_d\d+{suffix}")]
 
 
+def moe_mxfp4(dtype):
+    """moe_experts_mxfp4: the packed gate_up kernel (biases, clamped SwiGLU), then the packed
+    down kernel; gpt-oss's H = 2880 (90 blocks of 32: a masked last step)."""
+    N, K, E, I, H = 1, 4, 4, 64, 2880
+
+    def fn(x, experts, gub, gus, db, ds, bgu, bd):
+        return moe_experts_mxfp4(x, experts, gub, gus, db, ds, top_k=K, b_gate_up=bgu, b_down=bd, limit=7.0)
+    U8 = jnp.uint8
+    shapes = [sds((N, H), dtype), sds((N * K,), I32), sds((E, 2 * I, H // 32, 16), U8), sds((E, 2 * I, H // 32), U8),
+              sds((E, H, I // 32, 16), U8), sds((E, H, I // 32), U8), sds((E, 2 * I), dtype), sds((E, H), dtype)]
+    return fn, shapes, [(TRITON, r"moe_mxfp4_gate_up_f\d+_g\d+"), (TRITON, r"moe_mxfp4_down_f\d+_g\d+")]
+
+
 def moe_router(E, top_k):
     """router_top_k: softmax and top-k in one kernel (E not a power of two: padded)."""
     def fn(logits):
@@ -318,6 +333,7 @@ GPU_CASES = {
     "moe_experts-bf16": lambda: moe(BF16),
     "moe_experts-f32": lambda: moe(F32),
     "moe_experts-mma-bf16": lambda: moe(BF16, mma=True),
+    "moe_experts_mxfp4-bf16": lambda: moe_mxfp4(BF16),
     "moe_router-128x8": lambda: moe_router(128, 8),
     "moe_router-60x4": lambda: moe_router(60, 4),
     "rejection-stats": lambda: rejection("gpu", V=300, draft_probs=False),
@@ -378,6 +394,7 @@ def test_every_pallas_call_is_covered():
         "fused_linear.py": 1,
         "fused_linear_rows.py": 1,
         "moe_experts.py": 2,
+        "moe_experts_mxfp4.py": 2,
         "moe_router.py": 1,
         "paged_attention_gpu.py": 2,
         "paged_attention_tpu.py": 1,

@@ -1,0 +1,238 @@
+"""Few-token mixture-of-experts on MXFP4 experts (gpt-oss as shipped): each (token, expert)
+pair's expert MLP, the packed weights streamed in place and dequantized in the kernel.
+
+    y[p] = down_e(act) [+ b_down[e]],  act = swiglu(gate_up_e(x[p // top_k]) [+ b_gate_up[e]])
+
+for the pairs p of tokens x [N, H] and their chosen experts (experts i32[N * top_k],
+token-major); ``swiglu`` is kernels_pallas/moe_experts.swiglu (gpt-oss's clamped form with
+``limit`` > 0). The weights as jspec/mxfp4.py holds them, HF's [out, in] per expert:
+gate_up blocks u8[E, 2I, G, 16] and scales u8[E, 2I, G] (gate rows, then up rows; G = H / 32),
+down blocks u8[E, H, GI, 16] and scales u8[E, H, GI] (GI = I / 32). A weight is
+fp4(code) * 2^(scale - 127), value 2j of a block in the low nibble of its byte j, 2j + 1 in
+the high one. -> y [N * top_k, H] in x's dtype.
+
+Why: gpt-oss-120b's experts are ~61 GB packed and ~230 GB in bf16; at batch 1 a token reads
+4 experts a layer, and the bytes-per-token bound counts them at 4.25 bits a weight. Streaming
+them packed reads 3.8x fewer bytes than bf16 weights would; XLA's way (the reference below:
+gather the pairs' experts, dequantize, dot) writes each gathered expert out in bf16 first.
+
+Kernels (Pallas, Triton backend), two calls, each program one pair and ``block_f`` rows of
+its expert, looping over the row's blocks of 32 values ``block_g`` at a time (the last step
+masked: gpt-oss's G = 2880 / 32 = 90 has no large power-of-two divisor):
+  1. grid (pairs, I / block_f): the pair's gate and up rows against x's even and odd values
+     (split outside: each byte's two nibbles meet them without an interleave in the kernel),
+     f32 accumulation, the scale applied per block; bias and SwiGLU -> act [P, I];
+  2. grid (pairs, H / block_f): the down rows against act's even and odd values; bias -> y.
+Decode: an FP4 code's magnitude t (its low 3 bits) is 0.5 t below 4, else t - 2 (t = 7: 6).
+Tiles: kernels_pallas/tuning.py (``moe_mxfp4``). Not yet measured on a GPU.
+
+Numerics: f32 accumulation of exact products (an FP4 value times a power of two is exact in
+f32), each projection rounded to x's dtype, then the bias and the SwiGLU op by op in that
+dtype, as the reference's XLA ops: equal to it up to the order of the f32 sums
+(tests/kernels/test_moe_experts_mxfp4.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kernels_pallas.fused_linear import _pow2_divisor
+from kernels_pallas.moe_experts import ref_moe_experts
+from kernels_pallas.tuning import device_tuning
+
+BLOCK = 32  # values a scale covers
+
+
+def dequantize(blocks, scales, dtype):
+    """u8[..., G, 16] blocks and u8[..., G] scales -> [..., G * 32] in ``dtype`` (exact)."""
+    codes = jnp.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(blocks.shape[:-1] + (BLOCK,))
+    values = fp4_values(codes.astype(jnp.int32)) * power_of_two(scales.astype(jnp.int32))[..., None]
+    return values.reshape(blocks.shape[:-2] + (-1,)).astype(dtype)
+
+
+def fp4_values(codes):
+    """i32 e2m1 codes (0..15) -> f32 values: the magnitude t = code & 7 is 0.5 t below 4,
+    else t - 2 (6 for t = 7); bit 3 the sign."""
+    t = codes & 7
+    tf = t.astype(jnp.float32)
+    mag = jnp.where(t < 4, 0.5 * tf, jnp.where(t == 7, 6.0, tf - 2.0))
+    return jnp.where(codes >= 8, -mag, mag)
+
+
+def power_of_two(scales):
+    """i32 biased exponents s (0..255) -> f32 2^(s - 127), the exponent field itself (exact;
+    s = 0 gives 0, where 2^-127 is a subnormal: a block of such weights is all but zero)."""
+    return lax.bitcast_convert_type(lax.shift_left(scales, 23), jnp.float32)
+
+
+def ref_moe_experts_mxfp4(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, *, top_k: int,
+                          b_gate_up=None, b_down=None, limit: float = 0.0, alpha: float = 1.702):
+    """The jnp reference: each pair's expert gathered still packed, dequantized to x's dtype,
+    then moe_experts.ref_moe_experts. Shapes in the module docstring."""
+    validate(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, top_k)
+    pairs = jnp.arange(experts.shape[0])
+    take = lambda a: None if a is None else a[experts]  # noqa: E731
+    gu = dequantize(gu_blocks[experts], gu_scales[experts], x.dtype)
+    dn = dequantize(down_blocks[experts], down_scales[experts], x.dtype)
+    xs = jnp.repeat(x, top_k, axis=0)  # pair p's token, so that pair p reads row p of the gathered experts
+    return ref_moe_experts(xs, pairs, gu, dn, top_k=1, b_gate_up=take(b_gate_up), b_down=take(b_down),
+                           limit=limit, alpha=alpha)
+
+
+def validate(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, top_k: int):
+    N, H = x.shape
+    E, I2, G, b = gu_blocks.shape
+    I = I2 // 2
+    want = {"gu_blocks": (E, I2, H // BLOCK, BLOCK // 2), "gu_scales": (E, I2, H // BLOCK),
+            "down_blocks": (E, H, I // BLOCK, BLOCK // 2), "down_scales": (E, H, I // BLOCK)}
+    got = {"gu_blocks": gu_blocks.shape, "gu_scales": gu_scales.shape, "down_blocks": down_blocks.shape,
+           "down_scales": down_scales.shape}
+    bad = [k for k in want if tuple(got[k]) != want[k]]
+    if H % BLOCK or I2 % (2 * BLOCK) or bad or experts.shape != (N * top_k,):
+        raise ValueError(f"moe_experts_mxfp4: x {x.shape}, experts {experts.shape} (top_k {top_k}) and the packed "
+                         f"weights {got} do not fit [N, H], [N top_k], [E, 2I, H / 32, 16], [E, 2I, H / 32], "
+                         f"[E, H, I / 32, 16], [E, H, I / 32] (H and I multiples of 32)")
+    for k, a in zip(want, (gu_blocks, gu_scales, down_blocks, down_scales)):
+        if a.dtype != jnp.uint8:
+            raise ValueError(f"moe_experts_mxfp4: {k} must be uint8, got {a.dtype}")
+
+
+def _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, rows, G, block_f, block_g):
+    """f32[block_f]: the packed rows ``rows`` (a pl.ds of the stacked rows) times the vector
+    whose even values are lo_ref and odd values hi_ref ([G, 16] each), over G blocks,
+    ``block_g`` a step (the last masked)."""
+    f32 = jnp.float32
+
+    def body(i, acc):
+        g0 = i * block_g
+        live = lambda *shape: g0 + lax.broadcasted_iota(jnp.int32, shape, len(shape) - 2) < G  # noqa: E731
+        gs = pl.ds(g0, block_g)
+        lo = plt.load(lo_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32)  # [block_g, 16]
+        hi = plt.load(hi_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32)
+        blk = plt.load(blk_ref.at[rows, gs, :], mask=live(block_f, block_g, 16),
+                       other=0).astype(jnp.int32)  # [block_f, block_g, 16]
+        sc = plt.load(sc_ref.at[rows, gs, :], mask=live(block_f, block_g, 1), other=0).astype(jnp.int32)
+        w_lo, w_hi = fp4_values(blk & 0x0F), fp4_values(blk >> 4)
+        return acc + (w_lo * lo[None] + w_hi * hi[None]) * power_of_two(sc)
+
+    acc = lax.fori_loop(0, pl.cdiv(G, block_g), body, jnp.zeros((block_f, block_g, 16), f32))
+    return jnp.sum(jnp.sum(acc, axis=2), axis=1)
+
+
+def swiglu_rounded(g, u, dtype, limit: float, alpha: float):
+    """moe_experts.swiglu op by op on f32 values of ``dtype`` numbers, each result rounded
+    to ``dtype`` as XLA's ops are. -> f32 (of ``dtype`` numbers)."""
+    rnd = lambda a: a.astype(dtype).astype(jnp.float32)  # noqa: E731
+    if not limit:
+        sig = rnd(1.0 / rnd(1.0 + rnd(jnp.exp(-g))))
+        return rnd(rnd(g * sig) * u)
+    g = jnp.minimum(g, limit)
+    sig = rnd(1.0 / (1.0 + jnp.exp(-rnd(g * alpha))))
+    return rnd(rnd(jnp.clip(u, -limit, limit) + 1.0) * rnd(g * sig))
+
+
+def _gate_up_kernel(idx_ref, lo_ref, hi_ref, blk_ref, sc_ref, b_ref, o_ref, *, I, G, block_f, block_g, limit,
+                    alpha):
+    # idx_ref i32[P]; lo_ref / hi_ref [G, 16] (the pair's token: even / odd values);
+    # blk_ref u8[E 2I, G, 16], sc_ref u8[E 2I, G, 1], b_ref [E 2I] (whole); o_ref [1, I].
+    p, j = pl.program_id(0), pl.program_id(1)
+    row = idx_ref[p] * (2 * I) + j * block_f
+    dt, f32 = o_ref.dtype, jnp.float32
+    rnd = lambda a: a.astype(dt).astype(f32)  # noqa: E731
+    g, u = (rnd(_row_stream(blk_ref, sc_ref, lo_ref, hi_ref, pl.ds(r, block_f), G, block_f, block_g))
+            for r in (row, row + I))
+    g, u = rnd(g + b_ref[pl.ds(row, block_f)].astype(f32)), rnd(u + b_ref[pl.ds(row + I, block_f)].astype(f32))
+    o_ref[0, pl.ds(pl.multiple_of(j * block_f, block_f), block_f)] = swiglu_rounded(g, u, dt, limit, alpha).astype(dt)
+
+
+def _down_kernel(idx_ref, lo_ref, hi_ref, blk_ref, sc_ref, b_ref, o_ref, *, H, G, block_f, block_g):
+    # idx_ref i32[P]; lo_ref / hi_ref [G, 16] (the pair's act); blk_ref u8[E H, G, 16],
+    # sc_ref u8[E H, G, 1], b_ref [E H] (whole); o_ref [1, H].
+    p, j = pl.program_id(0), pl.program_id(1)
+    row = idx_ref[p] * H + j * block_f
+    dt, f32 = o_ref.dtype, jnp.float32
+    y = _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, pl.ds(row, block_f), G, block_f, block_g).astype(dt)
+    y = (y.astype(f32) + b_ref[pl.ds(row, block_f)].astype(f32)).astype(dt)
+    o_ref[0, pl.ds(pl.multiple_of(j * block_f, block_f), block_f)] = y
+
+
+def default_blocks(I: int, H: int):
+    """(block_f, block_g, num_warps, num_stages) for experts [2I, H] / [H, I], or None where
+    no row tile divides I and H: the device's ``moe_mxfp4`` row (kernels_pallas/tuning.py),
+    block_f shrunk to a power of two dividing both."""
+    bf, bg, warps, stages = device_tuning().moe_mxfp4
+    bf = _pow2_divisor(I, bf, 8) and _pow2_divisor(H, bf, 8)
+    return (bf, bg, warps, stages) if bf else None
+
+
+def supports(x_shape, gu_blocks_shape) -> bool:
+    """The kernels' contract: tiles that divide I and H, and stacked rows addressable with
+    int32 element offsets."""
+    E, I2, G, _ = gu_blocks_shape
+    H = x_shape[-1]
+    return H == G * BLOCK and I2 % (2 * BLOCK) == 0 and E * I2 * G * 16 < 2**31 and \
+        default_blocks(I2 // 2, H) is not None
+
+
+def _evens_odds(a, G):
+    """[R, G * 32] -> its even and odd values, [R, G, 16] each (a byte's low and high nibble)."""
+    return a[:, 0::2].reshape(a.shape[0], G, 16), a[:, 1::2].reshape(a.shape[0], G, 16)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "limit", "alpha", "interpret", "blocks"))
+def moe_experts_mxfp4_gpu(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, b_gate_up, b_down, *,
+                          top_k: int, limit: float = 0.0, alpha: float = 1.702, interpret: bool = False, blocks=None):
+    """The two kernels; b_gate_up [E, 2I] and b_down [E, H] (zeros where a model has none);
+    blocks: (block_f, block_g, num_warps, num_stages) or None for default_blocks."""
+    (E, I2, G, _), P, H = gu_blocks.shape, experts.shape[0], x.shape[1]
+    I, GI = I2 // 2, down_blocks.shape[2]
+    bf, bg, warps, stages = blocks or default_blocks(I, H)
+    whole = pl.BlockSpec()
+    params = plt.CompilerParams(num_warps=warps, num_stages=stages)
+    token = lambda n: pl.BlockSpec((None, n, 16), lambda p, j: (p // top_k, 0, 0))  # noqa: E731
+    pair = lambda n: pl.BlockSpec((None, n, 16), lambda p, j: (p, 0, 0))  # noqa: E731
+    x_lo, x_hi = _evens_odds(x, G)
+    act = pl.pallas_call(
+        functools.partial(_gate_up_kernel, I=I, G=G, block_f=bf, block_g=bg, limit=limit, alpha=alpha),
+        grid=(P, I // bf),
+        in_specs=[whole, token(G), token(G), whole, whole, whole],
+        out_specs=pl.BlockSpec((1, I), lambda p, j: (p, 0)),
+        out_shape=jax.ShapeDtypeStruct((P, I), x.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name=f"moe_mxfp4_gate_up_f{bf}_g{bg}",
+    )(experts, x_lo, x_hi, gu_blocks.reshape(E * I2, G, 16), gu_scales.reshape(E * I2, G, 1),
+      b_gate_up.reshape(E * I2))
+    a_lo, a_hi = _evens_odds(act, GI)
+    return pl.pallas_call(
+        functools.partial(_down_kernel, H=H, G=GI, block_f=bf, block_g=bg),
+        grid=(P, H // bf),
+        in_specs=[whole, pair(GI), pair(GI), whole, whole, whole],
+        out_specs=pl.BlockSpec((1, H), lambda p, j: (p, 0)),
+        out_shape=jax.ShapeDtypeStruct((P, H), x.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name=f"moe_mxfp4_down_f{bf}_g{bg}",
+    )(experts, a_lo, a_hi, down_blocks.reshape(E * H, GI, 16), down_scales.reshape(E * H, GI, 1),
+      b_down.reshape(E * H))
+
+
+def moe_experts_mxfp4(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, *, top_k: int, b_gate_up=None,
+                      b_down=None, limit: float = 0.0, alpha: float = 1.702, interpret: bool = False):
+    """Public entry: the kernels (ref_moe_experts_mxfp4's arguments and result), on what
+    ``supports`` says; ``interpret``: their bodies in Pallas' interpreter."""
+    validate(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, top_k)
+    if not supports(x.shape, gu_blocks.shape):
+        raise ValueError(f"moe_experts_mxfp4: no kernel tile divides experts {gu_blocks.shape} over x {x.shape}")
+    E, I2 = gu_blocks.shape[:2]
+    b_gate_up = jnp.zeros((E, I2), x.dtype) if b_gate_up is None else b_gate_up
+    b_down = jnp.zeros((E, x.shape[1]), x.dtype) if b_down is None else b_down
+    return moe_experts_mxfp4_gpu(x, experts.astype(jnp.int32), gu_blocks, gu_scales, down_blocks, down_scales,
+                                 b_gate_up, b_down, top_k=top_k, limit=float(limit), alpha=float(alpha),
+                                 interpret=interpret)

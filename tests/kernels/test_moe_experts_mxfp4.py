@@ -1,0 +1,119 @@
+"""The MXFP4 expert kernels (kernels_pallas/moe_experts_mxfp4.py) == their jnp reference on
+CPU (Pallas interpret mode), with gpt-oss's biases and clamped SwiGLU and without; the
+reference's dequantization == the checkpoint reader's; ops.moe on packed experts with the GPU
+plan == on XLA. gpt-oss end to end against transformers: tests/e2e/test_gpt_oss.py."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec import ops
+from jspec.checkpoint.gpt_oss_layout import mxfp4_dequantize
+from jspec.kernel_backend import GPU
+from jspec.kernel_plan import KernelPlan
+from jspec.mxfp4 import Mxfp4Weight
+from kernels_pallas.moe_experts import ref_moe_experts
+from kernels_pallas.moe_experts_mxfp4 import (
+    dequantize,
+    moe_experts_mxfp4,
+    moe_experts_mxfp4_gpu,
+    ref_moe_experts_mxfp4,
+    supports,
+)
+
+BF16 = jnp.bfloat16
+# H = 96: G = 3 blocks of 32, so a block_g of 2 leaves a masked last step (gpt-oss's G = 90);
+# I = 64 (GI = 2).
+E, I, H = 6, 64, 96
+
+
+def packed(rng, *shape):
+    blocks = rng.integers(0, 256, shape[:-1] + (shape[-1] // 32, 16), dtype=np.uint8)
+    scales = rng.integers(120, 126, shape[:-1] + (shape[-1] // 32,), dtype=np.uint8)
+    return jnp.asarray(blocks), jnp.asarray(scales)
+
+
+def inputs(seed, N, top_k, dtype, bias):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(N, H)), dtype)
+    gu, dn = packed(rng, E, 2 * I, H), packed(rng, E, H, I)
+    experts = rng.permutation(E)[: N * top_k] if N * top_k <= E else rng.integers(0, E, N * top_k)
+    b = dict(b_gate_up=jnp.asarray(rng.normal(size=(E, 2 * I)) * 0.1, dtype),
+             b_down=jnp.asarray(rng.normal(size=(E, H)) * 0.1, dtype)) if bias else {}
+    return x, jnp.asarray(experts, jnp.int32), gu, dn, b
+
+
+def f32(a):
+    return np.asarray(jnp.asarray(a).astype(jnp.float32))
+
+
+def test_dequantize_is_the_readers():
+    blocks, scales = packed(np.random.default_rng(0), 3, 8, 96)
+    np.testing.assert_array_equal(f32(dequantize(blocks, scales, jnp.float32)),
+                                  mxfp4_dequantize(np.asarray(blocks), np.asarray(scales)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, BF16])
+@pytest.mark.parametrize("N,top_k,oss", [(2, 3, True), (3, 2, False), (1, 4, True)])
+def test_kernel_matches_reference(N, top_k, oss, dtype):
+    x, experts, gu, dn, b = inputs(N * 10 + top_k, N, top_k, dtype, oss)
+    act = dict(limit=7.0, alpha=1.702) if oss else {}
+    got = moe_experts_mxfp4(x, experts, *gu, *dn, top_k=top_k, interpret=True, **b, **act)
+    want = ref_moe_experts_mxfp4(x, experts, *gu, *dn, top_k=top_k, **b, **act)
+    assert got.shape == want.shape == (N * top_k, H) and got.dtype == want.dtype == dtype
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2  # f32: summation order; bf16: a rounding or two apart
+    np.testing.assert_allclose(f32(got), f32(want), rtol=tol, atol=tol * float(np.abs(f32(want)).max()))
+
+
+def test_reference_is_the_dense_mlp_on_dequantized_weights():
+    """ref_moe_experts_mxfp4 (gather packed, then dequantize) == ref_moe_experts on every
+    expert dequantized first, the way ops.moe's dense pass reads them."""
+    x, experts, gu, dn, b = inputs(1, 2, 2, jnp.float32, True)
+    want = ref_moe_experts(x, experts, dequantize(*gu, jnp.float32), dequantize(*dn, jnp.float32), top_k=2,
+                           limit=7.0, **b)
+    got = ref_moe_experts_mxfp4(x, experts, *gu, *dn, top_k=2, limit=7.0, **b)
+    np.testing.assert_allclose(f32(got), f32(want), rtol=1e-6, atol=1e-6)
+
+
+def test_tiles_and_masked_steps():
+    """Explicit tiles: rows 8 at a time, one block of 32 a step (no mask) and four (G = 3:
+    one masked step): all equal the reference."""
+    x, experts, gu, dn, b = inputs(2, 2, 2, jnp.float32, True)
+    want = ref_moe_experts_mxfp4(x, experts, *gu, *dn, top_k=2, limit=7.0, **b)
+    for blocks in ((8, 1, 4, 1), (8, 4, 4, 1), (16, 2, 4, 1)):
+        got = moe_experts_mxfp4_gpu(x, experts, *gu, *dn, b["b_gate_up"], b["b_down"], top_k=2, limit=7.0,
+                                    blocks=blocks, interpret=True)
+        np.testing.assert_allclose(f32(got), f32(want), rtol=1e-5, atol=1e-5, err_msg=str(blocks))
+
+
+def test_contract():
+    assert supports((1, 2880), (32, 5760, 90, 16))  # gpt-oss-20b
+    assert supports((1, 2880), (128, 5760, 90, 16))  # gpt-oss-120b
+    assert not supports((1, 2880), (4, 6, 90, 16))  # I = 3: no tile
+    x, experts, gu, dn, _ = inputs(0, 1, 2, jnp.float32, False)
+    with pytest.raises(ValueError, match="uint8"):
+        moe_experts_mxfp4(x, experts, gu[0].astype(jnp.int32), gu[1], *dn, top_k=2)
+    with pytest.raises(ValueError, match="do not fit"):
+        moe_experts_mxfp4(x[:, :64], experts, *gu, *dn, top_k=2)
+
+
+def test_ops_moe_gpu_plan_streams_packed_experts_as_xla_does():
+    """ops.moe on Mxfp4Weight experts: the GPU plan (the kernels, interpreted) == the XLA plan
+    (gather packed, dequantize), decode-sized (pairs <= E)."""
+    x, _, gu, dn, b = inputs(4, 2, 2, BF16, True)
+    rng = np.random.default_rng(4)
+    w_router = jnp.asarray(rng.normal(size=(E, H)), BF16)
+    args = dict(top_k=2, norm_topk_prob=True, b_router=jnp.zeros((E,), BF16), swiglu_limit=7.0, **b)
+    wg, wd = Mxfp4Weight(*gu, "bfloat16"), Mxfp4Weight(*dn, "bfloat16")
+    calls = []
+    import kernels_pallas.moe_experts_mxfp4 as k
+
+    real = k.moe_experts_mxfp4_gpu
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(k, "moe_experts_mxfp4_gpu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        got = ops.moe(KernelPlan(linear=GPU(interpret=True)), x, w_router, wg, wd, **args)
+    want = ops.moe(KernelPlan(), x, w_router, wg, wd, **args)
+    assert calls, "the GPU plan did not take the MXFP4 kernels"
+    np.testing.assert_allclose(f32(got), f32(want), rtol=2e-2, atol=2e-2 * float(np.abs(f32(want)).max()))
