@@ -34,7 +34,7 @@ from jspec.serve.protocol import (
 from jspec.serve.reasoning import KEEPS_SPECIAL_TOKENS, REASONING_PARSERS, reasoning_parser
 from jspec.serve.responses import Ctx, SSEResponse, complete_response, stream_response
 from jspec.serve.tokenization import add_tokenization_routes, chat_prompt_ids
-from jspec.serve.tool_parsers import TOOL_PARSERS, parse_required
+from jspec.serve.tool_parsers import READS_WHOLE_REPLY, TOOL_PARSERS, parse_required
 from jspec.serve.tools import tool_choice, tool_schema
 
 logger = logging.getLogger("jspec.serve")
@@ -321,7 +321,8 @@ def _sampling_params(state: ServerState, req, chat: bool, n_prompt: int, tool: s
                                       "min_tokens", "bad_words", "allowed_token_ids", "include_stop_str_in_output")}
     if req.skip_special_tokens is not None:
         optional["skip_special_tokens"] = req.skip_special_tokens
-    elif chat and state.reasoning_parser in KEEPS_SPECIAL_TOKENS:  # harmony's channels are special tokens
+    elif chat and (state.reasoning_parser in KEEPS_SPECIAL_TOKENS or state.tool_parser in READS_WHOLE_REPLY):
+        # harmony's channels are special tokens
         optional["skip_special_tokens"] = False
     kw = dict(max_tokens=max_tokens, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
               top_k=given("top_k", 0), seed=req.seed, ignore_eos=bool(req.ignore_eos),

@@ -17,7 +17,7 @@ import json
 from collections.abc import Callable
 
 from jspec.serve.reasoning import HarmonyParser, ReasoningParser
-from jspec.serve.tool_parsers import Call
+from jspec.serve.tool_parsers import READS_WHOLE_REPLY, Call
 from jspec.serve.tool_parsers import Reading as ToolReading
 
 
@@ -39,8 +39,9 @@ class ReplyParsers:
     def read(self, text: str, final: bool) -> Reading:
         reasoning, content = self.reasoning.split(text, final) if self.reasoning else (None, text)
         calls: list[Call] = []
-        if self.tools is not None and content is not None:
-            r = self.tools(content, final)
+        whole = self.tools in READS_WHOLE_REPLY  # harmony's calls: read from their headers
+        if self.tools is not None and (content is not None or whole):
+            r = self.tools(text if whole else content, final)
             content, calls = r.content, r.calls
             named = any(c.name for c in calls)
             if named or not final:

@@ -15,12 +15,9 @@ constrained from its first token here, where vLLM constrains what follows the re
 such a reply is reasoning only if it opens with ``<think>`` (a grammar that writes one),
 else all content.
 
-- ``openai_gptoss``: gpt-oss's harmony messages. The reply (decoded with its special tokens,
-  which the server keeps for this parser) is messages ``<|channel|>NAME<|message|>BODY``
-  ended by ``<|end|>`` (another follows after ``<|start|>assistant``), ``<|return|>`` or
-  ``<|call|>``: the bodies of the ``analysis`` channel are the reasoning, the others'
-  (``final``; ``commentary``, whose tool calls are not read yet) the content; text before
-  any channel (a model not writing harmony) is content.
+- ``openai_gptoss``: gpt-oss's harmony messages (jspec/serve/harmony.py): the bodies of the
+  ``analysis`` channel are the reasoning, the others the content (its tool calls, messages
+  to ``functions.NAME``, are read by the tool-call parser ``openai``).
 
 ``split`` reads a reply as it streams or whole (``final``), as the tool-call parsers do
 (jspec/serve/tool_parsers.py): each reading of a longer text extends the one before.
@@ -30,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jspec.serve import harmony
 from jspec.serve.tool_parsers import tag_overlap
 
 START, END, TOOL_CALL = "<think>", "</think>", "<tool_call>"
@@ -65,37 +63,14 @@ class ReasoningParser:
         return text[begin:len(text) - max(tag_overlap(text[begin:], tag) for tag in self.ends)], None
 
 
-CHANNEL, MESSAGE, END_MESSAGE = "<|channel|>", "<|message|>", "<|end|>"
-HARMONY_TAGS = ("<|start|>", END_MESSAGE, MESSAGE, CHANNEL, "<|return|>", "<|call|>", "<|constrain|>")
-
-
 @dataclasses.dataclass(frozen=True)
 class HarmonyParser:
-    """gpt-oss's harmony replies (module docstring); ReasoningParser's ``split``."""
+    """gpt-oss's harmony replies (jspec/serve/harmony.py); ReasoningParser's ``split``."""
 
     name: str = "openai_gptoss"
 
     def split(self, text: str, final: bool) -> tuple[str | None, str | None]:
-        if not final:  # a tag maybe being written is held back
-            text = text[:len(text) - max(tag_overlap(text, tag) for tag in HARMONY_TAGS)]
-        reasoning, content = [], []
-        first = text.find(CHANNEL)
-        lead = text if first < 0 else text[:first]
-        if lead.strip() and not lead.startswith("<|start|>"):
-            content.append(lead)
-        pos = len(text) if first < 0 else first
-        while pos < len(text):
-            body = text.find(MESSAGE, pos)
-            if body < 0:  # a header still being written
-                break
-            channel = text[pos + len(CHANNEL):body].split(" ")[0].split("<|")[0]
-            body += len(MESSAGE)
-            ends = [i for tag in (END_MESSAGE, "<|return|>", "<|call|>") if (i := text.find(tag, body)) >= 0]
-            stop = min(ends) if ends else len(text)
-            (reasoning if channel == "analysis" else content).append(text[body:stop])
-            nxt = text.find(CHANNEL, stop)
-            pos = len(text) if nxt < 0 else nxt
-        return ("".join(reasoning) if reasoning else None), ("".join(content) if content else None)
+        return harmony.split(text, final)
 
 
 def reasoning_parser(name: str, chat_template_kwargs: dict | None,

@@ -9,6 +9,7 @@ message's ``tool_calls``, the rest as its content.
 - ``llama3_json`` (Llama 3.1 / 3.2 JSON tool calling): the reply is one or more
   ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``) separated by ``;``,
   optionally after ``<|python_tag|>``; text after the last call is content.
+- ``openai`` (gpt-oss): harmony messages to ``functions.NAME`` (jspec/serve/harmony.py).
 
 One function per format reads a reply as it streams or whole (``final``): the content so
 far and the calls so far, each call keyed by where it starts in the text, its name only
@@ -180,4 +181,14 @@ def parse_required(text: str, final: bool) -> Reading:
         i = sc.end
 
 
-TOOL_PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
+def parse_openai(text: str, final: bool) -> Reading:
+    """gpt-oss's harmony tool calls (jspec/serve/harmony.py; imported here at call time: it
+    builds on this module's Call and Reading). It reads the whole reply, harmony's headers
+    included, not what a reasoning parser leaves (ReplyParsers.read)."""
+    from jspec.serve.harmony import parse_openai as parse
+
+    return parse(text, final)
+
+
+TOOL_PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "openai": parse_openai}
+READS_WHOLE_REPLY = (parse_openai,)  # the parsers given the reply itself, reasoning and all

@@ -112,7 +112,7 @@ def test_auto_with_a_plain_reply(client):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser (one of hermes, llama3_json)"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser (one of hermes, llama3_json, openai)"),
     (["--enable-auto-tool-choice", "--tool-call-parser", "mistral"], "argument --tool-call-parser: invalid choice"),
     (["--reasoning-parser", "r1"], "argument --reasoning-parser: invalid choice: 'r1' (choose from"),
 ])
@@ -131,7 +131,7 @@ def test_tool_call_parser_alone_is_accepted():
     from jspec.serve.app import check_parsers
 
     check_parsers(False, "llama3_json", "deepseek_r1")
-    with pytest.raises(ValueError, match="--tool-call-parser 'pythonic' is not one of hermes, llama3_json"):
+    with pytest.raises(ValueError, match="--tool-call-parser 'pythonic' is not one of hermes, llama3_json, openai"):
         check_parsers(True, "pythonic", None)
     with pytest.raises(ValueError, match="--reasoning-parser 'r1' is not one of deepseek_r1, openai_gptoss, qwen3"):
         check_parsers(False, None, "r1")

@@ -197,6 +197,33 @@ def test_harmony_channels(text, want):
     check(HARMONY, text, want)
 
 
+HARMONY_TOOLS = ReplyParsers(reasoning_parser("openai_gptoss", None, constrained=False), TOOL_PARSERS["openai"])
+WEATHER = '{"city": "Paris", "days": 3}'
+
+
+@pytest.mark.parametrize("text, want", [
+    # the recipient after the channel, with <|constrain|>, as gpt-oss writes a call
+    ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
+     f"to=functions.get_weather <|constrain|>json<|message|>{WEATHER}<|call|>", ("Need weather.", None, [PARIS])),
+    # the recipient in the role part; two calls; a preamble on commentary to no one is content
+    ("<|channel|>commentary<|message|>Checking two cities.<|end|><|start|>assistant to=functions.get_weather"
+     f"<|channel|>commentary json<|message|>{WEATHER}<|call|><|start|>assistant to=functions.get_weather"
+     "<|channel|>commentary json<|message|>{\"city\": \"Oslo\", \"days\": 3}<|call|>",
+     (None, "Checking two cities.", [PARIS, ("get_weather", {"city": "Oslo", "days": 3})])),
+    # the first header's recipient right after the prompt's <|start|>assistant
+    (f" to=functions.get_weather<|channel|>commentary json<|message|>{WEATHER}<|call|>", (None, None, [PARIS])),
+    # a final answer, no call
+    ("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>4<|return|>",
+     ("Easy.", "4", [])),
+    # a call whose body is no JSON object: its body is content
+    ("<|channel|>commentary to=functions.get_weather<|message|>Paris please<|call|>", (None, "Paris please", [])),
+])
+def test_harmony_tool_calls(text, want):
+    """gpt-oss (--tool-call-parser openai with --reasoning-parser openai_gptoss): messages to
+    functions.NAME are calls, whole and streamed; analysis the reasoning, the rest content."""
+    check(HARMONY_TOOLS, text, want)
+
+
 def test_reasoning_off_and_under_a_grammar():
     """qwen3 with enable_thinking false: all content; a reply held to a grammar is reasoning
     only when it opens with <think>."""
