@@ -491,13 +491,20 @@ def test_fp8_target(name, method, gpu_ckpts, gpu_refs, on_gpu, record_property):
     pytest.param("target", "eagle3", id="eagle3", marks=line(
         "eagle3", "a gpt-oss target == transformers: EAGLE3 K=3, float32")),
     pytest.param("mxfp4", None, id="mxfp4", marks=line(
-        "eagle3", "a gpt-oss target with MXFP4 experts == transformers on their dequantized values, float32"))])
-def test_gpt_oss_target(name, method, gpu_ckpts, gpu_refs, on_gpu, record_property):
+        "eagle3", "a gpt-oss target with MXFP4 experts (packed; decode through the MXFP4 kernel) == transformers "
+                  "on their dequantized values, float32"))])
+def test_gpt_oss_target(name, method, gpu_ckpts, gpu_refs, on_gpu, record_property, monkeypatch):
     """gpt-oss's greedy output on the GPU == transformers': decode rows through the paged-attention
     kernel, prompts through the ragged one, both with sinks and the sliding layers' window, the
-    experts through ops.moe's XLA ways."""
+    experts through ops.moe's XLA ways, or packed MXFP4 ones at decode through
+    kernels_pallas/moe_experts_mxfp4.py (its calls counted)."""
     import jspec
+    import kernels_pallas.moe_experts_mxfp4 as mx
     from tests.helpers.gpu_lines import GPT_OSS_TOKENS
+
+    traced = []
+    real = mx.moe_experts_mxfp4_gpu
+    monkeypatch.setattr(mx, "moe_experts_mxfp4_gpu", lambda *a, **kw: traced.append(1) or real(*a, **kw))
 
     root = os.path.join(gpu_ckpts, "gpt_oss")
     spec = None if method is None else {"method": "eagle3", "model": os.path.join(root, "eagle3"),
@@ -507,6 +514,8 @@ def test_gpt_oss_target(name, method, gpu_ckpts, gpu_refs, on_gpu, record_proper
     _on_gpu_kernels(llm.engine, on_gpu)
     record_property("detail", _greedy_equals_references(llm, gpu_refs[f"gpt_oss/{name}"], GPT_OSS_TOKENS,
                                                         "transformers (float32)"))
+    if name == "mxfp4" and on_gpu:
+        assert traced, "the MXFP4 expert kernel never ran"
 
 
 # ---- the rejection kernel ---------------------------------------------------------------
