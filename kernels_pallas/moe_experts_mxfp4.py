@@ -190,37 +190,28 @@ def moe_experts_mxfp4_gpu(x, experts, gu_blocks, gu_scales, down_blocks, down_sc
                           top_k: int, limit: float = 0.0, alpha: float = 1.702, interpret: bool = False, blocks=None):
     """The two kernels; b_gate_up [E, 2I] and b_down [E, H] (zeros where a model has none);
     blocks: (block_f, block_g, num_warps, num_stages) or None for default_blocks."""
-    (E, I2, G, _), P, H = gu_blocks.shape, experts.shape[0], x.shape[1]
+    (_, I2, G, _), P, H = gu_blocks.shape, experts.shape[0], x.shape[1]
     I, GI = I2 // 2, down_blocks.shape[2]
     bf, bg, warps, stages = blocks or default_blocks(I, H)
-    whole = pl.BlockSpec()
-    params = plt.CompilerParams(num_warps=warps, num_stages=stages)
+    stacked = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731  ([E, rows, ...] -> [E rows, ...])
+
+    def call(kernel, vec_block, n, name, lo, hi, codes, scales, bias):  # one of the two kernels -> [P, n]
+        G_ = codes.shape[2]
+        return pl.pallas_call(
+            kernel, grid=(P, n // bf),
+            in_specs=[pl.BlockSpec(), vec_block(G_), vec_block(G_)] + [pl.BlockSpec()] * 3,
+            out_specs=pl.BlockSpec((1, n), lambda p, j: (p, 0)),
+            out_shape=jax.ShapeDtypeStruct((P, n), x.dtype),
+            compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+            interpret=interpret, name=f"moe_mxfp4_{name}_f{bf}_g{bg}",
+        )(experts, lo, hi, stacked(codes), stacked(scales)[..., None], bias.reshape(-1))
+
     token = lambda n: pl.BlockSpec((None, n, 16), lambda p, j: (p // top_k, 0, 0))  # noqa: E731
     pair = lambda n: pl.BlockSpec((None, n, 16), lambda p, j: (p, 0, 0))  # noqa: E731
-    x_lo, x_hi = _evens_odds(x, G)
-    act = pl.pallas_call(
-        functools.partial(_gate_up_kernel, I=I, G=G, block_f=bf, block_g=bg, limit=limit, alpha=alpha),
-        grid=(P, I // bf),
-        in_specs=[whole, token(G), token(G), whole, whole, whole],
-        out_specs=pl.BlockSpec((1, I), lambda p, j: (p, 0)),
-        out_shape=jax.ShapeDtypeStruct((P, I), x.dtype),
-        compiler_params=params,
-        interpret=interpret,
-        name=f"moe_mxfp4_gate_up_f{bf}_g{bg}",
-    )(experts, x_lo, x_hi, gu_blocks.reshape(E * I2, G, 16), gu_scales.reshape(E * I2, G, 1),
-      b_gate_up.reshape(E * I2))
-    a_lo, a_hi = _evens_odds(act, GI)
-    return pl.pallas_call(
-        functools.partial(_down_kernel, H=H, G=GI, block_f=bf, block_g=bg),
-        grid=(P, H // bf),
-        in_specs=[whole, pair(GI), pair(GI), whole, whole, whole],
-        out_specs=pl.BlockSpec((1, H), lambda p, j: (p, 0)),
-        out_shape=jax.ShapeDtypeStruct((P, H), x.dtype),
-        compiler_params=params,
-        interpret=interpret,
-        name=f"moe_mxfp4_down_f{bf}_g{bg}",
-    )(experts, a_lo, a_hi, down_blocks.reshape(E * H, GI, 16), down_scales.reshape(E * H, GI, 1),
-      b_down.reshape(E * H))
+    act = call(functools.partial(_gate_up_kernel, I=I, G=G, block_f=bf, block_g=bg, limit=limit, alpha=alpha),
+               token, I, "gate_up", *_evens_odds(x, G), gu_blocks, gu_scales, b_gate_up)
+    return call(functools.partial(_down_kernel, H=H, G=GI, block_f=bf, block_g=bg), pair, H, "down",
+                *_evens_odds(act, GI), down_blocks, down_scales, b_down)
 
 
 def moe_experts_mxfp4(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, *, top_k: int, b_gate_up=None,

@@ -394,7 +394,7 @@ def test_every_pallas_call_is_covered():
         "fused_linear.py": 1,
         "fused_linear_rows.py": 1,
         "moe_experts.py": 2,
-        "moe_experts_mxfp4.py": 2,
+        "moe_experts_mxfp4.py": 1,  # gate_up's and down's kernels through one call site
         "moe_router.py": 1,
         "paged_attention_gpu.py": 2,
         "paged_attention_tpu.py": 1,
