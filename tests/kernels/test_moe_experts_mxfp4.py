@@ -17,6 +17,8 @@ from jspec.mxfp4 import Mxfp4Weight
 from kernels_pallas.moe_experts import ref_moe_experts
 from kernels_pallas.moe_experts_mxfp4 import (
     dequantize,
+    fp4_as_f16,
+    fp4_values,
     moe_experts_mxfp4,
     moe_experts_mxfp4_gpu,
     ref_moe_experts_mxfp4,
@@ -53,6 +55,17 @@ def test_dequantize_is_the_readers():
     blocks, scales = packed(np.random.default_rng(0), 3, 8, 96)
     np.testing.assert_array_equal(f32(dequantize(blocks, scales, jnp.float32)),
                                   mxfp4_dequantize(np.asarray(blocks), np.asarray(scales)))
+
+
+def test_the_kernels_decode_is_the_references_for_every_byte():
+    """fp4_as_f16 (the kernels': bits moved into a float16) times 2^14 == fp4_values (the
+    reference's arithmetic) == the OCP table, both nibbles of all 256 bytes."""
+    b = jnp.arange(256, dtype=jnp.int32)
+    lo, hi = fp4_as_f16(b)
+    table = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    for got, codes in ((lo, b & 15), (hi, b >> 4)):
+        np.testing.assert_array_equal(f32(got) * 2.0**14, f32(fp4_values(codes)))
+        np.testing.assert_array_equal(f32(fp4_values(codes)), table[np.asarray(codes)])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, BF16])
