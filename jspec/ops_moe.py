@@ -24,6 +24,11 @@ MOE_DENSE_CHUNK = 512
 # gather against the kernels: batch 1 (8 pairs) 3.76 vs 4.08 ms a step, batch 4 (32) 7.10-7.19
 # vs 7.14-7.26, batch 16 (128) 21.4 vs 16.7.
 MOE_KERNEL_MIN_FRACTION = 0.5
+# MXFP4 experts take kernels_pallas/moe_experts_mxfp4.py (with the plan's GPU kernels) up to
+# this many pairs per expert: the dense way dequantizes every expert (2 bytes a weight written,
+# then read: 4) where the kernel reads each pair's expert packed (0.53 bytes a weight), equal
+# near 7.5 E pairs; 4 leaves room for the kernel's decoding. Not yet measured on a GPU.
+MXFP4_KERNEL_MAX_FRACTION = 4
 
 
 def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_topk_prob: bool, residual=None,
@@ -57,8 +62,8 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
     FP8 and MXFP4 experts (QuantWeight, jspec/quantization.py; Mxfp4Weight, jspec/mxfp4.py)
     run the XLA ways: at most E pairs each pair's expert gathered still quantized, then
     dequantized; more, every expert dequantized. With the plan's GPU kernels, MXFP4 experts
-    at most E pairs stream packed through kernels_pallas/moe_experts_mxfp4.py (biases and
-    the clamped SwiGLU in the kernel)."""
+    at most MXFP4_KERNEL_MAX_FRACTION * E pairs stream packed through
+    kernels_pallas/moe_experts_mxfp4.py (biases and the clamped SwiGLU in the kernel)."""
     from jspec.ops import Normed, linear  # the facade's (it imports this module)
 
     x = x.value() if isinstance(x, Normed) else x
@@ -76,9 +81,10 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
         weights, experts = _router.ref_router_top_k(logits, top_k=top_k, norm=norm_topk_prob)
     weights = weights.astype(x.dtype)
     quant = isinstance(w_gate_up, (QuantWeight, Mxfp4Weight))
-    packed = isinstance(w_gate_up, Mxfp4Weight)
-    if N * top_k <= E:  # y [N k, H]: pair j is token j // k
-        if packed and gpu and _mxfp4.supports(xf.shape, w_gate_up.blocks.shape):
+    mxfp4_kernel = (isinstance(w_gate_up, Mxfp4Weight) and gpu and N * top_k <= MXFP4_KERNEL_MAX_FRACTION * E
+                    and _mxfp4.supports(xf.shape, w_gate_up.blocks.shape))
+    if N * top_k <= E or mxfp4_kernel:  # y [N k, H]: pair j is token j // k
+        if mxfp4_kernel:
             y = _mxfp4.moe_experts_mxfp4(xf.astype(w_gate_up.dtype), experts.reshape(-1), w_gate_up.blocks,
                                          w_gate_up.scales, w_down.blocks, w_down.scales, top_k=top_k,
                                          interpret=plan.linear.interpret, **oss)

@@ -112,10 +112,12 @@ def test_contract():
         moe_experts_mxfp4(x[:, :64], experts, *gu, *dn, top_k=2)
 
 
-def test_ops_moe_gpu_plan_streams_packed_experts_as_xla_does():
-    """ops.moe on Mxfp4Weight experts: the GPU plan (the kernels, interpreted) == the XLA plan
-    (gather packed, dequantize), decode-sized (pairs <= E)."""
-    x, _, gu, dn, b = inputs(4, 2, 2, BF16, True)
+@pytest.mark.parametrize("N", [2, 5])
+def test_ops_moe_gpu_plan_streams_packed_experts_as_xla_does(N):
+    """ops.moe on Mxfp4Weight experts: the GPU plan (the kernels, interpreted) == the XLA plan:
+    4 pairs (<= E: XLA gathers packed, then dequantizes) and 10 (> E: XLA's dense way, every
+    expert dequantized; the kernels up to MXFP4_KERNEL_MAX_FRACTION * E)."""
+    x, _, gu, dn, b = inputs(4, N, 2, BF16, True)
     rng = np.random.default_rng(4)
     w_router = jnp.asarray(rng.normal(size=(E, H)), BF16)
     args = dict(top_k=2, norm_topk_prob=True, b_router=jnp.zeros((E,), BF16), swiglu_limit=7.0, **b)
