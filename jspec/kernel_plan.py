@@ -160,7 +160,8 @@ def plan_params(plan: KernelPlan, params):
     def relayout(path, x):
         return x.T if x.ndim == 2 and path[-1].key in ("weight", "lm_head") else x
 
-    return jax.tree_util.tree_map_with_path(relayout, params, is_leaf=lambda x: isinstance(x, (QuantWeight, Mxfp4Weight)))
+    quantized = lambda x: isinstance(x, (QuantWeight, Mxfp4Weight))  # noqa: E731  (leaves of their own)
+    return jax.tree_util.tree_map_with_path(relayout, params, is_leaf=quantized)
 
 
 # ---- RMSNorm travelling into the next projection ---------------------------------------

@@ -70,6 +70,6 @@ def dummy(key, shape, dtype, scale: float = 0.02) -> Mxfp4Weight:
     about ``scale`` (load_format="dummy"): uniform codes (standard deviation 2.9 over the 16
     values) under one power of two."""
     G = shape[-1] // MXFP4_BLOCK
-    blocks = jax.random.randint(key, tuple(shape[:-1]) + (G, MXFP4_BLOCK // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    blocks = jax.random.bits(key, tuple(shape[:-1]) + (G, MXFP4_BLOCK // 2), jnp.uint8)  # no wider temporary
     exp = 127 + int(np.round(np.log2(scale / float(np.std(FP4_VALUES)))))
     return Mxfp4Weight(blocks, jnp.full(tuple(shape[:-1]) + (G,), exp, jnp.uint8), jnp.dtype(dtype).name)

@@ -142,9 +142,10 @@ class GatedMLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Qwen3-MoE's and gpt-oss's sparse MLP (ops.moe): a router ``gate`` [E, H] (a Linear) and the experts'
-    stacked weights ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] (HF [out, in] per expert,
-    in every plan; FP8 or MXFP4 leaves of those shapes where the checkpoint is quantized). x may be an ops.Normed (the norm before the MLP)."""
+    """Qwen3-MoE's and gpt-oss's sparse MLP (ops.moe): a router ``gate`` [E, H] (a Linear) and
+    the experts' stacked weights ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] (HF [out, in]
+    per expert, in every plan; FP8 or MXFP4 leaves of those shapes where the checkpoint is
+    quantized). x may be an ops.Normed (the norm before the MLP)."""
 
     hidden: int
     intermediate: int
