@@ -90,9 +90,10 @@ def test_mxfp4_experts_equal_transformers_on_their_dequantized_weights(oss):
         assert got == hf_greedy(oss["hf_mxfp4"], p, MAX_TOKENS), f"prompt of length {len(p)}"
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash", "ngram"])
+@pytest.mark.parametrize("method", ["eagle3", "eagle3_orig", "dflash", "ngram"])
 def test_speculative_greedy_equals_plain(oss, method):
     spec = {"eagle3": {"method": "eagle3", "model": oss["eagle3"], "num_speculative_tokens": 3},
+            "eagle3_orig": {"method": "eagle3", "model": oss["eagle3_orig"], "num_speculative_tokens": 3},
             "dflash": {"method": "dflash", "model": oss["dflash4"], "num_speculative_tokens": 3},
             "ngram": h.spec_config("ngram", 3)}[method]
     llm = jspec.LLM(oss["target"], speculative_config=spec, **ENGINE_KW)

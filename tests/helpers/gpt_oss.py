@@ -64,7 +64,7 @@ def mxfp4_copy(m, folder: str):
 
 
 def build(root: str) -> dict:
-    """{"target", "mxfp4", "eagle3", "dflash4": folders; "hf", "hf_mxfp4": torch models}."""
+    """{"target", "mxfp4", "eagle3", "eagle3_orig", "dflash4": folders; "hf", "hf_mxfp4": torch models}."""
     from speculators.models import Eagle3DraftModel
     from speculators.models.dflash import DFlashDraftModel
     from transformers import GptOssForCausalLM
@@ -96,6 +96,10 @@ def build(root: str) -> dict:
                         eagle_aux_hidden_state_layer_ids=h.AUX)
     out["eagle3"] = os.path.join(root, "eagle3")
     h._randomize(Eagle3DraftModel(sc), m, h.DRAFT_VOCAB, seed=1, fc_col=h.F).save_pretrained(out["eagle3"])
+    from jspec.drafters.convert import speculators_eagle3_to_original
+
+    out["eagle3_orig"] = os.path.join(root, "eagle3_orig")  # the same head in the original layout (midlayer.*)
+    speculators_eagle3_to_original(out["eagle3"], out["eagle3_orig"])
     sc = h._spec_config("dflash", "qwen3", 1, 3, draft_vocab_size=h.DRAFT_VOCAB, mask_token_id=h.MASK, block_size=4,
                         aux_hidden_state_layer_ids=h.DFLASH_AUX)
     out["dflash4"] = os.path.join(root, "dflash4")
