@@ -13,8 +13,9 @@ the high one. -> y [N * top_k, H] in x's dtype.
 
 Why: gpt-oss-120b's experts are ~61 GB packed and ~230 GB in bf16; at batch 1 a token reads
 4 experts a layer, and the bytes-per-token bound counts them at 4.25 bits a weight. Streaming
-them packed reads 3.8x fewer bytes than bf16 weights would; XLA's way (the reference below:
-gather the pairs' experts, dequantize, dot) writes each gathered expert out in bf16 first.
+them packed reads 3.8x fewer bytes than bf16 weights would. XLA's way (the reference below:
+gather the pairs' experts, dequantize, dot) reads them packed too only if XLA fuses the
+dequantization into its dots: scripts/bench_moe_mxfp4.py measures both (not yet run on a GPU).
 
 Kernels (Pallas, Triton backend), two calls, each program one pair and ``block_f`` rows of
 its expert, looping over the row's blocks of 32 values ``block_g`` at a time (the last step
@@ -27,8 +28,8 @@ Decode (``fp4_as_f16``): each code's bits moved into a float16's and converted, 
 block's 2^(scale - 127 + 14); a block scale above 240 (weights beyond 2^113) is out of its
 range. Tiles: kernels_pallas/tuning.py (``moe_mxfp4``). Not yet measured on a GPU.
 
-Numerics: f32 accumulation of exact products (an FP4 value times a power of two is exact in
-f32), each projection rounded to x's dtype, then the bias and the SwiGLU op by op in that
+Numerics: the weights exact in f32 (an FP4 value times a power of two), f32 accumulation,
+each projection rounded to x's dtype, then the bias and the SwiGLU op by op in that
 dtype, as the reference's XLA ops: equal to it up to the order of the f32 sums
 (tests/kernels/test_moe_experts_mxfp4.py).
 """
