@@ -37,6 +37,7 @@ dtype, as the reference's XLA ops: equal to it up to the order of the f32 sums
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.fused_linear import _pow2_divisor
+from kernels_pallas.fused_linear import _pow2_divisor, silu_mul_rounded
 from kernels_pallas.moe_experts import ref_moe_experts
 from kernels_pallas.tuning import device_tuning
 
@@ -102,7 +103,7 @@ def ref_moe_experts_mxfp4(x, experts, gu_blocks, gu_scales, down_blocks, down_sc
 
 def validate(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, top_k: int):
     N, H = x.shape
-    E, I2, G, b = gu_blocks.shape
+    E, I2 = gu_blocks.shape[:2]
     I = I2 // 2
     want = {"gu_blocks": (E, I2, H // BLOCK, BLOCK // 2), "gu_scales": (E, I2, H // BLOCK),
             "down_blocks": (E, H, I // BLOCK, BLOCK // 2), "down_scales": (E, H, I // BLOCK)}
@@ -134,8 +135,7 @@ def _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, rows, G, block_f, block_g):
                        other=0).astype(jnp.int32)  # [block_f, block_g, 16]
         sc = plt.load(sc_ref.at[rows, gs, :], mask=live(block_f, block_g, 1), other=0).astype(jnp.int32)
         w_lo, w_hi = fp4_as_f16(blk)
-        return acc + (w_lo * lo[None] + w_hi * hi[None]) * lax.bitcast_convert_type(lax.shift_left(sc + 14, 23),
-                                                                                    jnp.float32)
+        return acc + (w_lo * lo[None] + w_hi * hi[None]) * power_of_two(sc + 14)  # fp4_as_f16's 2^-14 undone
 
     acc = lax.fori_loop(0, pl.cdiv(G, block_g), body, jnp.zeros((block_f, block_g, 16), f32))
     return jnp.sum(jnp.sum(acc, axis=2), axis=1)
@@ -146,8 +146,7 @@ def swiglu_rounded(g, u, dtype, limit: float, alpha: float):
     to ``dtype`` as XLA's ops are. -> f32 (of ``dtype`` numbers)."""
     rnd = lambda a: a.astype(dtype).astype(jnp.float32)  # noqa: E731
     if not limit:
-        sig = rnd(1.0 / rnd(1.0 + rnd(jnp.exp(-g))))
-        return rnd(rnd(g * sig) * u)
+        return rnd(silu_mul_rounded(g, u, dtype))
     g = jnp.minimum(g, limit)
     sig = rnd(1.0 / (1.0 + jnp.exp(-rnd(g * alpha))))
     return rnd(rnd(jnp.clip(u, -limit, limit) + 1.0) * rnd(g * sig))
@@ -183,7 +182,7 @@ def default_blocks(I: int, H: int):
     no row tile divides I and H: the device's ``moe_mxfp4`` row (kernels_pallas/tuning.py),
     block_f shrunk to a power of two dividing both."""
     bf, bg, warps, stages = device_tuning().moe_mxfp4
-    bf = _pow2_divisor(I, bf, 8) and _pow2_divisor(H, bf, 8)
+    bf = _pow2_divisor(math.gcd(I, H), bf, 8)
     return (bf, bg, warps, stages) if bf else None
 
 
