@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kernels_pallas.moe_experts_mxfp4 import BLOCK as MXFP4_BLOCK  # values sharing one scale
 from kernels_pallas.moe_experts_mxfp4 import dequantize
 
-MXFP4_BLOCK = 32  # values sharing one scale
 # e2m1: sign, two exponent bits, one mantissa bit (the OCP MX spec's FP4 values)
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                       np.float32)

@@ -40,10 +40,7 @@ def dummy_params(specs: list[ParamSpec], dtype, seed: int = 0, sharding=None) ->
         if s.integer:
             arr = jnp.zeros(s.shape, jnp.int32)
         elif s.packed:  # MXFP4 experts, kept packed
-            w = mxfp4.dummy(jax.random.fold_in(key, i), s.shape, dtype)
-            set_path(tree, s.path, mxfp4.Mxfp4Weight(_place(w.blocks, s, sharding), _place(w.scales, s, sharding),
-                                                     w.dtype))
-            continue
+            arr = mxfp4.dummy(jax.random.fold_in(key, i), s.shape, dtype)
         else:
             k = jax.random.fold_in(key, i)
             is_norm = len(s.shape) == 1 and "norm" in "/".join(s.path)
@@ -53,6 +50,8 @@ def dummy_params(specs: list[ParamSpec], dtype, seed: int = 0, sharding=None) ->
             q = dummy_quant(arr, s, dtype)
             arr = QuantWeight(_place(q.w, weight_spec(s), sharding), _place(q.scale, scale_spec(s), sharding),
                               q.block, q.dtype)
+        elif s.packed:
+            arr = mxfp4.Mxfp4Weight(_place(arr.blocks, s, sharding), _place(arr.scales, s, sharding), arr.dtype)
         else:
             arr = _place(arr, s, sharding)
         set_path(tree, s.path, arr)

@@ -21,19 +21,6 @@ import numpy as np
 from jspec.mxfp4 import FP4_VALUES, MXFP4_BLOCK
 
 
-def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """u8[..., G, 16] blocks and u8[..., G] scales -> f32[..., G * 32]."""
-    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_BLOCK // 2:
-        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not fit "
-                         f"[..., G, {MXFP4_BLOCK // 2}] and [..., G]")
-    values = np.empty(blocks.shape[:-1] + (MXFP4_BLOCK,), np.float32)
-    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
-    values[..., 1::2] = FP4_VALUES[blocks >> 4]
-    values = np.ldexp(values, (scales.astype(np.int32) - 127)[..., None])
-    return values.reshape(blocks.shape[:-2] + (-1,))
-
-
 def mxfp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """f32[..., cols] (cols a multiple of 32) -> (blocks u8[..., G, 16], scales u8[..., G]):
     each block's scale the power of two that brings its largest magnitude to at most 6, each

@@ -68,7 +68,7 @@ def messages(text: str, final: bool) -> tuple[str, list[Message]]:
         out.append(Message(pos, channel, to.group(1) if to else None, text[body:stop], bool(ends)))
         nxt = text.find(START, stop)
         pos = len(text) if nxt < 0 else nxt + len(START)
-    return (lead if lead.strip() and not lead.startswith(START) else ""), out
+    return (lead if lead.strip() else ""), out
 
 
 def split(text: str, final: bool) -> tuple[str | None, str | None]:

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from jspec.checkpoint.gpt_oss_layout import mxfp4_dequantize, mxfp4_quantize
+from jspec.checkpoint.gpt_oss_layout import mxfp4_quantize
+from jspec.mxfp4 import Mxfp4Weight
 from tests.helpers import spec_e2e as h
 from tests.helpers.drafters import fill_random
 
@@ -52,7 +53,8 @@ def mxfp4_copy(m, folder: str):
             tensors[key + "_blocks"] = torch.from_numpy(np.ascontiguousarray(blocks))
             tensors[key + "_scales"] = torch.from_numpy(np.ascontiguousarray(scales))
             ref = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
-            assert np.array_equal(mxfp4_dequantize(blocks, scales), ref.transpose(1, 2).numpy())  # jspec's own
+            assert np.array_equal(np.asarray(Mxfp4Weight(blocks, scales).dequantize()),  # jspec's own
+                                  ref.transpose(1, 2).numpy())
             assert not np.allclose(ref.transpose(1, 2).numpy(), w)  # 4-bit values: not the weights themselves
             with torch.no_grad():  # transformers' dequantized values [E, in, out]: the reference's weights
                 getattr(ex, name).copy_(ref)

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from jspec import ops
-from jspec.checkpoint.gpt_oss_layout import mxfp4_dequantize
 from jspec.kernel_backend import GPU
 from jspec.kernel_plan import KernelPlan
 from jspec.mxfp4 import Mxfp4Weight
@@ -51,10 +50,14 @@ def f32(a):
     return np.asarray(jnp.asarray(a).astype(jnp.float32))
 
 
-def test_dequantize_is_the_readers():
+def test_dequantize_is_transformers():
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
     blocks, scales = packed(np.random.default_rng(0), 3, 8, 96)
-    np.testing.assert_array_equal(f32(dequantize(blocks, scales, jnp.float32)),
-                                  mxfp4_dequantize(np.asarray(blocks), np.asarray(scales)))
+    ref = convert_moe_packed_tensors(torch.from_numpy(np.asarray(blocks)), torch.from_numpy(np.asarray(scales)),
+                                     dtype=torch.float32)
+    np.testing.assert_array_equal(f32(dequantize(blocks, scales, jnp.float32)), ref.transpose(1, 2).numpy())
 
 
 def test_the_kernels_decode_is_the_references_for_every_byte():
