@@ -4,6 +4,7 @@ under the profiler.
 
     PYTHONPATH=.:scripts python3 scripts/step_profile.py --model qwen3-30b-a3b   # H100: XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
     PYTHONPATH=.:scripts python3 scripts/step_profile.py --model tiny            # CPU smoke test (no profile)
+    PYTHONPATH=.:scripts python3 scripts/step_profile.py --model gpt-oss-20b     # MXFP4 experts, dummy weights
 
 --q 16: the target forward of a verification step (16 tokens) instead of the decode step.
 Prints the engine's step time (LLMEngine.step, async scheduling), the jitted step's wall
@@ -38,6 +39,26 @@ from gpu_trace import traced_events
 from jspec.checkpoint.target import target_param_spec
 
 MODELS = {"llama-8b": LLAMA_8B, "qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY}
+GPT_OSS = ("gpt-oss-20b", "gpt-oss-120b", "gpt-oss-tiny")  # config.json written, weights drawn packed
+
+
+def gpt_oss_engine(name, B, ctx):
+    """An engine on a gpt-oss config (scripts/bench_gpt_oss.py's) with load_format="dummy", so
+    the experts are MXFP4-packed as shipped; KV left as allocated (zeros read as fast)."""
+    import os
+    import tempfile
+
+    from bench_gpt_oss import target_json, write
+
+    from jspec.engine.llm_engine import EngineConfig, LLMEngine
+
+    folder = write(os.path.join(tempfile.mkdtemp(prefix="jspec_step_profile_"), "target"),
+                   target_json(name.removeprefix("gpt-oss-")))
+    pages_per_seq = -(-(ctx + 64) // 16) + 2
+    ec = EngineConfig(model=folder, dtype="bfloat16", load_format="dummy", max_num_seqs=max(8, B),
+                      max_model_len=ctx + 64, page_size=16, num_pages=max(8, B) * pages_per_seq + 4,
+                      enable_prefix_caching=False)
+    return LLMEngine(ec)
 
 
 def spans(events):
@@ -54,7 +75,7 @@ def spans(events):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
+    ap.add_argument("--model", choices=sorted(MODELS) + list(GPT_OSS), default="qwen3-30b-a3b")
     ap.add_argument("--reps", type=int, default=10, help="profiled steps")
     ap.add_argument("--top", type=int, default=24, help="kernels listed")
     ap.add_argument("--q", type=int, default=1, help="tokens per row: Q > 1 profiles the target forward of a "
@@ -62,11 +83,14 @@ def main():
     ap.add_argument("--batch", type=int, default=1, help="decode rows")
     ap.add_argument("--ctx", type=int, default=512, help="tokens each row has in the KV cache")
     args = ap.parse_args()
-    cfg = MODELS[args.model]
-    params = random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
     rng = np.random.default_rng(0)
     B, ctx = args.batch, args.ctx
-    eng = make_engine(cfg, params, max_num_seqs=max(8, B), ctx=ctx, dtype="bfloat16")
+    if args.model in GPT_OSS:
+        eng = gpt_oss_engine(args.model, B, ctx)
+    else:
+        cfg = MODELS[args.model]
+        params = random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
+        eng = make_engine(cfg, params, max_num_seqs=max(8, B), ctx=ctx, dtype="bfloat16")
     step, tps, _ = engine_decode(eng, B, ctx, rng, 32)
     print(f"{args.model}: engine step {step * 1e3:.3f} ms ({tps:.1f} tok/s)", flush=True)
     seqs = inject(eng, B, ctx, rng, max_tokens=8)
