@@ -8,6 +8,7 @@ from collections.abc import Sequence as Seq
 from jspec import compile_cache, vllm_args
 from jspec.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from jspec.metrics_reader import engine_metrics
+from jspec.parallel import multihost
 from jspec.sampling_params import SamplingParams
 
 
@@ -36,16 +37,31 @@ class LLM:
 
             model = family.TARGET
         known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+        eager = engine_args.get("enforce_eager")
+        engine_args = vllm_args.translate(engine_args, known)
+        # several hosts join before anything below starts jax's backend
+        defaults = EngineConfig(model="")
+        multihost.initialize(*(engine_args.get(k, getattr(defaults, k)) for k in
+                               ("nnodes", "node_rank", "master_addr", "master_port")))
         if warmup is None:
             import jax
 
-            warmup = not engine_args.get("enforce_eager") and jax.default_backend() != "cpu"
-        engine_args = vllm_args.translate(engine_args, known)
+            warmup = not eager and jax.default_backend() != "cpu"
         compile_cache.enable()
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
         if warmup:
             self.engine.warmup(progress=True)
         self._next_id = 0
+
+    def follow(self) -> int:
+        """On the nodes of node_rank >= 1 of an engine over several hosts (``nnodes`` > 1:
+        jspec/parallel/multihost.py): run node 0's steps here until node 0 calls ``close``
+        (-> the calls made). Every node builds the same ``LLM``; node 0 generates."""
+        return self.engine.follow()
+
+    def close(self):
+        """Node 0 of several hosts: the other nodes return from ``follow``. A no-op otherwise."""
+        self.engine.close()
 
     def generate(
         self,

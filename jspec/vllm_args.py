@@ -35,7 +35,9 @@ NO_EFFECT = {
     "swap_space": (float, "a preempted request is recomputed from its tokens, never swapped to host memory"),
     "max_seq_len_to_capture": (int, "jspec captures no CUDA graphs: each shape bucket is compiled whole"),
     "disable_custom_all_reduce": (bool, "tensor parallelism's reductions are XLA's collectives"),
-    "distributed_executor_backend": (str, "one process drives every device of the mesh"),
+    "distributed_executor_backend": (str, "one process drives every device of the mesh (over several hosts: "
+                                          "one a host, --nnodes)"),
+    "headless": (bool, "a node of --node-rank >= 1 serves no HTTP: it runs node 0's steps"),
     "enable_chunked_prefill": (bool, "prompts are always prefilled in chunks (max_prefill_chunk tokens)"),
 }
 

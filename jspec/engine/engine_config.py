@@ -71,6 +71,12 @@ class EngineConfig:
     # which otherwise compile on first use.
     warmup_structured_outputs: bool = False
     tensor_parallel_size: int = 1  # vLLM's name: devices the model is split over (jspec/parallel)
+    # Several hosts (vLLM's names; jspec/parallel/multihost.py): every host runs the same
+    # command with its node_rank; the mesh spans their devices, node 0 schedules and serves.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
     # vLLM's: default sampling parameters from "auto" the model's generation_config.json, "vllm" none, or a folder's.
     generation_config: str = "auto"
 

@@ -28,7 +28,7 @@ import numpy as np
 from jspec import ops
 from jspec.config import ModelConfig
 from jspec.drafters.propose import ProposeInputs, slots_for
-from jspec.engine import flat_spec
+from jspec.engine import flat_spec, mirror
 from jspec.engine.engine_state import EngineState
 from jspec.engine.flat_input import FlatInput, FlatShape, FlatShapes, build_flat_input
 from jspec.engine.logits_processing import extend_history
@@ -49,6 +49,7 @@ from jspec.kv_cache import KVCache
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan
 from jspec.parallel import replicate
+from jspec.parallel.multihost import host_copy
 
 logger = logging.getLogger("jspec.engine")
 
@@ -90,7 +91,8 @@ class FlatRunner:
             if self.with_probs:  # the drafts' probabilities, kept on the device between steps
                 probs = replicate(jnp.zeros((max_num_seqs, self.K, cfg.vocab_size), jnp.float32), plan.mesh)
             if spec.rejection_sample_method == "synthetic":  # traced: benchmarks swap rates without recompiling
-                self.synthetic_rates = jnp.asarray(spec.synthetic_conditional_rates, jnp.float32)
+                self.synthetic_rates = replicate(jnp.asarray(spec.synthetic_conditional_rates, jnp.float32),
+                                                 plan.mesh)
         opts = self.plan.compiler_options
         # `filtering` ("off" | "on": does any request use top-k / top-p) is decided on the
         # host per step: a device-side lax.cond would read its predicate on the host (a
@@ -106,6 +108,7 @@ class FlatRunner:
         # (jitted function's name, its static arguments) -> the executable warmup.prepare made
         self._executables: dict[tuple, object] = {}
         self.num_loaded = 0  # executables loaded from disk (jspec/engine/executables.py)
+        self.leader = None  # node 0 of a multi-host engine: its calls go to the others (jspec/engine/mirror.py)
 
     def configure_sampling(self, eos_token_ids, max_logprobs: int, logprobs_mode: str):
         """What the processors and logprobs read: the eos ids min_tokens bans, the top
@@ -333,15 +336,29 @@ class FlatRunner:
         return out
 
     def _invoke(self, name: str, args, kw):
-        """Call the jitted function ``name``: the executable ``prepare`` made for these static
-        arguments, else the function itself (traced and compiled on first use)."""
+        """Call the jitted function ``name`` here, and on a multi-host engine's other hosts
+        first (``leader``: jspec/engine/mirror.py)."""
+        if self.leader is None:
+            return self._invoke_here(name, args, kw)
+        if self.leader is mirror.CLOSED:
+            raise RuntimeError("this engine over several nodes was closed: the other nodes no longer follow")
+        cid = self.leader.before(self, name, args, kw)
+        res = self._invoke_here(name, args, kw)
+        self.leader.after(cid, res[1])
+        return res
+
+    def _invoke_here(self, name: str, args, kw):
+        """The executable ``prepare`` made for these static arguments, else the jitted
+        function itself (traced and compiled on first use)."""
         exe = self._executables.get(exe_key(name, kw))
         return exe(*args) if exe is not None else getattr(self, name)(*args, **kw)
 
     def _no_prev_for(self, N: int, steps: int):
         """Zeros in the shape of the ``prev`` of a call chained behind ``steps`` fed-back decode
         steps, or a verification step: what an unchained fed-back call (and warmup) passes."""
-        key = (N, steps if self.K == 0 else 2 * self.K + 2)
+        return self.no_prev((N, steps if self.K == 0 else 2 * self.K + 2))
+
+    def no_prev(self, key: tuple[int, int]):
         if key not in self._no_prev:
             self._no_prev[key] = replicate(jnp.zeros(key, jnp.int32), self.plan.mesh)
         return self._no_prev[key]
@@ -387,11 +404,11 @@ class FlatRunner:
             if q == 1:
                 res.drafts = res.drafts[:, :0]
             return res
-        tokens = np.asarray(tokens_of(out))[:n]
+        tokens = host_copy(tokens_of(out))[:n]
         tokens = tokens[:, None] if tokens.ndim == 1 else tokens  # [n, 1], or [n, steps]
         res = flat_spec.StepResult(tokens, np.full((n,), tokens.shape[1], np.int32), np.zeros((n, 0), np.int32))
         if isinstance(out, tuple):
-            lp = np.asarray(out[1])[:n]
+            lp = host_copy(out[1])[:n]
             res.logprobs = lp[:, None] if lp.ndim == 2 else lp
             if len(out) > 2:  # a one-step call: the prompt logprob blocks by segment
                 res.prompt_logprobs = flat_spec.per_row(out[2], out[3], n)

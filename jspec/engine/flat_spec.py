@@ -28,6 +28,7 @@ from jspec.drafters.propose import slots_for
 from jspec.engine.flat_input import FlatInput
 from jspec.engine.logits_processing import extend_history
 from jspec.engine.logprobs import info_width
+from jspec.parallel.multihost import host_copy
 
 
 @dataclasses.dataclass
@@ -87,7 +88,7 @@ def read_packed(out, n: int, K: int, n_top: int) -> StepResult:
     plp_flat = cu = None
     if isinstance(out, tuple):
         out, plp_flat, cu = out
-    packed = np.asarray(out)[:n]
+    packed = host_copy(out)[:n]
     K1 = K + 1
     res = StepResult(packed[:, :K1], packed[:, K1], packed[:, K1 + 1 : 2 * K1])
     if packed.shape[1] > 2 * K1:  # with processors: the emitted tokens' logprob blocks
@@ -99,7 +100,7 @@ def read_packed(out, n: int, K: int, n_top: int) -> StepResult:
 def per_row(flat, cu, n: int) -> np.ndarray:
     """Prompt logprob blocks i32[T, F] of a flat step -> i32[n, P, F] by segment (P: the
     longest; 0 when no row asked for them)."""
-    flat, cu = np.asarray(flat), np.asarray(cu)
+    flat, cu = host_copy(flat), host_copy(cu)
     width = int(max(cu[1 : n + 1] - cu[:n], default=0)) if flat.shape[0] else 0
     out = np.zeros((n, width, flat.shape[-1]), np.int32)
     for i in range(n if width else 0):

@@ -19,6 +19,7 @@ import numpy as np
 from jspec import envs
 from jspec.checkpoint.target import resolve_dtype
 from jspec.kv_cache import KVCache
+from jspec.parallel.multihost import agree_min
 
 logger = logging.getLogger("jspec.engine")
 
@@ -68,7 +69,7 @@ def log_device_memory_claim() -> None:
 
 def device_bytes_in_use() -> int:
     """Bytes device 0's allocator holds now (0 where it keeps no statistics: the CPU)."""
-    return (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
+    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
 
 
 def create_pools(c, mc, dcfg, par, pages_per_seq: int, max_model_len: int, dtype, own_bytes: int = 0,
@@ -85,7 +86,8 @@ def create_pools(c, mc, dcfg, par, pages_per_seq: int, max_model_len: int, dtype
     embedded family's 16 arrays of 5.9 GB, the 16th failed with 16 GB free and 5.4 GB its
     largest block, and surfaced as an out-of-memory error in the first step. Each failure
     gives back 5% of the pages, down to one sequence's."""
-    num_pages = c.num_pages or pages_from_memory(c, mc, dcfg, par, pages_per_seq, own_bytes, logit_rows)
+    # every host of a multi-host engine holds the same pool: the fewest pages any host's memory fits
+    num_pages = c.num_pages or agree_min(pages_from_memory(c, mc, dcfg, par, pages_per_seq, own_bytes, logit_rows))
     if num_pages < pages_per_seq:
         raise ValueError(f"num_pages={num_pages} x page_size={c.page_size} cannot hold one sequence of "
                          f"max_model_len={max_model_len}: need at least {pages_per_seq} pages")
@@ -101,6 +103,9 @@ def create_pools(c, mc, dcfg, par, pages_per_seq: int, max_model_len: int, dtype
             fewer = num_pages * 19 // 20
             if "RESOURCE_EXHAUSTED" not in str(e) or fewer < pages_per_seq:
                 raise
+            if jax.process_count() > 1:  # the hosts' pools would differ: each host's error says to lower it
+                raise ValueError(f"nnodes={jax.process_count()}: the KV pool of {num_pages} pages did not fit "
+                                 f"on this host; lower gpu_memory_utilization or set num_pages") from e
             logger.warning("KV page pool of %d pages did not fit in the device's free blocks; trying %d",
                            num_pages, fewer)
             num_pages = fewer
@@ -127,7 +132,7 @@ def pages_from_memory(c, mc, dcfg, par, pages_per_seq: int, own_bytes: int = 0, 
     LOGIT_COPIES f32 arrays of ``logit_rows`` x the vocabulary where that is more; the
     pool's free bytes cap it (other engines of the process hold theirs). On the CPU, or
     without memory stats, what max_num_seqs full sequences need."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     if not limit or jax.default_backend() == "cpu":
         return c.max_num_seqs * pages_per_seq

@@ -19,6 +19,7 @@ from jspec import parallel
 from jspec.checkpoint.model_files import generation_eos, load_tokenizer, sampling_defaults
 from jspec.checkpoint.target import auto_dtype, load_target, quantize_target, resolve_dtype
 from jspec.config import load_model_config
+from jspec.engine import mirror
 from jspec.engine.block_manager import BlockManager
 from jspec.engine.dynamic_spec import DynamicSpeculation, decode_widths
 from jspec.engine.engine_config import EngineConfig, checked_max_model_len, default_token_budget
@@ -38,9 +39,10 @@ from jspec.engine.sequence import Sequence, SpecMetrics, Status
 from jspec.engine.speculation import load_speculation
 from jspec.engine.stopping import append_tokens
 from jspec.engine.structured import GrammarCompiler, advance, any_grammar
-from jspec.engine.warmup import run_warmup, time_decode_calls
+from jspec.engine.warmup import warm_engine
 from jspec.inputs import check_cache_salt, parse_prompt
 from jspec.ops import plan_kernels, plan_params
+from jspec.parallel import multihost
 from jspec.sampling_params import SamplingParams
 
 logger = logging.getLogger("jspec.engine")
@@ -64,7 +66,9 @@ class LLMEngine:
         """``preloaded=(ModelConfig, params)`` (and ``preloaded_drafter=(DrafterConfig,
         params)``) skip the checkpoint: benchmarks use random weights made on the device."""
         t0 = time.monotonic()
-        claim_device_memory(config.gpu_memory_utilization)  # before anything starts jax's backend
+        # both before anything starts jax's backend
+        multihost.initialize(config.nnodes, config.node_rank, config.master_addr, config.master_port)
+        claim_device_memory(config.gpu_memory_utilization)
         if config.dtype == "auto":
             mc_dtype = preloaded[0].dtype if preloaded is not None else load_model_config(config.model).dtype
             config = dataclasses.replace(config, dtype=auto_dtype(mc_dtype, jax.default_backend()))
@@ -250,27 +254,9 @@ class LLMEngine:
         return self.runner.warmup_shapes(self.sched_steps, self._async)
 
     def warmup(self, progress: bool = False):
-        """Prepare every step's executable now: loaded from disk when this code, model,
-        configuration and device made it before (with jspec's compilation cache on:
-        jspec/engine/executables.py), else compiled (several at once on an accelerator) and
-        then written there. After it no request compiles. ``progress``: a progress bar."""
-        from jspec.engine.executables import Store
-
-        t = time.monotonic()
-        self.runner.log_compiles = False
-        store = Store.open()
-        try:
-            compiled, loaded = run_warmup(
-                self.runner, self.sched_steps, self._async, structured=self.config.warmup_structured_outputs,
-                threads=self.runner.plan.compile_threads, store=store, progress=progress)
-            if self.policy is not None and self.policy.enabled:
-                self.policy.warm.update(time_decode_calls(self.runner, self.warmup_shapes()))
-        finally:
-            self.runner.log_compiles = True
-            if store is not None:
-                store.flush()
-        logger.info("warmup: %d step programs ready in %.1f s (%d compiled, %d loaded from the cache)",
-                    compiled + loaded, time.monotonic() - t, compiled, loaded)
+        """Prepare every step's executable now (jspec/engine/warmup.py, ``warm_engine``):
+        after it no request compiles. ``progress``: a progress bar."""
+        warm_engine(self, progress)
 
     @property
     def _async(self) -> bool:
@@ -418,7 +404,18 @@ class LLMEngine:
         room = min(self.max_model_len - num_tokens - 1, self.draft_max_len - num_tokens)
         return max(0, min(self.K, room))
 
+    def lead(self):  # node 0 of several: the others connected, each call sent to them from now on
+        mirror.lead(self.runner, self.config, self.close)
+
+    def follow(self) -> int:  # nodes >= 1 of several (jspec/engine/mirror.py): node 0's calls, until it closes
+        return mirror.follow_node(self.runner, self.config)
+
+    def close(self):  # node 0 of several: the others stop following
+        mirror.close_node(self.runner, self.config)
+
     def step(self) -> list[RequestOutput]:
+        if self.config.nnodes > 1 and self.runner.leader is None:  # node 0's first step: the others join
+            self.lead()
         f, self._inflight = self._inflight, None
         try:
             if f is None:
@@ -443,9 +440,11 @@ class LLMEngine:
             if nxt is not None and nxt.split is not None:  # structured: masks built while its forward runs
                 nxt.out = self.runner.dispatch_tail(nxt.split, nxt.sched)
             return self._groups.merge(outs)
-        except BaseException:
+        except BaseException as e:
             self._inflight = None  # a failed step leaves nothing chained behind it
-            if (n := restore_after_failure(self.runner, self.scheduler)) is not None:
+            multihost.check_step_failure(e)
+            # over several nodes a failed step is a node's failure (multihost.py): no local repair
+            if jax.process_count() == 1 and (n := restore_after_failure(self.runner, self.scheduler)) is not None:
                 logger.error("a step failed on the device and took the KV caches with it: zeroed caches in "
                              "their place, %d running requests preempted", n)
             raise

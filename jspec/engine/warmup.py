@@ -12,6 +12,9 @@ runs every call once; ``time_decode_calls`` times the decode programs for dynami
 
 from __future__ import annotations
 
+import logging
+import time
+
 import jax
 
 from jspec.engine.executables import Store, compile_and_keep, stable_repr
@@ -19,6 +22,8 @@ from jspec.engine.flat_input import FlatInput, FlatShape, row_width
 from jspec.engine.flat_runner import FlatRunner, exe_key
 from jspec.engine.sampling_step import Split, allow_all, empty_sample_input
 from jspec.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger("jspec.engine")
 
 
 def empty_input(runner: FlatRunner, shape: FlatShape) -> FlatInput:
@@ -142,8 +147,6 @@ def time_decode_calls(runner: FlatRunner, shapes) -> dict[tuple[int, int], float
     empty rows, one run each after warmup's (compiled and run once already): dynamic
     speculation's step times before any request (jspec/engine/dynamic_spec.py).
     -> {(row width Q, batch bucket N): seconds}."""
-    import time
-
     out = {}
     for sh in shapes:
         if not sh.decode or sh.filtering != "off":
@@ -153,3 +156,25 @@ def time_decode_calls(runner: FlatRunner, shapes) -> dict[tuple[int, int], float
         jax.block_until_ready(res)
         out[(row_width(sh), sh.seqs)] = time.perf_counter() - t
     return out
+
+
+def warm_engine(eng, progress: bool = False):
+    """LLMEngine.warmup: every step's executable loaded from disk when this code, model,
+    configuration and device made it before (with jspec's compilation cache on:
+    jspec/engine/executables.py), else compiled (several at once on an accelerator) and
+    then written there; dynamic speculation's decode calls timed. ``progress``: a progress bar."""
+    t = time.monotonic()
+    eng.runner.log_compiles = False
+    store = Store.open()
+    try:
+        compiled, loaded = run_warmup(
+            eng.runner, eng.sched_steps, eng.config.async_scheduling, structured=eng.config.warmup_structured_outputs,
+            threads=eng.runner.plan.compile_threads, store=store, progress=progress)
+        if eng.policy is not None and eng.policy.enabled:
+            eng.policy.warm.update(time_decode_calls(eng.runner, eng.warmup_shapes()))
+    finally:
+        eng.runner.log_compiles = True
+        if store is not None:
+            store.flush()
+    logger.info("warmup: %d step programs ready in %.1f s (%d compiled, %d loaded from the cache)",
+                compiled + loaded, time.monotonic() - t, compiled, loaded)

@@ -24,12 +24,15 @@ def make_mesh(tp: int) -> Mesh | None:
     ``jax.distributed.initialize()`` first makes every host's devices visible here."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
-    if tp == 1:
+    if tp == 1 and jax.process_count() == 1:
         return None
     devices = jax.devices()
     if tp > len(devices):
         raise ValueError(f"tensor_parallel_size={tp} asks for more devices than exist: jax sees {len(devices)} "
                          f"{jax.default_backend()} device(s)")
+    if jax.process_count() > 1 and tp != len(devices):
+        raise ValueError(f"tensor_parallel_size={tp}: over {jax.process_count()} nodes the model spans every "
+                         f"device of every node, {len(devices)}")
     return Mesh(np.asarray(devices[:tp]), (TP_AXIS,))
 
 
@@ -146,7 +149,16 @@ def replicate(x, mesh: Mesh | None):
     """``x`` replicated on ``mesh`` (as is without one): a stand-in for a step output that
     is fed back into the next call, committed to the same sharding so the two calls share
     one executable."""
-    return x if mesh is None else jax.device_put(x, NamedSharding(mesh, P()))
+    return x if mesh is None else put(x, NamedSharding(mesh, P()))
+
+
+def put(x, sharding):
+    """jax.device_put(x, sharding); on a mesh over several hosts each host places its own
+    devices' blocks of ``x`` (every host holds the same value): device_put would first
+    compare the whole value across hosts, a collective per array."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def local_kv_heads(num_kv_heads: int, tp: int) -> int:

@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jspec.parallel.mesh import TP_AXIS, check_drafter, check_target, padded_vocab
+from jspec.parallel.mesh import TP_AXIS, check_drafter, check_target, padded_vocab, put
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +94,11 @@ class Placement:
         sharding = self.sharding(spec)
         if spec.integer:
             parts = [np.asarray(src.get_int(n)).astype(np.int32) for n in spec.sources]
-            return jax.device_put(np.concatenate(parts, axis=0).reshape(spec.shape), sharding)
+            return put(np.concatenate(parts, axis=0).reshape(spec.shape), sharding)
         if self.tp == 1 or spec.split is None:
             parts = [jnp.asarray(src.get(n)).astype(dtype) for n in spec.sources]
             arr = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-            return jax.device_put(arr.reshape(spec.shape), sharding)
+            return put(arr.reshape(spec.shape), sharding)
         shape = self.shape(spec)
         if shape != tuple(spec.shape):
             return jax.make_array_from_callback(shape, sharding, lambda index: self._vocab_part(src, spec, index, dtype))
@@ -137,7 +137,7 @@ class Placement:
         pad = self.shape(spec)[0] - arr.shape[0]
         if pad:
             arr = jnp.pad(arr, ((0, pad),) + ((0, 0),) * (arr.ndim - 1))
-        return jax.device_put(arr, self.sharding(spec))
+        return put(arr, self.sharding(spec))
 
     def from_concatenated(self, arr, spec) -> jax.Array:
         """A leaf in the plain concatenated layout (an orbax checkpoint, restored sharded:

@@ -53,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices the model is split over (Megatron-style, one mesh; the drafter: "
                         "speculative_config's draft_tensor_parallel_size, 1 or the same)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="hosts the model spans (with --tensor-parallel-size all their devices): each runs this "
+                        "command with its --node-rank; node 0 serves, the others follow its steps")
+    p.add_argument("--node-rank", type=int, default=0, help="this host's rank among --nnodes (0 serves)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (jax.distributed's coordinator)")
+    p.add_argument("--master-port", type=int, default=29500,
+                   help="the coordinator's port on node 0; node 0's step channel takes the next one")
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help='JSON, vLLM\'s keys: method eagle3 | peagle | dflash | draft_model | ngram, the drafter '
                         'folder, e.g. \'{"method": "eagle3", "model": "path/to/drafter", "num_speculative_tokens": 3}\' '
@@ -193,7 +200,9 @@ def engine_kwargs(args) -> dict:
               max_num_partial_prefills=args.max_num_partial_prefills,
               num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
               max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode,
-              tensor_parallel_size=args.tensor_parallel_size, generation_config=args.generation_config)
+              tensor_parallel_size=args.tensor_parallel_size, generation_config=args.generation_config,
+              nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+              master_port=args.master_port)
     if args.speculative_config is not None:
         kw["speculative_config"] = args.speculative_config
     if args.warmup_structured_outputs:
@@ -299,6 +308,12 @@ def main(argv=None) -> int:
             t = time.monotonic()
             llm.engine.warmup(progress=True)
             logger.info("warmup: every shape bucket ready in %.1fs", time.monotonic() - t)
+    if args.nnodes > 1:  # jspec/parallel/multihost.py: node 0 serves, the others run its steps
+        if args.node_rank:
+            logger.info("node %d of %d: following node 0 at %s", args.node_rank, args.nnodes, args.master_addr)
+            logger.info("node 0 closed: %d steps followed", llm.follow())
+            return 0
+        llm.engine.lead()
     app = create_app(llm.engine, served_model_names(args), api_key=args.api_key or envs.VLLM_API_KEY,
                      enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                      enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
