@@ -53,6 +53,7 @@ def test_kv_pages_from_memory_count_the_drafter_cache(monkeypatch):
 
     folder, _ = h.target()
     monkeypatch.setattr(jax, "devices", lambda *a: [Dev()])
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [Dev()])  # kv_memory reads this process's
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # the pool: half of a 128 MB device
     # warmup=False: the backend reads as a GPU, where jspec.LLM would compile every step shape
@@ -96,6 +97,7 @@ def test_kv_pool_that_does_not_fit_is_retried_smaller(monkeypatch):
 
     folder, _ = h.target()
     monkeypatch.setattr(jax, "devices", lambda *a: [Dev()])
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [Dev()])  # kv_memory reads this process's
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(jax, "block_until_ready", block)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # the pool: half of a 128 MB device

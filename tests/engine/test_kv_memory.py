@@ -67,6 +67,7 @@ def _pages(monkeypatch, *, fraction, limit, in_use, own, util, logit_rows=0, voc
         monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", str(fraction))
     dev = NS(memory_stats=lambda: {"bytes_limit": limit, "bytes_in_use": in_use})
     monkeypatch.setattr(jax, "devices", lambda *a: [dev])
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [dev])  # kv_memory reads this process's
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     c = NS(max_num_seqs=1, page_size=1, dtype="float32", gpu_memory_utilization=util)
     mc = NS(num_layers=1, num_kv_heads=1, head_dim=1, vocab_size=vocab)
