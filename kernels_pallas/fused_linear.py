@@ -14,7 +14,8 @@ along with the weight stream (RoPE and the KV write: kernels_pallas/rope_kv_writ
 With both, the step is 4.31 ms of GPU time (scripts/bench.py --section diag).
 
 Kernel (Pallas, Triton backend): grid over blocks of ``block_f`` output features; each
-program loops over K in ``block_d`` chunks. For bf16 / f16 weights each [block_f, block_d]
+program loops over K in ``block_d`` chunks (the last one masked where none of a useful
+length divides K: k_block). For bf16 / f16 weights each [block_f, block_d]
 tile goes through a tensor-core dot against h in row 0 of a 16-row operand: the MMA is
 1/16 used, but compute is not the bound, and Triton software-pipelines a dot's operand
 loads through shared memory (num_stages deep), which it does not do for the elementwise
@@ -151,6 +152,17 @@ def _pow2_divisor(n: int, pref: int, least: int) -> int:
     return b if b >= least else 0
 
 
+def k_block(K: int, pref: int) -> int:
+    """The K loop's chunk: the largest power of two <= ``pref`` dividing K while that is at
+    least pref / 2 (or K is shorter than pref), else ``pref`` with a masked last chunk
+    (stream_rows). gpt-oss's K = 2880 = 2^6 * 45 divides into 64s only: 45 chunks of a few
+    hundred bytes per row kept the qkv kernel at 43 us a layer on the H200 where its bytes
+    take 6.7 us (docs/benchmarks.md); 5 chunks of 512 and a masked 320 keep more in flight."""
+    d = _pow2_divisor(K, pref, 32)
+    # rows of a K that is no multiple of 16 are not 32-byte aligned: none of them streams well
+    return d if d * 2 >= pref or K < pref or K % 16 else pref
+
+
 def pad_sumsq(sumsq):
     """A handed-over f32[R, n] of partial sums of x^2, zero-padded to a power-of-two n
     (Triton loads power-of-two blocks; the zeros add nothing to the row sums)."""
@@ -165,7 +177,7 @@ def default_blocks(F: int, K: int):
     15.9 us, o 10.7; 16 x 512: 16.3 / 11.3); K = 14336 (down) 16 x 1024, 8 warps, 2 stages
     (30.7 us; 16 x 512: 32.9)."""
     t = device_tuning().linear_tile(F, K, mma=False)
-    bf, bd = _pow2_divisor(F, t.block_f, 2), _pow2_divisor(K, t.block_d, 32)
+    bf, bd = _pow2_divisor(F, t.block_f, 2), k_block(K, t.block_d)
     return (bf, bd, t.num_warps, t.num_stages) if bf and bd else None
 
 
@@ -184,7 +196,7 @@ def default_mma_blocks(F: int, K: int, dtype):
     t = device_tuning().linear_tile(F, K, mma=True)
     if t is None:
         return None
-    bf, bd = _pow2_divisor(F, t.block_f, 16), _pow2_divisor(K, t.block_d, 32)
+    bf, bd = _pow2_divisor(F, t.block_f, 16), k_block(K, t.block_d)
     return (bf, bd, t.num_warps, t.num_stages, True) if bf and bd else None
 
 
@@ -216,16 +228,26 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
     mma: each [n, block_d] weight tile goes through a tensor-core dot with h in row 0 of
     a [16, block_d] operand (zeros below), accumulating [16, n] (default_mma_blocks).
     scale: an f32 scalar the silu_mul prologue's gate and up values are first multiplied by
-    (rounded to x's dtype): the 1 / rms of an RMSNorm handed over (ref_fused_linear)."""
+    (rounded to x's dtype): the 1 / rms of an RMSNorm handed over (ref_fused_linear).
+    A K that block_d does not divide (k_block) ends with one chunk whose loads past K are
+    masked to zeros, which add nothing to the dot, the sum of squares or the SwiGLU."""
     f32 = jnp.float32
     w_refs = [w if isinstance(w, tuple) else (w, slice(None)) for w in w_refs]
     dt = w_refs[0][0].dtype
     rows_of = [w.shape[0] if isinstance(r, slice) else r.size for w, r in w_refs]
 
-    def body(i, carry):
+    def chunk(d0, carry, live=None):  # live: [block_d] bool, the last chunk's columns inside K
         accs, ss = carry
-        d0 = pl.multiple_of(i * block_d, block_d)
-        xs = x_ref[0, pl.ds(d0, block_d)].astype(f32)  # [block_d]
+
+        def ld(ref, rows, cols):  # ref[rows, cols]; zeros past K in the last chunk
+            if live is None:
+                return ref[rows, cols]
+            if isinstance(rows, int):  # x's row: Pallas' load takes slices, not an int index
+                return ld(ref, pl.ds(rows, 1), cols)[0]
+            n = ref.shape[0] if isinstance(rows, slice) else rows.size
+            return plt.load(ref.at[rows, cols], mask=jnp.broadcast_to(live[None, :], (n, block_d)), other=0)
+
+        xs = ld(x_ref, 0, pl.ds(d0, block_d)).astype(f32)  # [block_d]
         if prologue == "rmsnorm":
             # RMSNorm factored out of the dot: W (nw * x) accumulates in this same pass
             # while sum(x^2) does, and 1 / rms scales the result at the end. A first pass for
@@ -235,9 +257,11 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
             # the qkv projection 0.5-0.65 us per call on the H200
             # (docs/benchmarks.md; the script is in git history, commit 99d0c50).
             ss = ss + xs * xs
-            h = (xs * norm_ref[pl.ds(d0, block_d)].astype(f32)).astype(dt)
+            nw = norm_ref[pl.ds(d0, block_d)] if live is None else plt.load(norm_ref.at[pl.ds(d0, block_d)],
+                                                                              mask=live, other=0)
+            h = (xs * nw.astype(f32)).astype(dt)
         elif prologue == "silu_mul":
-            us = x_ref[0, pl.ds(K + d0, block_d)].astype(f32)
+            us = ld(x_ref, 0, pl.ds(K + d0, block_d)).astype(f32)
             if scale is not None:
                 xs, us = (xs * scale).astype(x_ref.dtype).astype(f32), (us * scale).astype(x_ref.dtype).astype(f32)
             h = silu_mul_rounded(xs, us, x_ref.dtype).astype(dt)
@@ -245,15 +269,20 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
             h = xs.astype(dt)
         if mma:
             hm = jnp.where(lax.broadcasted_iota(jnp.int32, (16, block_d), 0) == 0, h[None, :], jnp.zeros((), dt))
-            return tuple(a + plt.dot(hm, w[r, pl.ds(d0, block_d)], trans_b=True)
+            return tuple(a + plt.dot(hm, ld(w, r, pl.ds(d0, block_d)), trans_b=True)
                          for a, (w, r) in zip(accs, w_refs)), ss
         hf = h.astype(f32)[None, :]
-        return tuple(a + w[r, pl.ds(d0, block_d)].astype(f32) * hf for a, (w, r) in zip(accs, w_refs)), ss
+        return tuple(a + ld(w, r, pl.ds(d0, block_d)).astype(f32) * hf for a, (w, r) in zip(accs, w_refs)), ss
 
     acc_shape = (lambda n: (16, n)) if mma else (lambda n: (n, block_d))
     init = (tuple(jnp.zeros(acc_shape(n), f32) for n in rows_of),
             jnp.zeros((block_d,) if prologue == "rmsnorm" else (), f32))
-    accs, ss = lax.fori_loop(0, K // block_d, body, init)
+    full = K // block_d
+    carry = lax.fori_loop(0, full, lambda i, c: chunk(pl.multiple_of(i * block_d, block_d), c), init)
+    if K % block_d:  # a loop of one trip: its start traced (JAX refuses a static slice past the ref's end)
+        iota = lax.broadcasted_iota(jnp.int32, (block_d,), 0)
+        carry = lax.fori_loop(full, full + 1, lambda i, c: chunk(i * block_d, c, i * block_d + iota < K), carry)
+    accs, ss = carry
     if mma:  # row 0 holds h @ W.T
         ys = [jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, a.shape, 0) == 0, a, 0.0), axis=0) for a in accs]
     else:

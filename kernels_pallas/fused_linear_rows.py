@@ -52,7 +52,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.fused_linear import _pow2_divisor, pad_sumsq, ref_fused_linear, silu_mul, silu_mul_rounded, validate
+from kernels_pallas.fused_linear import (
+    _pow2_divisor,
+    k_block,
+    pad_sumsq,
+    ref_fused_linear,
+    silu_mul,
+    silu_mul_rounded,
+    validate,
+)
 from kernels_pallas.tuning import device_tuning
 
 MAX_ROWS = 16  # the tensor-core operand's rows: more rows run XLA's GEMMs
@@ -69,7 +77,7 @@ def default_blocks(F: int, K: int, dtype, swiglu: bool = False):
     t = device_tuning().rows_tile(F, K, swiglu=swiglu)
     if t is None:
         return None
-    bf, bd = _pow2_divisor(F // 2 if swiglu else F, t.block_f, 16), _pow2_divisor(K, t.block_d, 32)
+    bf, bd = _pow2_divisor(F // 2 if swiglu else F, t.block_f, 16), k_block(K, t.block_d)
     return (bf, bd, t.num_warps, t.num_stages) if bf and bd else None
 
 
@@ -90,13 +98,22 @@ def _kernel(*refs, R, K, block_f, block_d, eps, has_sumsq, has_bias, has_res, ha
     live = lambda n: lax.broadcasted_iota(jnp.int32, (M, n), 0) < R  # noqa: E731
     rows = lambda ref, cols: ref.at[pl.ds(0, M), cols]  # noqa: E731  (a [16, n] view; rows >= R masked)
 
-    def body(i, accs):
-        d0 = pl.multiple_of(i * block_d, block_d)
-        xs = plt.load(rows(x_ref, pl.ds(d0, block_d)), mask=live(block_d), other=0.0)  # [M, block_d]
-        xs = xs.astype(w_refs[0].dtype)
-        return tuple(a + plt.dot(xs, w[:, pl.ds(d0, block_d)], trans_b=True) for a, w in zip(accs, w_refs))
+    def chunk(d0, accs, inside=None):  # inside: the last chunk's columns within K (k_block's masked tail)
+        cols = pl.ds(d0, block_d)
+        xmask = live(block_d) if inside is None else live(block_d) & inside[None, :]
+        xs = plt.load(rows(x_ref, cols), mask=xmask, other=0.0).astype(w_refs[0].dtype)  # [M, block_d]
+        if inside is None:
+            return tuple(a + plt.dot(xs, w[:, cols], trans_b=True) for a, w in zip(accs, w_refs))
+        wmask = jnp.broadcast_to(inside[None, :], (block_f, block_d))
+        return tuple(a + plt.dot(xs, plt.load(w.at[:, cols], mask=wmask, other=0), trans_b=True)
+                     for a, w in zip(accs, w_refs))
 
-    ys = lax.fori_loop(0, K // block_d, body, tuple(jnp.zeros((M, block_f), f32) for _ in w_refs))  # [M, block_f]
+    full = K // block_d
+    ys = lax.fori_loop(0, full, lambda i, a: chunk(pl.multiple_of(i * block_d, block_d), a),
+                       tuple(jnp.zeros((M, block_f), f32) for _ in w_refs))  # [M, block_f]
+    if K % block_d:  # one trip, its start traced (as fused_linear.stream_rows)
+        iota = lax.broadcasted_iota(jnp.int32, (block_d,), 0)
+        ys = lax.fori_loop(full, full + 1, lambda i, a: chunk(i * block_d, a, i * block_d + iota < K), ys)
     if has_sumsq:  # each row's handed-over 1 / rms: the input was norm_w * h
         n = sumsq_ref.shape[1]
         ss = plt.load(rows(sumsq_ref, slice(None)), mask=live(n), other=0.0)
@@ -194,7 +211,7 @@ def fused_linear_rows(x, w, *, eps=1e-6, bias=None, residual=None, out_dtype=Non
     """Public entry: the kernel, fused_linear's arguments without a prologue (x [..., K] of
     2..MAX_ROWS rows in all; sumsq: a handed-over input RMSNorm; the reference:
     ref_fused_linear_rows), on what ``supports`` says (``blocks`` given: any bf16 / f16
-    weight they divide); ``interpret``: its body in Pallas' interpreter. With next_norm_w
+    weight whose rows they divide, K a multiple of 16, the last K chunk masked); ``interpret``: its body in Pallas' interpreter. With next_norm_w
     -> (y, y * next_norm_w, f32[..., n] partial sums of y^2). swiglu: w is a gate|up weight
     [2I, K] and the result silu(g) * u [..., I] (no bias, residual, hand-over out or
     out_dtype)."""
@@ -203,11 +220,11 @@ def fused_linear_rows(x, w, *, eps=1e-6, bias=None, residual=None, out_dtype=Non
     lead, F = x.shape[:-1], w.shape[0]
     R = math.prod(lead)
     ok = (2 <= R <= MAX_ROWS and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and all(d % b == 0 for d, b in zip((w.shape[0] // (1 + swiglu), w.shape[1]), blocks[:2]))) if blocks \
+          and w.shape[0] // (1 + swiglu) % blocks[0] == 0 and w.shape[1] % 16 == 0) if blocks \
         else supports(R, w.shape, w.dtype, swiglu=swiglu)
     if not ok:
         raise ValueError(f"fused_linear_rows: the kernel takes 2 to {MAX_ROWS} rows and a bf16 / f16 weight its "
-                         f"tiles divide, got {R} rows and a {w.dtype} {w.shape} weight")
+                         f"tiles take, got {R} rows and a {w.dtype} {w.shape} weight")
     out = fused_linear_rows_gpu(
         x.reshape(R, x.shape[-1]), w, bias, None if residual is None else residual.reshape(R, F), eps=float(eps),
         out_dtype=None if out_dtype is None else jnp.dtype(out_dtype).name, interpret=interpret,

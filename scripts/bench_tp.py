@@ -21,6 +21,9 @@ time). --profile: the plain engine's decode step at batch 1 by the profiler's ke
 (a run of --new tokens minus a run of one), collectives apart from the rest, per device.
 --greedy N: the plain engine's greedy tokens (4 seeded prompts, N new tokens) at each tp
 compared with tp 1's, with the first position where they part.
+--procs: each tp > 1 as tp processes of one device each (JAX_LOCAL_DEVICE_IDS), joined as
+the nodes of jspec/parallel/multihost.py on this host (vLLM's multiprocessing executor: a
+host thread per device); node 0 times, the others follow. tp 1 runs in a process of its own.
 Results go to $OUT/bench_tp.json when OUT is set.
 """
 
@@ -56,6 +59,9 @@ def parse(argv=None):
     ap.add_argument("--spec-batches", default="", help="batch sizes of the speculative rows (default: --batches)")
     ap.add_argument("--dtype", default="bfloat16", help="the weights' dtype (the greedy comparison: float32 too)")
     ap.add_argument("--label", default="", help="a tag for this run's rows (e.g. the XLA flags it ran with)")
+    ap.add_argument("--procs", action="store_true", help="one process per device (module docstring)")
+    ap.add_argument("--master-port", type=int, default=29533, help="--procs: node 0's coordinator port")
+    ap.add_argument("--node-rank", type=int, default=None, help=argparse.SUPPRESS)  # --procs' children
     return ap.parse_args(argv)
 
 
@@ -156,15 +162,60 @@ def decode_profile(llm, ctx: int, new: int, rng) -> dict:
         per[n] = c
         if n == new:
             top = [(k[:90], round(v / 1e3 / (new - 1), 1)) for k, v in names.most_common(8)]
-    ndev, steps = llm.engine.runner.plan.tp, new - 1
+    # the devices this process traced: all tp of them, or its own under --procs
+    ndev, steps = min(llm.engine.runner.plan.tp, jax.local_device_count()), new - 1
     f = lambda k: (per[new][k] - per[1][k]) / steps / ndev  # noqa: E731
     return dict(collective_us=f("collective") / 1e3, other_us=f("other") / 1e3,
                 collectives_per_step=f("n_collective"), kernels_per_step=f("n_kernels"),
                 span_us=(per[new]["span"] - per[1]["span"]) / steps / 1e3, top_kernels_us=top)
 
 
+def spawn(argv, args) -> dict:
+    """--procs: each tp of --tps as tp child processes of this script (one device each, ranks
+    0..tp-1); their node 0's rows merged, each tp > 1 row set beside tp 1's."""
+    import subprocess
+
+    argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--procs"]
+    result: dict = {"label": args.label, "procs": True, "rows": []}
+    for tp in [int(t) for t in args.tps.split(",")]:
+        with tempfile.TemporaryDirectory() as out:
+            procs = []
+            for rank in range(tp):
+                env = dict(os.environ, OUT=out, JAX_LOCAL_DEVICE_IDS=str(rank))
+                if args.cpu_devices:  # one virtual CPU device per process
+                    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip()
+                cmd = [sys.executable, os.path.abspath(__file__), *argv, "--tps", str(tp), "--node-rank", str(rank),
+                       "--label", f"procs_tp{tp}"]
+                if args.cpu_devices:
+                    cmd += ["--cpu-devices", "0"]
+                procs.append(subprocess.Popen(cmd, env=env, stdout=None if rank == 0 else subprocess.DEVNULL))
+            rcs = [p.wait() for p in procs]
+            if any(rcs):
+                raise SystemExit(f"--procs tp={tp}: the processes exited with {rcs}")
+            with open(os.path.join(out, f"bench_tp_procs_tp{tp}.json")) as f:
+                part = json.load(f)
+        for row in part["rows"]:
+            base = next((r for r in result["rows"] if r["tp"] == 1 and r["method"] == row["method"]
+                         and r["batch"] == row["batch"]), None)
+            if base is not None and tp > 1:
+                row["tp1_speedup"] = row["tok_s"] / base["tok_s"]
+                print(f"--procs tp={tp} {row['method']} B={row['batch']}: {row['tok_s']:.1f} tok/s, "
+                      f"{row['tp1_speedup']:.2f}x tp=1", flush=True)
+            result["rows"].append(row)
+        for k in ("bandwidth_TBps", "profile"):
+            if k in part:
+                result.setdefault(k, []).append(part[k])
+    result["label"] = args.label or "procs"
+    return _write(result)
+
+
 def main(argv=None):
     args = parse(argv)
+    if args.procs and args.node_rank is None:
+        return spawn(argv, args)
+    nnodes = int(args.tps) if args.node_rank is not None else 1  # a --procs child: one tp, one device each
+    node = dict(nnodes=nnodes, node_rank=args.node_rank or 0, master_port=args.master_port) if nnodes > 1 else {}
+    lead = not args.node_rank
     if args.cpu_devices:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
@@ -172,6 +223,10 @@ def main(argv=None):
     sys.path[:0] = [here, os.path.dirname(here)]  # bench_common.py's helpers; this checkout's jspec
     import jax
     import numpy as np
+
+    from jspec.parallel import multihost
+
+    multihost.initialize(nnodes, args.node_rank or 0, "127.0.0.1", args.master_port)  # before jax's backend starts
     from bench_common import LLAMA_8B, QWEN3_8B, TINY, drafter_config, llm_run, measure_bandwidth, physical_ideal
     from bench_llm_folders import write_folders
 
@@ -189,6 +244,8 @@ def main(argv=None):
     print(f"{jax.device_count()} x {jax.devices()[0].device_kind}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
           flush=True)
     result: dict = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": []}
+    if nnodes > 1:  # a --procs child: tp 1's greedy tokens and the collective probe are in other processes
+        args.greedy, args.allreduce, args.allreduce_only = 0, False, False
     if args.allreduce or args.allreduce_only:
         result["allreduce"] = []
         for tp in tps:
@@ -203,7 +260,7 @@ def main(argv=None):
                       flush=True)
     if args.allreduce_only:
         return _write(result)
-    bw = measure_bandwidth(args.quick)["best_TBps"] * 1e12  # one device
+    bw = measure_bandwidth(args.quick)["best_TBps"] * 1e12 if lead else 0.0  # one device
     result["bandwidth_TBps"] = bw / 1e12
     print(f"{bw / 1e12:.2f} TB/s per device; {args.model if not args.quick else 'tiny'}, ctx {ctx}, "
           f"{new} new tokens", flush=True)
@@ -225,11 +282,16 @@ def main(argv=None):
                 "synthetic_acceptance_length": args.length,
                 "draft_tensor_parallel_size": tp if args.draft_tp == "same" else 1}
             try:
-                llm = jspec.LLM(tdir, speculative_config=spec, tensor_parallel_size=tp, **common)
+                llm = jspec.LLM(tdir, speculative_config=spec, tensor_parallel_size=tp, **common, **node)
             except ValueError as e:  # a size that does not split this shape: say so, go on
                 print(f"tp={tp} {method or 'plain'}: {e}", flush=True)
                 continue
             eng = llm.engine
+            if not lead:  # a --procs child of rank >= 1: node 0's calls, until it closes this engine
+                llm.follow()
+                del llm, eng
+                gc.collect()
+                continue
             wbytes = streamed_bytes(eng.runner.params)
             dbytes = 0
             if spec is not None:  # the drafter's bytes on one device (+ the target's lm_head if it borrows it)
@@ -293,9 +355,10 @@ def main(argv=None):
                       f"({p['kernels_per_step']:.0f} kernels; wall-clock step "
                       + ("untimed" if p["step_ms"] is None else f"{p['step_ms']:.3f} ms")
                       + f", trace span {p['span_us']:.1f} us); top: {p['top_kernels_us']}", flush=True)
+            llm.close()  # over several processes: the others stop following
             del llm, eng
             gc.collect()
-    return _write(result)
+    return _write(result) if lead else result
 
 
 def _write(result) -> dict:

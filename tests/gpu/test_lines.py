@@ -561,6 +561,49 @@ def test_rejection(method, with_probs, on_gpu, record_property):
     record_property("detail", f"B={B} K={K} V={V}: tokens and counts equal; counts {sorted(set(n.tolist()))}")
 
 
+# ---- the one-row kernels over a K no long chunk divides ---------------------------------------
+@line("peagle", "one-row kernels over gpt-oss's K = 2880 (5 chunks of 512, the last masked) == reference")
+def test_masked_k_chunk(on_gpu, record_property):
+    """fused_linear (RMSNorm, SwiGLU prologues) and qkv_rope_kv_write over K = 2880, whose
+    last 512-chunk is masked (kernels_pallas/fused_linear.py k_block), == their jnp
+    references in bf16 (a CPU smoke run: interpreted, K = 320 in chunks of 128)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jspec.config import RopeConfig
+    from jspec.models.layers import rope_inv_freq
+    from kernels_pallas.fused_linear import fused_linear_gpu, k_block, ref_fused_linear
+    from kernels_pallas.qkv_rope_kv_write import kernel_blocks, qkv_rope_kv_write_gpu, ref_qkv_rope_kv_write
+    from kernels_pallas.rope_kv_write import rope_tables
+
+    K, H, KVH, D = (2880, 64, 8, 64) if on_gpu else (320, 4, 2, 32)
+    blocks = None if on_gpu else (16, 128, 4, 4, True)
+    if on_gpu:
+        assert k_block(K, 512) == 512 and kernel_blocks((H + 2 * KVH) * D, K, D, jnp.bfloat16)[1] == 512
+    ks = jax.random.split(jax.random.PRNGKey(3), 8)
+    bf = jnp.bfloat16
+    x = (2 * jax.random.normal(ks[0], (1, 2 * K))).astype(bf)
+    nw = (1 + 0.1 * jax.random.normal(ks[1], (K,))).astype(bf)
+    w = (0.05 * jax.random.normal(ks[2], ((H + 2 * KVH) * D, K))).astype(bf)
+    rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))  # noqa: E731
+                             / jnp.max(jnp.abs(b.astype(jnp.float32))))
+    errs = {}
+    for prologue, xin, kw in (("rmsnorm", x[:, :K], {"norm_w": nw}), ("silu_mul", x, {})):
+        got = fused_linear_gpu(xin, w, kw.get("norm_w"), prologue=prologue, eps=1e-5, blocks=blocks,
+                               interpret=not on_gpu)
+        errs[prologue] = rel(got, ref_fused_linear(xin, w, prologue=prologue, eps=1e-5, **kw))
+    P, S = 4, 16
+    kp, vp = (jax.random.normal(k, (P, S, KVH, D)).astype(bf) for k in ks[3:5])
+    cos, sin = rope_tables(jnp.array([29]), rope_inv_freq(RopeConfig(10000.0), D))
+    args = (x[:, :K], w, nw, None, cos, sin, jnp.array([19], jnp.int32), kp, vp)
+    want = ref_qkv_rope_kv_write(*args, num_heads=H, eps=1e-5)
+    got = qkv_rope_kv_write_gpu(*args, num_heads=H, eps=1e-5, blocks=blocks, interpret=not on_gpu)
+    errs["qkv_rope_kv_write"] = max(rel(g, r) for g, r in zip(got, want))
+    assert all(e < 2e-2 for e in errs.values()), errs
+    record_property("detail", f"K={K}, bf16: largest relative error {max(errs.values()):.1e} "
+                              + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+
+
 # ---- warmup ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,k", [
     pytest.param("eagle3", 3, id="eagle3", marks=line("eagle3", "LLMEngine.warmup() with a drafter (EAGLE3)")),

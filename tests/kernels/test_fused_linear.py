@@ -26,6 +26,7 @@ from kernels_pallas.fused_linear import (
     default_mma_blocks,
     fused_linear,
     fused_linear_gpu,
+    k_block,
     one_row_blocks,
     ref_fused_linear,
     rms_norm,
@@ -91,6 +92,27 @@ def test_fused_linear_reference_is_the_unfused_ops():
     x, w, kw = linear_inputs(3, 64, 128, "silu_mul", BF16)
     g, u = jnp.split(x, 2, axis=-1)
     np.testing.assert_array_equal(f32(ref_fused_linear(x, w, **kw)), f32(jnp.einsum("...d,fd->...f", jax.nn.silu(g) * u, w)))
+
+
+@pytest.mark.parametrize("prologue", ["rmsnorm", "silu_mul", "none"])
+@pytest.mark.parametrize("dtype,blocks", [(BF16, (32, 128, 4, 4, True)), (BF16, (8, 128, 4, 2)),
+                                          (jnp.float32, (16, 256, 4, 2))])
+def test_fused_linear_masks_a_last_partial_chunk(prologue, dtype, blocks):
+    """K = 352 in chunks of 128 or 256: the last chunk's loads past K are masked to zeros
+    (k_block's choice for gpt-oss's K = 2880); == the reference and == a tiling that divides K."""
+    x, w, kw = linear_inputs(6, 64, 352, prologue, dtype, bias=True, residual=True)
+    want = ref_fused_linear(x, w, **kw)
+    got = fused_linear(x, w, interpret=True, blocks=blocks, **kw)
+    assert rel(got, want) < (2e-2 if dtype == BF16 else 1e-5)
+    divides = fused_linear(x, w, interpret=True, blocks=(blocks[0], 32, *blocks[2:]), **kw)
+    assert rel(got, divides) < (2e-2 if dtype == BF16 else 1e-5)
+
+
+def test_k_block_masks_a_tail_only_where_no_long_chunk_divides():
+    assert k_block(4096, 512) == 512 and k_block(14336, 1024) == 1024 and k_block(768, 512) == 256
+    assert k_block(2880, 512) == 512 and k_block(2880, 256) == 256  # 2880 = 2^6 * 45: 64s only
+    assert k_block(320, 512) == 64  # shorter than one chunk
+    assert k_block(100, 512) == 0 and k_block(2888, 512) == 0  # rows not 32-byte aligned: no kernel
 
 
 def test_fused_linear_block_tilings_agree():
@@ -323,14 +345,17 @@ def test_decoder_with_fused_kernels_matches_reference(qk_norm, bias, Q):
                                rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("dtype,bias,drop,mma", [(BF16, False, False, True), (BF16, True, True, False),
-                                                  (jnp.float32, True, False, False)])
-def test_qkv_rope_kv_write_kernel_is_the_two_kernels_composed(dtype, bias, drop, mma):
+@pytest.mark.parametrize("dtype,bias,drop,blocks,K", [
+    (BF16, False, False, (16, 128, 4, 4, True), 256), (BF16, True, True, None, 256), (jnp.float32, True, False, None, 256),
+    # K = 320 in chunks of 128: a masked last chunk (gpt-oss's K = 2880 in 512s), both streams
+    (BF16, True, False, (16, 128, 4, 4, True), 320), (jnp.float32, False, False, (4, 128, 4, 4, False), 320)])
+def test_qkv_rope_kv_write_kernel_is_the_two_kernels_composed(dtype, bias, drop, blocks, K):
     """The one-kernel batch-1 attention input (norm + qkv + RoPE + KV write) == the
     projection kernel followed by the RoPE + KV-write kernel, bit for bit (same arithmetic
     per row), and == the XLA reference within the dtype's tolerance; a padding slot
-    writes nothing. mma: both on the tensor-core stream (by default only 8B widths take it)."""
-    H, KVH, D, K, P, S = 4, 2, 32, 256, 6, 8
+    writes nothing. blocks: the tiles (mma: the tensor-core stream, which by default only 8B
+    widths take), None: the default's."""
+    H, KVH, D, P, S = 4, 2, 32, 6, 8
     ks = jax.random.split(jax.random.PRNGKey(8), 8)
     x = (2 * jax.random.normal(ks[0], (1, K))).astype(dtype)
     w = (0.05 * jax.random.normal(ks[1], ((H + 2 * KVH) * D, K))).astype(dtype)
@@ -341,20 +366,22 @@ def test_qkv_rope_kv_write_kernel_is_the_two_kernels_composed(dtype, bias, drop,
     cos, sin = rope_tables(jnp.array([29]), rope_inv_freq(RopeConfig(10000.0), D))
     slot = jnp.array([P * S if drop else 19], jnp.int32)
     args = (x, w, nw, b, cos, sin, slot, kp, vp)
-    if mma:
-        blocks = (16, 128, 4, 4, True)
+    if blocks is not None:
         q1, k1, v1 = qkv_rope_kv_write_gpu(*args, num_heads=H, eps=1e-5, blocks=blocks, interpret=True)
     else:
         blocks = qkv_kernel_blocks(w.shape[0], K, D, dtype)
         assert not blocks[-1]  # these narrow weights take the elementwise stream
         q1, k1, v1 = qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, interpret=True)
     # the projection kernel with the same tile per weight, hence the same summation order per row
-    pairs, bd, warps, stages, _ = blocks
+    pairs, bd, warps, stages, mma = blocks
     qkv = fused_linear_gpu(x, w, nw, b, prologue="rmsnorm", eps=1e-5, blocks=(pairs, bd, warps, stages, mma),
                            interpret=True)
     q2, k2, v2 = rope_kv_write(qkv, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5, interpret=True)
     for a, c in ((q1, q2), (k1, k2), (v1, v2)):
-        np.testing.assert_array_equal(f32(a), f32(c))
+        if K % bd and dtype == jnp.float32:  # the masked chunk: XLA on the CPU may contract a*b+c into
+            np.testing.assert_allclose(f32(a), f32(c), rtol=1e-6, atol=1e-6)  # an FMA in one kernel only
+        else:
+            np.testing.assert_array_equal(f32(a), f32(c))
     q3, k3, v3 = ref_qkv_rope_kv_write(*args, num_heads=H, eps=1e-5)
     tol = 1e-2 if dtype == BF16 else 1e-5
     assert rel(q1, q3) < tol and rel(k1, k3) < tol and rel(v1, v3) < tol

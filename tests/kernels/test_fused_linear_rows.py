@@ -59,6 +59,21 @@ def test_kernel_matches_reference(R, dtype, epilogue):
         same(got, ref)
 
 
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_masked_last_chunk(swiglu):
+    """K = 160 in chunks of 64: the last chunk's columns past K masked to zeros in x and W
+    (k_block's choice for gpt-oss's K = 2880); == the reference."""
+    k = jax.random.split(jax.random.PRNGKey(7), 4)
+    R, K2 = 5, 160
+    x = jax.random.normal(k[0], (R, K2)).astype(BF16)
+    w = (0.05 * jax.random.normal(k[1], (2 * F if swiglu else F, K2))).astype(BF16)
+    kw = dict(swiglu=True) if swiglu else dict(bias=jax.random.normal(k[2], (F,)).astype(BF16),
+                                               residual=jax.random.normal(k[3], (R, F)).astype(BF16))
+    got = fused_linear_rows(x, w, interpret=True, blocks=(16 if swiglu else 32, 64, 4, 2), **kw)
+    ref = ref_fused_linear_rows(x, w, **kw)
+    np.testing.assert_allclose(f32(got), f32(ref), rtol=2 ** -7, atol=2 ** -7)  # one bf16 ulp
+
+
 @pytest.mark.parametrize("R", [2, 5, 16])
 def test_swiglu_epilogue_matches_reference(R):
     """gate_up on a handed-over norm with SwiGLU in the epilogue: each program streams its

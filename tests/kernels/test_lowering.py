@@ -152,11 +152,12 @@ def ragged_gpu_splits(dtype):
 MMA_FK, NARROW_FK = (4096, 4096), (64, 128)
 
 
-def linear(prologue, dtype, *, residual=False, bias=False, handoff=False, narrow=False):
+def linear(prologue, dtype, *, residual=False, bias=False, handoff=False, narrow=False, fk=None):
     """fused_linear (the kernel) on one row: the kernel with its prologue, through the
-    tensor-core stream for bf16 at 8B widths (else the elementwise one)."""
-    mma = dtype == BF16 and not narrow
-    F, K = MMA_FK if mma else NARROW_FK
+    tensor-core stream for bf16 at 8B widths (else the elementwise one); fk: another [F, K]
+    (gpt-oss's K = 2880: a masked last chunk)."""
+    mma = dtype == BF16 and not narrow and fk is None
+    F, K = fk or (MMA_FK if mma else NARROW_FK)
     k_in = 2 * K if prologue == "silu_mul" else K
     shapes = {"x": sds((1, 1, k_in), dtype), "w": sds((F, K), dtype)}
     if prologue == "rmsnorm":
@@ -186,10 +187,10 @@ def linear_sumsq(dtype):
     return fn, shapes, [(TRITON, r"fused_linear_silu_mul_f\d+_d\d+_mma")]
 
 
-def linear_rows(R, *, norm_in=False, handoff=False, bias=False):
-    """fused_linear_rows (the kernel) on R rows of bf16 at 8B widths: [a handed-over input
-    norm (sumsq),] [bias,] residual [, the next norm handed over]."""
-    F, K = MMA_FK
+def linear_rows(R, *, norm_in=False, handoff=False, bias=False, fk=MMA_FK):
+    """fused_linear_rows (the kernel) on R rows of bf16 at 8B widths (or ``fk``): [a
+    handed-over input norm (sumsq),] [bias,] residual [, the next norm handed over]."""
+    F, K = fk
     shapes = {"x": sds((R, K), BF16), "w": sds((F, K), BF16), "residual": sds((R, F), BF16)}
     if norm_in:
         shapes["sumsq"] = sds((R, 3), F32)
@@ -227,8 +228,10 @@ def rope_write(dtype, qk_norm, H=4):
     return fn, shapes, [(TRITON, r"rope_kv_write" if H else r"rope_kv_write_kv_only")]
 
 
-def qkv_rope_write(dtype, bias):
+def qkv_rope_write(dtype, bias, gpt_oss=False):
     H, KVH, D, K, P, S = (32, 8, 128, 4096, 4, 8) if dtype == BF16 else (4, 2, 64, 128, 4, 8)
+    if gpt_oss:  # K = 2880 = 5 x 512 + a masked 320, the elementwise stream
+        H, KVH, D, K = 64, 8, 64, 2880
     F = (H + 2 * KVH) * D
 
     def fn(x, w, norm_w, cos, sin, slots, kp, vp, *b):
@@ -237,7 +240,7 @@ def qkv_rope_write(dtype, bias):
               sds((1,), I32), sds((P, S, KVH, D), dtype), sds((P, S, KVH, D), dtype)]
     if bias:
         shapes.append(sds((F,), dtype))
-    mma = "_mma" if dtype == BF16 else ""  # bf16 weights of 8B widths go through the tensor-core form
+    mma = "_mma" if dtype == BF16 and not gpt_oss else ""  # bf16 weights of 8B widths: the tensor-core form
     return fn, shapes, [(TRITON, rf"qkv_rope_kv_write_p\d+_d\d+{mma}")]
 
 
@@ -321,6 +324,9 @@ GPU_CASES = {
     "fused_linear-none-residual-handoff-bf16": lambda: linear("none", BF16, residual=True, handoff=True),
     "fused_linear-silu_mul-residual-f32": lambda: linear("silu_mul", F32, residual=True),
     "fused_linear-silu_mul-sumsq-bf16": lambda: linear_sumsq(BF16),
+    "fused_linear-rmsnorm-K2880-bf16": lambda: linear("rmsnorm", BF16, fk=(2880, 2880)),
+    "fused_linear_rows-8-K2880": lambda: linear_rows(8, fk=(2880, 2880)),
+    "qkv_rope_kv_write-K2880-bf16": lambda: qkv_rope_write(BF16, bias=True, gpt_oss=True),
     "fused_linear_rows-16-norm_in-bias": lambda: linear_rows(16, norm_in=True, bias=True),
     "fused_linear_rows-4-handoff": lambda: linear_rows(4, handoff=True),
     "fused_linear_rows-3-norm_in-handoff": lambda: linear_rows(3, norm_in=True, handoff=True),
