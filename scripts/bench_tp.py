@@ -358,6 +358,8 @@ def main(argv=None):
             llm.close()  # over several processes: the others stop following
             del llm, eng
             gc.collect()
+    if nnodes > 1:  # every process leaves together: a follower outliving node 0's coordinator logs its loss
+        jax.distributed.shutdown()
     return _write(result) if lead else result
 
 

@@ -562,17 +562,19 @@ def test_rejection(method, with_probs, on_gpu, record_property):
 
 
 # ---- the one-row kernels over a K no long chunk divides ---------------------------------------
-@line("peagle", "one-row kernels over gpt-oss's K = 2880 (5 chunks of 512, the last masked) == reference")
+@line("peagle", "projection kernels over gpt-oss's K = 2880 (the last chunk masked) == reference")
 def test_masked_k_chunk(on_gpu, record_property):
-    """fused_linear (RMSNorm, SwiGLU prologues) and qkv_rope_kv_write over K = 2880, whose
-    last 512-chunk is masked (kernels_pallas/fused_linear.py k_block), == their jnp
-    references in bf16 (a CPU smoke run: interpreted, K = 320 in chunks of 128)."""
+    """fused_linear (RMSNorm, SwiGLU prologues), qkv_rope_kv_write and fused_linear_rows (4
+    rows) over K = 2880, whose last chunk is masked (kernels_pallas/fused_linear.py k_block),
+    == their jnp references in bf16 (a CPU smoke run: interpreted, K = 320 in chunks of 128)."""
     import jax
     import jax.numpy as jnp
 
     from jspec.config import RopeConfig
     from jspec.models.layers import rope_inv_freq
     from kernels_pallas.fused_linear import fused_linear_gpu, k_block, ref_fused_linear
+    from kernels_pallas.fused_linear_rows import default_blocks as rows_blocks
+    from kernels_pallas.fused_linear_rows import fused_linear_rows
     from kernels_pallas.qkv_rope_kv_write import kernel_blocks, qkv_rope_kv_write_gpu, ref_qkv_rope_kv_write
     from kernels_pallas.rope_kv_write import rope_tables
 
@@ -599,6 +601,11 @@ def test_masked_k_chunk(on_gpu, record_property):
     want = ref_qkv_rope_kv_write(*args, num_heads=H, eps=1e-5)
     got = qkv_rope_kv_write_gpu(*args, num_heads=H, eps=1e-5, blocks=blocks, interpret=not on_gpu)
     errs["qkv_rope_kv_write"] = max(rel(g, r) for g, r in zip(got, want))
+    xr = (2 * jax.random.normal(ks[5], (4, K))).astype(bf)
+    rb = rows_blocks(w.shape[0], K, bf) if on_gpu else (32, 128, 4, 2)
+    assert K % rb[1]  # a masked last chunk
+    errs["fused_linear_rows"] = rel(fused_linear_rows(xr, w, blocks=None if on_gpu else rb, interpret=not on_gpu),
+                                    ref_fused_linear(xr, w))
     assert all(e < 2e-2 for e in errs.values()), errs
     record_property("detail", f"K={K}, bf16: largest relative error {max(errs.values()):.1e} "
                               + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
