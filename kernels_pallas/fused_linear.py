@@ -163,6 +163,20 @@ def k_block(K: int, pref: int) -> int:
     return d if d * 2 >= pref or K < pref or K % 16 else pref
 
 
+def k_loop(K: int, block_d: int, chunk, carry):
+    """``chunk(d0, carry, inside)`` over K in block_d steps -> the last carry: the whole
+    chunks in one loop with ``inside`` None, then, where block_d does not divide K (k_block),
+    the last one with ``inside`` its [block_d] columns within K (the chunk masks its loads
+    past K to zeros). That last chunk is a loop of one trip: its start traced, since JAX
+    refuses a static slice past a ref's end."""
+    full = K // block_d
+    carry = lax.fori_loop(0, full, lambda i, c: chunk(pl.multiple_of(i * block_d, block_d), c, None), carry)
+    if K % block_d:
+        iota = lax.broadcasted_iota(jnp.int32, (block_d,), 0)
+        carry = lax.fori_loop(full, full + 1, lambda i, c: chunk(i * block_d, c, i * block_d + iota < K), carry)
+    return carry
+
+
 def pad_sumsq(sumsq):
     """A handed-over f32[R, n] of partial sums of x^2, zero-padded to a power-of-two n
     (Triton loads power-of-two blocks; the zeros add nothing to the row sums)."""
@@ -236,7 +250,7 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
     dt = w_refs[0][0].dtype
     rows_of = [w.shape[0] if isinstance(r, slice) else r.size for w, r in w_refs]
 
-    def chunk(d0, carry, live=None):  # live: [block_d] bool, the last chunk's columns inside K
+    def chunk(d0, carry, live):  # live: [block_d] bool, the last chunk's columns inside K (k_loop)
         accs, ss = carry
 
         def ld(ref, rows, cols):  # ref[rows, cols]; zeros past K in the last chunk
@@ -277,12 +291,7 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
     acc_shape = (lambda n: (16, n)) if mma else (lambda n: (n, block_d))
     init = (tuple(jnp.zeros(acc_shape(n), f32) for n in rows_of),
             jnp.zeros((block_d,) if prologue == "rmsnorm" else (), f32))
-    full = K // block_d
-    carry = lax.fori_loop(0, full, lambda i, c: chunk(pl.multiple_of(i * block_d, block_d), c), init)
-    if K % block_d:  # a loop of one trip: its start traced (JAX refuses a static slice past the ref's end)
-        iota = lax.broadcasted_iota(jnp.int32, (block_d,), 0)
-        carry = lax.fori_loop(full, full + 1, lambda i, c: chunk(i * block_d, c, i * block_d + iota < K), carry)
-    accs, ss = carry
+    accs, ss = k_loop(K, block_d, chunk, init)
     if mma:  # row 0 holds h @ W.T
         ys = [jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, a.shape, 0) == 0, a, 0.0), axis=0) for a in accs]
     else:

@@ -55,6 +55,7 @@ from jax.experimental.pallas import triton as plt
 from kernels_pallas.fused_linear import (
     _pow2_divisor,
     k_block,
+    k_loop,
     pad_sumsq,
     ref_fused_linear,
     silu_mul,
@@ -98,7 +99,7 @@ def _kernel(*refs, R, K, block_f, block_d, eps, has_sumsq, has_bias, has_res, ha
     live = lambda n: lax.broadcasted_iota(jnp.int32, (M, n), 0) < R  # noqa: E731
     rows = lambda ref, cols: ref.at[pl.ds(0, M), cols]  # noqa: E731  (a [16, n] view; rows >= R masked)
 
-    def chunk(d0, accs, inside=None):  # inside: the last chunk's columns within K (k_block's masked tail)
+    def chunk(d0, accs, inside):  # inside: the last chunk's columns within K (fused_linear.k_loop)
         cols = pl.ds(d0, block_d)
         xmask = live(block_d) if inside is None else live(block_d) & inside[None, :]
         xs = plt.load(rows(x_ref, cols), mask=xmask, other=0.0).astype(w_refs[0].dtype)  # [M, block_d]
@@ -108,12 +109,7 @@ def _kernel(*refs, R, K, block_f, block_d, eps, has_sumsq, has_bias, has_res, ha
         return tuple(a + plt.dot(xs, plt.load(w.at[:, cols], mask=wmask, other=0), trans_b=True)
                      for a, w in zip(accs, w_refs))
 
-    full = K // block_d
-    ys = lax.fori_loop(0, full, lambda i, a: chunk(pl.multiple_of(i * block_d, block_d), a),
-                       tuple(jnp.zeros((M, block_f), f32) for _ in w_refs))  # [M, block_f]
-    if K % block_d:  # one trip, its start traced (as fused_linear.stream_rows)
-        iota = lax.broadcasted_iota(jnp.int32, (block_d,), 0)
-        ys = lax.fori_loop(full, full + 1, lambda i, a: chunk(i * block_d, a, i * block_d + iota < K), ys)
+    ys = k_loop(K, block_d, chunk, tuple(jnp.zeros((M, block_f), f32) for _ in w_refs))  # [M, block_f]
     if has_sumsq:  # each row's handed-over 1 / rms: the input was norm_w * h
         n = sumsq_ref.shape[1]
         ss = plt.load(rows(sumsq_ref, slice(None)), mask=live(n), other=0.0)
@@ -211,7 +207,8 @@ def fused_linear_rows(x, w, *, eps=1e-6, bias=None, residual=None, out_dtype=Non
     """Public entry: the kernel, fused_linear's arguments without a prologue (x [..., K] of
     2..MAX_ROWS rows in all; sumsq: a handed-over input RMSNorm; the reference:
     ref_fused_linear_rows), on what ``supports`` says (``blocks`` given: any bf16 / f16
-    weight whose rows they divide, K a multiple of 16, the last K chunk masked); ``interpret``: its body in Pallas' interpreter. With next_norm_w
+    weight whose rows they divide and whose K is a multiple of 16, the last K chunk masked);
+    ``interpret``: its body in Pallas' interpreter. With next_norm_w
     -> (y, y * next_norm_w, f32[..., n] partial sums of y^2). swiglu: w is a gate|up weight
     [2I, K] and the result silu(g) * u [..., I] (no bias, residual, hand-over out or
     out_dtype)."""

@@ -176,7 +176,7 @@ def spawn(argv, args) -> dict:
     import subprocess
 
     argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--procs"]
-    result: dict = {"label": args.label, "procs": True, "rows": []}
+    result: dict = {"label": args.label or "procs", "procs": True, "rows": []}
     for tp in [int(t) for t in args.tps.split(",")]:
         with tempfile.TemporaryDirectory() as out:
             procs = []
@@ -205,7 +205,6 @@ def spawn(argv, args) -> dict:
         for k in ("bandwidth_TBps", "profile"):
             if k in part:
                 result.setdefault(k, []).append(part[k])
-    result["label"] = args.label or "procs"
     return _write(result)
 
 
