@@ -21,11 +21,11 @@ Where kernels run (with the GPU plan):
   dominates;
 - rejection sampling (``rejection_sample``): the plan's ``sample`` backend's block kernels.
 FP8 weights (``jspec.quantization.QuantWeight``: weight-only, a quantized checkpoint's or
-quantization="fp8") take the XLA path (``_fp8_plan``; the glue kernels run on 16/32-bit
-weights only): a per-channel or per-tensor weight enters its dot as its FP8 values, the scale
-applied to the f32 result (``_fp8_linear``: XLA fuses that conversion into the GEMM, which
-then streams a byte a weight); a block-scaled one takes its row blocks' dots up to
-FP8_BLOCK_DOT_ROWS rows (``_fp8_block_dot``) and is dequantized before its dot beyond.
+quantization="fp8"): a per-channel or per-tensor one takes the paths above, the kernels
+streaming its FP8 bytes with its scale on each dot's f32 result (the kernels' ``w_scale``),
+XLA's dot elsewhere entering it as its FP8 values (XLA fuses that conversion into the GEMM,
+which then streams a byte a weight); a block-scaled one takes XLA's dots (``_fp8_plan``): its
+row blocks' dots up to FP8_BLOCK_DOT_ROWS rows (``_fp8_block_dot``), dequantized first beyond.
 Each kernel file holds its jnp reference and its kernels' entries; the plan's typed backends
 (jspec/kernel_backend.py: XLA(), GPU(interpret), TPU(interpret)) pick among them here and in
 jspec/ops_attention.py (attention) and jspec/ops_moe.py (mixture-of-experts layers). A shape a kernel cannot tile runs the XLA path with one log line
@@ -92,9 +92,23 @@ class Normed:
 
 
 # ---- decisions (static shapes) ---------------------------------------------------------
+def _stored_dtype(w):
+    """The dtype a weight streams in: an FP8 QuantWeight's float8 (its ``dtype`` is the
+    compute dtype), the tile tables' and the kernels' contracts' key."""
+    return w.w.dtype if isinstance(w, QuantWeight) else w.dtype
+
+
+def _kernel_weight(w):
+    """(the array a kernel or reference streams, its per-channel scale f32[F] | None): a
+    per-channel FP8 QuantWeight's FP8 values and scale, any other weight as it is."""
+    return (w.w, w.scale.reshape(-1)) if isinstance(w, QuantWeight) else (w, None)
+
+
 def _fused_linear(plan: KernelPlan, x, w, *, kernel: bool, prologue="none", norm_w=None, **kw):
     """With ``kernel`` (linear_kernel said yes: the plan's GPU kernels) fused_linear's kernel
-    (one row) or fused_linear_rows' (2-16 rows, no prologue), else the reference."""
+    (one row) or fused_linear_rows' (2-16 rows, no prologue), else the reference. w may be a
+    per-channel FP8 QuantWeight."""
+    w, kw["w_scale"] = _kernel_weight(w)
     if not kernel:
         return _fl.ref_fused_linear(x, w, prologue=prologue, norm_w=norm_w, **kw)
     if _rows(x) > 1:
@@ -127,10 +141,11 @@ def _rows(x) -> int:
 
 
 def _fp8_plan(plan: KernelPlan, *ws) -> KernelPlan | None:
-    """For a call with FP8 weights (QuantWeight): the plan with its glue kernels off (XLA's
-    dots); None for a call without. Decided by the weights' Python type at trace time, so an
-    unquantized call is traced exactly as without quantization support."""
-    if not any(isinstance(w, QuantWeight) for w in ws):
+    """For a call with block-scaled FP8 weights (QuantWeight with a block): the plan with its
+    glue kernels off (XLA's dots); None for a call without (per-channel FP8 weights take the
+    kernels). Decided by the weights' Python type at trace time, so an unquantized call is
+    traced exactly as without quantization support."""
+    if not any(isinstance(w, QuantWeight) and w.block is not None for w in ws):
         return None
     return dataclasses.replace(plan, linear=XLA(), norm_handoff=False)
 
@@ -139,25 +154,20 @@ def _fp8_plan(plan: KernelPlan, *ws) -> KernelPlan | None:
 FP8_BLOCK_DOT_ROWS = 16
 
 
-def _fp8_linear(plan: KernelPlan, x, w: QuantWeight, b, *, residual, out_dtype, out_in):
-    """``linear`` of an FP8 weight. Per channel or tensor: (x @ w.T in float32) * scale, the
-    weight entering the dot as its FP8 values (exact in bf16 and f32), so XLA fuses their
-    conversion into the GEMM: on the H200 (jax 0.11.2, 2026-11-29, scripts/bench_fp8_linear.py)
-    gate_up [28672, 4096] at 1 / 16 rows took 40.1 / 35.4 us of GPU time this way, 202 us
-    dequantized first (w * scale written out in bf16, then read), 55-57 us in bf16; at 256
-    rows 125 us, slower than bf16's 98 (no FP8 tensor cores). Then rounded, bias and
-    residual added as the unquantized path does. A block scale varies along the dot's sum:
-    up to FP8_BLOCK_DOT_ROWS rows _fp8_block_dot (50.3 / 65.5 us there), else dequantized
-    first."""
+def _fp8_block_linear(plan: KernelPlan, x, w: QuantWeight, b, *, residual, out_dtype, out_in):
+    """``linear`` of a block-scaled FP8 weight. (A per-channel one takes ``linear``'s paths:
+    (x @ w.T in float32) * scale, the weight entering the dot as its FP8 values, exact in bf16
+    and f32, so XLA fuses their conversion into the GEMM: on the H200 (jax 0.11.2, 2026-11-29,
+    scripts/bench_fp8_linear.py) gate_up [28672, 4096] at 1 / 16 rows took 40.1 / 35.4 us of
+    GPU time this way, 202 us dequantized first, 55-57 us in bf16; at 256 rows 125 us, slower
+    than bf16's 98: no FP8 tensor cores.) A block scale varies along the dot's sum: up to
+    FP8_BLOCK_DOT_ROWS rows _fp8_block_dot (50.3 / 65.5 us there), else dequantized first;
+    then rounded, bias and residual added as the unquantized path does."""
     dt = jnp.dtype(w.dtype)
-    if w.block is not None:
-        if _rows(x) > FP8_BLOCK_DOT_ROWS or plan.in_out_weights or out_in or w.shape[0] % w.block[0]:
-            return linear(plan, x, w.dequantize(), b, residual=residual, out_dtype=out_dtype, out_in=out_in)
-        x = x.value() if isinstance(x, Normed) else x
-        y = _fp8_block_dot(x.astype(dt), w)
-    else:
-        y = linear(plan, x, w.w.astype(dt), out_dtype=jnp.float32, out_in=out_in) * w.scale.reshape(-1)
-    y = y.astype(out_dtype or dt)
+    if _rows(x) > FP8_BLOCK_DOT_ROWS or plan.in_out_weights or out_in or w.shape[0] % w.block[0]:
+        return linear(plan, x, w.dequantize(), b, residual=residual, out_dtype=out_dtype, out_in=out_in)
+    x = x.value() if isinstance(x, Normed) else x
+    y = _fp8_block_dot(x.astype(dt), w).astype(out_dtype or dt)
     if b is not None:
         y = y + b
     return y if residual is None else residual + y
@@ -186,7 +196,8 @@ def _project(plan, x, w, b, *, prologue="none", norm_w=None, eps=1e-6, residual=
     # one row, 9 ms per decode step of the family.
     in_out = plan.in_out_weights and not out_in
     fused = prologue != "none" or residual is not None or sumsq is not None or next_norm_w is not None
-    kernel = not in_out and linear_kernel(plan, _rows(x), w.shape, fused=fused, dtype=w.dtype, prologue=prologue)
+    kernel = not in_out and linear_kernel(plan, _rows(x), w.shape, fused=fused, dtype=_stored_dtype(w),
+                                          prologue=prologue)
     kw = dict(w_in_out=True) if in_out else {}
     return _fused_linear(plan, x, w, kernel=kernel, prologue=prologue, norm_w=norm_w, eps=eps, bias=b,
                          residual=residual, out_dtype=out_dtype, sumsq=sumsq, next_norm_w=next_norm_w, **kw)
@@ -198,10 +209,10 @@ def linear(plan: KernelPlan, x, w, b=None, *, residual=None, out_dtype=None, out
     plan.in_out_weights, as every weight the ops take, unless ``out_in``: an embedding table
     read as a tied lm_head) or a QuantWeight of that shape; b: [F]; residual: [..., F];
     out_dtype: None (w.dtype) or float32 (logits). -> [..., F]"""
-    if isinstance(w, QuantWeight):
-        return _fp8_linear(_fp8_plan(plan, w), x, w, b, residual=residual, out_dtype=out_dtype, out_in=out_in)
+    if isinstance(w, QuantWeight) and w.block is not None:
+        return _fp8_block_linear(_fp8_plan(plan, w), x, w, b, residual=residual, out_dtype=out_dtype, out_in=out_in)
     if isinstance(x, Normed) and x.sumsq is not None and _rows(x) > 1 and linear_kernel(
-            plan, _rows(x), w.shape, fused=True, dtype=w.dtype):
+            plan, _rows(x), w.shape, fused=True, dtype=_stored_dtype(w)):
         # handed over (mlp's next_norm): fused_linear_rows scales x * weight by each row's 1 / rms
         return _fused_linear(plan, x.scaled, w, kernel=True, eps=x.eps, bias=b, residual=residual,
                              out_dtype=out_dtype, sumsq=x.sumsq)
@@ -235,7 +246,7 @@ def linear_then_norm(plan: KernelPlan, x, w, b=None, *, residual, norm_w, eps) -
     (bench.py, batch 1, ctx 512, three interleaved pairs): 4.15-4.17 ms per token with it,
     4.18-4.22 without."""
     plan = _fp8_plan(plan, w) or plan
-    if plan.norm_handoff and linear_kernel(plan, _rows(x), w.shape, fused=True, dtype=w.dtype):
+    if plan.norm_handoff and linear_kernel(plan, _rows(x), w.shape, fused=True, dtype=_stored_dtype(w)):
         h, scaled, sumsq = _fused_linear(plan, x, w, kernel=True, bias=b, residual=residual, next_norm_w=norm_w)
         return Normed(h, norm_w, eps, scaled, sumsq)
     return Normed(linear(plan, x, w, b, residual=residual), norm_w, eps)
@@ -274,14 +285,15 @@ def mlp(plan: KernelPlan, x, w_gate_up, b_gate_up, w_down, b_down, *, residual=N
         return linear(plan, jax.nn.silu(g) * u, w_down, b_down, residual=residual)
     rows = _rows(x)
     if (rows > 1 and out_dtype is None and residual is not None
-            and linear_kernel(plan, rows, w_down.shape, fused=True, dtype=w_down.dtype)):
+            and linear_kernel(plan, rows, w_down.shape, fused=True, dtype=_stored_dtype(w_down))):
         # Verification rows (fused_linear_rows): gate_up on the handed-over norm with SwiGLU
         # in its epilogue (else XLA's GEMM and SwiGLU), then down_proj + residual [+ the next
         # norm's hand-over]. SwiGLU as down_proj's prologue recomputed it in every program.
         if isinstance(x, Normed) and x.sumsq is not None and b_gate_up is None and _flr.supports(
-                rows, w_gate_up.shape, w_gate_up.dtype, swiglu=True):
-            a = _flr.fused_linear_rows(x.scaled, w_gate_up, sumsq=x.sumsq, eps=x.eps, swiglu=True,
-                                       interpret=plan.linear.interpret)
+                rows, w_gate_up.shape, _stored_dtype(w_gate_up), swiglu=True):
+            w, scale = _kernel_weight(w_gate_up)
+            a = _flr.fused_linear_rows(x.scaled, w, sumsq=x.sumsq, eps=x.eps, swiglu=True,
+                                       interpret=plan.linear.interpret, w_scale=scale)
         else:
             a = _fl.silu_mul(linear(plan, x, w_gate_up, b_gate_up))
         if next_norm is None:
@@ -318,10 +330,11 @@ def qkv_rope_write(plan: KernelPlan, x, w, b, rope, slot_mapping, k_pages, v_pag
         q, k = _rope.rope_halves(q, rows(cos), rows(sin)), _rope.rope_halves(k, rows(cos), rows(sin))
         k_pages, v_pages = _pa.write_kv(k_pages, v_pages, k, v, slot_mapping.reshape(M))
         return q.reshape(B, Q, num_heads, D), k_pages, v_pages
-    if isinstance(x, Normed) and q_norm_w is None and qkv_kernel(plan, M, w.shape, D, w.dtype):
+    if isinstance(x, Normed) and q_norm_w is None and qkv_kernel(plan, M, w.shape, D, _stored_dtype(w)):
+        w, scale = _kernel_weight(w)
         q, k_pages, v_pages = _qkv.qkv_rope_kv_write(rows(x.x), w, x.weight, b, rows(cos), rows(sin),
                                                      slot_mapping.reshape(M), k_pages, v_pages, num_heads=num_heads,
-                                                     eps=x.eps, interpret=plan.linear.interpret)
+                                                     eps=x.eps, interpret=plan.linear.interpret, w_scale=scale)
         return q.reshape(B, Q, num_heads, D), k_pages, v_pages
     return rope_kv_write(plan, linear(plan, x, w, b), rope, slot_mapping, k_pages, v_pages, q_norm_w, k_norm_w,
                          num_heads=num_heads, eps=eps)

@@ -32,6 +32,13 @@ A decoder layer also hands its post-attention RMSNorm from o_proj's kernel to do
 (jspec.ops.linear_then_norm): o_proj writes h * norm_w and per-program sums of h^2 besides
 h, so the norm needs no kernel of its own before XLA's gate_up GEMM.
 
+FP8 weights (float8_e4m3fn, weight-only: jspec/quantization.py) with ``w_scale`` f32[F], one
+scale per output channel: each tile enters the dot converted to the activations' dtype (every
+e4m3 value is exact in bf16 / f16 / f32), the f32 result times the scale before its
+rounding; the weight streams at a byte an element (dot_dtype). FP8 weights take the
+elementwise stream by default: through the tensor-core dot each tile is converted on its
+way to the MMA, slower at every shape measured (kernels_pallas/tuning.py, ``linear_fp8``).
+
 Numerics: f32 accumulation, the output rounded to the activation dtype, then bias and
 residual added in that dtype, as the reference's XLA ops do. The SwiGLU product is rounded
 op by op like jax.nn.silu(g) * u in bf16. The factored RMSNorm rounds w_norm * x to the
@@ -65,6 +72,17 @@ from kernels_pallas.tuning import device_tuning
 PROLOGUES = ("none", "rmsnorm", "silu_mul")
 
 
+def is_fp8(dtype) -> bool:
+    """A one-byte float weight (float8_e4m3fn): weight-only FP8, with a per-channel scale."""
+    return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def dot_dtype(x_dtype, w_dtype):
+    """The dtype a weight tile enters its dot in: its own, or for an FP8 weight the
+    activations' (exact: every e4m3 value is a bf16 / f16 / f32 value). Also the output's."""
+    return jnp.dtype(x_dtype) if is_fp8(w_dtype) else jnp.dtype(w_dtype)
+
+
 def rms_norm(x, w, eps):
     """HF Llama RMSNorm: normalise in float32, cast back, then scale (in x's dtype)."""
     xf = x.astype(jnp.float32)
@@ -79,12 +97,14 @@ def silu_mul(gu):
 
 
 def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, residual=None, out_dtype=None,
-                     sumsq=None, next_norm_w=None, w_in_out=False):
+                     sumsq=None, next_norm_w=None, w_in_out=False, w_scale=None):
     """The jnp reference (and the path for large M, TPU and CPU): XLA ops, unfused.
 
     x: [..., K] ([..., 2K] for silu_mul); w: [F, K] ([K, F] with w_in_out: the CPU layout,
     jspec.ops.KernelPlan.in_out_weights); norm_w: [K]; bias: [F];
-    residual: [..., F]; out_dtype: None (w.dtype) or float32 (logits). -> [..., F]
+    residual: [..., F]; out_dtype: None (dot_dtype: w.dtype, or x.dtype for an FP8 w) or
+    float32 (logits); w_scale f32[F]: an FP8 weight's per-channel scale, on the dot's f32
+    result before its rounding. -> [..., F]
     The RMSNorm hand-over between two projections (jspec.ops.linear_then_norm):
     - next_norm_w [F]: also return the next RMSNorm's input scaled by its weight, un-normalised,
       and the sum of squares of y: (y, y * next_norm_w, f32[..., n] whose sum over n is
@@ -96,7 +116,8 @@ def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None,
       weight), and x @ w.T, in float32, is scaled by 1 / rms = rsqrt(sum(sumsq) / K + eps)
       before its rounding: the RMSNorm factored out of the dot, as the kernels do.
     """
-    validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq, next_norm_w, w_in_out)
+    validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq, next_norm_w, w_in_out, w_scale)
+    dt = dot_dtype(x.dtype, w.dtype)
     if prologue == "rmsnorm":
         x = rms_norm(x, norm_w, eps)
     elif prologue == "silu_mul":
@@ -105,9 +126,11 @@ def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None,
             x = (x.astype(jnp.float32) * r).astype(x.dtype)
         x = silu_mul(x)
     spec = "...d,df->...f" if w_in_out else "...d,fd->...f"
-    if prologue == "none" and sumsq is not None:
-        r = lax.rsqrt(jnp.sum(sumsq, axis=-1, keepdims=True) / x.shape[-1] + eps)
-        y = (jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32) * r).astype(out_dtype or w.dtype)
+    if (prologue == "none" and sumsq is not None) or w_scale is not None:
+        y = jnp.einsum(spec, x.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
+        if prologue == "none" and sumsq is not None:
+            y = y * lax.rsqrt(jnp.sum(sumsq, axis=-1, keepdims=True) / x.shape[-1] + eps)
+        y = (y if w_scale is None else y * w_scale).astype(out_dtype or dt)
     else:
         y = jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=out_dtype)
     if bias is not None:
@@ -120,7 +143,8 @@ def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None,
     return y, (yf * next_norm_w.astype(jnp.float32)).astype(y.dtype), jnp.sum(yf * yf, axis=-1, keepdims=True)
 
 
-def validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq=None, next_norm_w=None, w_in_out=False):
+def validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq=None, next_norm_w=None, w_in_out=False,
+             w_scale=None):
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
     if w.ndim != 2:
@@ -142,6 +166,10 @@ def validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq=None, next
                          f"{x.shape}")
     if next_norm_w is not None and next_norm_w.shape != (F,):
         raise ValueError(f"next_norm_w must have shape ({F},), got {next_norm_w.shape}")
+    if is_fp8(w.dtype) != (w_scale is not None):
+        raise ValueError(f"a {w.dtype} weight takes {'a' if is_fp8(w.dtype) else 'no'} w_scale (its per-channel scale)")
+    if w_scale is not None and (w_scale.shape != (F,) or w_scale.dtype != jnp.float32):
+        raise ValueError(f"w_scale must be float32 of shape ({F},), got {w_scale.dtype}{list(w_scale.shape)}")
 
 
 def _pow2_divisor(n: int, pref: int, least: int) -> int:
@@ -184,13 +212,13 @@ def pad_sumsq(sumsq):
     return sumsq if n & (n - 1) == 0 else jnp.pad(sumsq, ((0, 0), (0, _next_pow2(n) - n)))
 
 
-def default_blocks(F: int, K: int):
+def default_blocks(F: int, K: int, fp8: bool = False):
     """(block_f, block_d, num_warps, num_stages), or None when no tile divides the shape:
-    the device's elementwise row (kernels_pallas/tuning.py), shrunk to powers of two that
-    divide [F, K]. On the H200: K = 4096 (qkv, o) 8 x 512 tiles, 4 warps, 4 stages (qkv
+    the device's elementwise row (kernels_pallas/tuning.py; ``linear_fp8`` for an FP8
+    weight), shrunk to powers of two that divide [F, K]. On the H200: K = 4096 (qkv, o) 8 x 512 tiles, 4 warps, 4 stages (qkv
     15.9 us, o 10.7; 16 x 512: 16.3 / 11.3); K = 14336 (down) 16 x 1024, 8 warps, 2 stages
     (30.7 us; 16 x 512: 32.9)."""
-    t = device_tuning().linear_tile(F, K, mma=False)
+    t = device_tuning().linear_tile(F, K, mma=False, fp8=fp8)
     bf, bd = _pow2_divisor(F, t.block_f, 2), k_block(K, t.block_d)
     return (bf, bd, t.num_warps, t.num_stages) if bf and bd else None
 
@@ -215,11 +243,11 @@ def default_mma_blocks(F: int, K: int, dtype):
 
 
 def one_row_blocks(F: int, K: int, dtype):
-    """The one-row stream's tiles for a weight [F, K]: (block_f, block_d, num_warps,
+    """The one-row stream's tiles for a ``dtype`` weight [F, K]: (block_f, block_d, num_warps,
     num_stages, mma), default_mma_blocks where they divide it (bf16 / f16), else
-    default_blocks with mma False; None where no tile divides it. fused_linear_gpu's default,
-    and moe_experts' for each expert's projection."""
-    t = default_mma_blocks(F, K, dtype) or default_blocks(F, K)
+    default_blocks with mma False (FP8: its own rows); None where no tile divides it.
+    fused_linear_gpu's default, and moe_experts' for each expert's projection."""
+    t = default_mma_blocks(F, K, dtype) or default_blocks(F, K, fp8=is_fp8(dtype))
     return None if t is None else (*t[:4], len(t) > 4)
 
 
@@ -247,7 +275,7 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
     masked to zeros, which add nothing to the dot, the sum of squares or the SwiGLU."""
     f32 = jnp.float32
     w_refs = [w if isinstance(w, tuple) else (w, slice(None)) for w in w_refs]
-    dt = w_refs[0][0].dtype
+    dt = dot_dtype(x_ref.dtype, w_refs[0][0].dtype)  # an FP8 tile enters the dot in x's dtype
     rows_of = [w.shape[0] if isinstance(r, slice) else r.size for w, r in w_refs]
 
     def chunk(d0, carry, live):  # live: [block_d] bool, the last chunk's columns inside K (k_loop)
@@ -283,7 +311,7 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
             h = xs.astype(dt)
         if mma:
             hm = jnp.where(lax.broadcasted_iota(jnp.int32, (16, block_d), 0) == 0, h[None, :], jnp.zeros((), dt))
-            return tuple(a + plt.dot(hm, ld(w, r, pl.ds(d0, block_d)), trans_b=True)
+            return tuple(a + plt.dot(hm, ld(w, r, pl.ds(d0, block_d)).astype(dt), trans_b=True)
                          for a, (w, r) in zip(accs, w_refs)), ss
         hf = h.astype(f32)[None, :]
         return tuple(a + ld(w, r, pl.ds(d0, block_d)).astype(f32) * hf for a, (w, r) in zip(accs, w_refs)), ss
@@ -301,12 +329,14 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
     return ys
 
 
-def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_sumsq, has_bias, has_res, has_next, mma):
-    # refs: x [1, K_in] (whole), w [block_f, K] (this program's rows), [norm_w [K]],
+def _kernel(*refs, prologue, K, block_f, block_d, eps, has_scale, has_norm, has_sumsq, has_bias, has_res, has_next,
+            mma):
+    # refs: x [1, K_in] (whole), w [block_f, K] (this program's rows), [w_scale f32[F]], [norm_w [K]],
     # [sumsq f32[1, n] (whole)], [bias [F]], [residual [1, F]], [next_norm_w [F]],
     # out [1, F] (whole; this program writes its columns), [out * next_norm_w [1, F],
     # f32[1, programs] (this program's sum of out^2)].
     x_ref, w_ref, *rest = refs
+    scale_ref = rest.pop(0) if has_scale else None
     norm_ref = rest.pop(0) if has_norm else None
     sumsq_ref = rest.pop(0) if has_sumsq else None
     bias_ref = rest.pop(0) if has_bias else None
@@ -324,6 +354,8 @@ def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_sumsq, has_
                        scale=scale)  # [block_f]
     i = pl.program_id(0)
     cols = pl.ds(i * block_f, block_f)
+    if has_scale:  # an FP8 weight's per-channel scale, before the rounding (ref_fused_linear)
+        y = y * scale_ref[cols]
     y = y.astype(o_ref.dtype)  # the matmul's output rounding, as in the reference
     if has_bias:
         y = (y.astype(f32) + bias_ref[cols].astype(f32)).astype(o_ref.dtype)
@@ -339,9 +371,9 @@ def _kernel(*refs, prologue, K, block_f, block_d, eps, has_norm, has_sumsq, has_
 
 @functools.partial(jax.jit, static_argnames=("prologue", "eps", "out_dtype", "blocks", "interpret"))
 def fused_linear_gpu(x, w, norm_w=None, bias=None, residual=None, *, prologue="none", eps=1e-6, out_dtype=None,
-                     blocks=None, interpret=False, sumsq=None, next_norm_w=None):
+                     blocks=None, interpret=False, sumsq=None, next_norm_w=None, w_scale=None):
     """The kernel on one row, x: [1, K_in]. blocks: (block_f, block_d, num_warps,
-    num_stages[, mma]), or None for one_row_blocks. sumsq
+    num_stages[, mma]), or None for one_row_blocks. w_scale f32[F]: an FP8 weight's. sumsq
     f32[1, n] / next_norm_w [F]: the RMSNorm hand-over (ref_fused_linear); with next_norm_w
     it returns (y, y * next_norm_w, f32[1, programs]), one partial sum per program. A sumsq
     whose n is not a power of two is zero-padded here (Triton loads power-of-two blocks)."""
@@ -350,15 +382,15 @@ def fused_linear_gpu(x, w, norm_w=None, bias=None, residual=None, *, prologue="n
     mma = bool(mma and mma[0])
     whole = pl.BlockSpec()
     sumsq = None if sumsq is None else pad_sumsq(sumsq)
-    inputs = [x, w] + [a for a in (norm_w, sumsq, bias, residual, next_norm_w) if a is not None]
+    inputs = [x, w] + [a for a in (w_scale, norm_w, sumsq, bias, residual, next_norm_w) if a is not None]
     in_specs = [whole, pl.BlockSpec((bf, K), lambda i: (i, 0))] + [whole] * (len(inputs) - 2)
-    dt = jnp.dtype(out_dtype or w.dtype)
+    dt = jnp.dtype(out_dtype or dot_dtype(x.dtype, w.dtype))
     out_shape = jax.ShapeDtypeStruct((1, F), dt)
     if next_norm_w is not None:
         out_shape = (out_shape, out_shape, jax.ShapeDtypeStruct((1, F // bf), jnp.float32))
     return pl.pallas_call(
         functools.partial(_kernel, prologue=prologue, K=K, block_f=bf, block_d=bd, eps=eps,
-                          has_norm=norm_w is not None, has_sumsq=sumsq is not None, has_bias=bias is not None,
+                          has_scale=w_scale is not None, has_norm=norm_w is not None, has_sumsq=sumsq is not None, has_bias=bias is not None,
                           has_res=residual is not None, has_next=next_norm_w is not None, mma=mma),
         grid=(F // bf,),
         in_specs=in_specs,
@@ -366,7 +398,7 @@ def fused_linear_gpu(x, w, norm_w=None, bias=None, residual=None, *, prologue="n
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name=f"fused_linear_{prologue}_f{bf}_d{bd}{'_mma' if mma else ''}"
+        name=f"fused_linear_{prologue}_f{bf}_d{bd}{'_mma' if mma else ''}{'_fp8' if w_scale is not None else ''}"
              f"{'_norm_out' if next_norm_w is not None else ''}",
     )(*inputs)
 
@@ -379,13 +411,14 @@ def supports(rows: int, w_shape) -> bool:
 
 
 def fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, residual=None, out_dtype=None,
-                 sumsq=None, next_norm_w=None, interpret=False, blocks=None):
+                 sumsq=None, next_norm_w=None, interpret=False, blocks=None, w_scale=None):
     """Public entry: the kernel (ref_fused_linear's arguments and results, [out, in] weights
-    only), on what ``supports`` says; ``interpret``: its body in Pallas' interpreter. With
+    only; an FP8 one with its w_scale), on what ``supports`` says; ``interpret``: its body in
+    Pallas' interpreter. With
     next_norm_w -> (y, y * next_norm_w, f32[..., n] partial sums of y^2). blocks: the
     kernel's tiles (fused_linear_gpu's; None: one_row_blocks), for tests of each weight
     stream at any shape."""
-    validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq, next_norm_w)
+    validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq, next_norm_w, w_scale=w_scale)
     rows = math.prod(x.shape[:-1])
     if sumsq is not None and prologue == "none":
         raise ValueError("fused_linear: the one-row kernel takes a handed-over sumsq with the silu_mul prologue only")
@@ -397,7 +430,7 @@ def fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, res
         x.reshape(1, x.shape[-1]), w, norm_w, bias, None if residual is None else residual.reshape(1, F),
         prologue=prologue, eps=float(eps), out_dtype=None if out_dtype is None else jnp.dtype(out_dtype).name,
         interpret=interpret, sumsq=None if sumsq is None else sumsq.reshape(1, sumsq.shape[-1]),
-        next_norm_w=next_norm_w, blocks=blocks,
+        next_norm_w=next_norm_w, blocks=blocks, w_scale=w_scale,
     )
     if next_norm_w is None:
         return out.reshape(lead + (F,))

@@ -1,11 +1,12 @@
 """Per-device kernel tuning: the tiles and grid facts the GPU kernels use, by
 ``jax.Device.device_kind``, as tables (no tile rule lives in a kernel file).
 
-- ``linear`` / ``linear_mma``: tiles of the one-row projection kernels
+- ``linear`` / ``linear_mma`` / ``linear_fp8``: tiles of the one-row projection kernels
   (fused_linear.py, qkv_rope_kv_write.py, moe_experts.py) by weight shape [F, K]: the first
   row whose ``min_k`` / ``min_f`` the shape meets wins. ``linear_mma`` is the tensor-core
   weight stream (bf16 / f16), for the shapes one of its rows takes; ``linear`` the
-  elementwise one (any dtype, every shape, and the rest of bf16 / f16).
+  elementwise one (any dtype, every shape, and the rest of bf16 / f16); ``linear_fp8`` the
+  elementwise one for FP8 weights.
 - ``attn_*``: paged_attention_gpu.py's fixed choices (its kv splits and warps follow the
   grid size and ``num_sms``).
 - ``rejection``: rejection_sampling's GPU statistics kernel.
@@ -42,6 +43,7 @@ class DeviceTuning:
     num_sms: int  # streaming multiprocessors: programs per wave of a grid
     linear: tuple[LinearTile, ...]  # elementwise weight stream
     linear_mma: tuple[LinearTile, ...]  # tensor-core weight stream (bf16 / f16)
+    linear_fp8: tuple[LinearTile, ...] = ()  # elementwise stream of FP8 weights (empty: ``linear``'s rows)
     linear_rows: tuple[LinearTile, ...] = ()  # 2-16 rows (fused_linear_rows.py; bf16 / f16)
     linear_rows_swiglu: tuple[LinearTile, ...] = ()  # ... a gate|up weight with its SwiGLU (block_f: per half)
     attn_block_kv: int = 64  # keys per inner-loop step of paged attention
@@ -52,9 +54,10 @@ class DeviceTuning:
     # block_g x 16 bytes a step: 4 KB)
     moe_mxfp4: tuple[int, int, int, int] = (32, 8, 4, 2)
 
-    def linear_tile(self, F: int, K: int, mma: bool) -> LinearTile | None:
-        """The first row that takes [F, K]; None where no tensor-core row does (mma)."""
-        for t in self.linear_mma if mma else self.linear:
+    def linear_tile(self, F: int, K: int, mma: bool, fp8: bool = False) -> LinearTile | None:
+        """The first row that takes [F, K]; None where no tensor-core row does (mma). fp8: an
+        FP8 weight's elementwise stream."""
+        for t in self.linear_mma if mma else (self.linear_fp8 + self.linear if fp8 else self.linear):
             if K >= t.min_k and F >= t.min_f:
                 return t
         if mma:
@@ -81,6 +84,14 @@ H200_LINEAR = (LinearTile(8192, 4096, 16, 1024, 8, 2), LinearTile(0, 4096, 8, 51
                LinearTile(0, 0, 8, 2048, 8, 4))
 H200_LINEAR_MMA = (LinearTile(8192, 4096, 32, 512, 4, 6), LinearTile(4096, 6144, 64, 256, 4, 4),
                    LinearTile(4096, 4096, 32, 256, 4, 6))
+# FP8 weights, one row (H200, 2026-11-30, scripts/bench_linear.py --fp8 --sweep; raw
+# docs/bench/2026-11-30_linear_fp8_h200.log), GPU time per call: the tensor-core stream
+# converts each FP8 tile to bf16 on its way to the MMA and lost to the elementwise one at
+# every shape (default tiles: qkv 19.4 us, o 13.2, down 37.4); elementwise: qkv [6144, 4096]
+# 8 x 512, 4 stages 10.9 us (8 x 1024: 12.1); o [4096, 4096] 8 x 1024 7.5 (16 x 1024: 8.2);
+# down [4096, 14336] 16 x 1024, 8 warps 23.7; gate_up [28672, 4096] 8 x 1024 40.7 (8 x 512: 44.2).
+H200_LINEAR_FP8 = (LinearTile(8192, 0, 16, 1024, 8, 4), LinearTile(4096, 16384, 8, 1024, 4, 4),
+                   LinearTile(4096, 6144, 8, 512, 4, 4), LinearTile(0, 0, 8, 1024, 4, 4))
 # 2-16 rows (fused_linear_rows.py), H100 sweep at 16 rows (2026-11-27, scripts/bench_linear.py
 # --rows 16 --sweep; docs/bench/2026-11-27_linear_rows_h100.log), GPU time per call: qkv
 # [6144, 4096] 32 x 128, 5 stages 19.6 us (32 x 256: 20.2); o [4096, 4096] and down
@@ -92,8 +103,8 @@ H200_LINEAR_ROWS_SWIGLU = (LinearTile(4096, 16384, 64, 256, 4, 3), LinearTile(0,
 
 
 def _h200_rows(num_sms: int) -> DeviceTuning:
-    return DeviceTuning(num_sms=num_sms, linear=H200_LINEAR, linear_mma=H200_LINEAR_MMA, linear_rows=H200_LINEAR_ROWS,
-                        linear_rows_swiglu=H200_LINEAR_ROWS_SWIGLU)
+    return DeviceTuning(num_sms=num_sms, linear=H200_LINEAR, linear_mma=H200_LINEAR_MMA, linear_fp8=H200_LINEAR_FP8,
+                        linear_rows=H200_LINEAR_ROWS, linear_rows_swiglu=H200_LINEAR_ROWS_SWIGLU)
 
 
 # NVIDIA's published SM counts.

@@ -4,6 +4,7 @@ GPU time of each Llama-3.1-8B layer projection, fused kernel vs the unfused XLA 
     PYTHONPATH=.:scripts python scripts/bench_linear.py            # H200
     PYTHONPATH=.:scripts python scripts/bench_linear.py --quick    # CPU smoke test (interpret)
     PYTHONPATH=.:scripts python scripts/bench_linear.py --rows 16 --sweep   # fused_linear_rows at 16 rows, its tiles
+    PYTHONPATH=.:scripts python scripts/bench_linear.py --fp8 [--sweep]     # FP8 weights, per-channel scales
 
 Timing is profiler GPU time (scripts/gpu_trace.py) over 4 rotating weight copies, so no
 weight is read from L2; bytes counted are the weight's. Results: $OUT/bench_linear.json.
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import ops
+from jspec.quantization import QuantWeight, quantize_fp8
 from kernels_pallas.fused_linear import fused_linear, fused_linear_gpu, ref_fused_linear
 from kernels_pallas.fused_linear_rows import fused_linear_rows, fused_linear_rows_gpu, ref_fused_linear_rows
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write, ref_qkv_rope_kv_write
@@ -41,6 +43,18 @@ HEADS = {"llama-8b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128), "llama-1b": (3
 TINY = [("qkv", 256, 128, "rmsnorm", False), ("gate_up", 256, 128, "rmsnorm", False), ("down", 128, 256, "silu_mul", True), ("lm_head", 512, 128, "none", False)]
 
 
+FP8 = False  # --fp8: every weight per-channel FP8 (QuantWeight), the kernels given its scale
+
+
+def split(w):
+    """(the array a kernel streams, its w_scale | None)."""
+    return (w.w, w.scale.reshape(-1)) if isinstance(w, QuantWeight) else (w, None)
+
+
+def weight_bytes(F, K):
+    return F * K + F * 4 if FP8 else F * K * 2
+
+
 def rel_err(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
@@ -52,6 +66,7 @@ def linear_inputs(name, F, K, prologue, residual, M, copies):
     kin = 2 * K if prologue == "silu_mul" else K
     x = jax.random.normal(keys[0], (M, kin), jnp.float32).astype(jnp.bfloat16)
     ws = [(0.02 * jax.random.normal(keys[1 + i], (F, K), jnp.float32)).astype(jnp.bfloat16) for i in range(copies)]
+    ws = [quantize_fp8(w, None, "bfloat16") for w in ws] if FP8 else ws
     nw = (1 + 0.1 * jax.random.normal(keys[5], (K,), jnp.float32)).astype(jnp.bfloat16) if prologue == "rmsnorm" else None
     res = jax.random.normal(keys[6], (M, F), jnp.float32).astype(jnp.bfloat16) if residual else None
     out_dtype = jnp.float32 if name == "lm_head" else None
@@ -63,12 +78,13 @@ def linear_case(name, F, K, prologue, residual, M, interpret, quick, timing):
     reference."""
     x, ws, kw = linear_inputs(name, F, K, prologue, residual, M, 1 if quick else 4)
     kernel = ops.linear_kernel(ops.KernelPlan(linear=ops.GPU(interpret)), M, (F, K), fused=prologue != "none" or residual)
-    fused = jax.jit(lambda x, w: fused_linear(x, w, interpret=interpret, **kw) if kernel else ref_fused_linear(x, w, **kw))
-    ref = jax.jit(lambda x, w: ref_fused_linear(x, w, **kw))
+    fused = jax.jit(lambda x, w: fused_linear(x, split(w)[0], w_scale=split(w)[1], interpret=interpret, **kw)
+                    if kernel else ref_fused_linear(x, split(w)[0], w_scale=split(w)[1], **kw))
+    ref = jax.jit(lambda x, w: ref_fused_linear(x, split(w)[0], w_scale=split(w)[1], **kw))
     row = dict(name=name, F=F, K=K, prologue=prologue, residual=residual, M=M, kernel=kernel,
                rel_err=rel_err(fused(x, ws[0]), ref(x, ws[0])))
     if timing:
-        time_into(row, (("fused", fused), ("xla", ref)), x, ws, F * K * 2)
+        time_into(row, (("fused", fused), ("xla", ref)), x, ws, weight_bytes(F, K))
     return row
 
 
@@ -89,9 +105,11 @@ def sweep_case(name, F, K, prologue, residual):
     x, ws, kw = linear_inputs(name, F, K, prologue, residual, 1, 4)
     elementwise = [(bf, bd, warps, stages) for bf in (8, 16) for bd in (512, 1024, 2048) for stages in (2, 4)
                    for warps in (4, 8)]
-    mma = [(bf, bd, 4, stages, True) for bf in (16, 32, 64, 128) for bd in (256, 512) for stages in (4, 6)]
+    mma = [(bf, bd, 4, stages, True) for bf in (16, 32, 64, 128) for bd in (256, 512) + ((1024,) if FP8 else ())
+           for stages in (4, 6)]
     return time_tilings(lambda b: jax.jit(lambda x, w: fused_linear_gpu(
-        x, w, kw["norm_w"], None, kw["residual"], prologue=prologue, eps=1e-5, blocks=b)),
+        x, split(w)[0], kw["norm_w"], None, kw["residual"], prologue=prologue, eps=1e-5, blocks=b,
+        w_scale=split(w)[1])),
         elementwise + mma, [(x, w) for w in ws])
 
 
@@ -108,19 +126,20 @@ def rows_case(name, F, K, prologue, residual, M, interpret, timing, sweep=False)
     elif residual:
         kw["next_norm_w"] = jnp.ones((F,), jnp.bfloat16)
     swiglu = name == "gate_up"  # with SwiGLU in its epilogue
-    kernel = jax.jit(lambda x, w: fused_linear_rows(x, w, interpret=interpret, swiglu=swiglu, **kw))
-    ref = jax.jit(lambda x, w: ref_fused_linear_rows(x, w, swiglu=swiglu, **kw))
+    kernel = jax.jit(lambda x, w: fused_linear_rows(x, split(w)[0], interpret=interpret, swiglu=swiglu,
+                                                    w_scale=split(w)[1], **kw))
+    ref = jax.jit(lambda x, w: ref_fused_linear_rows(x, split(w)[0], swiglu=swiglu, w_scale=split(w)[1], **kw))
     first = lambda y: y[0] if isinstance(y, tuple) else y  # noqa: E731
     row = dict(name=name, F=F, K=K, prologue=prologue, residual=residual, M=M, kwargs=sorted(k for k in kw if kw[k] is not None),
                rel_err=rel_err(first(kernel(x, ws[0])), first(ref(x, ws[0]))))
     if timing:
         from gpu_trace import time_tilings
-        time_into(row, (("kernel", kernel), ("xla", ref)), x, ws, F * K * 2)
+        time_into(row, (("kernel", kernel), ("xla", ref)), x, ws, weight_bytes(F, K))
         if sweep:
             tiles = [(bf, bd, 4, st) for bf in (16, 32, 64) for bd in (128, 256, 512) for st in (3, 5)] + \
                 [(32, 256, 8, 4), (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3), (32, 128, 4, 8)]
             row["sweep"] = time_tilings(lambda b: jax.jit(lambda x, w: fused_linear_rows_gpu(
-                x, w, None, kw["residual"], eps=1e-5, blocks=b, sumsq=kw.get("sumsq"), next_norm_w=kw.get("next_norm_w"),
+                x, split(w)[0], None, kw["residual"], eps=1e-5, w_scale=split(w)[1], blocks=b, sumsq=kw.get("sumsq"), next_norm_w=kw.get("next_norm_w"),
                 out_dtype=None if kw["out_dtype"] is None else "float32", swiglu=swiglu)), tiles, [(x, w) for w in ws])
     return row
 
@@ -158,22 +177,25 @@ def qkv_rope_case(H, KVH, D, K, interpret, timing, copies=4, sweep=False):
     F = (H + 2 * KVH) * D
     ws = [(0.02 * jax.random.normal(jax.random.fold_in(keys[0], i), (F, K), jnp.float32)).astype(jnp.bfloat16)
           for i in range(copies)]
+    ws = [quantize_fp8(w, None, "bfloat16") for w in ws] if FP8 else ws
     x = jax.random.normal(keys[1], (1, K), jnp.float32).astype(jnp.bfloat16)
     nw = (1 + 0.1 * jax.random.normal(keys[2], (K,), jnp.float32)).astype(jnp.bfloat16)
     kp = jax.random.normal(keys[3], (P, S, KVH, D), jnp.float32).astype(jnp.bfloat16)
     vp = jax.random.normal(keys[4], (P, S, KVH, D), jnp.float32).astype(jnp.bfloat16)
     cos, sin = rope_tables(jnp.array([517]), 1.0 / (500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32))
     slot = jnp.array([101], jnp.int32)
-    one = jax.jit(lambda w, kp, vp: qkv_rope_kv_write(x, w, nw, None, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5,
-                                                       interpret=interpret))
+    one = jax.jit(lambda w, kp, vp: qkv_rope_kv_write(x, split(w)[0], nw, None, cos, sin, slot, kp, vp, num_heads=H,
+                                                       eps=1e-5, interpret=interpret, w_scale=split(w)[1]))
 
     def two_fn(w, kp, vp):
-        qkv = fused_linear(x, w, prologue="rmsnorm", norm_w=nw, eps=1e-5, interpret=interpret)
+        qkv = fused_linear(x, split(w)[0], prologue="rmsnorm", norm_w=nw, eps=1e-5, interpret=interpret,
+                           w_scale=split(w)[1])
         return rope_kv_write(qkv, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5, interpret=interpret)
 
     two = jax.jit(two_fn)
     got, pair = one(ws[0], kp, vp), two(ws[0], kp, vp)
-    ref = ref_qkv_rope_kv_write(x, ws[0], nw, None, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5)
+    ref = ref_qkv_rope_kv_write(x, split(ws[0])[0], nw, None, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5,
+                                w_scale=split(ws[0])[1])
     row = dict(H=H, KVH=KVH, D=D, K=K, err_vs_reference=max(rel_err(a, b) for a, b in zip(got, ref)),
                err_vs_two_kernels=max(rel_err(a, b) for a, b in zip(got, pair)))
     if timing:
@@ -188,8 +210,9 @@ def qkv_rope_case(H, KVH, D, K, interpret, timing, copies=4, sweep=False):
             tiles = [(4, 512, 4, 4, False)] + [(p, bd, 4, st, True) for p in (16, 32) for bd in (256, 512)
                                                for st in (3, 4, 6)]
             row["sweep"] = time_tilings(
-                lambda b: jax.jit(lambda w, kp, vp: qkv_rope_kv_write_gpu(x, w, nw, None, cos, sin, slot, kp, vp,
-                                                                          num_heads=H, eps=1e-5, blocks=b)),
+                lambda b: jax.jit(lambda w, kp, vp: qkv_rope_kv_write_gpu(x, split(w)[0], nw, None, cos, sin, slot, kp,
+                                                                          vp, num_heads=H, eps=1e-5, blocks=b,
+                                                                          w_scale=split(w)[1])),
                 tiles, args, reps=10, check=lambda fn: max(rel_err(a, c) for a, c in zip(fn(ws[0], kp, vp), ref)))
     return row
 
@@ -203,11 +226,14 @@ def main():
     ap.add_argument("--rows", default="", help="fused_linear_rows at these row counts (e.g. 4,8,16) instead; with "
                     "--sweep: its tiles at the last count")
     ap.add_argument("--shapes", default="llama-8b", choices=sorted(SHAPES), help="the layer's projections to time")
+    ap.add_argument("--fp8", action="store_true", help="FP8 weights, per output channel (the lm_head too, here)")
     args = ap.parse_args()
+    global FP8
+    FP8 = args.fp8
     gpu = jax.default_backend() == "gpu"
     interpret = not gpu  # the kernels' bodies in Pallas' interpreter off the GPU
     out = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
-           "linear": [], "rope": []}
+           "fp8": FP8, "linear": [], "rope": []}
     shapes = TINY if args.quick or not gpu else SHAPES[args.shapes]
     if args.rows:
         counts = [int(r) for r in args.rows.split(",")]
@@ -223,7 +249,7 @@ def main():
                     print(f"  tiles {b}: {us if isinstance(us, str) else f'{us:.2f} us'}", flush=True)
         dest = os.environ.get("OUT")
         if dest:
-            with open(os.path.join(dest, "bench_linear_rows.json"), "w") as f:
+            with open(os.path.join(dest, f"bench_linear_rows{'_fp8' if FP8 else ''}.json"), "w") as f:
                 json.dump(out, f, indent=1)
         return
     for name, F, K, pro, res in ([] if args.qkv_rope_only else shapes):
@@ -261,7 +287,7 @@ def main():
             print(f"  qkv+rope tiles {b}: {us if isinstance(us, str) else f'{us:.2f} us'} err {err}", flush=True)
     dest = os.environ.get("OUT")
     if dest:
-        with open(os.path.join(dest, "bench_linear.json"), "w") as f:
+        with open(os.path.join(dest, f"bench_linear{'_fp8' if FP8 else ''}.json"), "w") as f:
             json.dump(out, f, indent=1)
 
 

@@ -5,6 +5,7 @@ under the profiler.
     PYTHONPATH=.:scripts python3 scripts/step_profile.py --model qwen3-30b-a3b   # H100: XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
     PYTHONPATH=.:scripts python3 scripts/step_profile.py --model tiny            # CPU smoke test (no profile)
     PYTHONPATH=.:scripts python3 scripts/step_profile.py --model gpt-oss-20b     # MXFP4 experts, dummy weights
+    PYTHONPATH=.:scripts python3 scripts/step_profile.py --model llama-8b --quantization fp8   # FP8 projections
 
 --q 16: the target forward of a verification step (16 tokens) instead of the decode step.
 Prints the engine's step time (LLMEngine.step, async scheduling), the jitted step's wall
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 
+import bench_common
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,8 +83,11 @@ def main():
     ap.add_argument("--q", type=int, default=1, help="tokens per row: Q > 1 profiles the target forward of a "
                     "verification step (the last token and Q - 1 drafts)")
     ap.add_argument("--batch", type=int, default=1, help="decode rows")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="the target's projections FP8 per channel, quantized at load (as scripts/bench.py)")
     ap.add_argument("--ctx", type=int, default=512, help="tokens each row has in the KV cache")
     args = ap.parse_args()
+    bench_common.QUANTIZATION = args.quantization
     rng = np.random.default_rng(0)
     B, ctx = args.batch, args.ctx
     if args.model in GPT_OSS:

@@ -611,6 +611,56 @@ def test_masked_k_chunk(on_gpu, record_property):
                               + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
 
 
+@line("peagle", "one-row kernels on FP8 weights (per-channel scale, the elementwise stream) == reference")
+def test_fp8_one_row_kernels(on_gpu, record_property):
+    """fused_linear (RMSNorm, none + residual, SwiGLU + residual) and qkv_rope_kv_write on
+    per-channel FP8 weights at Llama-3.1-8B's widths, their default tiles (the FP8 rows of
+    kernels_pallas/tuning.py), == their jnp references, bf16 activations and f32 ones (the
+    FP8 checkpoint lines' models); a CPU smoke run: interpreted, narrow weights."""
+    import jax
+    import jax.numpy as jnp
+
+    from jspec.config import RopeConfig
+    from jspec.models.layers import rope_inv_freq
+    from jspec.quantization import quantize_fp8
+    from kernels_pallas.fused_linear import fused_linear, ref_fused_linear
+    from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write, ref_qkv_rope_kv_write
+    from kernels_pallas.rope_kv_write import rope_tables
+
+    (F, K, I), (H, KVH, D) = ((4096, 4096, 14336), (32, 8, 128)) if on_gpu else ((128, 256, 256), (4, 2, 32))
+    ks = jax.random.split(jax.random.PRNGKey(5), 8)
+    rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))  # noqa: E731
+                             / jnp.max(jnp.abs(b.astype(jnp.float32))))
+
+    def fp8(key, shape):
+        q = quantize_fp8(0.05 * jax.random.normal(key, shape), None, "bfloat16")
+        return q.w, q.scale.reshape(-1)
+
+    wqkv, sqkv = fp8(ks[0], ((H + 2 * KVH) * D, K))
+    wo, so = fp8(ks[1], (F, K))
+    wd, sd = fp8(ks[2], (F, I))
+    errs = {}
+    for dt in (jnp.bfloat16, jnp.float32):
+        x = (2 * jax.random.normal(ks[3], (1, 2 * I))).astype(dt)
+        nw = (1 + 0.1 * jax.random.normal(ks[4], (K,))).astype(dt)
+        res = jax.random.normal(ks[5], (1, F)).astype(dt)
+        for name, xin, w, s, kw in (("qkv + rmsnorm", x[:, :K], wqkv, sqkv, {"prologue": "rmsnorm", "norm_w": nw}),
+                                    ("o + residual", x[:, :K], wo, so, {"residual": res}),
+                                    ("down + swiglu + residual", x, wd, sd, {"prologue": "silu_mul", "residual": res})):
+            got = fused_linear(xin, w, w_scale=s, eps=1e-5, interpret=not on_gpu, **kw)
+            errs[f"{name} {jnp.dtype(dt).name}"] = rel(got, ref_fused_linear(xin, w, w_scale=s, eps=1e-5, **kw))
+        P, S = 4, 16
+        kp, vp = (jax.random.normal(k, (P, S, KVH, D)).astype(dt) for k in ks[6:8])
+        cos, sin = rope_tables(jnp.array([29]), rope_inv_freq(RopeConfig(10000.0), D))
+        args = (x[:, :K], wqkv, nw, None, cos, sin, jnp.array([19], jnp.int32), kp, vp)
+        want = ref_qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, w_scale=sqkv)
+        got = qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, interpret=not on_gpu, w_scale=sqkv)
+        errs[f"qkv_rope_kv_write {jnp.dtype(dt).name}"] = max(rel(g, r) for g, r in zip(got, want))
+    assert all(e < (2e-2 if "bfloat16" in k else 1e-4) for k, e in errs.items()), errs
+    record_property("detail", f"largest relative error {max(errs.values()):.1e}: "
+                              + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+
+
 # ---- warmup ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,k", [
     pytest.param("eagle3", 3, id="eagle3", marks=line("eagle3", "LLMEngine.warmup() with a drafter (EAGLE3)")),

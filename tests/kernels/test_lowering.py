@@ -53,7 +53,7 @@ from kernels_pallas.rejection_sampling import gpu_kernels, rejection_sample, tpu
 from kernels_pallas.rope_kv_write import rope_kv_write
 from tests.helpers.lowering import MOSAIC, TRITON, custom_calls, lower
 
-BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+BF16, F32, I32, FP8 = jnp.bfloat16, jnp.float32, jnp.int32, jnp.float8_e4m3fn
 
 
 def sds(shape, dtype):
@@ -152,14 +152,17 @@ def ragged_gpu_splits(dtype):
 MMA_FK, NARROW_FK = (4096, 4096), (64, 128)
 
 
-def linear(prologue, dtype, *, residual=False, bias=False, handoff=False, narrow=False, fk=None):
+def linear(prologue, dtype, *, residual=False, bias=False, handoff=False, narrow=False, fk=None, fp8=False):
     """fused_linear (the kernel) on one row: the kernel with its prologue, through the
     tensor-core stream for bf16 at 8B widths (else the elementwise one); fk: another [F, K]
-    (gpt-oss's K = 2880: a masked last chunk)."""
-    mma = dtype == BF16 and not narrow and fk is None
-    F, K = fk or (MMA_FK if mma else NARROW_FK)
+    (gpt-oss's K = 2880: a masked last chunk); fp8: FP8 weights with their per-channel scale
+    (the elementwise stream, at 8B widths unless narrow)."""
+    mma = dtype == BF16 and not narrow and fk is None and not fp8
+    F, K = fk or (MMA_FK if (mma or fp8) and not narrow else NARROW_FK)
     k_in = 2 * K if prologue == "silu_mul" else K
-    shapes = {"x": sds((1, 1, k_in), dtype), "w": sds((F, K), dtype)}
+    shapes = {"x": sds((1, 1, k_in), dtype), "w": sds((F, K), FP8 if fp8 else dtype)}
+    if fp8:
+        shapes["w_scale"] = sds((F,), F32)
     if prologue == "rmsnorm":
         shapes["norm_w"] = sds((K,), dtype)
     if bias:
@@ -173,7 +176,7 @@ def linear(prologue, dtype, *, residual=False, bias=False, handoff=False, narrow
     def fn(*a):
         kw = dict(zip(names, a))
         return fused_linear(kw.pop("x"), kw.pop("w"), prologue=prologue, eps=1e-5, **kw)
-    suffix = "_norm_out" if handoff else ""
+    suffix = ("_fp8" if fp8 else "") + ("_norm_out" if handoff else "")
     return fn, list(shapes.values()), [(TRITON, rf"fused_linear_{prologue}_f\d+_d\d+{'_mma' if mma else ''}{suffix}")]
 
 
@@ -187,11 +190,14 @@ def linear_sumsq(dtype):
     return fn, shapes, [(TRITON, r"fused_linear_silu_mul_f\d+_d\d+_mma")]
 
 
-def linear_rows(R, *, norm_in=False, handoff=False, bias=False, fk=MMA_FK):
+def linear_rows(R, *, norm_in=False, handoff=False, bias=False, fk=MMA_FK, fp8=False):
     """fused_linear_rows (the kernel) on R rows of bf16 at 8B widths (or ``fk``): [a
-    handed-over input norm (sumsq),] [bias,] residual [, the next norm handed over]."""
+    handed-over input norm (sumsq),] [bias,] residual [, the next norm handed over]; fp8:
+    FP8 weights with their per-channel scale."""
     F, K = fk
-    shapes = {"x": sds((R, K), BF16), "w": sds((F, K), BF16), "residual": sds((R, F), BF16)}
+    shapes = {"x": sds((R, K), BF16), "w": sds((F, K), FP8 if fp8 else BF16), "residual": sds((R, F), BF16)}
+    if fp8:
+        shapes["w_scale"] = sds((F,), F32)
     if norm_in:
         shapes["sumsq"] = sds((R, 3), F32)
     if bias:
@@ -202,17 +208,20 @@ def linear_rows(R, *, norm_in=False, handoff=False, bias=False, fk=MMA_FK):
 
     def fn(*a):
         kw = dict(zip(names, a))
-        return fused_linear_rows(kw.pop("x"), kw.pop("w"), eps=1e-5, **kw)
-    name = rf"fused_linear_rows_r{R}_f\d+_d\d+{'_norm_in' if norm_in else ''}{'_norm_out' if handoff else ''}"
+        return fused_linear_rows(kw.pop("x"), kw.pop("w"), eps=1e-5, blocks=(32, 256, 4, 5) if fp8 else None, **kw)
+    name = (rf"fused_linear_rows_r{R}_f\d+_d\d+{'_norm_in' if norm_in else ''}{'_norm_out' if handoff else ''}"
+            rf"{'_fp8' if fp8 else ''}")
     return fn, list(shapes.values()), [(TRITON, name)]
 
 
-def linear_rows_swiglu(R):
+def linear_rows_swiglu(R, fp8=False):
     """... gate_up + SwiGLU on a handed-over norm: [R, 2I] weight rows in, silu(g) * u out."""
-    def fn(x, w, sumsq):
-        return fused_linear_rows(x, w, sumsq=sumsq, eps=1e-5, swiglu=True)
-    shapes = [sds((R, 4096), BF16), sds((28672, 4096), BF16), sds((R, 128), F32)]
-    return fn, shapes, [(TRITON, rf"fused_linear_rows_r{R}_f\d+_d\d+_swiglu_norm_in")]
+    def fn(x, w, sumsq, *scale):
+        return fused_linear_rows(x, w, sumsq=sumsq, eps=1e-5, swiglu=True, w_scale=scale[0] if scale else None,
+                                 blocks=(64, 256, 4, 3) if fp8 else None)
+    shapes = [sds((R, 4096), BF16), sds((28672, 4096), FP8 if fp8 else BF16), sds((R, 128), F32)]
+    shapes += [sds((28672,), F32)] if fp8 else []
+    return fn, shapes, [(TRITON, rf"fused_linear_rows_r{R}_f\d+_d\d+_swiglu_norm_in{'_fp8' if fp8 else ''}")]
 
 
 def rope_write(dtype, qk_norm, H=4):
@@ -228,20 +237,23 @@ def rope_write(dtype, qk_norm, H=4):
     return fn, shapes, [(TRITON, r"rope_kv_write" if H else r"rope_kv_write_kv_only")]
 
 
-def qkv_rope_write(dtype, bias, gpt_oss=False):
+def qkv_rope_write(dtype, bias, gpt_oss=False, fp8=False):
     H, KVH, D, K, P, S = (32, 8, 128, 4096, 4, 8) if dtype == BF16 else (4, 2, 64, 128, 4, 8)
     if gpt_oss:  # K = 2880 = 5 x 512 + a masked 320, the elementwise stream
         H, KVH, D, K = 64, 8, 64, 2880
     F = (H + 2 * KVH) * D
 
-    def fn(x, w, norm_w, cos, sin, slots, kp, vp, *b):
-        return qkv_rope_kv_write(x, w, norm_w, b[0] if b else None, cos, sin, slots, kp, vp, num_heads=H, eps=1e-5)
-    shapes = [sds((1, K), dtype), sds((F, K), dtype), sds((K,), dtype), sds((1, D // 2), F32), sds((1, D // 2), F32),
-              sds((1,), I32), sds((P, S, KVH, D), dtype), sds((P, S, KVH, D), dtype)]
+    def fn(x, w, norm_w, cos, sin, slots, kp, vp, *extra):
+        b, scale = (extra[0] if bias else None), (extra[-1] if fp8 else None)
+        return qkv_rope_kv_write(x, w, norm_w, b, cos, sin, slots, kp, vp, num_heads=H, eps=1e-5, w_scale=scale)
+    shapes = [sds((1, K), dtype), sds((F, K), FP8 if fp8 else dtype), sds((K,), dtype), sds((1, D // 2), F32),
+              sds((1, D // 2), F32), sds((1,), I32), sds((P, S, KVH, D), dtype), sds((P, S, KVH, D), dtype)]
     if bias:
         shapes.append(sds((F,), dtype))
-    mma = "_mma" if dtype == BF16 and not gpt_oss else ""  # bf16 weights of 8B widths: the tensor-core form
-    return fn, shapes, [(TRITON, rf"qkv_rope_kv_write_p\d+_d\d+{mma}")]
+    if fp8:
+        shapes.append(sds((F,), F32))
+    mma = "_mma" if dtype == BF16 and not gpt_oss and not fp8 else ""  # bf16 weights of 8B widths: the tensor-core form
+    return fn, shapes, [(TRITON, rf"qkv_rope_kv_write_p\d+_d\d+{mma}{'_fp8' if fp8 else ''}")]
 
 
 def moe(dtype, mma=False):
@@ -331,6 +343,15 @@ GPU_CASES = {
     "fused_linear_rows-4-handoff": lambda: linear_rows(4, handoff=True),
     "fused_linear_rows-3-norm_in-handoff": lambda: linear_rows(3, norm_in=True, handoff=True),
     "fused_linear_rows-8-swiglu": lambda: linear_rows_swiglu(8),
+    # FP8 weights (per-channel scale): the one-row kernels' elementwise stream (their default) at
+    # 8B widths; fused_linear_rows' tensor-core stream (tiles given: XLA's dots by default)
+    "fused_linear-rmsnorm-fp8": lambda: linear("rmsnorm", BF16, fp8=True),
+    "fused_linear-silu_mul-residual-handoff-fp8": lambda: linear("silu_mul", BF16, residual=True, handoff=True,
+                                                                 fp8=True),
+    "fused_linear-none-narrow-fp8": lambda: linear("none", BF16, narrow=True, residual=True, fp8=True),
+    "fused_linear_rows-16-norm_in-fp8": lambda: linear_rows(16, norm_in=True, fp8=True),
+    "fused_linear_rows-8-swiglu-fp8": lambda: linear_rows_swiglu(8, fp8=True),
+    "qkv_rope_kv_write-fp8": lambda: qkv_rope_write(BF16, bias=False, fp8=True),
     "rope_kv_write-bf16": lambda: rope_write(BF16, qk_norm=False),
     "rope_kv_write-qk_norm-f32": lambda: rope_write(F32, qk_norm=True),
     "rope_kv_write-kv_only-qk_norm-bf16": lambda: rope_write(BF16, qk_norm=True, H=0),

@@ -1,0 +1,175 @@
+"""FP8 weights (per output channel) streamed by the batch-1 and verification projection
+kernels (fused_linear.py, fused_linear_rows.py, qkv_rope_kv_write.py) on CPU, in Pallas'
+interpreter:
+
+- the reference (ref_fused_linear with ``w_scale``) == the dot with the dequantized weight
+  (w * scale in float32), within the output's rounding;
+- each kernel on FP8 weights == the same kernel on those FP8 values as bf16 weights with the
+  scale applied to its f32 output, bit for bit (the FP8 tile enters the same dot exactly),
+  and == the reference within bf16's tolerance (fused_linear_rows at tiles given: by default
+  FP8 weights take XLA's dots at 2-16 rows);
+- a decoder on per-channel FP8 weights with the kernels (decode and verification widths) ==
+  the same decoder through XLA's ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.kv_cache import AttentionMetadata, KVCache
+from jspec.models.layers import rope_inv_freq
+from jspec.models.transformer import Transformer
+from jspec.ops import plan_kernels, plan_params
+from jspec.quantization import FP8, QuantWeight, quantize_fp8
+from kernels_pallas.fused_linear import fused_linear, fused_linear_gpu, ref_fused_linear
+from kernels_pallas.fused_linear_rows import fused_linear_rows, fused_linear_rows_gpu, ref_fused_linear_rows
+from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write_gpu, ref_qkv_rope_kv_write
+from kernels_pallas.rope_kv_write import rope_kv_write, rope_tables
+from tests.kernels.test_fused_linear import TINY, f32, linear_inputs, rel
+
+BF16 = jnp.bfloat16
+
+
+def fp8(w):
+    """(FP8 values [F, K], their per-channel scale f32[F]) of a weight."""
+    q = quantize_fp8(w, None, "bfloat16")
+    return q.w, q.scale.reshape(-1)
+
+
+def test_reference_is_the_dequantized_dot():
+    x, w, kw = linear_inputs(11, 96, 256, "rmsnorm", BF16, bias=True, residual=True)
+    w8, s = fp8(w)
+    got = ref_fused_linear(x, w8, w_scale=s, **kw)
+    deq = w8.astype(jnp.float32) * s[:, None]
+    h = ref_fused_linear(x, jnp.eye(256, dtype=BF16), prologue="rmsnorm", norm_w=kw["norm_w"], eps=1e-5)
+    want = kw["residual"].astype(jnp.float32) + (jnp.einsum("...d,fd->...f", h.astype(jnp.float32), deq)
+                                                 + kw["bias"].astype(jnp.float32))
+    assert got.dtype == BF16 and rel(got, want) < 1e-2
+    with pytest.raises(ValueError, match="takes a w_scale"):
+        ref_fused_linear(x, w8, **kw)
+    with pytest.raises(ValueError, match="w_scale must be float32 of shape"):
+        ref_fused_linear(x, w8, w_scale=s[:8], **kw)
+    with pytest.raises(ValueError, match="takes no w_scale"):
+        ref_fused_linear(x, w, w_scale=s, **kw)
+
+
+@pytest.mark.parametrize("blocks", [(32, 128, 4, 4, True), (8, 128, 4, 2)])  # tensor-core / elementwise stream
+@pytest.mark.parametrize("prologue", ["rmsnorm", "silu_mul", "none"])
+def test_one_row_kernel(prologue, blocks):
+    x, w, kw = linear_inputs(12, 96, 256, prologue, BF16)
+    w8, s = fp8(w)
+    got = fused_linear_gpu(x[0], w8, kw.get("norm_w"), prologue=prologue, eps=1e-5, blocks=blocks, interpret=True,
+                           w_scale=s)
+    same = fused_linear_gpu(x[0], w8.astype(BF16), kw.get("norm_w"), prologue=prologue, eps=1e-5, blocks=blocks,
+                            interpret=True, out_dtype="float32")
+    np.testing.assert_array_equal(f32(got), f32((same * s).astype(BF16)))
+    assert rel(got, ref_fused_linear(x[0], w8, w_scale=s, **kw)) < 2e-2
+    # with a bias and a residual, through the public entry
+    x, w, kw = linear_inputs(13, 96, 256, prologue, BF16, bias=True, residual=True)
+    w8, s = fp8(w)
+    got = fused_linear(x, w8, w_scale=s, interpret=True, blocks=blocks, **kw)
+    assert got.dtype == BF16 and rel(got, ref_fused_linear(x, w8, w_scale=s, **kw)) < 2e-2
+
+
+@pytest.mark.parametrize("epilogue", ["bias_residual", "norm_in_handoff", "swiglu"])
+def test_rows_kernel(epilogue):
+    R, F, K = 5, 128, 256
+    ks = jax.random.split(jax.random.PRNGKey(14), 6)
+    x = jax.random.normal(ks[0], (R, K)).astype(BF16)
+    w8, s = fp8((0.05 * jax.random.normal(ks[1], (F, K))).astype(BF16))
+    kw = {}
+    if epilogue == "bias_residual":
+        kw = dict(bias=(0.1 * jax.random.normal(ks[2], (F,))).astype(BF16),
+                  residual=jax.random.normal(ks[3], (R, F)).astype(BF16))
+    elif epilogue == "norm_in_handoff":
+        kw = dict(sumsq=jnp.abs(jax.random.normal(ks[4], (R, 3))) * 100,
+                  residual=jax.random.normal(ks[3], (R, F)).astype(BF16), next_norm_w=(1 + 0.1 * jax.random.normal(ks[5], (F,))).astype(BF16))
+    else:
+        kw = dict(swiglu=True)
+    blocks = (16, 128, 4, 2)
+    got = fused_linear_rows(x, w8, w_scale=s, blocks=blocks, interpret=True, eps=1e-5, **kw)
+    want = ref_fused_linear_rows(x, w8, w_scale=s, eps=1e-5, **kw)
+    if isinstance(got, tuple):  # (y, y * next_norm_w, partial sums of y^2: per program in the kernel)
+        got, want = (*got[:2], got[2].sum(-1)), (*want[:2], want[2].sum(-1))
+    for a, b in zip(*((got, want) if isinstance(got, tuple) else ((got,), (want,)))):
+        assert a.shape == b.shape and a.dtype == b.dtype and rel(a, b) < 2e-2
+    if epilogue == "norm_in_handoff":  # bit for bit: the FP8 stream against the same values as bf16
+        same = fused_linear_rows_gpu(x, w8.astype(BF16), sumsq=kw["sumsq"], eps=1e-5, blocks=blocks, interpret=True,
+                                     out_dtype="float32")
+        mine = fused_linear_rows_gpu(x, w8, sumsq=kw["sumsq"], eps=1e-5, blocks=blocks, interpret=True, w_scale=s)
+        np.testing.assert_array_equal(f32(mine), f32((same * s).astype(BF16)))
+
+
+def test_qkv_rope_kv_write_kernel():
+    """norm + qkv + RoPE + KV write on an FP8 weight == the one-row FP8 projection kernel then
+    the RoPE + KV-write kernel, bit for bit, and == the reference within bf16's tolerance."""
+    H, KVH, D, P, S, K = 4, 2, 32, 6, 8, 256
+    ks = jax.random.split(jax.random.PRNGKey(15), 6)
+    x = (2 * jax.random.normal(ks[0], (1, K))).astype(BF16)
+    w8, s = fp8((0.05 * jax.random.normal(ks[1], ((H + 2 * KVH) * D, K))).astype(BF16))
+    nw = (1 + 0.1 * jax.random.normal(ks[2], (K,))).astype(BF16)
+    b = (0.1 * jax.random.normal(ks[3], (w8.shape[0],))).astype(BF16)
+    kp, vp = (jax.random.normal(k, (P, S, KVH, D)).astype(BF16) for k in ks[4:6])
+    cos, sin = rope_tables(jnp.array([29]), rope_inv_freq(TINY.rope, D))
+    slot = jnp.array([19], jnp.int32)
+    args = (x, w8, nw, b, cos, sin, slot, kp, vp)
+    for blocks in ((16, 128, 4, 4, True), (4, 128, 4, 4, False)):
+        q1, k1, v1 = qkv_rope_kv_write_gpu(*args, num_heads=H, eps=1e-5, blocks=blocks, interpret=True, w_scale=s)
+        qkv = fused_linear_gpu(x, w8, nw, b, prologue="rmsnorm", eps=1e-5, blocks=blocks, interpret=True, w_scale=s)
+        q2, k2, v2 = rope_kv_write(qkv, cos, sin, slot, kp, vp, num_heads=H, eps=1e-5, interpret=True)
+        for a, c in ((q1, q2), (k1, k2), (v1, v2)):
+            np.testing.assert_array_equal(f32(a), f32(c))
+        q3, k3, v3 = ref_qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, w_scale=s)
+        assert q1.dtype == BF16 and rel(q1, q3) < 1e-2 and rel(k1, k3) < 1e-2 and rel(v1, v3) < 1e-2
+
+
+@pytest.mark.parametrize("qk_norm,Q", [(False, 1), (True, 1), (False, 4)])
+def test_decoder_on_fp8_weights_with_the_kernels(qk_norm, Q):
+    """A decoder whose projections are per-channel FP8 (QuantWeight leaves, as the loader
+    makes them): the kernels' plan (linear_impl="interpret": fused projections at one row,
+    qkv + RoPE + KV write for Llama's layer, the post-attention norm handed over; XLA's dots
+    at 4 rows) == XLA's ops, hidden states, logits and the written KV."""
+    cfg = dataclasses.replace(TINY, qk_norm=qk_norm)
+    P, S = 8, 16
+    keys = jax.random.split(jax.random.PRNGKey(16), 2 * cfg.num_layers)
+    shape = (P, S, cfg.num_kv_heads, cfg.head_dim)
+    kv = KVCache(k=tuple(jax.random.normal(keys[i], shape).astype(BF16) for i in range(cfg.num_layers)),
+                 v=tuple(jax.random.normal(keys[-1 - i], shape).astype(BF16) for i in range(cfg.num_layers)))
+    meta = AttentionMetadata.for_single_sequence([3, 1, 5], S, 41 - Q, Q, P)
+    tok = jnp.array([[17, 3, 250, 9][-Q:]], jnp.int32)
+    params = Transformer(cfg, dtype=BF16).init(jax.random.PRNGKey(0), tok, meta, kv)["params"]
+    params = jax.tree.map(lambda a: (a + 0.05 * jax.random.normal(jax.random.PRNGKey(a.size), a.shape)).astype(BF16),
+                          params)
+
+    def quantize(path, a):
+        proj = len(path) >= 2 and path[-2].key.endswith("_proj") and path[-1].key == "weight"
+        return quantize_fp8(a, None, "bfloat16") if proj else a
+
+    params = jax.tree_util.tree_map_with_path(quantize, params)
+    n_fp8 = sum(isinstance(a, QuantWeight) for a in jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, QuantWeight)))
+    assert n_fp8 == 4 * cfg.num_layers and params["layers_0"]["attn"]["o_proj"]["weight"].w.dtype == FP8
+    outs = {}
+    for impl in ("reference", "interpret"):
+        plan = plan_kernels(cfg, attn_impl="reference", linear_impl=impl, backend="cpu")
+        m, p = Transformer(cfg, dtype=BF16, plan=plan), plan_params(plan, params)
+        h, _, kv2 = m.apply({"params": p}, tok, meta, kv)
+        outs[impl] = (h, m.apply({"params": p}, h, method=Transformer.logits), kv2)
+    (h0, l0, kv0), (h1, l1, kv1) = outs["reference"], outs["interpret"]
+    assert rel(h1, h0) < 3e-2 and rel(l1, l0) < 3e-2
+    for a, b in zip(kv0.k + kv0.v, kv1.k + kv1.v):
+        assert rel(b, a) < 3e-2
+    # the FP8 weights went through the kernels (their names in the traced program), not XLA's dots
+    kernels = set(re.findall(r"(?:fused_linear|qkv_rope_kv_write)\w*_fp8\w*", str(jax.make_jaxpr(
+        lambda p: m.apply({"params": p}, tok, meta, kv))(p))))
+    if Q == 1:
+        qkv = "fused_linear_rmsnorm" if qk_norm else "qkv_rope_kv_write"
+        wanted = [qkv, "fused_linear_none_.*_norm_out", "fused_linear_silu_mul"]  # qkv, o (norm handed over), down
+        assert all(any(re.search(w, k) for k in kernels) for w in wanted), kernels
+    else:  # 2-16 rows: XLA's dots (fused_linear_rows.supports: faster there on the H200)
+        assert not kernels, kernels
