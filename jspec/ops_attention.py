@@ -37,7 +37,7 @@ def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata | M
             outs.append(attention(plan, qs, k_pages, v_pages, m, sm_scale=sm_scale, **extra).reshape(1, b * n, H, D))
             off += b * n
         return jax.numpy.concatenate(outs, axis=1)
-    backend = shape_fallback("paged_attention", plan.attn, _unsupported(plan.attn, _pa, q.shape[-1]))
+    backend = shape_fallback("paged_attention", plan.attn, _unsupported(plan.attn, _pa, q.shape[-1], k_pages.dtype))
     oss = sinks is not None or bool(window)
     if oss:  # the GPU kernel takes them (on one device), the TPU kernel not yet
         backend = shape_fallback("paged_attention", backend, _SINKS if isinstance(backend, TPU) or plan.tp > 1
@@ -61,14 +61,14 @@ def attention(plan: KernelPlan, q, k_pages, v_pages, meta: AttentionMetadata | M
 _SINKS = "attention sinks or a sliding window (gpt-oss) are not in this kernel (or its sharded form) yet"
 
 
-def _unsupported(backend: Backend, kernels, head_dim: int) -> str | None:
+def _unsupported(backend: Backend, kernels, head_dim: int, cache_dtype) -> str | None:
     """Why ``backend``'s kernel in the kernel file ``kernels`` (paged or ragged attention)
-    cannot take head_dim, or None (XLA takes any)."""
+    cannot take head_dim or a cache of ``cache_dtype``, or None (XLA takes any)."""
     match backend:
         case GPU():
             return kernels.unsupported_shape_gpu(head_dim)
         case TPU():
-            return kernels.unsupported_shape_tpu(head_dim)
+            return _pa.FP8_CACHE_TPU if _pa.is_fp8(cache_dtype) else kernels.unsupported_shape_tpu(head_dim)
     return None
 
 
@@ -102,7 +102,8 @@ def _ragged_attention(plan: KernelPlan, q, k_pages, v_pages, meta: RaggedMetadat
         T, H, D = q.shape
         return attention(plan, q.reshape(T // meta.uniform, meta.uniform, H, D), k_pages, v_pages, meta.rows(),
                          sm_scale=sm_scale, sinks=sinks, window=window).reshape(T, H, D)
-    backend = shape_fallback("ragged_paged_attention", plan.attn, _unsupported(plan.attn, _rpa, q.shape[-1]))
+    backend = shape_fallback("ragged_paged_attention", plan.attn,
+                             _unsupported(plan.attn, _rpa, q.shape[-1], k_pages.dtype))
     oss = sinks is not None or bool(window)
     if oss:  # the GPU kernel takes them (on one device), the TPU kernel not yet
         backend = shape_fallback("ragged_paged_attention", backend, _SINKS if isinstance(backend, TPU) or plan.tp > 1

@@ -44,7 +44,6 @@ NO_EFFECT = {
 # Arguments jspec takes at vLLM's default value only: (the flag's type, why no other
 # value, the default), in NO_EFFECT's order with the default last.
 DEFAULT_ONLY = {
-    "kv_cache_dtype": (str, "the KV cache is kept in the model's dtype", "auto"),
     "pipeline_parallel_size": (int, "jspec splits a model by tensor parallelism only (tensor_parallel_size)", 1),
     "data_parallel_size": (int, "run one jspec server per replica", 1),
     "revision": (str, "jspec loads local folders; no model hub is reached", None),
@@ -64,6 +63,9 @@ CHOICES = {
                      "jspec serves FP8 weights (weight-only): a checkpoint whose quantization_config is "
                      "quant_method 'fp8' or 'compressed-tensors' FP8 (None takes it too), or 'fp8' to quantize "
                      "an unquantized checkpoint's projections as they load"),
+    "kv_cache_dtype": (str, ("auto", "fp8", "fp8_e4m3"),
+                       "the target's KV cache in the model's dtype ('auto') or float8_e4m3fn ('fp8', 'fp8_e4m3'; "
+                       "scales of 1.0)"),
 }
 
 # The server's flag type of each of vLLM's arguments above (bool: a switch).

@@ -20,6 +20,11 @@ exp(sink - m)) left unattended (``softmax_with_sinks``).
 
 Pages past a sequence's length may hold anything (tests poison them with NaN), so the
 reference zeroes masked values rather than relying on exp(-inf) * v == 0.
+
+An FP8 cache (float8_e4m3fn pages: vLLM's kv_cache_dtype="fp8", its scales at 1.0) holds
+each value rounded to e4m3 and saturated at +-448 (``kv_store``, every writer); the
+references and the GPU kernels convert what they read to q's dtype (``kv_compute_dtype``).
+The TPU kernels take 16/32-bit pages only (their ``_check``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,32 @@ import jax
 import jax.numpy as jnp
 
 NEG_INF = -1e30
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def is_fp8(dtype) -> bool:
+    """An FP8 cache's dtype (a one-byte float)."""
+    return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def kv_store(x, dtype):
+    """x as the cache holds it: cast to ``dtype``; into an FP8 cache saturated at +-FP8_MAX
+    first, as vLLM's conversion does (float8_e4m3fn has no infinity: a plain cast turns an
+    overflow into NaN)."""
+    if is_fp8(dtype):
+        x = jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX)
+    return x.astype(dtype)
+
+
+def kv_compute_dtype(q_dtype, cache_dtype):
+    """The dtype attention computes in over a cache of ``cache_dtype``: the cache's, or for
+    an FP8 cache the queries' (its values are exact in bf16 / f16 / f32)."""
+    return jnp.dtype(q_dtype) if is_fp8(cache_dtype) else jnp.dtype(cache_dtype)
+
+
+def kv_read(x, q_dtype):
+    """Cache values read for attention: an FP8 cache's converted to q's dtype, others as they are."""
+    return x.astype(q_dtype) if is_fp8(x.dtype) else x
 
 
 def softmax_with_sinks(s, mask, sink=None):
@@ -93,8 +124,8 @@ def ref_paged_attention(
     P, S, KVH, _ = k_pages.shape
     G = H // KVH
     pages = jnp.clip(page_table, 0, P - 1)
-    k = k_pages[pages].reshape(B, -1, KVH, D)  # [B, L, KVH, D], L = pages_per_seq * S
-    v = v_pages[pages].reshape(B, -1, KVH, D)
+    k = kv_read(k_pages[pages].reshape(B, -1, KVH, D), q.dtype)  # [B, L, KVH, D], L = pages_per_seq * S
+    v = kv_read(v_pages[pages].reshape(B, -1, KVH, D), q.dtype)
     L = k.shape[1]
     kj = jnp.arange(L, dtype=jnp.int32)
     valid_k = kj[None, :] < kv_lens[:, None]  # [B, L]
@@ -126,8 +157,8 @@ def write_kv(
 ):  # -> (k_pages, v_pages)
     P, S, KVH, D = k_pages.shape
     idx = slot_mapping.reshape(-1)
-    k_new = k_new.reshape(-1, KVH, D).astype(k_pages.dtype)
-    v_new = v_new.reshape(-1, KVH, D).astype(v_pages.dtype)
+    k_new = kv_store(k_new.reshape(-1, KVH, D), k_pages.dtype)
+    v_new = kv_store(v_new.reshape(-1, KVH, D), v_pages.dtype)
     if idx.shape[0] == 1:
         # XLA rewrites a one-row scatter as select(in_bounds, dynamic_update_slice(cache),
         # cache), which keeps the old and the new cache alive at once: a full copy of the
@@ -146,6 +177,9 @@ def unsupported_shape_gpu(head_dim: int) -> str | None:
     from kernels_pallas import paged_attention_gpu as gpu  # local: light imports
 
     return gpu.unsupported_shape(head_dim)
+
+
+FP8_CACHE_TPU = "an FP8 KV cache: the TPU kernels read 16/32-bit pages"
 
 
 def unsupported_shape_tpu(head_dim: int) -> str | None:
@@ -173,8 +207,9 @@ def kernel_gpu(q, k_pages, v_pages, page_table, kv_lens, positions, causal=None,
     from kernels_pallas import paged_attention_gpu as gpu  # local: light imports
 
     _check(unsupported_shape_gpu, q, k_pages, v_pages, page_table, kv_lens, positions, causal)
-    out = gpu.paged_attention_gpu(q.astype(k_pages.dtype), k_pages, v_pages, page_table, kv_lens, positions, causal,
-                                  sinks, sm_scale=sm_scale, interpret=interpret, window=window)
+    out = gpu.paged_attention_gpu(q.astype(kv_compute_dtype(q.dtype, k_pages.dtype)), k_pages, v_pages, page_table,
+                                  kv_lens, positions, causal, sinks, sm_scale=sm_scale, interpret=interpret,
+                                  window=window)
     return out.astype(q.dtype)
 
 
@@ -185,6 +220,8 @@ def kernel_tpu(q, k_pages, v_pages, page_table, kv_lens, positions, causal=None,
     from kernels_pallas import paged_attention_tpu as tpu  # local: light imports
 
     _check(unsupported_shape_tpu, q, k_pages, v_pages, page_table, kv_lens, positions, causal)
+    if is_fp8(k_pages.dtype):
+        raise ValueError(f"paged_attention: {FP8_CACHE_TPU}")
     out = tpu.paged_attention_tpu(q.astype(k_pages.dtype), k_pages, v_pages, page_table, kv_lens, positions, causal,
                                   sm_scale=sm_scale, interpret=interpret)
     return out.astype(q.dtype)

@@ -57,6 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas.paged_attention import kv_compute_dtype, kv_read
 from kernels_pallas.tuning import device_tuning
 
 NEG_INF = -1e30  # finite "minus infinity": exp(NEG_INF - NEG_INF) stays defined
@@ -81,7 +82,7 @@ def validate_gpu(q, k_pages, *, block_rows, block_kv, kv_splits, split_combine="
     D = q.shape[-1]
     if unsupported_shape(D):
         raise ValueError(f"head_dim must be a power of 2 >= 16 for the Triton kernel, got {D}")
-    if q.dtype != k_pages.dtype:
+    if q.dtype != kv_compute_dtype(q.dtype, k_pages.dtype):  # an FP8 cache: any q dtype (read into it)
         raise ValueError(f"q dtype {q.dtype} must match the KV cache dtype {k_pages.dtype}")
     if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise ValueError(f"dtype must be f32, bf16 or f16, got {q.dtype}")
@@ -169,8 +170,8 @@ def _kernel(
         slot = jnp.minimum(lax.div(t, page_size), table_width - 1)  # t >= W*S is masked anyway
         page = pt_ref[b * table_width + slot]  # per-token page id
         rows = (page * page_size + lax.rem(t, page_size)) * kv_heads + h
-        k = k_ref[rows, :]  # [block_kv, D] gather: one contiguous D-row per token
-        v = v_ref[rows, :]
+        k = kv_read(k_ref[rows, :], q.dtype)  # [block_kv, D] gather: one contiguous D-row per token
+        v = kv_read(v_ref[rows, :], q.dtype)  # (an FP8 cache's converted to q's dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
         s = s * sm_scale
         if masked:

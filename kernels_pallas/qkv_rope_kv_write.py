@@ -39,6 +39,7 @@ from kernels_pallas.fused_linear import (
     ref_fused_linear,
     stream_rows,
 )
+from kernels_pallas.paged_attention import kv_store
 from kernels_pallas.rope_kv_write import ref_rope_kv_write
 
 
@@ -89,8 +90,8 @@ def _kernel(slot_ref, cos_ref, sin_ref, x_ref, w_lo, w_hi, norm_ref, *refs, H, K
         @pl.when(slot < drop)
         def _():
             base = (slot * KVH + kvh) * D + j0
-            ref[pl.ds(base, pairs)] = a.astype(ref.dtype)
-            ref[pl.ds(base + D // 2, pairs)] = b.astype(ref.dtype)
+            ref[pl.ds(base, pairs)] = kv_store(a, ref.dtype)  # (an FP8 cache: saturated)
+            ref[pl.ds(base + D // 2, pairs)] = kv_store(b, ref.dtype)
 
     @pl.when((head >= H) & (head < H + KVH))
     def _():

@@ -46,7 +46,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.paged_attention import softmax_with_sinks, validate_cache
+from kernels_pallas.paged_attention import (
+    FP8_CACHE_TPU,
+    is_fp8,
+    kv_compute_dtype,
+    kv_read,
+    softmax_with_sinks,
+    validate_cache,
+)
 
 NEG_INF = -1e30  # finite "minus infinity": exp(NEG_INF - NEG_INF) stays defined
 
@@ -125,8 +132,8 @@ def ref_ragged_paged_attention(
     W = page_table.shape[1]
     seq, last = token_layout(cu_q_lens, kv_lens, num_seqs, causal, T, W * S)
     pages = jnp.clip(page_table.astype(jnp.int32), 0, P - 1)[seq]  # [T, W]
-    k = k_pages[pages].reshape(T, W * S, KVH, D)
-    v = v_pages[pages].reshape(T, W * S, KVH, D)
+    k = kv_read(k_pages[pages].reshape(T, W * S, KVH, D), q.dtype)
+    v = kv_read(v_pages[pages].reshape(T, W * S, KVH, D), q.dtype)
     key = jnp.arange(W * S, dtype=jnp.int32)[None, :]
     visible = key <= last[:, None]  # [T, L]
     if window:
@@ -187,8 +194,8 @@ def kernel_gpu(
 
     meta = (cu_q_lens, kv_lens, page_table, num_seqs, causal)
     _check(unsupported_shape_gpu, q, k_pages, v_pages, *meta)
-    out = gpu.ragged_paged_attention_gpu(q.astype(k_pages.dtype), k_pages, v_pages, *meta, sinks, sm_scale=sm_scale,
-                                         window=window, block_q=block_q, block_kv=block_kv, interpret=interpret)
+    out = gpu.ragged_paged_attention_gpu(q.astype(kv_compute_dtype(q.dtype, k_pages.dtype)), k_pages, v_pages, *meta,
+                                         sinks, sm_scale=sm_scale, window=window, block_q=block_q, block_kv=block_kv, interpret=interpret)
     return out.astype(q.dtype)
 
 
@@ -202,6 +209,8 @@ def kernel_tpu(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, num_seqs, ca
 
     meta = (cu_q_lens, kv_lens, page_table, num_seqs, causal)
     _check(unsupported_shape_tpu, q, k_pages, v_pages, *meta)
+    if is_fp8(k_pages.dtype):
+        raise ValueError(f"ragged_paged_attention: {FP8_CACHE_TPU}")
     S = k_pages.shape[1]
     if block_kv is not None and block_kv % S:
         raise ValueError(f"block_kv={block_kv} must be a multiple of page_size={S} for the TPU kernel")

@@ -45,6 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas.paged_attention import kv_compute_dtype, kv_read
 from kernels_pallas.paged_attention_gpu import (
     MAX_COMBINE_SPLITS,
     NEG_INF,
@@ -62,7 +63,7 @@ def validate_gpu(q, k_pages, *, block_q, block_kv, kv_splits):
     D = q.shape[-1]
     if unsupported_shape(D):
         raise ValueError(f"head_dim must be a power of 2 >= 16 for the Triton kernel, got {D}")
-    if q.dtype != k_pages.dtype:
+    if q.dtype != kv_compute_dtype(q.dtype, k_pages.dtype):  # an FP8 cache: any q dtype (read into it)
         raise ValueError(f"q dtype {q.dtype} must match the KV cache dtype {k_pages.dtype}")
     if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise ValueError(f"dtype must be f32, bf16 or f16, got {q.dtype}")
@@ -164,8 +165,8 @@ def _kernel(
         slot = jnp.minimum(lax.div(t, page_size), table_width - 1)  # t >= W * S is masked anyway
         page = jnp.clip(pt_ref[seq_c * table_width + slot], 0, num_pages - 1)  # junk entries: any value
         rows = (page * page_size + lax.rem(t, page_size)) * kv_heads + h
-        k = k_ref[rows, :]  # [block_kv, D] gather: one contiguous D-row per key
-        v = v_ref[rows, :]
+        k = kv_read(k_ref[rows, :], q.dtype)  # [block_kv, D] gather: one contiguous D-row per key
+        v = kv_read(v_ref[rows, :], q.dtype)  # (an FP8 cache's converted to q's dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
         s = s * sm_scale
         if masked:

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas.fused_linear import rms_norm
-from kernels_pallas.paged_attention import write_kv
+from kernels_pallas.paged_attention import kv_store, write_kv
 from kernels_pallas.paged_attention_gpu import _next_pow2
 
 
@@ -129,10 +129,10 @@ def _kernel(slot_ref, cos_ref, sin_ref, qkv_ref, *refs, H, KVH, half, drop, eps,
     @pl.when(slot < drop)
     def _():
         rows = 2 * (slot * KVH + hk)
-        k_out[rows, :] = k1.astype(k_out.dtype)
-        k_out[rows + 1, :] = k2.astype(k_out.dtype)
-        v_out[rows, :] = v1.astype(v_out.dtype)
-        v_out[rows + 1, :] = v2.astype(v_out.dtype)
+        k_out[rows, :] = kv_store(k1, k_out.dtype)  # (an FP8 cache: saturated, paged_attention.kv_store)
+        k_out[rows + 1, :] = kv_store(k2, k_out.dtype)
+        v_out[rows, :] = kv_store(v1, v_out.dtype)
+        v_out[rows + 1, :] = kv_store(v2, v_out.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "eps", "interpret"))

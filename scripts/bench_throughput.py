@@ -9,8 +9,8 @@ beside the workload's hardware bound from the bandwidth and matrix-peak probes o
     PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --methods none,dflash:6.5,peagle:4.5 --dynamic on
     # text prompts from a file (one per line), the model's tokenizer when the folder has one
     PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --dataset prompts.txt --num-prompts 200
-    # the 8B shape's projections as FP8 (weight-only), plain and EAGLE3
-    PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --methods none,eagle3 --quantization fp8
+    # the 8B shape's projections as FP8 (weight-only), plain and EAGLE3; [and an FP8 KV cache]
+    PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --methods none,eagle3 --quantization fp8 [--kv-cache-dtype fp8]
     # a poor drafter against plain at each batch (B prompts at once, one engine per method),
     # with dynamic speculation (each step's drafts chosen as pays; its widths and times printed)
     PYTHONPATH=.:scripts python3 scripts/bench_throughput.py --methods none,eagle3 --tau 1.3 --batches 1,8,32,64,128,256 --dynamic on
@@ -67,20 +67,21 @@ class Bound:
 
 
 def workload_bound(cfg, n: int, inp: int, out: int, max_seqs: int, peak_flops: float, bw: float,
-                   itemsize: int = 2, layer_itemsize: int | None = None) -> Bound:
+                   itemsize: int = 2, layer_itemsize: int | None = None, kv_itemsize: int | None = None) -> Bound:
     """The hardware bound of ``n`` prompts of ``inp`` tokens -> ``out`` new tokens each at most
     ``max_seqs`` at a time, for a dense target ``cfg``: prefill FLOPs / ``peak_flops`` +
     decode bytes / ``bw`` (bytes/s). The first new token comes from the prefill; each of the
     other out - 1 is a decode step of the wave's rows, streaming the layers' and the
     lm_head's weights once and reading each row's KV so far. ``layer_itemsize``: bytes of a
-    layer's weight (1: FP8 projections; default ``itemsize``, also the KV's and the lm_head's)."""
+    layer's weight (1: FP8 projections; default ``itemsize``, also the lm_head's);
+    ``kv_itemsize``: of a KV value (1: an FP8 cache; default ``itemsize``)."""
     H, L = cfg.hidden_size, cfg.num_layers
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     layer = H * (q + 2 * kv) + q * H + 3 * H * cfg.intermediate_size  # a layer's matrices (norms: negligible)
     head = cfg.vocab_size * H
     # causal attention: position p's query meets p + 1 keys, in QK^T and in PV (2 FLOPs a MAC)
     flops_prompt = 2 * L * layer * inp + 2 * 2 * L * q * (inp * (inp + 1) // 2) + 2 * head
-    kv_token = 2 * L * kv * itemsize  # K and V of one token, every layer
+    kv_token = 2 * L * kv * (kv_itemsize or itemsize)  # K and V of one token, every layer
     decode_bytes = 0.0
     for start in range(0, n, max_seqs):
         rows = min(max_seqs, n - start)
@@ -123,11 +124,18 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
     kw = dict(dtype="bfloat16", load_format="dummy", max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
               max_model_len=args.input_len + args.output_len + 2 * (K + 1) + 16,
               max_num_batched_tokens=args.max_num_batched_tokens)
-    kw.update({k: v for k in ("max_prefill_chunk", "max_num_partial_prefills", "quantization")
+    kw.update({k: v for k in ("max_prefill_chunk", "max_num_partial_prefills", "quantization", "kv_cache_dtype")
                if (v := getattr(args, k)) is not None})
     if args.quick:  # a CPU: every shape compiled before the timed call, as an accelerator does at construction
         kw.update(num_pages=args.max_num_seqs * (-(-kw["max_model_len"] // 16) + 2) + 8, warmup=True)
+    if args.pool_only:
+        kw.update(warmup=False)
     llm = jspec.LLM(tdir, speculative_config=spec, **kw)
+    kv_dtype = llm.engine.runner.kv.k[0].dtype
+    print(f"{method}: KV pool {llm.engine.num_pages} pages x {llm.engine.config.page_size} tokens ({kv_dtype}) at "
+          f"gpu_memory_utilization {llm.engine.config.gpu_memory_utilization}", flush=True)
+    if args.pool_only:
+        return []
     sizes = [int(b) for b in args.batches.split(",")] if args.batches else [args.num_prompts]
     rng = np.random.default_rng(0)
     prompts = prompts_of(args, cfg, rng, llm.engine.tokenizer, max(sizes))
@@ -150,15 +158,17 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         n_in = sum(len(p) for p in prompts[:n])
         bound = workload_bound(cfg, n, args.input_len, args.output_len, args.max_num_seqs, peak, bw,
-                               layer_itemsize=1 if args.quantization else None)
+                               layer_itemsize=1 if args.quantization else None,
+                               kv_itemsize=1 if args.kv_cache_dtype == "fp8" else None)
         measured = llm.engine.spec_metrics.mean_acceptance_length if spec else None
         after = llm.engine.stats()
         widths = {q: n_q - before.get("decode_steps_by_width", {}).get(q, 0)
                   for q, n_q in after.get("decode_steps_by_width", {}).items()}
-        row = dict(method=method, quantization=args.quantization, K=K if spec else 0,
+        row = dict(method=method, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                   K=K if spec else 0,
                    synthetic_tau=tau if spec else None, tau=measured,
                    num_prompts=n, input_len=args.input_len, output_len=args.output_len,
-                   max_num_seqs=args.max_num_seqs, seconds=secs, requests_per_s=n / secs,
+                   max_num_seqs=args.max_num_seqs, kv_pages=llm.engine.num_pages, seconds=secs, requests_per_s=n / secs,
                    output_tok_s=n_out / secs, total_tok_s=(n_in + n_out) / secs, bound_s=bound.seconds,
                    bound_prefill_s=bound.prefill_s, bound_decode_s=bound.decode_s, of_bound=bound.seconds / secs,
                    vs_plain=plain[n] / secs if n in plain else None, decode_steps_by_width=widths,
@@ -290,11 +300,16 @@ def main(argv=None):
     ap.add_argument("--quantization", choices=["fp8"], default=None,
                     help="the target's projections as FP8, quantized per output channel as they load (vLLM's "
                          "online fp8; the drafters stay unquantized); the bound counts a layer's weights at a byte")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
+                    help="the target's KV cache: the model's dtype, or FP8 (e4m3, scales 1.0: twice the pages); "
+                         "the bound counts a KV value at a byte")
     ap.add_argument("--tau", type=float, default=3.5, help="synthetic acceptance length of the drafters")
     ap.add_argument("-k", "--k", type=int, default=0, help="num_speculative_tokens (default: the method's)")
     ap.add_argument("--trace-policy", action="store_true", help="dynamic speculation's choice at each decode "
                     "call, in the json rows (policy_trace)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and workload (a CPU smoke run)")
+    ap.add_argument("--pool-only", action="store_true", help="build each engine (no warmup), print its KV pool, "
+                    "run nothing")
     ap.add_argument("--json", default=None, help="write the rows here (default $OUT/bench_throughput.json)")
     args = ap.parse_args(argv)
     if args.quick:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from jspec import envs
 from jspec.engine.logprobs import LOGPROBS_MODES
@@ -25,6 +26,11 @@ class EngineConfig:
     # quantized per output channel as they load. Weight-only (jspec/quantization.py); a
     # drafter is loaded unquantized.
     quantization: str | None = None
+    # vLLM's name: "auto" (the model's dtype) or "fp8" / "fp8_e4m3": the target's KV cache in
+    # float8_e4m3fn, its scales 1.0 (vLLM's default without checkpoint scales; a drafter's
+    # cache stays in the model's dtype). Half the bytes of a bf16 page: twice the pages in the
+    # same memory.
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 8
     max_model_len: int | None = None  # None: min(max_position_embeddings, 4096)
     page_size: int = 16
@@ -95,10 +101,25 @@ def checked_max_model_len(c: EngineConfig, max_position_embeddings: int) -> int:
         raise ValueError(f"page_size and max_num_seqs must be >= 1 (got {c.page_size}, {c.max_num_seqs})")
     if c.num_scheduler_steps < 1:
         raise ValueError(f"num_scheduler_steps must be >= 1, got {c.num_scheduler_steps}")
+    kv_cache_dtype(c, "float32")  # its own error
     if c.logprobs_mode not in LOGPROBS_MODES or not isinstance(c.max_logprobs, int) or c.max_logprobs < -1:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES} (got {c.logprobs_mode!r}) and "
                          f"max_logprobs an integer >= -1 (got {c.max_logprobs!r})")
     return c.max_model_len or min(max_position_embeddings, 4096)
+
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names jspec takes
+
+
+def kv_cache_dtype(c: EngineConfig, dtype):
+    """The target's KV cache dtype for a model of ``dtype``: EngineConfig.kv_cache_dtype
+    ("auto": ``dtype``; "fp8" / "fp8_e4m3": float8_e4m3fn), or a ValueError naming it."""
+    if c.kv_cache_dtype == "auto":
+        return dtype
+    if c.kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return jnp.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype={c.kv_cache_dtype!r} is not supported (choose from {list(KV_CACHE_DTYPES)}: "
+                     f"'fp8' is e4m3 with scales of 1.0)")
 
 
 def default_token_budget(c: EngineConfig, K: int, chunk: int) -> int:

@@ -18,6 +18,7 @@ import numpy as np
 
 from jspec import envs
 from jspec.checkpoint.target import resolve_dtype
+from jspec.engine.engine_config import kv_cache_dtype
 from jspec.kv_cache import KVCache
 from jspec.parallel.multihost import agree_min
 
@@ -113,8 +114,8 @@ def create_pools(c, mc, dcfg, par, pages_per_seq: int, max_model_len: int, dtype
 
 def _allocate(c, mc, dcfg, par, num_pages: int, dtype):
     """(kv, dkv or None): the target's pool and the drafter's of ``num_pages`` pages."""
-    kv = KVCache.create(mc.num_layers, num_pages, c.page_size, mc.num_kv_heads, mc.head_dim, dtype,
-                        par.kv_sharding(mc.num_kv_heads))
+    kv = KVCache.create(mc.num_layers, num_pages, c.page_size, mc.num_kv_heads, mc.head_dim,
+                        kv_cache_dtype(c, dtype), par.kv_sharding(mc.num_kv_heads))
     if dcfg is None:
         return kv, None
     from jspec.drafters.registry import make_drafter
@@ -137,13 +138,15 @@ def pages_from_memory(c, mc, dcfg, par, pages_per_seq: int, own_bytes: int = 0, 
     if not limit or jax.default_backend() == "cpu":
         return c.max_num_seqs * pages_per_seq
     itemsize = np.dtype(resolve_dtype(c.dtype)).itemsize
-    # K and V of every target layer, and of every drafter layer (its own cache over the same
-    # page ids) when speculating; per device (tensor parallel: kv_heads / tp where sharded).
-    # (The n-gram method has no layers; its 4-byte token per slot is left out.)
-    layers = [(mc.num_layers, par.local_kv_heads(mc.num_kv_heads), mc.head_dim)]
+    # K and V of every target layer (in its kv_cache_dtype), and of every drafter layer (its
+    # own cache over the same page ids, the model's dtype) when speculating; per device (tensor
+    # parallel: kv_heads / tp where sharded). (The n-gram method has no layers; its 4-byte
+    # token per slot is left out.)
+    layers = [(mc.num_layers, par.local_kv_heads(mc.num_kv_heads), mc.head_dim,
+               np.dtype(kv_cache_dtype(c, resolve_dtype(c.dtype))).itemsize)]
     if dcfg is not None:
-        layers.append((dcfg.num_layers, par.local_kv_heads(dcfg.num_kv_heads, draft=True), dcfg.head_dim))
-    page_bytes = sum(2 * n * c.page_size * kvh * d * itemsize for n, kvh, d in layers)
+        layers.append((dcfg.num_layers, par.local_kv_heads(dcfg.num_kv_heads, draft=True), dcfg.head_dim, itemsize))
+    page_bytes = sum(2 * n * c.page_size * kvh * d * size for n, kvh, d, size in layers)
     fraction = envs.XLA_PYTHON_CLIENT_MEM_FRACTION  # the pool's share of the device (None: no pool)
     share = c.gpu_memory_utilization * (limit / fraction if fraction else limit)
     reserve = max(share * TEMP_RESERVE, LOGIT_COPIES * logit_rows * mc.vocab_size * 4)

@@ -58,8 +58,10 @@ def test_a_share_outside_0_1_is_an_error_before_anything_loads(bad):
         jspec.LLM("/nonexistent/model", gpu_memory_utilization=bad)
 
 
-def _pages(monkeypatch, *, fraction, limit, in_use, own, util, logit_rows=0, vocab=1):
-    """pages_from_memory on a fake GPU, in KV bytes: a one-layer float32 model, 8 bytes a page."""
+def _pages(monkeypatch, *, fraction, limit, in_use, own, util, logit_rows=0, vocab=1, dtype="float32", kv="auto",
+           pages=False):
+    """pages_from_memory on a fake GPU, in KV bytes: a one-layer float32 model, 8 bytes a page
+    (``pages``: the page count; ``dtype``, ``kv``: the model's dtype and kv_cache_dtype)."""
     if fraction is None:
         monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
     else:
@@ -69,10 +71,21 @@ def _pages(monkeypatch, *, fraction, limit, in_use, own, util, logit_rows=0, voc
     monkeypatch.setattr(jax, "devices", lambda *a: [dev])
     monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [dev])  # kv_memory reads this process's
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    c = NS(max_num_seqs=1, page_size=1, dtype="float32", gpu_memory_utilization=util)
+    c = NS(max_num_seqs=1, page_size=1, dtype=dtype, gpu_memory_utilization=util, kv_cache_dtype=kv)
     mc = NS(num_layers=1, num_kv_heads=1, head_dim=1, vocab_size=vocab)
     par = NS(local_kv_heads=lambda h, draft=False: h)
-    return kv_memory.pages_from_memory(c, mc, None, par, pages_per_seq=1, own_bytes=own, logit_rows=logit_rows) * 8
+    n = kv_memory.pages_from_memory(c, mc, None, par, pages_per_seq=1, own_bytes=own, logit_rows=logit_rows)
+    return n if pages else n * 8
+
+
+def test_an_fp8_kv_cache_holds_twice_the_pages(monkeypatch):
+    """kv_cache_dtype="fp8" (a byte a value) on a bf16 model: twice the pages of the bf16
+    cache in the same share; "fp8_e5m2" is an error naming the key."""
+    kw = dict(fraction=0.9, limit=72 * GB, in_use=16 * GB, own=16 * GB, util=0.9, dtype="bfloat16", pages=True)
+    bf16, fp8 = _pages(monkeypatch, **kw), _pages(monkeypatch, kv="fp8", **kw)
+    assert bf16 > 1e9 and fp8 == pytest.approx(2 * bf16, abs=2)
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e5m2' is not supported"):
+        _pages(monkeypatch, kv="fp8_e5m2", **kw)
 
 
 def test_kv_cache_gets_the_share_less_weights_and_temporaries(monkeypatch):

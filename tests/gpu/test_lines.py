@@ -648,12 +648,15 @@ def test_fp8_one_row_kernels(on_gpu, record_property):
                                     ("o + residual", x[:, :K], wo, so, {"residual": res}),
                                     ("down + swiglu + residual", x, wd, sd, {"prologue": "silu_mul", "residual": res})):
             got = fused_linear(xin, w, w_scale=s, eps=1e-5, interpret=not on_gpu, **kw)
-            errs[f"{name} {jnp.dtype(dt).name}"] = rel(got, ref_fused_linear(xin, w, w_scale=s, eps=1e-5, **kw))
+            with jax.default_matmul_precision("highest"):  # XLA's f32 dots on the GPU default to TF32
+                want = ref_fused_linear(xin, w, w_scale=s, eps=1e-5, **kw)
+            errs[f"{name} {jnp.dtype(dt).name}"] = rel(got, want)
         P, S = 4, 16
         kp, vp = (jax.random.normal(k, (P, S, KVH, D)).astype(dt) for k in ks[6:8])
         cos, sin = rope_tables(jnp.array([29]), rope_inv_freq(RopeConfig(10000.0), D))
         args = (x[:, :K], wqkv, nw, None, cos, sin, jnp.array([19], jnp.int32), kp, vp)
-        want = ref_qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, w_scale=sqkv)
+        with jax.default_matmul_precision("highest"):
+            want = ref_qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, w_scale=sqkv)
         got = qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, interpret=not on_gpu, w_scale=sqkv)
         errs[f"qkv_rope_kv_write {jnp.dtype(dt).name}"] = max(rel(g, r) for g, r in zip(got, want))
     assert all(e < (2e-2 if "bfloat16" in k else 1e-4) for k, e in errs.items()), errs
@@ -685,3 +688,49 @@ def test_warmup(name, k, gpu_refs, record_property):
     assert [o.token_ids for o in llm.generate(prompts, sp)] == want
     assert eng.runner.num_compilations == n, "a request compiled a new shape after warmup"
     record_property("detail", f"{n} shapes compiled, none after; outputs == plain greedy")
+
+
+@line("peagle", "an FP8 KV cache: the attention kernels over FP8 pages == over bf16 pages of the same values; "
+                "the KV writers saturate")
+def test_fp8_kv_cache_kernels(on_gpu, record_property):
+    """paged and ragged attention (the GPU kernels) over float8_e4m3fn pages == the same kernels
+    over bf16 pages holding the same values, bit for bit (each value converted to q's dtype as
+    it is read); RoPE + KV write into FP8 pages == into bf16 pages then kv_store (saturated at
+    448). A CPU smoke run: the kernels interpreted."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kernels_pallas import paged_attention as pa
+    from kernels_pallas import ragged_paged_attention as rpa
+    from kernels_pallas.rope_kv_write import rope_kv_write, rope_tables
+    from tests.kernels.test_paged_attention import MODES, make_batch
+    from tests.kernels.test_ragged_paged_attention import MIX, make_step
+
+    bf, f8 = jnp.bfloat16, jnp.float8_e4m3fn
+    same = lambda a, b: bool(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),  # noqa: E731
+                                            equal_nan=True))
+    checks = {}
+    for name, q_len, kv_lens, new, causal in MODES[:2]:
+        q, k, v, *meta = make_batch(1, q_len=q_len, kv_lens=kv_lens, kv_heads=2, group=4, dtype=jnp.float32,
+                                    causal=causal, new_tokens=new)
+        k8, v8 = pa.kv_store(k, f8), pa.kv_store(v, f8)
+        got, want = (pa.kernel_gpu(q.astype(bf), kk, vv, *meta, sm_scale=0.1, interpret=not on_gpu)
+                     for kk, vv in ((k8, v8), (k8.astype(bf), v8.astype(bf))))
+        checks[f"paged {name}"] = same(got, want)
+    q, k, v, *meta = make_step(2, MIX, num_tokens=64, max_seqs=10, group=2, dtype=jnp.float32)
+    k8, v8 = pa.kv_store(k, f8), pa.kv_store(v, f8)
+    fn = lambda *a: rpa.kernel_gpu(q.astype(bf), *a, *meta, sm_scale=0.1, interpret=not on_gpu)  # noqa: E731
+    checks["ragged"] = same(fn(k8, v8), fn(k8.astype(bf), v8.astype(bf)))
+    H, KVH, D, P, S = 4, 2, 64, 6, 8
+    kp = jnp.zeros((P, S, KVH, D), bf)
+    qkv = (jax.random.normal(jax.random.PRNGKey(0), (2, (H + 2 * KVH) * D)) * 300).astype(bf)
+    cos, sin = rope_tables(jnp.array([29, 30]), 1.0 / (10000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32))
+    slots = jnp.array([19, 3], jnp.int32)
+    _, k8w, v8w = rope_kv_write(qkv, cos, sin, slots, kp.astype(f8), kp.astype(f8), num_heads=H,
+                                interpret=not on_gpu)
+    _, kbw, vbw = rope_kv_write(qkv, cos, sin, slots, kp, kp, num_heads=H, interpret=not on_gpu)
+    checks["rope_kv_write"] = same(k8w, pa.kv_store(kbw, f8)) and same(v8w, pa.kv_store(vbw, f8))
+    checks["saturated"] = float(jnp.max(jnp.abs(v8w.astype(jnp.float32)))) == 448.0
+    assert all(checks.values()), checks
+    record_property("detail", "bit for bit: " + ", ".join(checks))

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.layers import rope_inv_freq
 from jspec.models.transformer import Transformer
 from jspec.ops import plan_kernels, plan_params
@@ -31,7 +30,7 @@ from kernels_pallas.fused_linear import fused_linear, fused_linear_gpu, ref_fuse
 from kernels_pallas.fused_linear_rows import fused_linear_rows, fused_linear_rows_gpu, ref_fused_linear_rows
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write_gpu, ref_qkv_rope_kv_write
 from kernels_pallas.rope_kv_write import rope_kv_write, rope_tables
-from tests.kernels.test_fused_linear import TINY, f32, linear_inputs, rel
+from tests.kernels.test_fused_linear import TINY, decoder_case, f32, linear_inputs, rel
 
 BF16 = jnp.bfloat16
 
@@ -136,16 +135,7 @@ def test_decoder_on_fp8_weights_with_the_kernels(qk_norm, Q):
     qkv + RoPE + KV write for Llama's layer, the post-attention norm handed over; XLA's dots
     at 4 rows) == XLA's ops, hidden states, logits and the written KV."""
     cfg = dataclasses.replace(TINY, qk_norm=qk_norm)
-    P, S = 8, 16
-    keys = jax.random.split(jax.random.PRNGKey(16), 2 * cfg.num_layers)
-    shape = (P, S, cfg.num_kv_heads, cfg.head_dim)
-    kv = KVCache(k=tuple(jax.random.normal(keys[i], shape).astype(BF16) for i in range(cfg.num_layers)),
-                 v=tuple(jax.random.normal(keys[-1 - i], shape).astype(BF16) for i in range(cfg.num_layers)))
-    meta = AttentionMetadata.for_single_sequence([3, 1, 5], S, 41 - Q, Q, P)
-    tok = jnp.array([[17, 3, 250, 9][-Q:]], jnp.int32)
-    params = Transformer(cfg, dtype=BF16).init(jax.random.PRNGKey(0), tok, meta, kv)["params"]
-    params = jax.tree.map(lambda a: (a + 0.05 * jax.random.normal(jax.random.PRNGKey(a.size), a.shape)).astype(BF16),
-                          params)
+    kv, meta, tok, params = decoder_case(cfg, Q, 16)
 
     def quantize(path, a):
         proj = len(path) >= 2 and path[-2].key.endswith("_proj") and path[-1].key == "weight"

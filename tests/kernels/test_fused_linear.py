@@ -307,6 +307,22 @@ TINY = ModelConfig(
 )
 
 
+def decoder_case(cfg, Q: int, seed: int):
+    """(a random bf16 cache of 8 pages of 16, one sequence's metadata writing Q tokens at 40 - Q..,
+    its Q tokens, random bf16 parameters) for a decoder of ``cfg``."""
+    P, S = 8, 16
+    keys = jax.random.split(jax.random.PRNGKey(seed), 2 * cfg.num_layers)
+    shape = (P, S, cfg.num_kv_heads, cfg.head_dim)
+    kv = KVCache(k=tuple(jax.random.normal(keys[i], shape).astype(BF16) for i in range(cfg.num_layers)),
+                 v=tuple(jax.random.normal(keys[-1 - i], shape).astype(BF16) for i in range(cfg.num_layers)))
+    meta = AttentionMetadata.for_single_sequence([3, 1, 5], S, 41 - Q, Q, P)
+    tok = jnp.array([[17, 3, 250, 9][-Q:]], jnp.int32)
+    params = Transformer(cfg, dtype=BF16).init(jax.random.PRNGKey(0), tok, meta, kv)["params"]
+    params = jax.tree.map(lambda a: (a + 0.05 * jax.random.normal(jax.random.PRNGKey(a.size), a.shape)).astype(BF16),
+                          params)
+    return kv, meta, tok, params
+
+
 @pytest.mark.parametrize("qk_norm,bias,Q", [(True, False, 1), (False, True, 1), (True, False, 4), (False, False, 4),
                                             (False, True, 4)])
 def test_decoder_with_fused_kernels_matches_reference(qk_norm, bias, Q):
@@ -317,15 +333,7 @@ def test_decoder_with_fused_kernels_matches_reference(qk_norm, bias, Q):
     would scale gate_up's bias too."""
     cfg = dataclasses.replace(TINY, qk_norm=qk_norm, attention_bias=bias, mlp_bias=bias)
     P, S = 8, 16
-    keys = jax.random.split(jax.random.PRNGKey(3), 2 * cfg.num_layers)
-    shape = (P, S, cfg.num_kv_heads, cfg.head_dim)
-    kv = KVCache(k=tuple(jax.random.normal(keys[i], shape).astype(BF16) for i in range(cfg.num_layers)),
-                 v=tuple(jax.random.normal(keys[-1 - i], shape).astype(BF16) for i in range(cfg.num_layers)))
-    meta = AttentionMetadata.for_single_sequence([3, 1, 5], S, 41 - Q, Q, P)
-    tok = jnp.array([[17, 3, 250, 9][-Q:]], jnp.int32)
-    params = Transformer(cfg, dtype=BF16).init(jax.random.PRNGKey(0), tok, meta, kv)["params"]
-    params = jax.tree.map(lambda a: (a + 0.05 * jax.random.normal(jax.random.PRNGKey(a.size), a.shape)).astype(BF16),
-                          params)
+    kv, meta, tok, params = decoder_case(cfg, Q, 3)
     outs = {}
     plans = {impl: plan_kernels(cfg, attn_impl="reference", linear_impl=impl, backend="cpu")
              for impl in ("reference", "interpret")}

@@ -73,22 +73,23 @@ def assert_calls(text, expected):
 # Each builder returns (fn, arg shapes, expected calls). fn closes over the static args.
 
 
-def attention_shapes(dtype, *, B=2, Q=3, H=4, KVH=2, D=128, P=6, S=16, W=3, causal=True):
-    shapes = [sds((B, Q, H, D), dtype), sds((P, S, KVH, D), dtype), sds((P, S, KVH, D), dtype),
+def attention_shapes(dtype, *, B=2, Q=3, H=4, KVH=2, D=128, P=6, S=16, W=3, causal=True, cache=None):
+    cache = cache or dtype  # the pages' dtype (FP8: an FP8 KV cache)
+    shapes = [sds((B, Q, H, D), dtype), sds((P, S, KVH, D), cache), sds((P, S, KVH, D), cache),
               sds((B, W), I32), sds((B,), I32), sds((B, Q), I32)]
     if causal:
         shapes.append(sds((B,), jnp.bool_))
     return shapes
 
 
-def attention_entry(platform, dtype, causal):
+def attention_entry(platform, dtype, causal, cache=None):
     """The platform's public entry, kv splits at their default (1 for this short context)."""
     entry = pa.kernel_gpu if platform == "gpu" else pa.kernel_tpu
 
     def fn(*a):
         return entry(*a, sm_scale=0.125)
     name = r"paged_attention_gpu_r\d+_k\d+_s1" if platform == "gpu" else r"paged_attention_tpu_p\d+_r\d+"
-    return fn, attention_shapes(dtype, causal=causal), [(TRITON if platform == "gpu" else MOSAIC, name)]
+    return fn, attention_shapes(dtype, causal=causal, cache=cache), [(TRITON if platform == "gpu" else MOSAIC, name)]
 
 
 def attention_gpu_splits(dtype, split_combine):
@@ -118,16 +119,18 @@ def attention_tpu_blocks(dtype):
     return fn, attention_shapes(dtype, Q=8, H=8, KVH=2, W=5), [(MOSAIC, r"paged_attention_tpu_p2_r16")]
 
 
-def ragged_shapes(dtype, *, T=8, H=4, KVH=2, D=128, P=6, S=16, N=3, W=3, causal=True):
-    """q [T, H, D], k/v pages, cu_q_lens [N + 1], kv_lens [N], page_table [N, W], num_seqs [1][, causal [N]]."""
-    shapes = [sds((T, H, D), dtype), sds((P, S, KVH, D), dtype), sds((P, S, KVH, D), dtype), sds((N + 1,), I32),
+def ragged_shapes(dtype, *, T=8, H=4, KVH=2, D=128, P=6, S=16, N=3, W=3, causal=True, cache=None):
+    """q [T, H, D], k/v pages (in ``cache``, default q's dtype), cu_q_lens [N + 1], kv_lens [N],
+    page_table [N, W], num_seqs [1][, causal [N]]."""
+    cache = cache or dtype
+    shapes = [sds((T, H, D), dtype), sds((P, S, KVH, D), cache), sds((P, S, KVH, D), cache), sds((N + 1,), I32),
               sds((N,), I32), sds((N, W), I32), sds((1,), I32)]
     if causal:
         shapes.append(sds((N,), jnp.bool_))
     return shapes
 
 
-def ragged_entry(platform, dtype, causal, **tuning):
+def ragged_entry(platform, dtype, causal, cache=None, **tuning):
     """The platform's public entry of the flat-batch attention; one kv split at this short context."""
     entry = rpa.kernel_gpu if platform == "gpu" else rpa.kernel_tpu
 
@@ -136,7 +139,7 @@ def ragged_entry(platform, dtype, causal, **tuning):
     name = r"ragged_paged_attention_gpu_q\d+_k64_s1" if platform == "gpu" else r"ragged_paged_attention_tpu_q\d+_p\d+"
     if tuning:  # TPU: block_q tokens, block_kv // S pages per kv step
         name = rf"ragged_paged_attention_tpu_q{tuning['block_q']}_p{tuning['block_kv'] // 16}"
-    return fn, ragged_shapes(dtype, causal=causal), [(TRITON if platform == "gpu" else MOSAIC, name)]
+    return fn, ragged_shapes(dtype, causal=causal, cache=cache), [(TRITON if platform == "gpu" else MOSAIC, name)]
 
 
 def ragged_gpu_splits(dtype):
@@ -224,20 +227,21 @@ def linear_rows_swiglu(R, fp8=False):
     return fn, shapes, [(TRITON, rf"fused_linear_rows_r{R}_f\d+_d\d+_swiglu_norm_in{'_fp8' if fp8 else ''}")]
 
 
-def rope_write(dtype, qk_norm, H=4):
-    """H = 0: k and v only (DFlash's context K/V)."""
+def rope_write(dtype, qk_norm, H=4, cache=None):
+    """H = 0: k and v only (DFlash's context K/V); cache: the pages' dtype (FP8)."""
     M, KVH, D, P, S = 2, 2, 64, 4, 8
+    cache = cache or dtype
 
     def fn(qkv, cos, sin, slots, kp, vp, *norms):
         return rope_kv_write(qkv, cos, sin, slots, kp, vp, *norms, num_heads=H)
     shapes = [sds((M, (H + 2 * KVH) * D), dtype), sds((M, D // 2), F32), sds((M, D // 2), F32), sds((M,), I32),
-              sds((P, S, KVH, D), dtype), sds((P, S, KVH, D), dtype)]
+              sds((P, S, KVH, D), cache), sds((P, S, KVH, D), cache)]
     if qk_norm:
         shapes += [sds((D,), dtype), sds((D,), dtype)]
     return fn, shapes, [(TRITON, r"rope_kv_write" if H else r"rope_kv_write_kv_only")]
 
 
-def qkv_rope_write(dtype, bias, gpt_oss=False, fp8=False):
+def qkv_rope_write(dtype, bias, gpt_oss=False, fp8=False, cache=None):
     H, KVH, D, K, P, S = (32, 8, 128, 4096, 4, 8) if dtype == BF16 else (4, 2, 64, 128, 4, 8)
     if gpt_oss:  # K = 2880 = 5 x 512 + a masked 320, the elementwise stream
         H, KVH, D, K = 64, 8, 64, 2880
@@ -247,7 +251,8 @@ def qkv_rope_write(dtype, bias, gpt_oss=False, fp8=False):
         b, scale = (extra[0] if bias else None), (extra[-1] if fp8 else None)
         return qkv_rope_kv_write(x, w, norm_w, b, cos, sin, slots, kp, vp, num_heads=H, eps=1e-5, w_scale=scale)
     shapes = [sds((1, K), dtype), sds((F, K), FP8 if fp8 else dtype), sds((K,), dtype), sds((1, D // 2), F32),
-              sds((1, D // 2), F32), sds((1,), I32), sds((P, S, KVH, D), dtype), sds((P, S, KVH, D), dtype)]
+              sds((1, D // 2), F32), sds((1,), I32), sds((P, S, KVH, D), cache or dtype),
+              sds((P, S, KVH, D), cache or dtype)]
     if bias:
         shapes.append(sds((F,), dtype))
     if fp8:
@@ -352,6 +357,11 @@ GPU_CASES = {
     "fused_linear_rows-16-norm_in-fp8": lambda: linear_rows(16, norm_in=True, fp8=True),
     "fused_linear_rows-8-swiglu-fp8": lambda: linear_rows_swiglu(8, fp8=True),
     "qkv_rope_kv_write-fp8": lambda: qkv_rope_write(BF16, bias=False, fp8=True),
+    # an FP8 KV cache: read by the attention kernels, written by the RoPE + KV-write kernels
+    "paged_attention-fp8_cache": lambda: attention_entry("gpu", BF16, causal=True, cache=FP8),
+    "ragged_paged_attention-fp8_cache": lambda: ragged_entry("gpu", BF16, causal=True, cache=FP8),
+    "rope_kv_write-fp8_cache": lambda: rope_write(BF16, qk_norm=True, cache=FP8),
+    "qkv_rope_kv_write-fp8_cache": lambda: qkv_rope_write(BF16, bias=False, cache=FP8),
     "rope_kv_write-bf16": lambda: rope_write(BF16, qk_norm=False),
     "rope_kv_write-qk_norm-f32": lambda: rope_write(F32, qk_norm=True),
     "rope_kv_write-kv_only-qk_norm-bf16": lambda: rope_write(BF16, qk_norm=True, H=0),

@@ -31,12 +31,14 @@ def test_translate_renames_aliases_and_refusals(caplog):
         out = vllm_args.translate(dict(block_size=32, num_gpu_blocks_override=100, dtype="half", max_num_seqs=4,
                                        trust_remote_code=True, enforce_eager=True, kv_cache_dtype="auto",
                                        quantization=None, pipeline_parallel_size=1), KNOWN)
-    assert out == dict(page_size=32, num_pages=100, dtype="float16", max_num_seqs=4, quantization=None)
+    assert out == dict(page_size=32, num_pages=100, dtype="float16", max_num_seqs=4, quantization=None,
+                       kv_cache_dtype="auto")
     assert vllm_args.translate(dict(quantization="fp8"), KNOWN) == dict(quantization="fp8")  # FP8 weights
+    assert vllm_args.translate(dict(kv_cache_dtype="fp8"), KNOWN) == dict(kv_cache_dtype="fp8")  # an FP8 KV cache
     assert "trust_remote_code=True has no effect in jspec" in caplog.text
     assert "enforce_eager=True has no effect in jspec" in caplog.text
     assert vllm_args.translate(dict(dtype="float"), KNOWN) == dict(dtype="float32")
-    for bad, match in [(dict(kv_cache_dtype="fp8"), r"kv_cache_dtype='fp8' is not supported: the KV cache is kept"),
+    for bad, match in [(dict(kv_cache_dtype="fp8_e5m2"), r"kv_cache_dtype='fp8_e5m2' is not supported: the target's KV"),
                        (dict(quantization="awq"), r"quantization='awq' is not supported: jspec serves FP8 weights"),
                        (dict(pipeline_parallel_size=2), r"pipeline_parallel_size=2 is not supported: .*tensor"),
                        (dict(revision="main"), r"revision='main' is not supported: jspec loads local folders"),
@@ -99,9 +101,9 @@ def test_cli_flags(capsys):
     assert (args.model_tag, kw["page_size"], kw["num_pages"], kw["dtype"]) == (TINY_MODEL, 32, 64, "float16")
     assert kw["enable_prefix_caching"] is False and kw["async_scheduling"] is True
     assert vllm_args.translate(cli.engine_kwargs(p.parse_args([TINY_MODEL, "-q", "fp8"])), KNOWN)["quantization"] == "fp8"
-    assert not {"trust_remote_code", "enforce_eager", "swap_space", "kv_cache_dtype"} & set(kw)
+    assert not {"trust_remote_code", "enforce_eager", "swap_space"} & set(kw) and kw["kv_cache_dtype"] == "auto"
     assert cli.engine_kwargs(p.parse_args(["--enable-prefix-caching"]))["enable_prefix_caching"] is True
-    for argv, match in [([TINY_MODEL, "--kv-cache-dtype", "fp8"], "kv_cache_dtype='fp8' is not supported"),
+    for argv, match in [([TINY_MODEL, "--kv-cache-dtype", "fp8_e5m2"], "kv_cache_dtype='fp8_e5m2' is not supported"),
                         ([TINY_MODEL, "-q", "awq"], "quantization='awq' is not supported"),
                         (["a", "--model", "b"], "the model is given twice"),
                         ([TINY_MODEL, "--chat-template", "no/such/file.jinja"], "no such file, and not a Jinja")]:
