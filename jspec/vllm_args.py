@@ -12,6 +12,7 @@ import difflib
 import logging
 
 from jspec import quantization
+from jspec.engine.engine_config import KV_CACHE_DTYPES
 
 logger = logging.getLogger("jspec")
 
@@ -63,7 +64,7 @@ CHOICES = {
                      "jspec serves FP8 weights (weight-only): a checkpoint whose quantization_config is "
                      "quant_method 'fp8' or 'compressed-tensors' FP8 (None takes it too), or 'fp8' to quantize "
                      "an unquantized checkpoint's projections as they load"),
-    "kv_cache_dtype": (str, ("auto", "fp8", "fp8_e4m3"),
+    "kv_cache_dtype": (str, tuple(KV_CACHE_DTYPES),
                        "the target's KV cache in the model's dtype ('auto') or float8_e4m3fn ('fp8', 'fp8_e4m3'; "
                        "scales of 1.0)"),
 }

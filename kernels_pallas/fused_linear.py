@@ -66,15 +66,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas.paged_attention import is_fp8  # an FP8 weight: weight-only, with a per-channel scale
 from kernels_pallas.paged_attention_gpu import _next_pow2
 from kernels_pallas.tuning import device_tuning
 
 PROLOGUES = ("none", "rmsnorm", "silu_mul")
-
-
-def is_fp8(dtype) -> bool:
-    """A one-byte float weight (float8_e4m3fn): weight-only FP8, with a per-channel scale."""
-    return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
 
 
 def dot_dtype(x_dtype, w_dtype):
@@ -167,7 +163,8 @@ def validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq=None, next
     if next_norm_w is not None and next_norm_w.shape != (F,):
         raise ValueError(f"next_norm_w must have shape ({F},), got {next_norm_w.shape}")
     if is_fp8(w.dtype) != (w_scale is not None):
-        raise ValueError(f"a {w.dtype} weight takes {'a' if is_fp8(w.dtype) else 'no'} w_scale (its per-channel scale)")
+        raise ValueError(f"a {w.dtype} weight takes {'a' if is_fp8(w.dtype) else 'no'} w_scale "
+                         f"(its per-channel scale)")
     if w_scale is not None and (w_scale.shape != (F,) or w_scale.dtype != jnp.float32):
         raise ValueError(f"w_scale must be float32 of shape ({F},), got {w_scale.dtype}{list(w_scale.shape)}")
 
@@ -215,7 +212,8 @@ def pad_sumsq(sumsq):
 def default_blocks(F: int, K: int, fp8: bool = False):
     """(block_f, block_d, num_warps, num_stages), or None when no tile divides the shape:
     the device's elementwise row (kernels_pallas/tuning.py; ``linear_fp8`` for an FP8
-    weight), shrunk to powers of two that divide [F, K]. On the H200: K = 4096 (qkv, o) 8 x 512 tiles, 4 warps, 4 stages (qkv
+    weight), shrunk to powers of two that divide [F, K]. On the H200: K = 4096 (qkv, o)
+    8 x 512 tiles, 4 warps, 4 stages (qkv
     15.9 us, o 10.7; 16 x 512: 16.3 / 11.3); K = 14336 (down) 16 x 1024, 8 warps, 2 stages
     (30.7 us; 16 x 512: 32.9)."""
     t = device_tuning().linear_tile(F, K, mma=False, fp8=fp8)
@@ -390,8 +388,8 @@ def fused_linear_gpu(x, w, norm_w=None, bias=None, residual=None, *, prologue="n
         out_shape = (out_shape, out_shape, jax.ShapeDtypeStruct((1, F // bf), jnp.float32))
     return pl.pallas_call(
         functools.partial(_kernel, prologue=prologue, K=K, block_f=bf, block_d=bd, eps=eps,
-                          has_scale=w_scale is not None, has_norm=norm_w is not None, has_sumsq=sumsq is not None, has_bias=bias is not None,
-                          has_res=residual is not None, has_next=next_norm_w is not None, mma=mma),
+                          has_scale=w_scale is not None, has_norm=norm_w is not None, has_sumsq=sumsq is not None,
+                          has_bias=bias is not None, has_res=residual is not None, has_next=next_norm_w is not None, mma=mma),
         grid=(F // bf,),
         in_specs=in_specs,
         out_specs=(whole, whole, whole) if next_norm_w is not None else whole,

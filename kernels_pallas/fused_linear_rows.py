@@ -87,8 +87,8 @@ def default_blocks(F: int, K: int, dtype, swiglu: bool = False):
 
 def _kernel(*refs, R, K, block_f, block_d, eps, has_scale, has_sumsq, has_bias, has_res, has_next, swiglu):
     # refs: x [R, K] (whole), w [block_f, K] (this program's rows; with swiglu two refs,
-    # its gate rows and its up rows), [w_scale f32[F] (whole; an FP8 weight's)], [sumsq f32[R, n] (whole, n a power of two)], [bias
-    # [F]], [residual [R, F]], [next_norm_w [F]], out [R, F] (whole; this program writes its
+    # its gate rows and its up rows), [w_scale f32[F] (whole; an FP8 weight's)], [sumsq
+    # f32[R, n] (whole, n a power of two)], [bias [F]], [residual [R, F]], [next_norm_w [F]], out [R, F] (whole; this program writes its
     # columns; swiglu: silu(g) * u [R, F / 2]), [out * next_norm_w [R, F], f32[R, programs]
     # (this program's sums of out^2, per row)].
     x_ref, *w_refs = refs[:3 if swiglu else 2]

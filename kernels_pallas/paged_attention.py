@@ -35,20 +35,21 @@ import jax
 import jax.numpy as jnp
 
 NEG_INF = -1e30
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 def is_fp8(dtype) -> bool:
-    """An FP8 cache's dtype (a one-byte float)."""
+    """A one-byte float (float8_e4m3fn): an FP8 KV cache's dtype, or an FP8 weight's
+    (kernels_pallas/fused_linear.py)."""
     return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
 
 
 def kv_store(x, dtype):
-    """x as the cache holds it: cast to ``dtype``; into an FP8 cache saturated at +-FP8_MAX
-    first, as vLLM's conversion does (float8_e4m3fn has no infinity: a plain cast turns an
-    overflow into NaN)."""
+    """x as the cache holds it: cast to ``dtype``; into an FP8 cache saturated at its largest
+    finite value first (448 for e4m3), as vLLM's conversion does (float8_e4m3fn has no
+    infinity: a plain cast turns an overflow into NaN)."""
     if is_fp8(dtype):
-        x = jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX)
+        top = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -top, top)
     return x.astype(dtype)
 
 

@@ -195,7 +195,8 @@ def kernel_gpu(
     meta = (cu_q_lens, kv_lens, page_table, num_seqs, causal)
     _check(unsupported_shape_gpu, q, k_pages, v_pages, *meta)
     out = gpu.ragged_paged_attention_gpu(q.astype(kv_compute_dtype(q.dtype, k_pages.dtype)), k_pages, v_pages, *meta,
-                                         sinks, sm_scale=sm_scale, window=window, block_q=block_q, block_kv=block_kv, interpret=interpret)
+                                         sinks, sm_scale=sm_scale, window=window, block_q=block_q, block_kv=block_kv,
+                                         interpret=interpret)
     return out.astype(q.dtype)
 
 

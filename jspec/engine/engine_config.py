@@ -108,18 +108,17 @@ def checked_max_model_len(c: EngineConfig, max_position_embeddings: int) -> int:
     return c.max_model_len or min(max_position_embeddings, 4096)
 
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names jspec takes
+# vLLM's kv_cache_dtype values jspec takes, each with the cache's dtype (None: the model's)
+KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
 
 
 def kv_cache_dtype(c: EngineConfig, dtype):
     """The target's KV cache dtype for a model of ``dtype``: EngineConfig.kv_cache_dtype
     ("auto": ``dtype``; "fp8" / "fp8_e4m3": float8_e4m3fn), or a ValueError naming it."""
-    if c.kv_cache_dtype == "auto":
-        return dtype
-    if c.kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        return jnp.float8_e4m3fn
-    raise ValueError(f"kv_cache_dtype={c.kv_cache_dtype!r} is not supported (choose from {list(KV_CACHE_DTYPES)}: "
-                     f"'fp8' is e4m3 with scales of 1.0)")
+    if c.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={c.kv_cache_dtype!r} is not supported (choose from "
+                         f"{list(KV_CACHE_DTYPES)}: 'fp8' is e4m3 with scales of 1.0)")
+    return KV_CACHE_DTYPES[c.kv_cache_dtype] or dtype
 
 
 def default_token_budget(c: EngineConfig, K: int, chunk: int) -> int:

@@ -137,13 +137,14 @@ def pages_from_memory(c, mc, dcfg, par, pages_per_seq: int, own_bytes: int = 0, 
     limit = stats.get("bytes_limit")
     if not limit or jax.default_backend() == "cpu":
         return c.max_num_seqs * pages_per_seq
-    itemsize = np.dtype(resolve_dtype(c.dtype)).itemsize
+    dtype = resolve_dtype(c.dtype)
+    itemsize = np.dtype(dtype).itemsize
     # K and V of every target layer (in its kv_cache_dtype), and of every drafter layer (its
     # own cache over the same page ids, the model's dtype) when speculating; per device (tensor
     # parallel: kv_heads / tp where sharded). (The n-gram method has no layers; its 4-byte
     # token per slot is left out.)
     layers = [(mc.num_layers, par.local_kv_heads(mc.num_kv_heads), mc.head_dim,
-               np.dtype(kv_cache_dtype(c, resolve_dtype(c.dtype))).itemsize)]
+               np.dtype(kv_cache_dtype(c, dtype)).itemsize)]
     if dcfg is not None:
         layers.append((dcfg.num_layers, par.local_kv_heads(dcfg.num_kv_heads, draft=True), dcfg.head_dim, itemsize))
     page_bytes = sum(2 * n * c.page_size * kvh * d * size for n, kvh, d, size in layers)
