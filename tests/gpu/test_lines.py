@@ -466,10 +466,11 @@ def _greedy_equals_references(llm, r, n: int, what: str) -> str:
                   "float32"))])
 def test_fp8_target(name, method, gpu_ckpts, gpu_refs, on_gpu, record_property):
     """An FP8 checkpoint's greedy output on the GPU == transformers' on its dequantized weights
-    (float32), plain or with an (unquantized) EAGLE3 drafter: the FP8 weights' dots as XLA
-    runs them (jspec/ops.py, _fp8_linear: per channel the scale after the dot; per block the
-    row blocks' dots up to FP8_BLOCK_DOT_ROWS rows, decode and verification here, and the
-    weight dequantized first for the prompts) beside the GPU attention kernels."""
+    (float32), plain or with an (unquantized) EAGLE3 drafter, beside the GPU attention kernels:
+    per channel, the scale after the dot (two rows a step here: XLA's dots; one row takes the
+    kernels, the "one-row kernels on FP8 weights" line); per block (jspec/ops.py,
+    _fp8_block_linear) the row blocks' dots up to FP8_BLOCK_DOT_ROWS rows, decode and
+    verification here, and the weight dequantized first for the prompts."""
     import jspec
     from jspec.quantization import QuantWeight
     from tests.helpers import spec_e2e as h
