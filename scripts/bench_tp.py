@@ -97,11 +97,12 @@ def allreduce_latency(tp: int, rows: int, hidden: int, chain: int = 128) -> dict
         from gpu_trace import device_times
 
         t = device_times(f, [(x,)], reps=5)
+        ndev = min(tp, jax.local_device_count())  # the devices this process traced (its own under --procs)
         coll = {n: us for n, us in t["kernels_us"].items() if COLLECTIVE.search(n)}
         # kernel time per all-reduce on one device (every device runs each all-reduce once)
-        out["kernel_us"] = sum(coll.values()) / chain / tp
+        out["kernel_us"] = sum(coll.values()) / chain / ndev
         out["kernels"] = sorted(coll)[:4]
-        out["busy_us"] = t["busy_us"] / chain / tp
+        out["busy_us"] = t["busy_us"] / chain / ndev
         # On 4 x H100 (2026-11-26) no kernel name matched COLLECTIVE here, while the engine's
         # step showed ncclDevKernel_AllGather: the top names say what ran instead.
         out["top_kernels_us"] = [(n[:80], round(us / chain, 2)) for n, us in list(t["kernels_us"].items())[:4]]
@@ -170,6 +171,20 @@ def decode_profile(llm, ctx: int, new: int, rng) -> dict:
                 span_us=(per[new]["span"] - per[1]["span"]) / steps / 1e3, top_kernels_us=top)
 
 
+def _wait_all(procs) -> list:
+    """The exit codes of ``procs``; when one fails, the others are killed, not left waiting
+    in a collective for it."""
+    import time
+
+    while any(p.poll() is None for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.5)
+    return [p.returncode for p in procs]
+
+
 def spawn(argv, args) -> dict:
     """--procs: each tp of --tps as tp child processes of this script (one device each, ranks
     0..tp-1); their node 0's rows merged, each tp > 1 row set beside tp 1's."""
@@ -189,7 +204,7 @@ def spawn(argv, args) -> dict:
                 if args.cpu_devices:
                     cmd += ["--cpu-devices", "0"]
                 procs.append(subprocess.Popen(cmd, env=env, stdout=None if rank == 0 else subprocess.DEVNULL))
-            rcs = [p.wait() for p in procs]
+            rcs = _wait_all(procs)
             if any(rcs):
                 raise SystemExit(f"--procs tp={tp}: the processes exited with {rcs}")
             with open(os.path.join(out, f"bench_tp_procs_tp{tp}.json")) as f:
@@ -202,7 +217,7 @@ def spawn(argv, args) -> dict:
                 print(f"--procs tp={tp} {row['method']} B={row['batch']}: {row['tok_s']:.1f} tok/s, "
                       f"{row['tp1_speedup']:.2f}x tp=1", flush=True)
             result["rows"].append(row)
-        for k in ("bandwidth_TBps", "profile"):
+        for k in ("bandwidth_TBps", "profile", "allreduce"):
             if k in part:
                 result.setdefault(k, []).append(part[k])
     return _write(result)
@@ -243,22 +258,22 @@ def main(argv=None):
     print(f"{jax.device_count()} x {jax.devices()[0].device_kind}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
           flush=True)
     result: dict = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": []}
-    if nnodes > 1:  # a --procs child: tp 1's greedy tokens and the collective probe are in other processes
-        args.greedy, args.allreduce, args.allreduce_only = 0, False, False
+    if nnodes > 1:  # a --procs child: tp 1's greedy tokens are in another process
+        args.greedy = 0
     if args.allreduce or args.allreduce_only:
         result["allreduce"] = []
         for tp in tps:
-            for B in (1, 32) if tp > 1 else ():
+            for B in (1, 32) if tp > 1 and (nnodes == 1 or nnodes == tp) else ():
                 r = allreduce_latency(tp, B, cfg.hidden_size)
                 result["allreduce"].append(r)
-                print(f"all-reduce tp={tp} bf16 [{B}, {cfg.hidden_size}]: {r['wall_us']:.1f} us per all-reduce "
+                print(f"all-reduce tp={tp}{' (a process per device)' if nnodes > 1 else ''} bf16 [{B}, {cfg.hidden_size}]: {r['wall_us']:.1f} us per all-reduce "
                       f"(wall clock, {r['chain']} chained)"
                       + (f", {r['kernel_us']:.1f} us collective kernel time {r['kernels']}; GPU busy "
                          f"{r['busy_us']:.1f} us per device; top kernels {r['top_kernels_us']}"
                          if "kernel_us" in r else ""),
                       flush=True)
     if args.allreduce_only:
-        return _write(result)
+        return _write(result) if lead else result
     bw = measure_bandwidth(args.quick)["best_TBps"] * 1e12 if lead else 0.0  # one device
     result["bandwidth_TBps"] = bw / 1e12
     print(f"{bw / 1e12:.2f} TB/s per device; {args.model if not args.quick else 'tiny'}, ctx {ctx}, "

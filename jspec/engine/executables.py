@@ -11,8 +11,11 @@ An entry is loaded only under the key of everything its trace reads (``Store.key
     settings, as stable reprs);
   the call: the jitted function's name, its static arguments and the abstract value of each
     argument (pytree structure, shapes, dtypes, shardings and their devices).
-Entries of other environments are removed (the code changed: they can never load again),
-and the folder is held under JSPEC_COMPILATION_CACHE_MAX_GB, least recently used first.
+The whole store, every environment's folder, is held under JSPEC_COMPILATION_CACHE_MAX_GB,
+least recently used first: another environment is not removed on sight, since it may be
+another process's on this host now (one per GPU differs in JAX_LOCAL_DEVICE_IDS; removing
+each other's folders made a tp 2 run with a process per GPU fail on a vanished file), and one
+the code left behind ages out.
 A step compiled while jax's persistent cache holds it is not kept here (``compile_and_keep``):
 such a process loads it from jax's cache, as before. Nor is one the platform cannot serialize
 (XLA:CPU: the top-k / top-p variants, "`LessThan` is not serializable"), which jax's cache
@@ -120,7 +123,10 @@ class Store:
             logger.warning("compiled step %s could not be loaded (%s: %s); compiling it again", path,
                            type(e).__name__, e)
             return None
-        os.utime(path)  # its last use, for the size limit
+        try:
+            os.utime(path)  # its last use, for the size limit
+        except OSError:  # removed by another process's size limit meanwhile: loaded all the same
+            pass
         return compiled
 
     def keep(self, key: str, compiled) -> None:
@@ -148,43 +154,42 @@ class Store:
         except Exception as e:  # an executable the platform cannot serialize: nothing kept
             logger.debug("compiled step not kept (%s: %s)", type(e).__name__, e)
             return
-        fresh = not os.path.isdir(self.folder)
         os.makedirs(self.folder, exist_ok=True)
         tmp = f"{self._path(key)}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
             f.write(blob)
         os.replace(tmp, self._path(key))  # whole or not at all, for another process reading it
-        if fresh:
-            self._remove_other_environments()
         self._limit_size()
 
-    def _remove_other_environments(self):
-        for name in os.listdir(self.root):
-            path = os.path.join(self.root, name)
-            if name != os.path.basename(self.folder) and os.path.isdir(path):
-                for f in os.listdir(path):
-                    _remove(os.path.join(path, f))
-                try:
-                    os.rmdir(path)
-                except OSError:
-                    pass
-
     def _limit_size(self):
+        """Every environment's entries under max_bytes, the least recently used removed first;
+        a folder left empty goes too."""
         if self.max_bytes is None:
             return
-        entries = []
-        for name in os.listdir(self.folder):
-            try:
-                st = os.stat(os.path.join(self.folder, name))
-            except FileNotFoundError:
+        entries, folders = [], []
+        for env in os.listdir(self.root):
+            folder = os.path.join(self.root, env)
+            if not os.path.isdir(folder):
                 continue
-            entries.append((st.st_mtime, st.st_size, name))
+            folders.append(folder)
+            for name in os.listdir(folder):
+                try:
+                    st = os.stat(os.path.join(folder, name))
+                except FileNotFoundError:  # another process removed or replaced it meanwhile
+                    continue
+                entries.append((st.st_mtime, st.st_size, os.path.join(folder, name)))
         total = sum(e[1] for e in entries)
-        for _, size, name in sorted(entries):
+        for _, size, path in sorted(entries):
             if total <= self.max_bytes:
                 break
-            _remove(os.path.join(self.folder, name))
+            _remove(path)
             total -= size
+        for folder in folders:
+            if folder != self.folder:
+                try:
+                    os.rmdir(folder)  # only when empty
+                except OSError:
+                    pass
 
 
 def _remove(path):
