@@ -47,6 +47,9 @@ class QuantConfig:
     ignore: tuple[str, ...] = ()  # modules left unquantized: exact names, or "re:" regular expressions
     substring_ignore: bool = False  # the "fp8" format's modules_to_not_convert: any name containing one
     input_scale: bool = False  # static activation scales in the checkpoint (<module>.input_scale): not read
+    # kv_cache_scheme: the checkpoint holds per-tensor FP8 KV-cache scales (<attn>.k_scale, .v_scale),
+    # used under kv_cache_dtype="fp8" (jspec/checkpoint/kv_scales.py), ignored by a bf16 cache
+    kv_scales: bool = False
 
     def quantized(self, module: str) -> bool:
         """Whether the projection ``module`` (an HF name, "model.layers.0.self_attn.q_proj") is quantized."""
@@ -96,8 +99,7 @@ def _compressed_tensors(q: dict) -> QuantConfig:
     _unknown(q, _CT_KEYS, "compressed-tensors")
     if q.get("format") not in ("float-quantized", "naive-quantized"):
         raise _err(f"format={q.get('format')!r} is not supported (supported: 'float-quantized', 'naive-quantized')")
-    if q.get("kv_cache_scheme") is not None:
-        raise _err(f"kv_cache_scheme={q['kv_cache_scheme']!r} is not supported (the KV cache is kept unquantized)")
+    kv_scales = _kv_cache_scheme(q.get("kv_cache_scheme"))
     if q.get("sparsity_config"):
         raise _err(f"sparsity_config={q['sparsity_config']!r} is not supported")
     groups = q.get("config_groups")
@@ -111,7 +113,23 @@ def _compressed_tensors(q: dict) -> QuantConfig:
     ignore = q.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
         raise _err(f"ignore={ignore!r}: a list of module names expected")
-    return QuantConfig("compressed-tensors", scheme, block, "weight_scale", tuple(ignore), False, static)
+    return QuantConfig("compressed-tensors", scheme, block, "weight_scale", tuple(ignore), False, static, kv_scales)
+
+
+def _kv_cache_scheme(kv) -> bool:
+    """compressed-tensors' kv_cache_scheme: None, or static per-tensor FP8 e4m3 scales (what
+    llm-compressor writes and vLLM reads: one k_scale and one v_scale per layer) -> True; any
+    other scheme is an error naming its key."""
+    if kv is None:
+        return False
+    if not isinstance(kv, dict):
+        raise _err(f"kv_cache_scheme={kv!r}: an object expected")
+    for key, want in (("num_bits", 8), ("type", "float"), ("strategy", "tensor"), ("dynamic", False),
+                      ("symmetric", True)):
+        if kv.get(key, want) != want:
+            raise _err(f"kv_cache_scheme.{key}={kv.get(key)!r} is not supported (only {want!r}: static per-tensor "
+                       f"FP8 e4m3 KV-cache scales)")
+    return True
 
 
 def _ct_group(where: str, g) -> tuple[str, tuple[int, int] | None, bool]:

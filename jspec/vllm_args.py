@@ -66,7 +66,7 @@ CHOICES = {
                      "an unquantized checkpoint's projections as they load"),
     "kv_cache_dtype": (str, tuple(KV_CACHE_DTYPES),
                        "the target's KV cache in the model's dtype ('auto') or float8_e4m3fn ('fp8', 'fp8_e4m3'; "
-                       "scales of 1.0)"),
+                       "scales from the checkpoint, else 1.0)"),
 }
 
 # The server's flag type of each of vLLM's arguments above (bool: a switch).

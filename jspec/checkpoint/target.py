@@ -13,6 +13,7 @@ import os
 import jax
 import numpy as np
 
+from jspec.checkpoint import kv_scales
 from jspec.checkpoint.dummy import check_load_format, dummy_params
 from jspec.checkpoint.param_spec import (
     DTYPES,
@@ -164,7 +165,8 @@ def auto_dtype(checkpoint_dtype: str, backend: str) -> str:
     return "float32" if backend == "cpu" else checkpoint_dtype
 
 
-def load_target(path, dtype="float32", sharding=None, progress=None, load_format="auto", quantization=None):
+def load_target(path, dtype="float32", sharding=None, progress=None, load_format="auto", quantization=None,
+                kv_cache_scales: bool = False):
     """Load (ModelConfig, params) from a HF folder, or from its orbax copy when present.
 
     A folder holding ``orbax_params/`` (written by scripts/convert_to_orbax.py) restores
@@ -175,6 +177,9 @@ def load_target(path, dtype="float32", sharding=None, progress=None, load_format
     ``quantization`` (vLLM's argument): None or the method of the checkpoint's
     quantization_config (FP8 weights, read as they are), or "fp8" on an unquantized checkpoint:
     its projections quantized per output channel as they load (jspec/quantization.py).
+    ``kv_cache_scales`` (an FP8 KV cache): the checkpoint's KV-cache scales, where its
+    quantization_config declares them, folded into the attention's weights
+    (jspec/checkpoint/kv_scales.py); otherwise they are not read.
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -197,7 +202,10 @@ def load_target(path, dtype="float32", sharding=None, progress=None, load_format
     else:
         with open_tensor_source(path) as src:
             # Every name and shape up front, so a bad checkpoint fails before any transfer.
-            check_specs(src, specs, path, "checkpoint")
+            kv_names = kv_scales.tensor_names(src, cfg) if cfg.quantization and cfg.quantization.kv_scales else []
+            check_specs(src, specs, path, "checkpoint", ignored=kv_names)
+            if kv_cache_scales and cfg.quantization and cfg.quantization.kv_scales:
+                src = kv_scales.Scaled(src, kv_scales.factors(cfg, kv_scales.read(src, cfg, path)))
             params = load_params(src, specs, dt, sharding, progress)
     jax.block_until_ready(params)
     return cfg, params

@@ -27,8 +27,8 @@ class EngineConfig:
     # drafter is loaded unquantized.
     quantization: str | None = None
     # vLLM's name: "auto" (the model's dtype) or "fp8" / "fp8_e4m3": the target's KV cache in
-    # float8_e4m3fn, its scales 1.0 (vLLM's default without checkpoint scales; a drafter's
-    # cache stays in the model's dtype). Half the bytes of a bf16 page: twice the pages in the
+    # float8_e4m3fn, its scales the checkpoint's (kv_cache_scheme: jspec/checkpoint/kv_scales.py)
+    # or 1.0, as vLLM's (a drafter's cache stays in the model's dtype). Half the bytes of a bf16 page: twice the pages in the
     # same memory.
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 8
@@ -117,7 +117,7 @@ def kv_cache_dtype(c: EngineConfig, dtype):
     ("auto": ``dtype``; "fp8" / "fp8_e4m3": float8_e4m3fn), or a ValueError naming it."""
     if c.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype={c.kv_cache_dtype!r} is not supported (choose from "
-                         f"{list(KV_CACHE_DTYPES)}: 'fp8' is e4m3 with scales of 1.0)")
+                         f"{list(KV_CACHE_DTYPES)}: 'fp8' is e4m3, its scales the checkpoint's or 1.0)")
     return KV_CACHE_DTYPES[c.kv_cache_dtype] or dtype
 
 

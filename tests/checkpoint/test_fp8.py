@@ -167,7 +167,10 @@ def test_quantization_argument_and_unsupported_configs(ckpt_root):
     weights = ct["config_groups"]["group_0"]["weights"]
     bad = [({"quant_method": "awq"}, r"quant_method='awq' is not supported"),
            ({**ct, "format": "pack-quantized"}, r"format='pack-quantized' is not supported"),
-           ({**ct, "kv_cache_scheme": {"num_bits": 8}}, r"kv_cache_scheme=.* is not supported"),
+           ({**ct, "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "channel"}},
+            r"kv_cache_scheme.strategy='channel' is not supported"),
+           ({**ct, "kv_cache_scheme": {"num_bits": 8, "dynamic": True}}, r"kv_cache_scheme.dynamic=True is not supported"),
+           ({**ct, "kv_cache_scheme": "fp8"}, r"kv_cache_scheme='fp8': an object expected"),
            ({**ct, "config_groups": {"group_0": {**ct["config_groups"]["group_0"],
                                                  "weights": {**weights, "num_bits": 4, "type": "int"}}}},
             r"config_groups.group_0.weights.num_bits=4 is not supported"),
