@@ -38,13 +38,16 @@ LLAMA_8B = [("qkv", 6144, 4096, "rmsnorm", False), ("o", 4096, 4096, "none", Tru
 QWEN3_30B_A3B = [("qkv", 5120, 2048, "rmsnorm", False), ("o", 2048, 4096, "none", True)]
 LLAMA_1B = [("qkv", 3072, 2048, "rmsnorm", False), ("o", 2048, 2048, "none", True),
             ("gate_up", 16384, 2048, "rmsnorm", False), ("down", 2048, 8192, "silu_mul", True)]
-# One device's shards of a Llama-3.3-70B layer at tensor parallel 2 (per_shard_layer): q|k|v and
+# One device's shards of a Llama-3.3-70B (Llama-3.1-8B) layer at tensor parallel 2 (per_shard_layer): q|k|v and
 # gate|up split by output, o and down by input (their outputs partial sums, f32).
 LLAMA_70B_TP2 = [("qkv", 5120, 8192, "rmsnorm", False), ("o", 8192, 4096, "none", True),
                  ("gate_up", 28672, 8192, "rmsnorm", False), ("down", 8192, 14336, "silu_mul", True)]
-SHAPES = {"llama-8b": LLAMA_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "llama-1b": LLAMA_1B, "llama-70b-tp2": LLAMA_70B_TP2}
+LLAMA_8B_TP2 = [("qkv", 3072, 4096, "rmsnorm", False), ("o", 4096, 2048, "none", True),
+                ("gate_up", 14336, 4096, "rmsnorm", False), ("down", 4096, 7168, "silu_mul", True)]
+SHAPES = {"llama-8b": LLAMA_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "llama-1b": LLAMA_1B, "llama-70b-tp2": LLAMA_70B_TP2,
+          "llama-8b-tp2": LLAMA_8B_TP2}
 HEADS = {"llama-8b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128), "llama-1b": (32, 8, 64),
-         "llama-70b-tp2": (32, 4, 128)}  # (H, KVH, D)
+         "llama-70b-tp2": (32, 4, 128), "llama-8b-tp2": (16, 4, 128)}  # (H, KVH, D)
 TINY = [("qkv", 256, 128, "rmsnorm", False), ("gate_up", 256, 128, "rmsnorm", False), ("down", 128, 256, "silu_mul", True), ("lm_head", 512, 128, "none", False)]
 
 
