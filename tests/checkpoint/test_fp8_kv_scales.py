@@ -11,7 +11,6 @@ biases (the scaled q / k / v biases) and Qwen3 (the q_norm / k_norm weights) bot
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -21,7 +20,7 @@ import pytest
 import jspec
 from jspec.checkpoint.safetensors_io import CheckpointError
 from jspec.checkpoint.target import flat_params
-from tests.helpers.fp8 import write_fp8
+from tests.helpers.fp8 import with_kv_scales, write_fp8
 from tests.helpers.targets import build_hf_model, random_prompt
 
 KW = dict(max_num_seqs=1, max_model_len=64, page_size=8, dtype="float32", warmup=False, enable_prefix_caching=False)
@@ -44,27 +43,11 @@ def run(folder, kv_cache_dtype="auto", max_tokens=NEW, logprobs=None):
 def with_scales(root, kind):
     """(an FP8 checkpoint without KV scales, the same with calibrated ones, the scales [(k, v)])."""
     if kind not in _BUILT:
-        import torch
-        from safetensors.torch import load_file, save_file
-
         plain, _, _ = write_fp8(build_hf_model(kind), os.path.join(str(root), f"{kind}_kv"), "ct_channel")
         llm, _ = run(plain, max_tokens=1)  # the exact (float32) cache after the prompt's prefill
         ks, vs = pages(llm)
         scales = [(float(np.abs(k).max()) / 200, float(np.abs(v).max()) / 200) for k, v in zip(ks, vs)]
-        scaled = plain + "_scaled"
-        shutil.copytree(plain, scaled)
-        tensors = load_file(os.path.join(scaled, "model.safetensors"))
-        for i, (k, v) in enumerate(scales):
-            tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k)
-            tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([v])  # either shape, as files have them
-        save_file(tensors, os.path.join(scaled, "model.safetensors"))
-        with open(os.path.join(scaled, "config.json")) as f:
-            cfg = json.load(f)
-        cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
-                                                         "dynamic": False, "symmetric": True}
-        with open(os.path.join(scaled, "config.json"), "w") as f:
-            json.dump(cfg, f)
-        _BUILT[kind] = (plain, scaled, scales)
+        _BUILT[kind] = (plain, with_kv_scales(plain, plain + "_scaled", scales), scales)
     return _BUILT[kind]
 
 

@@ -46,6 +46,32 @@ def quant_config(fmt: str, block=(128, 128)) -> dict:
             "global_compression_ratio": None, "sparsity_config": {}, "version": "0.10.2"}
 
 
+# compressed-tensors' static per-tensor FP8 KV-cache scheme (llm-compressor's)
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def with_kv_scales(folder: str, out: str, scales: list[tuple[float, float]]) -> str:
+    """A copy at ``out`` of the compressed-tensors checkpoint ``folder`` that declares FP8
+    KV-cache scales: kv_cache_scheme, and per layer ``self_attn.k_scale`` (a scalar) and
+    ``self_attn.v_scale`` (shape [1]: files hold either) from ``scales`` [(k, v)] per layer."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, out)
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    for i, (k, v) in enumerate(scales):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([v])
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"]["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return out
+
+
 def quantize(w: torch.Tensor, strategy: str, block=(128, 128)):
     """(float8_e4m3fn weight, scale as the checkpoint stores it, dequantized float32 weight)."""
     w = w.float()

@@ -16,7 +16,7 @@ import pytest
 
 import jspec
 from tests.helpers import parallel as h
-from tests.helpers.fp8 import write_fp8
+from tests.helpers.fp8 import with_kv_scales, write_fp8
 
 PROMPTS = h.prompts(2, 6, 15, seed=0)
 N = 12
@@ -51,34 +51,12 @@ def test_online_fp8_across_tp_and_whole_blocks():
         jspec.LLM(folder("fp8_block"), tensor_parallel_size=4, **h.ENGINE_KW)
 
 
-def with_kv_scales(path: str) -> str:
-    """``path`` with FP8 KV-cache scales (compressed-tensors kv_cache_scheme; per layer k 0.01, v 0.02)."""
-    import json
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    out = path + "_kv_scales"
-    if not os.path.isdir(out):
-        shutil.copytree(path, out)
-        tensors = load_file(os.path.join(out, "model.safetensors"))
-        with open(os.path.join(out, "config.json")) as f:
-            cfg = json.load(f)
-        for i in range(cfg["num_hidden_layers"]):
-            tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.01)
-            tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.02)
-        save_file(tensors, os.path.join(out, "model.safetensors"))
-        cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
-                                                         "dynamic": False, "symmetric": True}
-        with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump(cfg, f)
-    return out
-
-
 def test_an_fp8_kv_cache_across_tp():
     """kv_cache_dtype="fp8" at tp 2 (each device's KV heads in e4m3), with scales 1.0 and with the
     checkpoint's (folded into the sharded q / k / v / o weights as they load): tp 1's tokens."""
-    for path in (folder("ct_channel"), with_kv_scales(folder("ct_channel"))):
+    scaled = folder("ct_channel") + "_kv_scales"  # per layer k 0.01, v 0.02
+    if not os.path.isdir(scaled):
+        with_kv_scales(folder("ct_channel"), scaled, [(0.01, 0.02)] * h.L)
+    for path in (folder("ct_channel"), scaled):
         want = greedy(path, 1, kv_cache_dtype="fp8")
         assert greedy(path, 2, kv_cache_dtype="fp8") == want, path
