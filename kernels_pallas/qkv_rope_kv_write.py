@@ -14,7 +14,8 @@ projection's output is rounded, rotates them (q and k heads) like rope_kv_write,
 stores q to the output and k / v to their cache slot (in place, aliased; slot P * S, a
 padding token, writes nothing). As many rows per program as the projection kernel's tile
 (kernel_blocks): for bf16 2 x 32 rows x 256 through the tensor-core dot (fused_linear's
-MMA form), else 2 x 4 rows x 512 elementwise. On the H200 (jax 0.11.2, 2026-11-21, profiler
+MMA form), else 2 x 4 rows x 512 elementwise; at K >= 8192 the device's own row (70B's
+[5120, 8192] at tp 2: 2 x 32 rows x 512, 26.3 us against 49.1 at the projection's 2 x 16). On the H200 (jax 0.11.2, 2026-11-21, profiler
 GPU time): 16.1 us per layer in the decode step with the MMA tiles against 17.7 elementwise
 (scripts/bench.py --section diag); alone 18.7 against 22.1 us, and 2 x 16-row tiles 27.7-32.3
 (scripts/bench_linear.py --qkv-rope-only --sweep). Qwen3's q / k norms need a whole head
@@ -32,14 +33,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas.fused_linear import (
+    _pow2_divisor,
     default_blocks,
     default_mma_blocks,
     dot_dtype,
     is_fp8,
+    k_block,
     ref_fused_linear,
     stream_rows,
 )
 from kernels_pallas.paged_attention import kv_store
+from kernels_pallas.tuning import device_tuning
 from kernels_pallas.rope_kv_write import ref_rope_kv_write
 
 
@@ -108,7 +112,12 @@ def kernel_blocks(F: int, K: int, D: int, dtype):
     default_mma_blocks for bf16 / f16, whose dot needs pairs >= 16; else the elementwise
     default_blocks; FP8 weights: its FP8 rows, on the H200 2 x 4 rows x 512 13.1 us against
     21-22 through the tensor-core dot, 2026-11-30, scripts/bench_linear.py --fp8 --sweep),
-    both by the whole projection's shape; None when the head cannot be split that way."""
+    both by the whole projection's shape, unless the device's ``qkv_rope_mma`` row takes it
+    first (kernels_pallas/tuning.py); None when the head cannot be split that way."""
+    t = device_tuning().qkv_rope_tile(F, K) if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else None
+    pairs = _pow2_divisor(F, t.block_f, 32) // 2 if t else 0
+    if pairs and (D // 2) % pairs == 0:
+        return (pairs, k_block(K, t.block_d), t.num_warps, t.num_stages, True)
     b = default_mma_blocks(F, K, dtype)
     if b is not None and b[0] // 2 >= 16 and (D // 2) % (b[0] // 2) == 0:
         return (b[0] // 2,) + tuple(b[1:])

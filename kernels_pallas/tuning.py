@@ -46,6 +46,9 @@ class DeviceTuning:
     linear_fp8: tuple[LinearTile, ...] = ()  # elementwise stream of FP8 weights (empty: ``linear``'s rows)
     linear_rows: tuple[LinearTile, ...] = ()  # 2-16 rows (fused_linear_rows.py; bf16 / f16)
     linear_rows_swiglu: tuple[LinearTile, ...] = ()  # ... a gate|up weight with its SwiGLU (block_f: per half)
+    # qkv_rope_kv_write.py's tensor-core tile (block_f: rows a program streams, both halves of its
+    # RoPE pairs), ahead of the projection's own ``linear_mma`` row
+    qkv_rope_mma: tuple[LinearTile, ...] = ()
     attn_block_kv: int = 64  # keys per inner-loop step of paged attention
     attn_max_block_rows: int = 128  # query rows per program (all rows of a kv head up to this)
     rejection: tuple[int, int, int] = (1, 2, 1)  # (blocks_per_program, num_warps, num_stages)
@@ -63,6 +66,10 @@ class DeviceTuning:
         if mma:
             return None
         raise AssertionError("the elementwise table must end with a row for every shape (min_k = min_f = 0)")
+
+    def qkv_rope_tile(self, F: int, K: int) -> LinearTile | None:
+        """The first ``qkv_rope_mma`` row that takes [F, K], or None (then the projection's tile)."""
+        return next((t for t in self.qkv_rope_mma if K >= t.min_k and F >= t.min_f), None)
 
     def rows_tile(self, F: int, K: int, swiglu: bool = False) -> LinearTile | None:
         """The first ``linear_rows`` (``linear_rows_swiglu``) row that takes [F, K], or None."""
@@ -82,7 +89,10 @@ class DeviceTuning:
 # 8 x 2048 tiles with 8 warps (256 programs for F = 2048).
 H200_LINEAR = (LinearTile(8192, 4096, 16, 1024, 8, 2), LinearTile(0, 4096, 8, 512, 4, 4),
                LinearTile(0, 0, 8, 2048, 8, 4))
-H200_LINEAR_MMA = (LinearTile(8192, 4096, 32, 512, 4, 6), LinearTile(4096, 6144, 64, 256, 4, 4),
+# Wider weights (H200, 2026-11-30, scripts/bench_linear.py --shapes llama-70b-tp2 --sweep; raw
+# docs/bench/2026-11-30_linear_70b_tp2_h200.log), GPU time per call at K >= 8192: down + SwiGLU
+# [8192, 14336] 32 x 256, 4 stages 56.4 us against 65.2 at 32 x 512, 6 stages (bytes: 53.7).
+H200_LINEAR_MMA = (LinearTile(8192, 8192, 32, 256, 4, 4), LinearTile(8192, 4096, 32, 512, 4, 6), LinearTile(4096, 6144, 64, 256, 4, 4),
                    LinearTile(4096, 4096, 32, 256, 4, 6))
 # FP8 weights, one row (H200, 2026-11-30, scripts/bench_linear.py --fp8 --sweep; raw
 # docs/bench/2026-11-30_linear_fp8_h200.log), GPU time per call: the tensor-core stream
@@ -99,12 +109,17 @@ H200_LINEAR_FP8 = (LinearTile(8192, 0, 16, 1024, 8, 4), LinearTile(4096, 16384, 
 # (per half), 3 stages: 80.7 us (16 x 128: 83.5). Narrower weights: untuned.
 H200_LINEAR_ROWS = (LinearTile(4096, 6144, 32, 128, 4, 5), LinearTile(4096, 0, 32, 256, 4, 5),
                     LinearTile(0, 0, 16, 256, 4, 4))
+# qkv + RoPE + KV write, the same sweep (--qkv-rope-only --sweep): [5120, 8192] at 2 x 32 rows x 512,
+# 4 stages 26.3 us against 49.1 at the projection's 2 x 16 rows x 512, 6 stages (bytes: 19.2 us;
+# 2 x 16 rows at any depth: 46.7-69.5). The 8B's [6144, 4096] already takes 2 x 32 rows (64 x 256).
+H200_QKV_ROPE_MMA = (LinearTile(8192, 4096, 64, 512, 4, 4),)
 H200_LINEAR_ROWS_SWIGLU = (LinearTile(4096, 16384, 64, 256, 4, 3), LinearTile(0, 0, 16, 128, 4, 3))
 
 
 def _h200_rows(num_sms: int) -> DeviceTuning:
     return DeviceTuning(num_sms=num_sms, linear=H200_LINEAR, linear_mma=H200_LINEAR_MMA, linear_fp8=H200_LINEAR_FP8,
-                        linear_rows=H200_LINEAR_ROWS, linear_rows_swiglu=H200_LINEAR_ROWS_SWIGLU)
+                        linear_rows=H200_LINEAR_ROWS, linear_rows_swiglu=H200_LINEAR_ROWS_SWIGLU,
+                        qkv_rope_mma=H200_QKV_ROPE_MMA)
 
 
 # NVIDIA's published SM counts.

@@ -487,6 +487,7 @@ def test_tile_tables():
     assert default_mma_blocks(4096, 4096, BF16) == (32, 256, 4, 6, True)
     assert default_mma_blocks(4096, 14336, BF16) == (32, 512, 4, 6, True)
     assert default_mma_blocks(6144, 8192, BF16) == (32, 512, 4, 6, True)  # EAGLE3's qkv over [embeds | hidden]
+    assert default_mma_blocks(8192, 14336, BF16) == (32, 256, 4, 4, True)  # 70B's down at tp 2
     assert default_mma_blocks(4096, 4096, jnp.float32) is None
     # Narrower weights: no tensor-core row takes them.
     assert default_mma_blocks(5120, 2048, BF16) is None and default_mma_blocks(2048, 4096, BF16) is None
@@ -497,6 +498,9 @@ def test_tile_tables():
     # qkv + RoPE + KV write: pairs from the projection's row (8B: tensor-core, 1B: elementwise).
     assert kernel_blocks(6144, 4096, 128, BF16) == (32, 256, 4, 4, True)
     assert kernel_blocks(3072, 2048, 64, BF16) == (4, 2048, 8, 4, False)
+    # ... unless the qkv table takes it first (70B's qkv at tp 2: 2 x 32 rows, not the projection's 2 x 16).
+    assert kernel_blocks(5120, 8192, 128, BF16) == (32, 512, 4, 4, True)
+    assert kernel_blocks(5120, 8192, 128, jnp.float8_e4m3fn)[4] is False  # FP8: the elementwise stream
     for t in DEVICES.values():
         assert (t.linear[-1].min_k, t.linear[-1].min_f) == (0, 0)
         assert t.linear_tile(1, 1, False) == t.linear[-1]
