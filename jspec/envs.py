@@ -1,8 +1,9 @@
 """Every environment variable jspec reads, declared here and read nowhere else.
 
 Read through this module's attributes (``envs.JSPEC_KERNEL_IMPL``), each evaluated at
-the time of the read. Only JSPEC_KERNEL_IMPL can change compiled code, and only through
-the kernel plan an engine makes once when it starts (``jspec.ops.plan_kernels``).
+the time of the read. Only JSPEC_KERNEL_IMPL and JSPEC_FP8_GEMM can change compiled code,
+and only through the kernel plan an engine makes once when it starts
+(``jspec.ops.plan_kernels``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     JSPEC_KERNEL_IMPL: str | None
+    JSPEC_FP8_GEMM: bool
     JSPEC_ALLOW_LONG_MAX_MODEL_LEN: bool
     JSPEC_CACHE: str
     JSPEC_COMPILATION_CACHE: bool
@@ -75,6 +77,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (jspec.kernel_backend.IMPLS; jspec.ops.plan_kernels rejects other names). Unset or
     # "auto": chosen by backend. An impl named in the EngineConfig wins over it.
     "JSPEC_KERNEL_IMPL": _kernel_impl,
+    # "1" / "true": FP8 weights' GEMMs of many rows run W8A8 where the checkpoint asks for FP8
+    # activations and the GPU has FP8 tensor cores (KernelPlan.fp8_gemm: per-token dynamic
+    # activation scales, vLLM's meaning). Off by default until its compile time is bounded: the
+    # 8B saturation workload's warmup took 15-42 s for some step shapes with it, 1-3 s in bf16
+    # (H200, 2026-11-30), and its end-to-end gain is not yet measured.
+    "JSPEC_FP8_GEMM": lambda: os.environ.get("JSPEC_FP8_GEMM", "").strip().lower() in ("1", "true"),
     # "1" / "true": accept a max_model_len beyond the model's max_position_embeddings (its
     # positions past that were never trained). vLLM's name, VLLM_ALLOW_LONG_MAX_MODEL_LEN,
     # is honoured too.

@@ -65,6 +65,12 @@ class KernelPlan:
     # host work that releases the GIL (XLA's passes, LLVM, Triton); XLA:CPU's compiler
     # already spreads one compilation over the cores, so CPU compiles one at a time.
     compile_threads: int = 1
+    # FP8 weights' XLA GEMMs of more than FP8_GEMM_MIN_ROWS rows quantize their bf16 / f16
+    # activations per token and run on FP8 tensor cores (W8A8, vLLM's meaning for a checkpoint
+    # with FP8 activations): set by plan_kernels under JSPEC_FP8_GEMM (jspec/envs.py: off by
+    # default for now) where the checkpoint asks for them (QuantConfig.activations) and the GPU
+    # has FP8 tensor cores (fp8_tensor_cores).
+    fp8_gemm: bool = False
 
     @property
     def compiler_options(self) -> dict | None:
@@ -100,9 +106,30 @@ def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str 
     in_out = backend == "cpu" and not isinstance(linear, GPU)  # the GPU kernels read [out, in] weights
     options = _cpu_xla_options() if backend == "cpu" else ()
     threads = 1 if backend == "cpu" else min(8, os.cpu_count() or 1)
+    q = cfg.quantization
+    fp8_gemm = bool(envs.JSPEC_FP8_GEMM and backend == "gpu" and q is not None and q.activations and q.block is None
+                    and fp8_tensor_cores())
     return KernelPlan(attn=attn, linear=linear, sample=sample, norm_handoff=handoff, in_out_weights=in_out,
                       xla_options=options, tp=tp, draft_tp=draft_tp, mesh=mesh, shard_linear=shard_linear,
-                      compile_threads=threads)
+                      compile_threads=threads, fp8_gemm=fp8_gemm)
+
+
+# Rows beyond which an FP8 weight's dot may run W8A8 (KernelPlan.fp8_gemm): more than the
+# projection kernels take (one row; 2-16 in fused_linear_rows), where XLA runs a GEMM. On the
+# H200 (jax 0.11.2, 2026-11-30, scripts/bench_fp8_gemm.py) the 8B's qkv at 8192 rows took
+# 397 us this way (cuBLASLt's FP8 GEMM, the activations' quantization included) against 582
+# weight-only (XLA converts the weight, then a bf16 GEMM) and 560 in bf16.
+FP8_GEMM_MIN_ROWS = 16
+
+
+def fp8_tensor_cores(device=None) -> bool:
+    """Whether ``device`` (default: jax's first) has FP8 tensor cores: an NVIDIA GPU of compute
+    capability 8.9 (Ada) or later."""
+    d = device if device is not None else jax.devices()[0]
+    try:
+        return d.platform == "gpu" and float(getattr(d, "compute_capability", "0")) >= 8.9
+    except ValueError:  # not an NVIDIA capability ("gfx942")
+        return False
 
 
 # XLA:CPU's YNNPACK fusions off: the dots then run on XLA's own (Eigen) path. On the family

@@ -24,7 +24,9 @@ FP8 weights (``jspec.quantization.QuantWeight``: weight-only, a quantized checkp
 quantization="fp8"): a per-channel or per-tensor one takes the paths above, the kernels
 streaming its FP8 bytes with its scale on each dot's f32 result (the kernels' ``w_scale``),
 XLA's dot elsewhere entering it as its FP8 values (XLA fuses that conversion into the GEMM,
-which then streams a byte a weight); a block-scaled one takes XLA's dots (``_fp8_plan``): its
+which then streams a byte a weight), or, under the plan's ``fp8_gemm`` beyond
+FP8_GEMM_MIN_ROWS bf16 / f16 rows, with the activations quantized per token too (W8A8 on
+FP8 tensor cores); a block-scaled one takes XLA's dots (``_fp8_plan``): its
 row blocks' dots up to FP8_BLOCK_DOT_ROWS rows (``_fp8_block_dot``), dequantized first beyond.
 Each kernel file holds its jnp reference and its kernels' entries; the plan's typed backends
 (jspec/kernel_backend.py: XLA(), GPU(interpret), TPU(interpret)) pick among them here and in
@@ -45,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from jspec.kernel_backend import GPU, TPU, XLA, Backend, shape_fallback  # noqa: F401 (ops.GPU, ... for callers)
 from jspec.kernel_plan import (  # noqa: F401 (the facade's names: model code reads the plan as ops.KernelPlan)
+    FP8_GEMM_MIN_ROWS,
     MAX_KERNEL_FEATURES,
     KernelPlan,
     _linear_kernel_takes,
@@ -110,7 +113,9 @@ def _fused_linear(plan: KernelPlan, x, w, *, kernel: bool, prologue="none", norm
     per-channel FP8 QuantWeight."""
     w, kw["w_scale"] = _kernel_weight(w)
     if not kernel:
-        return _fl.ref_fused_linear(x, w, prologue=prologue, norm_w=norm_w, **kw)
+        x_fp8 = (plan.fp8_gemm and kw["w_scale"] is not None and _rows(x) > FP8_GEMM_MIN_ROWS
+                 and x.dtype in (jnp.bfloat16, jnp.float16))
+        return _fl.ref_fused_linear(x, w, prologue=prologue, norm_w=norm_w, x_fp8=x_fp8, **kw)
     if _rows(x) > 1:
         return _flr.fused_linear_rows(x, w, interpret=plan.linear.interpret, **kw)
     return _fl.fused_linear(x, w, prologue=prologue, norm_w=norm_w, interpret=plan.linear.interpret, **kw)

@@ -17,7 +17,11 @@ leaves them out; the embedding, the lm_head and a mixture-of-experts router neve
 vLLM's models build them).
 
 A quantized leaf of the parameter tree is a ``QuantWeight`` (f8 weight + f32 scale, in the
-weight's layout); jspec/ops.py dequantizes it right before the dot through XLA.
+weight's layout); jspec/ops.py dequantizes it right before the dot through XLA. Activations:
+where the checkpoint asks for FP8 activations (``QuantConfig.activations``) and the GPU has FP8
+tensor cores, the XLA GEMMs of more rows than the projection kernels take can quantize them
+per token, dynamically (``KernelPlan.fp8_gemm``, under JSPEC_FP8_GEMM for now: vLLM's W8A8;
+static ``input_scale`` tensors stay unread); everything else is weight-only.
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ class QuantConfig:
     # kv_cache_scheme: the checkpoint holds per-tensor FP8 KV-cache scales (<attn>.k_scale, .v_scale),
     # used under kv_cache_dtype="fp8" (jspec/checkpoint/kv_scales.py), ignored by a bf16 cache
     kv_scales: bool = False
+    # The checkpoint's projections take FP8 activations (compressed-tensors input_activations, the
+    # "fp8" format, online quantization: vLLM's W8A8). Where the device has FP8 tensor cores the GEMMs
+    # of many rows then run W8A8 with dynamic per-token activation scales (KernelPlan.fp8_gemm); a
+    # weight-only checkpoint (no input_activations: vLLM's W8A16) never quantizes its activations.
+    activations: bool = False
 
     def quantized(self, module: str) -> bool:
         """Whether the projection ``module`` (an HF name, "model.layers.0.self_attn.q_proj") is quantized."""
@@ -109,11 +118,12 @@ def _compressed_tensors(q: dict) -> QuantConfig:
     if len(schemes) > 1:
         raise _err(f"config_groups: groups with different weight schemes {sorted(map(str, schemes))} are not "
                    f"supported")
-    (scheme, block, static), = schemes
+    (scheme, block, static, acts), = schemes
     ignore = q.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
         raise _err(f"ignore={ignore!r}: a list of module names expected")
-    return QuantConfig("compressed-tensors", scheme, block, "weight_scale", tuple(ignore), False, static, kv_scales)
+    return QuantConfig("compressed-tensors", scheme, block, "weight_scale", tuple(ignore), False, static, kv_scales,
+                       acts)
 
 
 def _kv_cache_scheme(kv) -> bool:
@@ -132,8 +142,8 @@ def _kv_cache_scheme(kv) -> bool:
     return True
 
 
-def _ct_group(where: str, g) -> tuple[str, tuple[int, int] | None, bool]:
-    """A config group's (scheme, block, static input scales); errors name the key."""
+def _ct_group(where: str, g) -> tuple[str, tuple[int, int] | None, bool, bool]:
+    """A config group's (scheme, block, static input scales, FP8 activations); errors name the key."""
     if not isinstance(g, dict):
         raise _err(f"{where}={g!r}: an object expected")
     if g.get("targets") != ["Linear"]:
@@ -159,7 +169,7 @@ def _ct_group(where: str, g) -> tuple[str, tuple[int, int] | None, bool]:
     if a is not None:
         if not isinstance(a, dict) or a.get("num_bits") != 8 or a.get("type") != "float":
             raise _err(f"{where}.input_activations={a!r} is not supported (FP8 activations, or none)")
-    return strategy, block, bool(a is not None and not a.get("dynamic"))
+    return strategy, block, bool(a is not None and not a.get("dynamic")), a is not None
 
 
 def _block(b, where: str) -> tuple[int, int]:
@@ -179,12 +189,14 @@ def _fp8(q: dict) -> QuantConfig:
     if not isinstance(skip, list) or not all(isinstance(i, str) for i in skip):
         raise _err(f"modules_to_not_convert={skip!r}: a list of module names expected")
     if q.get("weight_block_size") is None:  # one scale per tensor
-        return QuantConfig("fp8", "tensor", None, "weight_scale", tuple(skip), True, scheme == "static")
+        return QuantConfig("fp8", "tensor", None, "weight_scale", tuple(skip), True, scheme == "static",
+                           activations=True)
     block = _block(q["weight_block_size"], "weight_block_size")
-    return QuantConfig("fp8", "block", block, "weight_scale_inv", tuple(skip), True, scheme == "static")
+    return QuantConfig("fp8", "block", block, "weight_scale_inv", tuple(skip), True, scheme == "static",
+                       activations=True)
 
 
-ONLINE = QuantConfig("fp8", "online")
+ONLINE = QuantConfig("fp8", "online", activations=True)
 
 
 def resolve(checkpoint: QuantConfig | None, requested: str | None, folder: str) -> QuantConfig | None:

@@ -93,14 +93,16 @@ def silu_mul(gu):
 
 
 def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None, residual=None, out_dtype=None,
-                     sumsq=None, next_norm_w=None, w_in_out=False, w_scale=None):
+                     sumsq=None, next_norm_w=None, w_in_out=False, w_scale=None, x_fp8=False):
     """The jnp reference (and the path for large M, TPU and CPU): XLA ops, unfused.
 
     x: [..., K] ([..., 2K] for silu_mul); w: [F, K] ([K, F] with w_in_out: the CPU layout,
     jspec.ops.KernelPlan.in_out_weights); norm_w: [K]; bias: [F];
     residual: [..., F]; out_dtype: None (dot_dtype: w.dtype, or x.dtype for an FP8 w) or
     float32 (logits); w_scale f32[F]: an FP8 weight's per-channel scale, on the dot's f32
-    result before its rounding. -> [..., F]
+    result before its rounding; x_fp8 (with an e4m3 w): the dot's input, after the prologue,
+    quantized to e4m3 per row (dynamic per-token scale max|x| / 448) and the dot run on the
+    FP8 values, both scales on its f32 result (W8A8: FP8 tensor cores on the GPU). -> [..., F]
     The RMSNorm hand-over between two projections (jspec.ops.linear_then_norm):
     - next_norm_w [F]: also return the next RMSNorm's input scaled by its weight, un-normalised,
       and the sum of squares of y: (y, y * next_norm_w, f32[..., n] whose sum over n is
@@ -112,7 +114,7 @@ def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None,
       weight), and x @ w.T, in float32, is scaled by 1 / rms = rsqrt(sum(sumsq) / K + eps)
       before its rounding: the RMSNorm factored out of the dot, as the kernels do.
     """
-    validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq, next_norm_w, w_in_out, w_scale)
+    validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq, next_norm_w, w_in_out, w_scale, x_fp8)
     dt = dot_dtype(x.dtype, w.dtype)
     if prologue == "rmsnorm":
         x = rms_norm(x, norm_w, eps)
@@ -122,7 +124,13 @@ def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None,
             x = (x.astype(jnp.float32) * r).astype(x.dtype)
         x = silu_mul(x)
     spec = "...d,df->...f" if w_in_out else "...d,fd->...f"
-    if (prologue == "none" and sumsq is not None) or w_scale is not None:
+    if x_fp8:
+        x, x_scale = quantize_rows(x, w.dtype)
+        y = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32) * x_scale
+        if prologue == "none" and sumsq is not None:
+            y = y * lax.rsqrt(jnp.sum(sumsq, axis=-1, keepdims=True) / x.shape[-1] + eps)
+        y = (y * w_scale).astype(out_dtype or dt)
+    elif (prologue == "none" and sumsq is not None) or w_scale is not None:
         y = jnp.einsum(spec, x.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
         if prologue == "none" and sumsq is not None:
             y = y * lax.rsqrt(jnp.sum(sumsq, axis=-1, keepdims=True) / x.shape[-1] + eps)
@@ -139,8 +147,19 @@ def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None,
     return y, (yf * next_norm_w.astype(jnp.float32)).astype(y.dtype), jnp.sum(yf * yf, axis=-1, keepdims=True)
 
 
+def quantize_rows(x, dtype=jnp.float8_e4m3fn):
+    """x [..., K] as FP8 values with one scale a row: (x * (1 / s) rounded to ``dtype``, f32 s
+    [..., 1]), s = max|x| * (1 / the format's largest finite value) (a row of zeros: its
+    floor), in float32: vLLM's per-token quantization, written as products by reciprocals,
+    which XLA keeps as written (a division by a constant it would turn into one)."""
+    top = float(jnp.finfo(dtype).max)
+    xf = x.astype(jnp.float32)
+    s = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True), 1e-12) * jnp.float32(1 / top)
+    return jnp.clip(xf * (1 / s), -top, top).astype(dtype), s
+
+
 def validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq=None, next_norm_w=None, w_in_out=False,
-             w_scale=None):
+             w_scale=None, x_fp8=False):
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
     if w.ndim != 2:
@@ -167,6 +186,8 @@ def validate(x, w, prologue, norm_w, bias, residual, out_dtype, sumsq=None, next
                          f"(its per-channel scale)")
     if w_scale is not None and (w_scale.shape != (F,) or w_scale.dtype != jnp.float32):
         raise ValueError(f"w_scale must be float32 of shape ({F},), got {w_scale.dtype}{list(w_scale.shape)}")
+    if x_fp8 and jnp.dtype(w.dtype) != jnp.dtype(jnp.float8_e4m3fn):
+        raise ValueError(f"x_fp8 (FP8 activations) takes an e4m3 weight, got {w.dtype}")
 
 
 def _pow2_divisor(n: int, pref: int, least: int) -> int:

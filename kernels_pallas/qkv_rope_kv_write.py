@@ -43,8 +43,8 @@ from kernels_pallas.fused_linear import (
     stream_rows,
 )
 from kernels_pallas.paged_attention import kv_store
-from kernels_pallas.tuning import device_tuning
 from kernels_pallas.rope_kv_write import ref_rope_kv_write
+from kernels_pallas.tuning import device_tuning
 
 
 def ref_qkv_rope_kv_write(x, w, norm_w, bias, cos, sin, slot_mapping, k_pages, v_pages, *, num_heads, eps,

@@ -202,9 +202,10 @@ def load_target(path, dtype="float32", sharding=None, progress=None, load_format
     else:
         with open_tensor_source(path) as src:
             # Every name and shape up front, so a bad checkpoint fails before any transfer.
-            kv_names = kv_scales.tensor_names(src, cfg) if cfg.quantization and cfg.quantization.kv_scales else []
+            has_kv_scales = bool(cfg.quantization and cfg.quantization.kv_scales)
+            kv_names = kv_scales.tensor_names(src, cfg) if has_kv_scales else []
             check_specs(src, specs, path, "checkpoint", ignored=kv_names)
-            if kv_cache_scales and cfg.quantization and cfg.quantization.kv_scales:
+            if kv_cache_scales and has_kv_scales:
                 src = kv_scales.Scaled(src, kv_scales.factors(cfg, kv_scales.read(src, cfg, path)))
             params = load_params(src, specs, dt, sharding, progress)
     jax.block_until_ready(params)

@@ -28,8 +28,8 @@ class EngineConfig:
     quantization: str | None = None
     # vLLM's name: "auto" (the model's dtype) or "fp8" / "fp8_e4m3": the target's KV cache in
     # float8_e4m3fn, its scales the checkpoint's (kv_cache_scheme: jspec/checkpoint/kv_scales.py)
-    # or 1.0, as vLLM's (a drafter's cache stays in the model's dtype). Half the bytes of a bf16 page: twice the pages in the
-    # same memory.
+    # or 1.0, as vLLM's (a drafter's cache stays in the model's dtype). Half the bytes of a bf16
+    # page: twice the pages in the same memory.
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 8
     max_model_len: int | None = None  # None: min(max_position_embeddings, 4096)
@@ -119,6 +119,11 @@ def kv_cache_dtype(c: EngineConfig, dtype):
         raise ValueError(f"kv_cache_dtype={c.kv_cache_dtype!r} is not supported (choose from "
                          f"{list(KV_CACHE_DTYPES)}: 'fp8' is e4m3, its scales the checkpoint's or 1.0)")
     return KV_CACHE_DTYPES[c.kv_cache_dtype] or dtype
+
+
+def fp8_kv_cache(c: EngineConfig) -> bool:
+    """Whether the target's KV cache is FP8 (the checkpoint's KV-cache scales then folded in at load)."""
+    return KV_CACHE_DTYPES.get(c.kv_cache_dtype) is not None
 
 
 def default_token_budget(c: EngineConfig, K: int, chunk: int) -> int:

@@ -22,7 +22,7 @@ from jspec.config import load_model_config
 from jspec.engine import mirror
 from jspec.engine.block_manager import BlockManager
 from jspec.engine.dynamic_spec import DynamicSpeculation, decode_widths
-from jspec.engine.engine_config import KV_CACHE_DTYPES, EngineConfig, checked_max_model_len, default_token_budget
+from jspec.engine.engine_config import EngineConfig, checked_max_model_len, default_token_budget, fp8_kv_cache
 from jspec.engine.flat_input import FlatShapes
 from jspec.engine.flat_runner import FlatRunner
 from jspec.engine.kv_memory import (
@@ -87,7 +87,7 @@ class LLMEngine:
             t = time.monotonic()
             self.model_cfg, params = load_target(c.model, c.dtype, self.par.placement(sharding),
                                                  load_format=c.load_format, quantization=c.quantization,
-                                                 kv_cache_scales=KV_CACHE_DTYPES.get(c.kv_cache_dtype) is not None)
+                                                 kv_cache_scales=fp8_kv_cache(c))
             logger.info("target loaded in %.1f s (%s)", time.monotonic() - t, c.load_format)
             self.tokenizer = load_tokenizer(c.tokenizer or c.model, required=c.tokenizer is not None)
             gen_eos = generation_eos(c.model)

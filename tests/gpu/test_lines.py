@@ -665,6 +665,57 @@ def test_fp8_one_row_kernels(on_gpu, record_property):
                               + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
 
 
+@line("peagle", "W8A8: an FP8 weight's GEMM of many rows on FP8 tensor cores (per-token FP8 activations) == its maths")
+def test_fp8_gemm(on_gpu, record_property):
+    """The plan of a checkpoint with FP8 activations (compressed-tensors per channel, dynamic
+    per-token input_activations) sets fp8_gemm on this GPU under JSPEC_FP8_GEMM; ops.linear of bf16 rows beyond
+    FP8_GEMM_MIN_ROWS over an FP8 weight (8B's down_proj width) then runs an FP8 GEMM (its
+    compiled program takes the FP8 operands) and == the per-token quantization and the FP8
+    product in float64 (numpy), within bf16's rounding of the result; a CPU smoke run: the
+    XLA:CPU program, narrow weights, the plan's device check left out."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from jspec import ops
+    from jspec.config import ModelConfig, RopeConfig
+    from jspec.quantization import quant_config_from_hf, quantize_fp8
+    from tests.helpers.fp8 import quant_config
+
+    M, F, K = (256, 4096, 14336) if on_gpu else (32, 96, 256)
+    cfg = ModelConfig(family="llama", vocab_size=256, hidden_size=F, intermediate_size=K, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope=RopeConfig(500000.0),
+                      tie_word_embeddings=False, attention_bias=False, mlp_bias=False, qk_norm=False,
+                      max_position_embeddings=4096, quantization=quant_config_from_hf(quant_config("ct_channel")))
+    os.environ["JSPEC_FP8_GEMM"] = "1"  # off by default for now (jspec/envs.py)
+    try:
+        plan = ops.plan_kernels(cfg)
+    finally:
+        del os.environ["JSPEC_FP8_GEMM"]
+    assert plan.fp8_gemm == on_gpu, plan
+    plan = dataclasses.replace(plan, fp8_gemm=True, in_out_weights=False)
+    ks = jax.random.split(jax.random.PRNGKey(9), 3)
+    x = (2 * jax.random.normal(ks[0], (M, K))).astype(jnp.bfloat16)
+    q = quantize_fp8(0.05 * jax.random.normal(ks[1], (F, K)), None, "bfloat16")
+    res = jax.random.normal(ks[2], (M, F)).astype(jnp.bfloat16)
+    fn = jax.jit(lambda x, q, r: ops.linear(plan, x, q, residual=r))
+    got = np.asarray(fn(x, q, res).astype(jnp.float32), np.float64)
+    h = np.asarray(x.astype(jnp.float32))  # the scale and its reciprocal in float32, as specified
+    xs = np.maximum(np.abs(h).max(axis=-1, keepdims=True), np.float32(1e-12)) * np.float32(1 / 448)
+    hq = np.clip(h * (np.float32(1) / xs), -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    xs = xs.astype(np.float64)
+    want = np.asarray(res.astype(jnp.float32), np.float64) + (
+        hq @ np.asarray(q.w.astype(jnp.float32), np.float64).T) * xs * np.asarray(q.scale, np.float64).reshape(-1)
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    hlo = fn.lower(x, q, res).compile().as_text()
+    f8_gemm = [ln.strip()[:120] for ln in hlo.splitlines() if "f8e4m3fn" in ln and
+               ("custom-call" in ln or "kind=kCustom" in ln or " dot(" in ln)]
+    assert err < 1e-2 and (f8_gemm or not on_gpu), (err, f8_gemm)
+    record_property("detail", f"[{M}, {K}] x [{F}, {K}]: relative error {err:.1e} against float64; the FP8 GEMM: "
+                              f"{f8_gemm[0].split('=')[0].strip() if f8_gemm else 'none (CPU)'}")
+
 # ---- warmup ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,k", [
     pytest.param("eagle3", 3, id="eagle3", marks=line("eagle3", "LLMEngine.warmup() with a drafter (EAGLE3)")),

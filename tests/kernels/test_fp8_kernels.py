@@ -163,3 +163,67 @@ def test_decoder_on_fp8_weights_with_the_kernels(qk_norm, Q):
         assert all(any(re.search(w, k) for k in kernels) for w in wanted), kernels
     else:  # 2-16 rows: XLA's dots (fused_linear_rows.supports: faster there on the H200)
         assert not kernels, kernels
+
+
+def test_fp8_activations_reference():
+    """W8A8 (ref_fused_linear's x_fp8, vLLM's dynamic per-token FP8 activations): the dot's
+    input quantized per row to e4m3 (scale max|x| / 448, values clipped and rounded to
+    nearest) and dotted with the FP8 weight, both scales on the f32 result == that maths in
+    float64 (numpy, ml_dtypes' e4m3 rounding); within e4m3's rounding of the weight-only
+    result; a weight that is not e4m3 is refused."""
+    import ml_dtypes
+
+    from kernels_pallas.fused_linear import quantize_rows
+
+    _, w, kw = linear_inputs(5, 96, 256, "rmsnorm", BF16, bias=True)
+    x = (2 * jax.random.normal(jax.random.PRNGKey(6), (2, 4, 256))).astype(BF16)
+    x = x.at[1, 3].set(0)  # a row of zeros: its scale's floor, no NaN
+    kw["residual"] = jax.random.normal(jax.random.PRNGKey(7), (2, 4, 96)).astype(BF16)
+    w8, s = fp8(w)
+    got = ref_fused_linear(x, w8, w_scale=s, x_fp8=True, **{**kw, "out_dtype": None})
+    h = f32(ref_fused_linear(x, jnp.eye(256, dtype=BF16), prologue="rmsnorm", norm_w=kw["norm_w"], eps=1e-5))
+    # the scale and its reciprocal in float32, as specified (bf16 inputs put many x / s on a rounding tie)
+    xs = np.maximum(np.abs(h).max(axis=-1, keepdims=True), np.float32(1e-12)) * np.float32(1 / 448)
+    hq = np.clip(h * (np.float32(1) / xs), -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    xs = xs.astype(np.float64)
+    want = (hq @ np.asarray(w8, np.float64).T) * xs * np.asarray(s, np.float64) + np.asarray(kw["bias"], np.float64)
+    want = want + np.asarray(kw["residual"], np.float64)
+    assert got.dtype == BF16 and np.all(np.isfinite(f32(got)))
+    np.testing.assert_allclose(f32(got), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    weight_only = ref_fused_linear(x, w8, w_scale=s, **kw)
+    assert 1e-3 < rel(got, weight_only) < 3e-2  # the activations' e4m3 rounding, no more
+    q, sc = quantize_rows(h)
+    np.testing.assert_array_equal(f32(q), hq)  # the same e4m3 values, every one
+    assert q.dtype == FP8 and sc.shape == (2, 4, 1) and float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == 448.0
+    with pytest.raises(ValueError, match="x_fp8 .* takes an e4m3 weight"):
+        ref_fused_linear(x, w8.astype(jnp.float8_e5m2), w_scale=s, x_fp8=True, **kw)
+
+
+@pytest.mark.parametrize("rows", [16, 17, 64])
+def test_fp8_gemm_plan(rows):
+    """Under a plan with fp8_gemm (plan_kernels sets it on a GPU with FP8 tensor cores for a
+    checkpoint with FP8 activations) an FP8 weight's XLA dot of more than FP8_GEMM_MIN_ROWS
+    bf16 rows is W8A8 (an FP8 x FP8 dot in the traced program, == the x_fp8 reference), of
+    fewer weight-only; float32 activations and unquantized weights never quantize."""
+    from jspec import ops
+
+    k = jax.random.split(jax.random.PRNGKey(rows), 3)
+    x = jax.random.normal(k[0], (rows, 256)).astype(BF16)
+    w = (0.05 * jax.random.normal(k[1], (96, 256))).astype(BF16)
+    kw = dict(residual=jax.random.normal(k[2], (rows, 96)).astype(BF16))
+    q = quantize_fp8(w, None, "bfloat16")
+    plan = dataclasses.replace(plan_kernels(TINY, attn_impl="reference", linear_impl="reference", backend="cpu"),
+                               in_out_weights=False, fp8_gemm=True)
+    w8a8 = rows > ops.FP8_GEMM_MIN_ROWS
+
+    def f8_dots(fn, *args):
+        eqns = jax.make_jaxpr(fn)(*args).jaxpr.eqns
+        return [e for e in eqns if e.primitive.name == "dot_general"
+                and all(v.aval.dtype == FP8 for v in e.invars)]
+
+    fn = lambda x, q: ops.linear(plan, x, q, residual=kw["residual"])  # noqa: E731
+    assert len(f8_dots(fn, x, q)) == int(w8a8)
+    want = ref_fused_linear(x, q.w, w_scale=q.scale.reshape(-1), residual=kw["residual"], x_fp8=w8a8)
+    np.testing.assert_array_equal(f32(fn(x, q)), f32(want))
+    assert not f8_dots(fn, x.astype(jnp.float32), q)
+    assert not f8_dots(lambda x, w: ops.linear(plan, x, w), x, w)

@@ -187,3 +187,32 @@ def test_kernel_choice_lives_in_ops():
     assert [p.name for p in kernel_files if re.search(rf"\bimpl\b|[=!]= ?{names}|\bin \({names}", p.read_text())] == []
     assert ops.linear_kernel(KernelPlan(linear=GPU()), 1, (128, 128), fused=True)
     assert not ops.linear_kernel(KernelPlan(linear=TPU()), 1, (128, 128), fused=True)
+
+
+def test_fp8_gemm_where_the_checkpoint_and_the_gpu_have_fp8_activations(monkeypatch):
+    """KernelPlan.fp8_gemm (W8A8 GEMMs, jspec/ops.py), under JSPEC_FP8_GEMM: on a GPU with FP8
+    tensor cores (compute capability >= 8.9) for a checkpoint whose projections take FP8
+    activations (its input_activations, the "fp8" format, online FP8); never for a
+    weight-only or block-scaled checkpoint, an older GPU, the CPU or the TPU, nor unasked."""
+    from types import SimpleNamespace
+
+    from jspec import kernel_plan
+    from jspec.quantization import ONLINE, quant_config_from_hf
+    from tests.helpers.fp8 import quant_config
+
+    dev = lambda platform, cc: SimpleNamespace(platform=platform, compute_capability=cc)  # noqa: E731
+    assert kernel_plan.fp8_tensor_cores(dev("gpu", "9.0")) and kernel_plan.fp8_tensor_cores(dev("gpu", "8.9"))
+    assert kernel_plan.fp8_tensor_cores(dev("gpu", "10.0"))
+    assert not kernel_plan.fp8_tensor_cores(dev("gpu", "8.0")) and not kernel_plan.fp8_tensor_cores(dev("gpu", "gfx942"))
+    assert not kernel_plan.fp8_tensor_cores(dev("tpu", None)) and not kernel_plan.fp8_tensor_cores(jax.devices()[0])
+    ct = quant_config("ct_channel")
+    w8a16 = {**ct, "config_groups": {"group_0": {**ct["config_groups"]["group_0"], "input_activations": None}}}
+    channel, weight_only, block = map(quant_config_from_hf, (ct, w8a16, quant_config("fp8_block")))
+    assert channel.activations and not weight_only.activations and block.activations and ONLINE.activations
+    for cores, env in ((True, "1"), (False, "1"), (True, "")):
+        monkeypatch.setattr(kernel_plan, "fp8_tensor_cores", lambda device=None, c=cores: c)
+        monkeypatch.setenv("JSPEC_FP8_GEMM", env)  # off by default for now (jspec/envs.py)
+        for q, want in ((channel, cores), (ONLINE, cores), (weight_only, False), (block, False), (None, False)):
+            cfg = dataclasses.replace(LLAMA, quantization=q)
+            assert plan_kernels(cfg, backend="gpu").fp8_gemm is (want and env == "1"), (q, cores, env)
+            assert plan_kernels(cfg, backend="cpu").fp8_gemm is False and not plan_kernels(cfg, backend="tpu").fp8_gemm
