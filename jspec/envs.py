@@ -80,8 +80,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "1" / "true": FP8 weights' GEMMs of many rows run W8A8 where the checkpoint asks for FP8
     # activations and the GPU has FP8 tensor cores (KernelPlan.fp8_gemm: per-token dynamic
     # activation scales, vLLM's meaning). Off by default until its compile time is bounded: the
-    # 8B saturation workload's warmup took 15-42 s for some step shapes with it, 1-3 s in bf16
-    # (H200, 2026-11-30), and its end-to-end gain is not yet measured.
+    # 8B saturation workload's warmup, with it and an FP8 KV cache, took 15-42 s for some step
+    # shapes, 1-3 s in bf16 (H200, 2026-11-30); its end-to-end gain is not yet measured.
     "JSPEC_FP8_GEMM": lambda: os.environ.get("JSPEC_FP8_GEMM", "").strip().lower() in ("1", "true"),
     # "1" / "true": accept a max_model_len beyond the model's max_position_embeddings (its
     # positions past that were never trained). vLLM's name, VLLM_ALLOW_LONG_MAX_MODEL_LEN,
