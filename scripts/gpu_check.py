@@ -92,6 +92,8 @@ class Report:
         self.md = md
         self.device = "unknown"
         self.jax = "unknown"
+        self.carried_from: str | None = None  # --resume of another commit's report (the same code digest)
+        self.kept_perf: list[str] = []  # --resume: that report's performance section
 
     @property
     def lines(self) -> list[tuple[str, bool | None, str]]:
@@ -100,12 +102,19 @@ class Report:
     def resume(self, path: str):
         """--resume: keep the passing lines of an earlier run's report at ``path`` (cut short
         by a device call's time limit) and skip them in this run; failed lines run again. Its
-        commit must be this run's."""
+        commit must be this run's, or its code digest this tree's (a commit that changed only
+        tests, scripts or docs: the report says where its lines came from)."""
         with open(path) as f:
             text = f.read()
         commit = re.search(r"^- commit: (\S+)", text, re.M)
+        digest = re.search(r"^- code digest \(`--digest`\): (\S+)", text, re.M)
         if not commit or commit.group(1) != _commit():
-            sys.exit(f"--resume: {path} is of commit {commit and commit.group(1)}, this tree is {_commit()}")
+            if not (commit and digest and digest.group(1) == code_digest()):
+                sys.exit(f"--resume: {path} is of commit {commit and commit.group(1)} and code digest "
+                         f"{digest and digest.group(1)}, this tree is {_commit()}, {code_digest()}")
+            self.carried_from = commit.group(1)
+        if PERF_HEADING in text:
+            self.kept_perf = text.split(PERF_HEADING, 1)[1].strip("\n").split("\n")
         for m in re.finditer(r"^\| (.+?) \| pass \| (.*) \|$", text, re.M):
             self.results[m.group(1)] = (True, m.group(2))
         for key in ("device", "jax"):  # until this run's workers say
@@ -177,7 +186,11 @@ def write_md(path: str, report: Report, perf_lines: list[str]):
              "Written by `scripts/gpu_check.py` (see its docstring for how to run it); overwritten each run.", "",
              f"- commit: {commit}", f"- code digest (`--digest`): {code_digest()}", f"- date: {datetime.date.today().isoformat()}",
              f"- device: {report.device}", f"- jax: {report.jax}",
-             f"- result: {passed} of {len(report.lines)} lines pass" + (f", {skipped} skipped" if skipped else ""), "",
+             f"- result: {passed} of {len(report.lines)} lines pass" + (f", {skipped} skipped" if skipped else "")]
+    if report.carried_from:
+        lines.append(f"- passing lines carried from the report of commit {report.carried_from} (--resume: the same "
+                     f"code digest), the others run at this commit")
+    lines += ["",
              "| check | result | detail |", "| --- | --- | --- |"]
     result = {True: "pass", False: "**FAIL**", None: "skipped"}
     lines += [f"| {n} | {result[ok]} | {_cell(d)} |" for n, ok, d in report.lines]
@@ -416,7 +429,7 @@ def main():
         for job in [pool.submit(spawn, g, names, args, rep, lock) for g, names in todo.items()]:
             job.result()
     print(f"lines done in {time.perf_counter() - t0:.0f} s", flush=True)
-    perf_lines = []
+    perf_lines = rep.kept_perf if args.no_perf else []  # --resume --no-perf: the resumed report's table
     if not (args.no_perf or args.cpu):
         try:  # alone on the device, in a process of its own
             perf_lines = run_perf(args, perf_ids)

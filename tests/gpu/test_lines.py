@@ -683,6 +683,7 @@ def test_fp8_gemm(on_gpu, record_property):
     from jspec.config import ModelConfig, RopeConfig
     from jspec.quantization import quant_config_from_hf, quantize_fp8
     from tests.helpers.fp8 import quant_config
+    from tests.helpers.gpu_lines import fp8_gemms
 
     M, F, K = (256, 4096, 14336) if on_gpu else (32, 96, 256)
     cfg = ModelConfig(family="llama", vocab_size=256, hidden_size=F, intermediate_size=K, num_layers=1, num_heads=4,
@@ -709,12 +710,10 @@ def test_fp8_gemm(on_gpu, record_property):
     want = np.asarray(res.astype(jnp.float32), np.float64) + (
         hq @ np.asarray(q.w.astype(jnp.float32), np.float64).T) * xs * np.asarray(q.scale, np.float64).reshape(-1)
     err = float(np.abs(got - want).max() / np.abs(want).max())
-    hlo = fn.lower(x, q, res).compile().as_text()
-    f8_gemm = [ln.strip()[:120] for ln in hlo.splitlines() if "f8e4m3fn" in ln and
-               ("custom-call" in ln or "kind=kCustom" in ln or " dot(" in ln)]
+    f8_gemm = fp8_gemms(fn.lower(x, q, res).compile().as_text())
     assert err < 1e-2 and (f8_gemm or not on_gpu), (err, f8_gemm)
     record_property("detail", f"[{M}, {K}] x [{F}, {K}]: relative error {err:.1e} against float64; the FP8 GEMM: "
-                              f"{f8_gemm[0].split('=')[0].strip() if f8_gemm else 'none (CPU)'}")
+                              f"{f8_gemm[0] if f8_gemm else 'none (CPU)'}")
 
 # ---- warmup ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,k", [

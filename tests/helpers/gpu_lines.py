@@ -120,3 +120,22 @@ def use_checkpoints(folder: str) -> dict:
         h._CACHE[("drafter", name)] = path
     with open(os.path.join(folder, "references.json")) as f:
         return json.load(f)
+
+
+def fp8_gemms(hlo: str) -> list[str]:
+    """The GEMMs of a compiled program (``compiled.as_text()``) that multiply FP8 values:
+    cuBLASLt's FP8 custom calls (their targets), and dots (a Triton GEMM fusion's) whose two
+    operands are float8_e4m3fn (their names). Operand types are looked up in the dot's own
+    computation; a dot after a conversion of FP8 values (XLA:CPU's, a weight-only dot) is no
+    FP8 GEMM."""
+    import re
+
+    found = re.findall(r'custom_call_target="([^"]*\$f8[^"]*)"', hlo)
+    for comp in hlo.split("\n\n"):
+        types = dict(re.findall(r"^\s*(?:ROOT )?(%[\w.\-]+) = (\w+)\[", comp, re.M))
+        for name, args in re.findall(r"^\s*(?:ROOT )?(%[\w.\-]+) = [^\n]*? dot\(([^)]*)\)", comp, re.M):
+            operands = [a.strip() for a in args.split(", ")]
+            if len(operands) == 2 and all("f8e4m3fn" in a or types.get(a.split()[-1], "") == "f8e4m3fn"
+                                          for a in operands):
+                found.append(name)
+    return found

@@ -227,3 +227,26 @@ def test_fp8_gemm_plan(rows):
     np.testing.assert_array_equal(f32(fn(x, q)), f32(want))
     assert not f8_dots(fn, x.astype(jnp.float32), q)
     assert not f8_dots(lambda x, w: ops.linear(plan, x, w), x, w)
+
+
+def test_fp8_gemms_in_compiled_programs():
+    """The GPU check's detector of FP8 GEMMs in a compiled program's text
+    (tests/helpers/gpu_lines.fp8_gemms): a cuBLASLt FP8 custom call and a dot of two FP8
+    operands count (operands typed inline or by their computation's instructions); XLA:CPU's
+    dot after converting FP8 values, a bf16 dot, or an f8 name in another computation do not."""
+    from tests.helpers.gpu_lines import fp8_gemms
+
+    cublas = ('  %cublas-lt-matmul.2 = (bf16[256,4096]{1,0}, s8[33554432]{0}) custom-call(%a, %b, %c, %d), '
+              'custom_call_target="__cublas$lt$matmul$f8", backend_config={}')
+    triton = ("%gemm_fusion_dot.1_computation (p0: f8e4m3fn[256,14336], p1: f8e4m3fn[4096,14336]) -> f32[256,4096] {\n"
+              "  %p0 = f8e4m3fn[256,14336]{1,0} parameter(0)\n  %p1 = f8e4m3fn[4096,14336]{1,0} parameter(1)\n"
+              "  ROOT %dot.3 = f32[256,4096]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={1}\n}")
+    inline = "  %dot.4 = f32[2,3]{1,0} dot(f8e4m3fn[2,8]{1,0} %x, f8e4m3fn[3,8]{1,0} %y), lhs_contracting_dims={1}"
+    other = "%c2 {\n  %p0 = bf16[256,14336]{1,0} parameter(0)\n  ROOT %dot.5 = f32[1]{0} dot(%p0, %p1)\n}"
+    assert fp8_gemms(cublas) == ["__cublas$lt$matmul$f8"]
+    assert fp8_gemms(triton) == ["%dot.3"] and fp8_gemms(inline) == ["%dot.4"]
+    assert fp8_gemms(triton.replace("%p1 = f8e4m3fn", "%p1 = bf16") + "\n\n" + other) == []
+    x = jnp.ones((32, 64), FP8)
+    w = jnp.ones((48, 64), FP8)
+    cpu = jax.jit(lambda x, w: jnp.einsum("md,fd->mf", x, w, preferred_element_type=jnp.float32))
+    assert fp8_gemms(cpu.lower(x, w).compile().as_text()) == []  # XLA:CPU converts them first
