@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import weakref
 
 import numpy as np
 
@@ -106,12 +107,16 @@ def follow(runner, channel) -> int:
 
 def lead(runner, c, close):
     """Node 0 (EngineConfig ``c``), at its first step: the other nodes connected, each call
-    sent to them from now on; ``close`` (the engine's) registered to run at exit."""
+    sent to them from now on; ``close`` (the engine's bound method) to run at exit if the
+    engine still lives then. Held weakly: atexit holding the engine kept its weights and KV
+    pool on the device after the user let it go (a second engine in the process then ran
+    out of memory: a 70B at tp 2, a process per GPU, 2026-11-30)."""
     if c.node_rank:
         raise RuntimeError(f"node_rank={c.node_rank} follows node 0, which schedules: call follow() here "
                            f"(LLM.follow(); the server does on its own)")
     runner.leader = Leader(multihost.Channel.lead(c.nnodes, c.master_addr, c.master_port))
-    atexit.register(close)
+    ref = weakref.WeakMethod(close)
+    atexit.register(lambda: (m := ref()) is not None and m())
 
 
 def follow_node(runner, c) -> int:

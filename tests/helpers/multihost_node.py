@@ -4,7 +4,8 @@
 
 Each case ({"spec": speculative_config or None, "prompts": [...], "die": DIE}) is one
 jspec.LLM at tensor_parallel_size 4 over the 2 x 2 devices of the two processes: node 0
-generates greedily and closes it, node 1 follows. DIE "follower": node 1 exits after
+generates greedily and closes it, node 1 follows; then each lets it go and reports the
+arrays still alive (node 0 in its results after the case's outputs). DIE "follower": node 1 exits after
 5 calls; "leader": node 0 exits once its first step was sent. Node 0 writes its outputs
 (or the error it raised, with the seconds it took) to OUT_JSON.
 """
@@ -15,6 +16,15 @@ import json
 import os
 import sys
 import time
+
+
+def live_arrays() -> int:
+    import gc
+
+    import jax
+
+    gc.collect()
+    return len(jax.live_arrays())
 
 
 def main():
@@ -40,6 +50,8 @@ def main():
             runner._invoke_here = dying
         if rank:
             print(f"node 1 followed {llm.follow()} calls", flush=True)
+            del llm, runner
+            print(f"node 1 arrays left {live_arrays()}", flush=True)
             continue
         t = time.monotonic()
         sp = jspec.SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
@@ -51,6 +63,8 @@ def main():
                 json.dump(results, f)
             raise
         llm.close()
+        del llm, runner
+        results.append({"arrays_left": live_arrays()})  # a closed engine let go holds no device memory
     if not rank:
         with open(out, "w") as f:
             json.dump(results, f)
