@@ -8,7 +8,8 @@ larger-batch projections): each Llama-3.1-8B layer projection at M rows, three w
 
 each beside the run's bf16 and FP8 matrix peaks (square GEMMs through XLA, measured in the same
 run), with its relative error against the float32 product of the quantized weight (w8a8's
-includes the activations' rounding to e4m3) and the kernels XLA ran (whether an FP8 GEMM ran).
+includes the activations' rounding to e4m3), the kernels XLA ran (whether an FP8 GEMM ran) and
+its compile time (XLA's GEMM autotuning: what an engine's warmup pays for each shape).
 
     PYTHONPATH=.:scripts python3 scripts/bench_fp8_gemm.py --rows 8192,256     # GPU
     PYTHONPATH=.:scripts python3 scripts/bench_fp8_gemm.py --quick             # CPU smoke test
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -85,10 +87,12 @@ def case(M: int, F: int, K: int, gpu: bool) -> dict:
     row = dict(M=M, F=F, K=K)
     for name, fn, args in (("bf16", bf16, (x, wd.astype(jnp.bfloat16))), ("w8a16", w8a16, (x, wq, s)),
                            ("w8a8", w8a8, (x, wq, s))):
-        fj = jax.jit(fn)
+        t = time.perf_counter()  # XLA's compile, its GEMM autotuning included (the engine's warmup pays it per shape)
+        fj = jax.jit(fn).lower(*args).compile()
+        compile_s = time.perf_counter() - t
         y = fj(*args).astype(jnp.float32)
         sec, top = timed(fj, args, gpu)
-        row[name] = dict(us=sec * 1e6, flops=2 * M * F * K / sec, kernels=top,
+        row[name] = dict(us=sec * 1e6, flops=2 * M * F * K / sec, kernels=top, compile_s=compile_s,
                          rel_err=float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref))))
     return row
 
@@ -96,6 +100,7 @@ def case(M: int, F: int, K: int, gpu: bool) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="8192,256", help="M: tokens in one step (a prefill chunk, a decode batch)")
+    ap.add_argument("--shapes", default=",".join(n for n, _, _ in SHAPES), help="which of the layer's projections")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU)")
     args = ap.parse_args(argv)
     gpu = jax.default_backend() == "gpu"
@@ -104,12 +109,14 @@ def main(argv=None):
           f"TFLOP/s", flush=True)
     rows = []
     for M in [int(m) for m in args.rows.split(",")] if not args.quick else [64]:
-        for name, F, K in SHAPES if not args.quick else [("tiny", 256, 128)]:
+        for name, F, K in [sh for sh in SHAPES if sh[0] in args.shapes.split(",")] if not args.quick \
+                else [("tiny", 256, 128)]:
             r = case(M, F, K, gpu)
             r["name"] = name
             rows.append(r)
             print(f"{name:8s} M={M:5d} " + "; ".join(
-                f"{k} {r[k]['us']:8.1f} us {r[k]['flops'] / 1e12:5.0f} TFLOP/s ({r[k]['flops'] / pk['bf16']:.0%} of "
+                f"{k} {r[k]['us']:8.1f} us (compiled in {r[k]['compile_s']:.1f} s) {r[k]['flops'] / 1e12:5.0f} TFLOP/s "
+                f"({r[k]['flops'] / pk['bf16']:.0%} of "
                 f"bf16's peak, {r[k]['flops'] / pk['fp8']:.0%} of fp8's) err {r[k]['rel_err']:.1e} {r[k]['kernels'][:2]}"
                 for k in ("bf16", "w8a16", "w8a8")), flush=True)
     out = os.environ.get("OUT")
