@@ -114,7 +114,7 @@ def sweep_case(name, F, K, prologue, residual):
     elementwise = [(bf, bd, warps, stages) for bf in (8, 16) for bd in (512, 1024, 2048) for stages in (2, 4)
                    for warps in (4, 8)]
     mma = [(bf, bd, 4, stages, True) for bf in (16, 32, 64, 128) for bd in (256, 512) + ((1024,) if FP8 else ())
-           for stages in (4, 6)]
+           for stages in (3, 4, 5, 6)] + [(32, 256, 8, 4, True), (64, 256, 8, 4, True)]
     return time_tilings(lambda b: jax.jit(lambda x, w: fused_linear_gpu(
         x, split(w)[0], kw["norm_w"], None, kw["residual"], prologue=prologue, eps=1e-5, blocks=b,
         w_scale=split(w)[1])),
@@ -216,7 +216,10 @@ def qkv_rope_case(H, KVH, D, K, interpret, timing, copies=4, sweep=False):
 
             from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write_gpu
             tiles = ([(4, 512, 4, 4, False), (8, 1024, 4, 4, False), (4, 2048, 8, 4, False)]
-                     + [(p, bd, 4, st, True) for p in (8, 16, 32) for bd in (256, 512, 1024) for st in (3, 4)])
+                     + [(p, bd, 4, st, True) for p in (8, 16, 32) for bd in (256, 512, 1024) for st in (3, 4)]
+                     # around the K >= 8192 row (2 x 32 rows x 512, 4 stages): deeper, wider, 8 warps, 2 x 64 rows
+                     + [(32, 256, 4, 5, True), (32, 256, 4, 6, True), (32, 512, 8, 4, True), (32, 256, 8, 4, True),
+                        (64, 256, 4, 3, True), (64, 256, 4, 4, True)])
             row["sweep"] = time_tilings(
                 lambda b: jax.jit(lambda w, kp, vp: qkv_rope_kv_write_gpu(x, split(w)[0], nw, None, cos, sin, slot, kp,
                                                                           vp, num_heads=H, eps=1e-5, blocks=b,
