@@ -124,14 +124,12 @@ def ref_fused_linear(x, w, *, prologue="none", norm_w=None, eps=1e-6, bias=None,
             x = (x.astype(jnp.float32) * r).astype(x.dtype)
         x = silu_mul(x)
     spec = "...d,df->...f" if w_in_out else "...d,fd->...f"
-    if x_fp8:
-        x, x_scale = quantize_rows(x, w.dtype)
-        y = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32) * x_scale
-        if prologue == "none" and sumsq is not None:
-            y = y * lax.rsqrt(jnp.sum(sumsq, axis=-1, keepdims=True) / x.shape[-1] + eps)
-        y = (y * w_scale).astype(out_dtype or dt)
-    elif (prologue == "none" and sumsq is not None) or w_scale is not None:
-        y = jnp.einsum(spec, x.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
+    if (prologue == "none" and sumsq is not None) or w_scale is not None:  # (x_fp8 comes with a w_scale)
+        if x_fp8:
+            xq, x_scale = quantize_rows(x, w.dtype)
+            y = jnp.einsum(spec, xq, w, preferred_element_type=jnp.float32) * x_scale
+        else:
+            y = jnp.einsum(spec, x.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
         if prologue == "none" and sumsq is not None:
             y = y * lax.rsqrt(jnp.sum(sumsq, axis=-1, keepdims=True) / x.shape[-1] + eps)
         y = (y if w_scale is None else y * w_scale).astype(out_dtype or dt)

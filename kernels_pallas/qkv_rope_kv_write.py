@@ -15,8 +15,8 @@ stores q to the output and k / v to their cache slot (in place, aliased; slot P 
 padding token, writes nothing). As many rows per program as the projection kernel's tile
 (kernel_blocks): for bf16 2 x 32 rows x 256 through the tensor-core dot (fused_linear's
 MMA form), else 2 x 4 rows x 512 elementwise; at K >= 8192 the device's own row (70B's
-[5120, 8192] at tp 2: 2 x 32 rows x 512, 26.3 us against 49.1 at the projection's 2 x 16). On the H200 (jax 0.11.2, 2026-11-21, profiler
-GPU time): 16.1 us per layer in the decode step with the MMA tiles against 17.7 elementwise
+[5120, 8192] at tp 2: 2 x 32 rows x 512, 26.3 us against 49.1 at the projection's 2 x 16).
+On the H200 (jax 0.11.2, 2026-11-21, profiler GPU time): 16.1 us per layer in the decode step with the MMA tiles against 17.7 elementwise
 (scripts/bench.py --section diag); alone 18.7 against 22.1 us, and 2 x 16-row tiles 27.7-32.3
 (scripts/bench_linear.py --qkv-rope-only --sweep). Qwen3's q / k norms need a whole head
 per program first: that model keeps the two kernels (jspec.ops.qkv_rope_write).

@@ -92,8 +92,8 @@ H200_LINEAR = (LinearTile(8192, 4096, 16, 1024, 8, 2), LinearTile(0, 4096, 8, 51
 # Wider weights (H200, 2026-11-30, scripts/bench_linear.py --shapes llama-70b-tp2 --sweep; raw
 # docs/bench/2026-11-30_linear_70b_tp2_h200.log), GPU time per call at K >= 8192: down + SwiGLU
 # [8192, 14336] 32 x 256, 4 stages 56.4 us against 65.2 at 32 x 512, 6 stages (bytes: 53.7).
-H200_LINEAR_MMA = (LinearTile(8192, 8192, 32, 256, 4, 4), LinearTile(8192, 4096, 32, 512, 4, 6), LinearTile(4096, 6144, 64, 256, 4, 4),
-                   LinearTile(4096, 4096, 32, 256, 4, 6))
+H200_LINEAR_MMA = (LinearTile(8192, 8192, 32, 256, 4, 4), LinearTile(8192, 4096, 32, 512, 4, 6),
+                   LinearTile(4096, 6144, 64, 256, 4, 4), LinearTile(4096, 4096, 32, 256, 4, 6))
 # FP8 weights, one row (H200, 2026-11-30, scripts/bench_linear.py --fp8 --sweep; raw
 # docs/bench/2026-11-30_linear_fp8_h200.log), GPU time per call: the tensor-core stream
 # converts each FP8 tile to bf16 on its way to the MMA and lost to the elementwise one at

@@ -54,8 +54,8 @@ def main(argv=None) -> list[dict]:
     if args.fp8_gemm:
         os.environ["JSPEC_FP8_GEMM"] = "1"
     import jax
-    from bench_common import LLAMA_8B, TINY, drafter_config
-    from bench_llm_folders import write_folders
+    from bench_common import LLAMA_8B, TINY
+    from bench_llm_folders import write_target_folder
 
     import jspec
     from jspec.engine.warmup import lower_shape
@@ -63,8 +63,7 @@ def main(argv=None) -> list[dict]:
     cfg = TINY if args.quick else LLAMA_8B
     if args.quick:
         args.max_num_seqs, args.max_model_len = 4, 64
-    tdir, _ = write_folders(tempfile.mkdtemp(prefix="jspec_bench_compile_"), cfg, drafter_config("eagle3", cfg,
-                                                                                                   args.quick), 3)
+    tdir = write_target_folder(tempfile.mkdtemp(prefix="jspec_bench_compile_"), cfg)
     kw = dict(dtype="bfloat16", load_format="dummy", max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
               max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens, warmup=False)
     kw.update({k: v for k in ("quantization", "kv_cache_dtype") if (v := getattr(args, k)) is not None})

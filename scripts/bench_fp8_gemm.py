@@ -116,8 +116,8 @@ def main(argv=None):
             rows.append(r)
             print(f"{name:8s} M={M:5d} " + "; ".join(
                 f"{k} {r[k]['us']:8.1f} us (compiled in {r[k]['compile_s']:.1f} s) {r[k]['flops'] / 1e12:5.0f} TFLOP/s "
-                f"({r[k]['flops'] / pk['bf16']:.0%} of "
-                f"bf16's peak, {r[k]['flops'] / pk['fp8']:.0%} of fp8's) err {r[k]['rel_err']:.1e} {r[k]['kernels'][:2]}"
+                f"({r[k]['flops'] / pk['bf16']:.0%} of bf16's peak, {r[k]['flops'] / pk['fp8']:.0%} of fp8's) "
+                f"err {r[k]['rel_err']:.1e} {r[k]['kernels'][:2]}"
                 for k in ("bf16", "w8a16", "w8a8")), flush=True)
     out = os.environ.get("OUT")
     if out:

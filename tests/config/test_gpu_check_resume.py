@@ -23,7 +23,8 @@ def gpu_check(monkeypatch):
 def report(gpu_check, tmp_path, commit: str, digest: str) -> str:
     path = tmp_path / "gpu_check.md"
     path.write_text("\n".join([
-        "# GPU check", "", f"- commit: {commit}", f"- code digest (`--digest`): {digest}", "- device: NVIDIA H200 (gpu)",
+        "# GPU check", "", f"- commit: {commit}", f"- code digest (`--digest`): {digest}",
+        "- device: NVIDIA H200 (gpu)",
         "- jax: 0.11.2", "", "| check | result | detail |", "| --- | --- | --- |", "| line a | pass | 1 s |",
         "| line b | **FAIL** | AssertionError |", "", gpu_check.PERF_HEADING, "", "| a table | row |", ""]))
     return str(path)

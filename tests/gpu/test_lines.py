@@ -666,7 +666,7 @@ def test_fp8_one_row_kernels(on_gpu, record_property):
 
 
 @line("peagle", "W8A8: an FP8 weight's GEMM of many rows on FP8 tensor cores (per-token FP8 activations) == its maths")
-def test_fp8_gemm(on_gpu, record_property):
+def test_fp8_gemm(on_gpu, record_property, monkeypatch):
     """The plan of a checkpoint with FP8 activations (compressed-tensors per channel, dynamic
     per-token input_activations) sets fp8_gemm on this GPU under JSPEC_FP8_GEMM; ops.linear of bf16 rows beyond
     FP8_GEMM_MIN_ROWS over an FP8 weight (8B's down_proj width) then runs an FP8 GEMM (its
@@ -677,12 +677,11 @@ def test_fp8_gemm(on_gpu, record_property):
 
     import jax
     import jax.numpy as jnp
-    import ml_dtypes
 
     from jspec import ops
     from jspec.config import ModelConfig, RopeConfig
     from jspec.quantization import quant_config_from_hf, quantize_fp8
-    from tests.helpers.fp8 import quant_config
+    from tests.helpers.fp8 import per_token_fp8, quant_config
     from tests.helpers.gpu_lines import fp8_gemms
 
     M, F, K = (256, 4096, 14336) if on_gpu else (32, 96, 256)
@@ -690,11 +689,8 @@ def test_fp8_gemm(on_gpu, record_property):
                       num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope=RopeConfig(500000.0),
                       tie_word_embeddings=False, attention_bias=False, mlp_bias=False, qk_norm=False,
                       max_position_embeddings=4096, quantization=quant_config_from_hf(quant_config("ct_channel")))
-    os.environ["JSPEC_FP8_GEMM"] = "1"  # off by default for now (jspec/envs.py)
-    try:
-        plan = ops.plan_kernels(cfg)
-    finally:
-        del os.environ["JSPEC_FP8_GEMM"]
+    monkeypatch.setenv("JSPEC_FP8_GEMM", "1")  # off by default for now (jspec/envs.py)
+    plan = ops.plan_kernels(cfg)
     assert plan.fp8_gemm == on_gpu, plan
     plan = dataclasses.replace(plan, fp8_gemm=True, in_out_weights=False)
     ks = jax.random.split(jax.random.PRNGKey(9), 3)
@@ -703,10 +699,7 @@ def test_fp8_gemm(on_gpu, record_property):
     res = jax.random.normal(ks[2], (M, F)).astype(jnp.bfloat16)
     fn = jax.jit(lambda x, q, r: ops.linear(plan, x, q, residual=r))
     got = np.asarray(fn(x, q, res).astype(jnp.float32), np.float64)
-    h = np.asarray(x.astype(jnp.float32))  # the scale and its reciprocal in float32, as specified
-    xs = np.maximum(np.abs(h).max(axis=-1, keepdims=True), np.float32(1e-12)) * np.float32(1 / 448)
-    hq = np.clip(h * (np.float32(1) / xs), -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    xs = xs.astype(np.float64)
+    hq, xs = per_token_fp8(x.astype(jnp.float32))
     want = np.asarray(res.astype(jnp.float32), np.float64) + (
         hq @ np.asarray(q.w.astype(jnp.float32), np.float64).T) * xs * np.asarray(q.scale, np.float64).reshape(-1)
     err = float(np.abs(got - want).max() / np.abs(want).max())

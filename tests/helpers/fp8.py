@@ -46,6 +46,21 @@ def quant_config(fmt: str, block=(128, 128)) -> dict:
             "global_compression_ratio": None, "sparsity_config": {}, "version": "0.10.2"}
 
 
+def per_token_fp8(h):
+    """The W8A8 activations' maths in numpy (an independent reference of
+    kernels_pallas.fused_linear.quantize_rows): each row of h (float32 [..., K]) as e4m3 values
+    with one scale max|h| * (1 / 448) (floor 1e-12), the values h * (1 / scale) clipped and
+    rounded by ml_dtypes; the scale and its reciprocal in float32, as specified (bf16 inputs
+    put many h / scale on a rounding tie). -> (values as float64, scales float64 [..., 1])."""
+    import ml_dtypes
+    import numpy as np
+
+    h = np.asarray(h, np.float32)
+    s = np.maximum(np.abs(h).max(axis=-1, keepdims=True), np.float32(1e-12)) * np.float32(1 / FP8_MAX)
+    q = np.clip(h * (np.float32(1) / s), -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return q.astype(np.float64), s.astype(np.float64)
+
+
 # compressed-tensors' static per-tensor FP8 KV-cache scheme (llm-compressor's)
 KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 

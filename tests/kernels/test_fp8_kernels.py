@@ -171,9 +171,8 @@ def test_fp8_activations_reference():
     nearest) and dotted with the FP8 weight, both scales on the f32 result == that maths in
     float64 (numpy, ml_dtypes' e4m3 rounding); within e4m3's rounding of the weight-only
     result; a weight that is not e4m3 is refused."""
-    import ml_dtypes
-
     from kernels_pallas.fused_linear import quantize_rows
+    from tests.helpers.fp8 import per_token_fp8
 
     _, w, kw = linear_inputs(5, 96, 256, "rmsnorm", BF16, bias=True)
     x = (2 * jax.random.normal(jax.random.PRNGKey(6), (2, 4, 256))).astype(BF16)
@@ -182,10 +181,7 @@ def test_fp8_activations_reference():
     w8, s = fp8(w)
     got = ref_fused_linear(x, w8, w_scale=s, x_fp8=True, **{**kw, "out_dtype": None})
     h = f32(ref_fused_linear(x, jnp.eye(256, dtype=BF16), prologue="rmsnorm", norm_w=kw["norm_w"], eps=1e-5))
-    # the scale and its reciprocal in float32, as specified (bf16 inputs put many x / s on a rounding tie)
-    xs = np.maximum(np.abs(h).max(axis=-1, keepdims=True), np.float32(1e-12)) * np.float32(1 / 448)
-    hq = np.clip(h * (np.float32(1) / xs), -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    xs = xs.astype(np.float64)
+    hq, xs = per_token_fp8(h)
     want = (hq @ np.asarray(w8, np.float64).T) * xs * np.asarray(s, np.float64) + np.asarray(kw["bias"], np.float64)
     want = want + np.asarray(kw["residual"], np.float64)
     assert got.dtype == BF16 and np.all(np.isfinite(f32(got)))

@@ -203,7 +203,8 @@ def test_fp8_gemm_where_the_checkpoint_and_the_gpu_have_fp8_activations(monkeypa
     dev = lambda platform, cc: SimpleNamespace(platform=platform, compute_capability=cc)  # noqa: E731
     assert kernel_plan.fp8_tensor_cores(dev("gpu", "9.0")) and kernel_plan.fp8_tensor_cores(dev("gpu", "8.9"))
     assert kernel_plan.fp8_tensor_cores(dev("gpu", "10.0"))
-    assert not kernel_plan.fp8_tensor_cores(dev("gpu", "8.0")) and not kernel_plan.fp8_tensor_cores(dev("gpu", "gfx942"))
+    assert not kernel_plan.fp8_tensor_cores(dev("gpu", "8.0"))
+    assert not kernel_plan.fp8_tensor_cores(dev("gpu", "gfx942"))
     assert not kernel_plan.fp8_tensor_cores(dev("tpu", None)) and not kernel_plan.fp8_tensor_cores(jax.devices()[0])
     ct = quant_config("ct_channel")
     w8a16 = {**ct, "config_groups": {"group_0": {**ct["config_groups"]["group_0"], "input_activations": None}}}
