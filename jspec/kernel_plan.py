@@ -21,6 +21,7 @@ from jspec.mxfp4 import Mxfp4Weight
 from jspec.parallel.mesh import padded_vocab
 from jspec.quantization import QuantWeight
 from kernels_pallas import fused_linear as _fl
+from kernels_pallas import fused_linear_rows as _flr
 
 # Wider projections stay with XLA: gate_up (28672 x 4096) streams at 4.0-4.2 TB/s through
 # XLA's autotuned GEMM against 3.9 in fused_linear's kernel (60.3 vs 55.8-58.2 us on the
@@ -115,11 +116,11 @@ def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str 
 
 
 # Rows beyond which an FP8 weight's dot may run W8A8 (KernelPlan.fp8_gemm): more than the
-# projection kernels take (one row; 2-16 in fused_linear_rows), where XLA runs a GEMM. On the
+# projection kernels take (one row; 2 to MAX_ROWS in fused_linear_rows), where XLA runs a GEMM. On the
 # H200 (jax 0.11.2, 2026-11-30, scripts/bench_fp8_gemm.py) the 8B's qkv at 8192 rows took
 # 397 us this way (cuBLASLt's FP8 GEMM, the activations' quantization included) against 582
 # weight-only (XLA converts the weight, then a bf16 GEMM) and 560 in bf16.
-FP8_GEMM_MIN_ROWS = 16
+FP8_GEMM_MIN_ROWS = _flr.MAX_ROWS
 
 
 def fp8_tensor_cores(device=None) -> bool:
