@@ -34,6 +34,9 @@ takes 215. While a batch runs plain nothing is measured: every ``probe_off_every
 two steps draft again. Greedy and sampled output stay exactly as without: a row verifying fewer drafts, or
 none, is rejection sampling over fewer positions (lossless at every count).
 
+A step that also prefills (the scheduler's mixed policy) asks too, for its decode rows
+before the prompts' chunks take the budget they leave (``choose(mixed=True)``).
+
 ``disable_by_batch_size`` (vLLM's key): at that many rows or more a step runs plain. With
 ``enabled`` False (speculative_config "dynamic", default off) and no such key, every step
 verifies every draft.
@@ -94,7 +97,9 @@ class DynamicSpeculation:
         self._plain: dict[int, int] = {}  # N -> steps at width 1 since the last probe
         self._probe: dict[int, int] = {}  # N -> probe steps left
         self.steps_by_width: collections.Counter = collections.Counter()
+        self.mixed_by_width: collections.Counter = collections.Counter()  # mixed steps' decode rows, by their cap
         self.num_decode_steps = 0
+        self.mixed_steps = 0
         self.num_scheduled_drafts = 0
 
     # ---- what the engine reports ---------------------------------------------------------
@@ -177,21 +182,33 @@ class DynamicSpeculation:
         c, w = self.times.get((cur, N)), self.warm.get((cur, N))
         return self.warm[(q, N)] * (c / w if c and w else 1.0)
 
-    def choose(self, rows: list[tuple[str, int, int]], N: int, fixed: bool = False) -> tuple[int, list[int]]:
+    def choose(self, rows: list[tuple[str, int, int]], N: int, fixed: bool = False,
+               mixed: bool = False) -> tuple[int, list[int]]:
         """The width of a decode call over ``rows`` at batch bucket N, and the drafts each row
         verifies. A row: (request id, drafts it may verify in a steady state (room left
         before max_model_len, at most K), drafts it has now (none after a plain step)). The
         width is chosen for the steady state: the first step after a plain one verifies
         nothing and proposes. ``fixed``: the full width (a batch with a grammar: its masked
-        programs exist at K + 1 only)."""
-        self.num_decode_steps += 1
+        programs exist at K + 1 only).
+
+        ``mixed``: the decode rows of a step that also prefills (the scheduler's mixed
+        policy). Such a step's shape is its token count, whatever each row verifies, and
+        its time is not recorded (the prefill's share is unknown): its rows verify up to
+        the width decode calls of as many rows would choose from the times known, with
+        nothing tried, probed or timed for it. A verified draft there takes a prompt
+        token's place in the step's budget; at many rows (compute-bound) that is the
+        trade a wide decode call makes too, at few rows it costs the step little."""
+        if mixed:
+            self.mixed_steps += 1
+        else:
+            self.num_decode_steps += 1
         rids = [r[0] for r in rows]
         room = np.array([r[1] for r in rows], np.int64)
         have = np.array([r[2] for r in rows], np.int64)
         dynamic = self.enabled and not fixed and 1 in self.widths
         slots = [self._slots.get(rid, -1) for rid in rids] if dynamic else None  # once for rates and miss runs
         rates = self.rates(rids, slots) if dynamic else None
-        q = self._width(rates, room, N, fixed)
+        q = self._width(rates, room, N, fixed, explore=not mixed)
         ks = np.minimum(np.minimum(room, have), q - 1)
         if dynamic and q > 1:  # requests that stopped drafting: one probe in probe_every
             runs = np.array([self.misses[j] if j >= 0 else 0 for j in slots])
@@ -202,17 +219,19 @@ class DynamicSpeculation:
                 n = self._skipped.get(rids[i], 0) + 1
                 self._skipped[rids[i]] = n % self.probe_every
                 ks[i] = ks[i] if n >= self.probe_every else 0
-        self.steps_by_width[q] += 1
+        (self.mixed_by_width if mixed else self.steps_by_width)[q] += 1
         self.num_scheduled_drafts += int(ks.sum())
         return q, ks.tolist()
 
-    def _width(self, rates, room, N: int, fixed: bool) -> int:
+    def _width(self, rates, room, N: int, fixed: bool, explore: bool = True) -> int:
+        """``explore`` False (a mixed step's rows): the best width among those with a time
+        known, the one in use when none is; nothing tried or probed."""
         full = self.K + 1
         if self.disable_by_batch_size and len(room) >= self.disable_by_batch_size and not fixed:
             return 1
         if rates is None:
             return full
-        if self._probe.get(N):  # plain for probe_off_every steps: two steps of the best drafting width
+        if explore and self._probe.get(N):  # plain for probe_off_every steps: two steps of the best drafting width
             self._probe[N] -= 1
             return self.current[N]
         cur = self.current.get(N, full)
@@ -221,16 +240,23 @@ class DynamicSpeculation:
         values = {}
         for q in self.widths:
             t = self._time(q, N, cur)
+            if t is None and not explore:
+                continue
             if t is None:  # never run at this batch: run it once
                 self.current[N] = q
                 return q
             values[q] = E[rows, np.minimum(room, q - 1)].sum() / max(t, 1e-9)
+        if not values:
+            return cur
         # drafting must promise more than plain by a margin: its rows end unevenly (a call's
         # last rows run alone) and the drafter's share of the prefill is not in the model
-        values[1] *= self.plain_margin
+        if 1 in values:
+            values[1] *= self.plain_margin
         best = max(values, key=values.get)
-        if values[best] < self.switch_margin * values[cur]:
+        if cur in values and values[best] < self.switch_margin * values[cur]:
             best = cur
+        if not explore:
+            return best
         # A width close behind is timed when it never was at N (its estimate is warmup's, scaled),
         # and again after refresh_every steps; plain's calls are left alone but for the first.
         stale = [q for q in values if q != best and values[q] > 0.8 * values[best]
@@ -250,8 +276,10 @@ class DynamicSpeculation:
         return best
 
     def stats(self) -> dict:
-        """Counters for LLMEngine.stats: decode steps by width, drafts scheduled per decode step."""
-        n = self.num_decode_steps
+        """Counters for LLMEngine.stats: decode calls by width, mixed steps by their rows' cap, drafts
+        scheduled per step with decode rows."""
+        n = self.num_decode_steps + self.mixed_steps
         return {"decode_steps_by_width": dict(sorted(self.steps_by_width.items())),
-                "num_decode_steps": n, "num_scheduled_drafts": self.num_scheduled_drafts,
+                "mixed_steps_by_width": dict(sorted(self.mixed_by_width.items())),
+                "num_decode_steps": self.num_decode_steps, "num_scheduled_drafts": self.num_scheduled_drafts,
                 "mean_drafts_per_step": self.num_scheduled_drafts / n if n else 0.0}

@@ -141,6 +141,8 @@ class LLMEngine:
         off_at = self.spec.disable_by_batch_size if self.spec is not None else None
         widths = decode_widths(self.K, dynamic, off_at) if self.K else ()
         self.policy = DynamicSpeculation(self.K, widths, dynamic, off_at) if self.K else None
+        if mix and (dynamic or off_at):
+            self.scheduler.mixed_drafts = self._mixed_widths
         shapes = FlatShapes.create(c.max_num_seqs, min(sched_cfg.max_num_batched_tokens, most), chunk, q=self.K + 1,
                                    widths=widths)
         self.runner = FlatRunner(mc, params, kv, shapes, width=pages_per_seq, dtype=dtype, plan=plan, spec=self.spec,
@@ -343,6 +345,15 @@ class LLMEngine:
                                     for r, h in zip(rows, have)], N, fixed=any_grammar(rows))
         rows = [ScheduledSeq(r.seq, 1 + k, r.sample) for r, k in zip(rows, ks)]
         return q, SchedulerOutput("decode", rows, sched.preempted)
+
+    def _mixed_widths(self, dec: SchedulerOutput) -> SchedulerOutput:
+        """The decode rows of a step that also prefills, each verifying the drafts dynamic
+        speculation keeps of those it holds (``DynamicSpeculation.choose(mixed=True)``)."""
+        N = self.runner.shapes.decode_shape(len(dec.seqs)).seqs
+        _, ks = self.policy.choose([(r.seq.request_id, self._draft_room(r.seq.num_tokens), r.num_new - 1)
+                                    for r in dec.seqs], N, fixed=any_grammar(dec.seqs), mixed=True)
+        return SchedulerOutput("decode", [ScheduledSeq(r.seq, 1 + k, r.sample) for r, k in zip(dec.seqs, ks)],
+                               dec.preempted)
 
     def _collect(self, f: _InFlight) -> list[RequestOutput]:
         """Read a dispatched call (waits for the device) and apply its tokens. Rows that

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Callable
 
 from jspec.engine.block_manager import BlockManager
 from jspec.engine.sequence import Sequence, Status
@@ -77,6 +78,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # A mixed step's decode rows -> the same rows verifying the drafts dynamic speculation
+        # keeps (the engine's); None: every draft. Asked before the prompts' chunks take the
+        # budget the rows leave.
+        self.mixed_drafts: Callable[[SchedulerOutput], SchedulerOutput] | None = None
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
@@ -180,8 +185,10 @@ class Scheduler:
         """Decode rows first (as a decode step: growth may preempt the newest sequences),
         then prefill chunks in the budget they leave."""
         dec = self._schedule_decode(only_decoding=True)
-        budget = self.cfg.max_num_batched_tokens - sum(r.num_new for r in dec.seqs)
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        if prefilling and dec.seqs and self.mixed_drafts is not None:
+            dec = self.mixed_drafts(dec)
+        budget = self.cfg.max_num_batched_tokens - sum(r.num_new for r in dec.seqs)
         if not prefilling or (dec.seqs and budget <= 0):
             return dec if dec.seqs or dec.preempted else self._schedule_prefill(prefilling)
         if not dec.seqs:

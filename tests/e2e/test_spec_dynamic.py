@@ -42,8 +42,8 @@ def random_widths(eng, seed: int):
     policy = eng.policy
     choose = policy.choose
 
-    def pick(rows, N, fixed=False):
-        q, _ = choose(rows, N, fixed)  # the policy's bookkeeping runs as usual
+    def pick(rows, N, fixed=False, mixed=False):
+        q, _ = choose(rows, N, fixed, mixed)  # the policy's bookkeeping runs as usual
         q = q if fixed else int(rng.choice(policy.widths))
         return q, [int(rng.integers(0, min(q - 1, room, have) + 1)) for _, room, have in rows]
 
@@ -51,10 +51,13 @@ def random_widths(eng, seed: int):
     return choose
 
 
-@pytest.mark.parametrize("name,k,asyn", [("eagle3", 3, True), ("dflash8_zlab", 7, False), ("draft_llama", 3, True)])
-def test_random_widths_are_lossless(name, k, asyn):
+@pytest.mark.parametrize("name,k,asyn,mixed", [("eagle3", 3, True, False), ("dflash8_zlab", 7, False, False),
+                                               ("draft_llama", 3, True, False), ("eagle3", 3, True, True)])
+def test_random_widths_are_lossless(name, k, asyn, mixed):
+    """``mixed``: decode rows and prompt chunks share steps (the server's policy): a mixed
+    step's rows verify the drafts drawn for them too."""
     want = h.greedy_reference(PROMPTS, MAX_TOKENS)
-    llm = h.llm(name, k, spec_extra=DYNAMIC, async_scheduling=asyn)
+    llm = h.llm(name, k, spec_extra=DYNAMIC, async_scheduling=asyn, **({"max_num_partial_prefills": 1} if mixed else {}))
     eng = llm.engine
     assert eng.policy.widths == (1, 2, 4) + ((8,) if k == 7 else ())
     choose = random_widths(eng, seed=k)
@@ -69,6 +72,7 @@ def test_random_widths_are_lossless(name, k, asyn):
     assert d["mean_acceptance_length"] > 1.3, d  # drafts were verified and accepted, not only plain steps
     if asyn:
         assert eng.stats()["num_chained_calls"] > 0
+    assert (eng.policy.mixed_steps > 0) == mixed  # the policy chose for mixed steps' rows
 
 
 def _proposals(llm, prompts, sp, widths_seed: int | None):

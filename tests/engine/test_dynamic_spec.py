@@ -99,6 +99,28 @@ def test_disable_by_batch_size_and_fixed():
     assert p.choose([("a", 3, 3)] * 4, 4, fixed=True) == (4, [3, 3, 3, 3])  # a batch with a grammar
 
 
+def test_a_mixed_steps_rows_take_the_best_known_width_and_try_nothing():
+    rows = [(f"r{i}", 15, 15) for i in range(8)]
+    # no time known at this batch (a CPU without warmup): every draft, nothing tried or counted
+    p = DynamicSpeculation(15, decode_widths(15, True, None), True)
+    assert p.choose(rows, 8, mixed=True) == (16, [15] * 8)
+    assert p.current == {} and p.num_decode_steps == 0 and p.stats()["mixed_steps_by_width"] == {16: 1}
+    # warmup's times: the width a decode call would take (test_the_width_that_emits_most_per_second)
+    p = policy(15, {q: 1.0 + 0.5 * q for q in (1, 2, 4, 8, 16)})
+    for rid, _, _ in rows:
+        accept(p, rid, 15, 5)
+    assert p.choose(rows, 8, mixed=True) == (4, [3] * 8)
+    assert p.choose(rows[:1] + [("r1", 15, 2)], 8, mixed=True)[1] == [3, 2]  # at most the drafts a row holds
+    assert p.current == {} and p.num_decode_steps == 0
+    # only some widths timed: the best of those
+    p.warm = {(1, 8): 1.0, (16, 8): 1.5}
+    assert p.choose(rows, 8, mixed=True)[0] == 16
+    # vLLM's disable_by_batch_size counts a mixed step's decode rows too
+    p = DynamicSpeculation(3, decode_widths(3, False, 4), False, disable_by_batch_size=4)
+    assert p.choose([("a", 3, 3)] * 4, 4, mixed=True) == (1, [0, 0, 0, 0])
+    assert p.choose([("a", 3, 3)] * 3, 4, mixed=True) == (4, [3, 3, 3])
+
+
 def test_a_request_whose_drafts_are_never_accepted_stops_drafting():
     p = policy(3, {1: 1.0, 2: 1.0, 4: 1.0})  # drafting costs nothing: the step keeps its width
     good, bad = ("good", 3, 3), ("bad", 3, 3)
