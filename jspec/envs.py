@@ -77,12 +77,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (jspec.kernel_backend.IMPLS; jspec.ops.plan_kernels rejects other names). Unset or
     # "auto": chosen by backend. An impl named in the EngineConfig wins over it.
     "JSPEC_KERNEL_IMPL": _kernel_impl,
-    # "1" / "true": FP8 weights' GEMMs of many rows run W8A8 where the checkpoint asks for FP8
+    # "0" / "false": FP8 weights' GEMMs of many rows stay weight-only (the FP8 weight converted
+    # in the dot, bf16 activations). By default they run W8A8 where the checkpoint asks for FP8
     # activations and the GPU has FP8 tensor cores (KernelPlan.fp8_gemm: per-token dynamic
-    # activation scales, vLLM's meaning). Off by default until its compile time is bounded: the
-    # 8B saturation workload's warmup, with it and an FP8 KV cache, took 15-42 s for some step
-    # shapes, 1-3 s in bf16 (H200, 2026-11-30); its end-to-end gain is not yet measured.
-    "JSPEC_FP8_GEMM": lambda: os.environ.get("JSPEC_FP8_GEMM", "").strip().lower() in ("1", "true"),
+    # activation scales, vLLM's meaning): the 8B saturation workload with an FP8 KV cache took
+    # 16.55 s this way against 22.36 s in bf16 (H200, 2026-11-30, docs/benchmarks.md).
+    "JSPEC_FP8_GEMM": lambda: os.environ.get("JSPEC_FP8_GEMM", "1").strip().lower() not in ("0", "false", "off"),
     # "1" / "true": accept a max_model_len beyond the model's max_position_embeddings (its
     # positions past that were never trained). vLLM's name, VLLM_ALLOW_LONG_MAX_MODEL_LEN,
     # is honoured too.

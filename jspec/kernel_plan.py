@@ -68,15 +68,28 @@ class KernelPlan:
     compile_threads: int = 1
     # FP8 weights' XLA GEMMs of more than FP8_GEMM_MIN_ROWS rows quantize their bf16 / f16
     # activations per token and run on FP8 tensor cores (W8A8, vLLM's meaning for a checkpoint
-    # with FP8 activations): set by plan_kernels under JSPEC_FP8_GEMM (jspec/envs.py: off by
-    # default for now) where the checkpoint asks for them (QuantConfig.activations) and the GPU
-    # has FP8 tensor cores (fp8_tensor_cores).
+    # with FP8 activations): set by plan_kernels where the checkpoint asks for them
+    # (QuantConfig.activations) and the GPU has FP8 tensor cores (fp8_tensor_cores), unless
+    # JSPEC_FP8_GEMM=0 (jspec/envs.py).
     fp8_gemm: bool = False
 
     @property
     def compiler_options(self) -> dict | None:
         """``jax.jit(..., compiler_options=...)`` for the engine's steps."""
         return dict(self.xla_options) or None
+
+    @property
+    def many_rows_options(self) -> dict | None:
+        """The compiler options of the steps of more than FP8_GEMM_MIN_ROWS tokens where they
+        differ from ``compiler_options`` (None: they do not). Under fp8_gemm every FP8 dot
+        there is W8A8, which cuBLASLt's FP8 GEMM serves: XLA's Triton GEMMs stay off in them,
+        whose autotuning over FP8 configurations compiled an 8B step of 16,384 tokens in
+        over 30 s (H200, jax 0.11.2, 2026-11-30, scripts/bench_compile.py), 5-6 s without.
+        Fewer rows keep them: an FP8 weight's weight-only dot is a Triton fusion that
+        converts it in the GEMM (dequantized first by cuBLAS's path: 206 us against 34-43)."""
+        if not self.fp8_gemm:
+            return None
+        return {**dict(self.xla_options), "xla_gpu_enable_triton_gemm": False}
 
     def for_draft_model(self, cfg: ModelConfig) -> KernelPlan:
         """The plan of every drafter: a draft model's (an ordinary Llama / Qwen3 of shape

@@ -19,8 +19,8 @@ vLLM's models build them).
 A quantized leaf of the parameter tree is a ``QuantWeight`` (f8 weight + f32 scale, in the
 weight's layout); jspec/ops.py dequantizes it right before the dot through XLA. Activations:
 where the checkpoint asks for FP8 activations (``QuantConfig.activations``) and the GPU has FP8
-tensor cores, the XLA GEMMs of more rows than the projection kernels take can quantize them
-per token, dynamically (``KernelPlan.fp8_gemm``, under JSPEC_FP8_GEMM for now: vLLM's W8A8;
+tensor cores, the XLA GEMMs of more rows than the projection kernels take quantize them
+per token, dynamically (``KernelPlan.fp8_gemm``, vLLM's W8A8; JSPEC_FP8_GEMM=0 turns it off;
 static ``input_scale`` tensors stay unread); everything else is weight-only.
 """
 

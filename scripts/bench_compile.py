@@ -2,7 +2,7 @@
 shapes cost the startup, and what in them (FP8 GEMMs, cuBLAS calls, Pallas kernels).
 
 An engine like bench_throughput's (random weights, the Llama-3.1-8B shape; --quantization /
---kv-cache-dtype / --fp8-gemm as a user sets them), no warmup; then every shape of its warmup
+--kv-cache-dtype / --weight-only as a user sets them), no warmup; then every shape of its warmup
 (``jspec.engine.warmup.warmup_calls``: the general token buckets and the decode family) is
 lowered and compiled here in turn, jspec's and jax's compilation caches off, and timed. Each
 row: the shape (tokens, sequences, steps, decode, filtering), seconds to lower and to compile,
@@ -10,7 +10,7 @@ and what the compiled program calls (cuBLAS GEMMs, FP8 ones among them, custom k
 Slowest first, with the sum against warmup's threads in the engine.
 
     PYTHONPATH=.:scripts python3 scripts/bench_compile.py                                     # bf16
-    PYTHONPATH=.:scripts python3 scripts/bench_compile.py --quantization fp8 [--fp8-gemm] [--kv-cache-dtype fp8]
+    PYTHONPATH=.:scripts python3 scripts/bench_compile.py --quantization fp8 [--weight-only] [--kv-cache-dtype fp8]
     PYTHONPATH=.:scripts python3 scripts/bench_compile.py --quick                             # CPU smoke run
 
 Extra XLA flags (autotuning's, say) go in XLA_FLAGS as usual. Results: $OUT/bench_compile.json
@@ -40,7 +40,8 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quantization", choices=["fp8"], default=None)
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None)
-    ap.add_argument("--fp8-gemm", action="store_true", help="JSPEC_FP8_GEMM=1: W8A8 GEMMs beyond 16 rows")
+    ap.add_argument("--weight-only", action="store_true", help="JSPEC_FP8_GEMM=0: FP8 weights' GEMMs beyond 16 rows "
+                    "weight-only, not W8A8 (the default where the checkpoint asks for FP8 activations)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=1024 + 256 + 16)
@@ -51,8 +52,8 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     # before jax or jspec read them: every program compiled here, none loaded from a cache
     os.environ["JSPEC_COMPILATION_CACHE"] = "0"
-    if args.fp8_gemm:
-        os.environ["JSPEC_FP8_GEMM"] = "1"
+    if args.weight_only:
+        os.environ["JSPEC_FP8_GEMM"] = "0"
     import jax
     from bench_common import LLAMA_8B, TINY
     from bench_llm_folders import write_target_folder

@@ -47,7 +47,7 @@ from jspec.engine.sampling_step import (
 from jspec.engine.scheduler import SchedulerOutput
 from jspec.kv_cache import KVCache
 from jspec.models.transformer import Transformer
-from jspec.ops import KernelPlan
+from jspec.ops import FP8_GEMM_MIN_ROWS, KernelPlan
 from jspec.parallel import replicate
 from jspec.parallel.multihost import host_copy
 
@@ -103,6 +103,12 @@ class FlatRunner:
                             compiler_options=opts)
         self._tail = jax.jit(self._tail_impl, donate_argnums=(1,), static_argnames=("layout", "filtering"),
                              compiler_options=opts)
+        many = self.plan.many_rows_options  # steps of more than FP8_GEMM_MIN_ROWS tokens (W8A8)
+        if many is not None:
+            self._step_many = jax.jit(self._step_impl, donate_argnums=(2,), compiler_options=many,
+                                      static_argnames=("layout", "steps", "filtering"))
+            self._fwd_many = jax.jit(self._forward_impl, donate_argnums=(1,), static_argnames=("layout",),
+                                     compiler_options=many)
         self.state = EngineState(kv, dkv, probs)
         self._no_prev: dict = {}  # (N, steps) -> zeros: the ``prev`` of an unchained fed-back call
         # (jitted function's name, its static arguments) -> the executable warmup.prepare made
@@ -371,7 +377,7 @@ class FlatRunner:
             prev = self._no_prev_for(inp.sample.shape[0], steps)
         filtering = filtering or filtering_mode(self.cfg.vocab_size, inp)
         kw = dict(layout=self._layout_id(layout), steps=steps, filtering=filtering)
-        return "_step", (self.params, self.dparams, self.state, self.synthetic_rates, ints, floats, prev), kw
+        return self._jit_name("_step", inp), (self.params, self.dparams, self.state, self.synthetic_rates, ints, floats, prev), kw
 
     def dispatch(self, sched: SchedulerOutput, steps: int = 0, prev: jax.Array | None = None,
                  running: set | None = None, q: int | None = None):
@@ -444,7 +450,15 @@ class FlatRunner:
 
     def _forward_call(self, inp: FlatInput, prev):
         ints, floats, layout = pack(inp)
-        return "_fwd", (self.params, self.state, ints, floats, prev), dict(layout=self._layout_id(layout))
+        return self._jit_name("_fwd", inp), (self.params, self.state, ints, floats, prev), dict(
+            layout=self._layout_id(layout))
+
+    def _jit_name(self, name: str, inp: FlatInput) -> str:
+        """The jitted function of a step over ``inp``: ``name``, or its twin compiled with the
+        plan's options for many rows (``KernelPlan.many_rows_options``) past FP8_GEMM_MIN_ROWS
+        tokens."""
+        many = self.plan.many_rows_options is not None and inp.tokens.shape[-1] > FP8_GEMM_MIN_ROWS
+        return name + "_many" if many else name
 
     def dispatch_tail(self, split: Split, sched: SchedulerOutput):
         """The rest of a split step from the host state now (the step before it read): each

@@ -209,3 +209,33 @@ def test_fp8_dots_equal_the_dequantized_weight(rows, block):
     normed = ops.Normed(x, jnp.asarray(rng.normal(size=(K,)), jnp.float32), 1e-6)
     want = np.asarray(normed.value(), np.float64) @ np.asarray(w.dequantize(), np.float64).T
     np.testing.assert_allclose(np.asarray(ops.linear(ops.KernelPlan(), normed, w)), want, rtol=2e-5, atol=2e-5)
+
+
+def test_w8a8_steps_of_many_rows_compile_on_their_twin(ckpt_root, monkeypatch):
+    """Under a plan with fp8_gemm (a GPU with FP8 tensor cores; forced here) a step of more
+    than FP8_GEMM_MIN_ROWS tokens runs the runner's twin jitted with the plan's
+    many_rows_options (no Triton GEMMs: cuBLASLt's FP8 GEMM, compiled without autotuning
+    Triton's FP8 configurations), a step of fewer tokens the plain one. (W8A8's own maths:
+    tests/kernels/test_fp8_kernels.py and the GPU line; its tokens may part from weight-only's
+    at near-ties, so none are compared here.)"""
+    import dataclasses
+
+    from jspec.engine import llm_engine
+    from jspec.ops import FP8_GEMM_MIN_ROWS
+
+    folder, _, _ = fp8_folder(ckpt_root, "llama_untied", "ct_channel")
+    prompt = random_prompt(np.random.default_rng(1), FP8_GEMM_MIN_ROWS + 4)
+    sp = jspec.SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    kw = dict(max_num_seqs=1, max_model_len=64, page_size=8)
+    plan_kernels = llm_engine.plan_kernels
+    monkeypatch.setattr(llm_engine, "plan_kernels", lambda *a, **k: dataclasses.replace(
+        plan_kernels(*a, **k), fp8_gemm=True))
+    llm = jspec.LLM(folder, **kw)
+    r = llm.engine.runner
+    assert r.plan.many_rows_options["xla_gpu_enable_triton_gemm"] is False
+    names = []
+    invoke = r._invoke_here
+    monkeypatch.setattr(r, "_invoke_here", lambda name, args, kw: names.append(name) or invoke(name, args, kw))
+    got = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert names[0] == "_step_many" and set(names[1:]) == {"_step"}, names  # the prompt, then one-row decodes
+    assert len(got) == NEW

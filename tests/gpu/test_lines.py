@@ -668,7 +668,7 @@ def test_fp8_one_row_kernels(on_gpu, record_property):
 @line("peagle", "W8A8: an FP8 weight's GEMM of many rows on FP8 tensor cores (per-token FP8 activations) == its maths")
 def test_fp8_gemm(on_gpu, record_property, monkeypatch):
     """The plan of a checkpoint with FP8 activations (compressed-tensors per channel, dynamic
-    per-token input_activations) sets fp8_gemm on this GPU under JSPEC_FP8_GEMM; ops.linear of bf16 rows beyond
+    per-token input_activations) sets fp8_gemm on this GPU (JSPEC_FP8_GEMM unset); ops.linear of bf16 rows beyond
     FP8_GEMM_MIN_ROWS over an FP8 weight (8B's down_proj width) then runs an FP8 GEMM (its
     compiled program takes the FP8 operands) and == the per-token quantization and the FP8
     product in float64 (numpy), within bf16's rounding of the result; a CPU smoke run: the
@@ -689,7 +689,7 @@ def test_fp8_gemm(on_gpu, record_property, monkeypatch):
                       num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope=RopeConfig(500000.0),
                       tie_word_embeddings=False, attention_bias=False, mlp_bias=False, qk_norm=False,
                       max_position_embeddings=4096, quantization=quant_config_from_hf(quant_config("ct_channel")))
-    monkeypatch.setenv("JSPEC_FP8_GEMM", "1")  # off by default for now (jspec/envs.py)
+    monkeypatch.delenv("JSPEC_FP8_GEMM", raising=False)  # on by default (jspec/envs.py)
     plan = ops.plan_kernels(cfg)
     assert plan.fp8_gemm == on_gpu, plan
     plan = dataclasses.replace(plan, fp8_gemm=True, in_out_weights=False)
@@ -697,7 +697,8 @@ def test_fp8_gemm(on_gpu, record_property, monkeypatch):
     x = (2 * jax.random.normal(ks[0], (M, K))).astype(jnp.bfloat16)
     q = quantize_fp8(0.05 * jax.random.normal(ks[1], (F, K)), None, "bfloat16")
     res = jax.random.normal(ks[2], (M, F)).astype(jnp.bfloat16)
-    fn = jax.jit(lambda x, q, r: ops.linear(plan, x, q, residual=r))
+    # compiled as the engine's steps of many rows are (KernelPlan.many_rows_options: no Triton GEMMs)
+    fn = jax.jit(lambda x, q, r: ops.linear(plan, x, q, residual=r), compiler_options=plan.many_rows_options)
     got = np.asarray(fn(x, q, res).astype(jnp.float32), np.float64)
     hq, xs = per_token_fp8(x.astype(jnp.float32))
     want = np.asarray(res.astype(jnp.float32), np.float64) + (

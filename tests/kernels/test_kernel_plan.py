@@ -190,10 +190,12 @@ def test_kernel_choice_lives_in_ops():
 
 
 def test_fp8_gemm_where_the_checkpoint_and_the_gpu_have_fp8_activations(monkeypatch):
-    """KernelPlan.fp8_gemm (W8A8 GEMMs, jspec/ops.py), under JSPEC_FP8_GEMM: on a GPU with FP8
-    tensor cores (compute capability >= 8.9) for a checkpoint whose projections take FP8
-    activations (its input_activations, the "fp8" format, online FP8); never for a
-    weight-only or block-scaled checkpoint, an older GPU, the CPU or the TPU, nor unasked."""
+    """KernelPlan.fp8_gemm (W8A8 GEMMs, jspec/ops.py): on a GPU with FP8 tensor cores (compute
+    capability >= 8.9) for a checkpoint whose projections take FP8 activations (its
+    input_activations, the "fp8" format, online FP8), unless JSPEC_FP8_GEMM=0; never for a
+    weight-only or block-scaled checkpoint, an older GPU, the CPU or the TPU. Its steps of many
+    rows compile without XLA's Triton GEMMs (many_rows_options); other plans have no such
+    options."""
     from types import SimpleNamespace
 
     from jspec import kernel_plan
@@ -210,10 +212,17 @@ def test_fp8_gemm_where_the_checkpoint_and_the_gpu_have_fp8_activations(monkeypa
     w8a16 = {**ct, "config_groups": {"group_0": {**ct["config_groups"]["group_0"], "input_activations": None}}}
     channel, weight_only, block = map(quant_config_from_hf, (ct, w8a16, quant_config("fp8_block")))
     assert channel.activations and not weight_only.activations and block.activations and ONLINE.activations
-    for cores, env in ((True, "1"), (False, "1"), (True, "")):
+    for cores, env in ((True, None), (True, "1"), (False, "1"), (True, "0"), (True, "false")):
         monkeypatch.setattr(kernel_plan, "fp8_tensor_cores", lambda device=None, c=cores: c)
-        monkeypatch.setenv("JSPEC_FP8_GEMM", env)  # off by default for now (jspec/envs.py)
+        if env is None:
+            monkeypatch.delenv("JSPEC_FP8_GEMM", raising=False)  # on by default (jspec/envs.py)
+        else:
+            monkeypatch.setenv("JSPEC_FP8_GEMM", env)
         for q, want in ((channel, cores), (ONLINE, cores), (weight_only, False), (block, False), (None, False)):
             cfg = dataclasses.replace(LLAMA, quantization=q)
-            assert plan_kernels(cfg, backend="gpu").fp8_gemm is (want and env == "1"), (q, cores, env)
+            plan = plan_kernels(cfg, backend="gpu")
+            on = want and env in (None, "1")
+            assert plan.fp8_gemm is on, (q, cores, env)
+            assert plan.many_rows_options == ({"xla_gpu_enable_triton_gemm": False} if on else None)
             assert plan_kernels(cfg, backend="cpu").fp8_gemm is False and not plan_kernels(cfg, backend="tpu").fp8_gemm
+            assert plan_kernels(cfg, backend="cpu").many_rows_options is None
