@@ -251,17 +251,17 @@ class PhaseClock:
 
 
 class PolicyTrace:
-    """Each decode call's choice (--trace-policy): width, batch bucket, rows, drafts
+    """Each decode call's choice (--trace-policy; a mixed step's rows too, ``mixed``): width, batch bucket, rows, drafts
     scheduled, the mean estimated acceptance per draft position and the times (ms) the
     policy held for each width at that bucket."""
 
     def __init__(self, policy):
         self.steps, choose = [], policy.choose
 
-        def traced(rows, N, fixed=False):
-            q, ks = choose(rows, N, fixed)
+        def traced(rows, N, fixed=False, mixed=False):
+            q, ks = choose(rows, N, fixed, mixed)
             rates = policy.rates([r[0] for r in rows]).mean(0) if rows else []
-            self.steps.append(dict(q=q, N=N, rows=len(rows), drafts=int(sum(ks)),
+            self.steps.append(dict(q=q, N=N, rows=len(rows), drafts=int(sum(ks)), mixed=mixed,
                                    rates=[round(float(x), 3) for x in rates],
                                    ms={w: round(policy.times[(w, N)] * 1e3, 2) for w in policy.widths
                                        if (w, N) in policy.times}))

@@ -57,7 +57,8 @@ def test_random_widths_are_lossless(name, k, asyn, mixed):
     """``mixed``: decode rows and prompt chunks share steps (the server's policy): a mixed
     step's rows verify the drafts drawn for them too."""
     want = h.greedy_reference(PROMPTS, MAX_TOKENS)
-    llm = h.llm(name, k, spec_extra=DYNAMIC, async_scheduling=asyn, **({"max_num_partial_prefills": 1} if mixed else {}))
+    mix = {"max_num_partial_prefills": 1} if mixed else {}
+    llm = h.llm(name, k, spec_extra=DYNAMIC, async_scheduling=asyn, **mix)
     eng = llm.engine
     assert eng.policy.widths == (1, 2, 4) + ((8,) if k == 7 else ())
     choose = random_widths(eng, seed=k)
@@ -164,7 +165,7 @@ def test_a_useless_drafter_stops_drafting(tmp_path):
         if dynamic:  # every step at the full width, as in a batch whose other rows' drafts pay: the
             # stop rule alone decides what this row verifies (on measured step times a lone row
             # may run plain instead, and then nothing is measured: CI's machine did, 2026-11-29)
-            eng.policy._width = lambda rates, room, N, fixed: K + 1
+            eng.policy._width = lambda rates, room, N, fixed, explore=True: K + 1
         for call in range(2):  # the second call's request starts from what the first measured
             before = eng.stats()
             assert llm.generate(PROMPTS[:1], sp)[0].token_ids == want
