@@ -99,7 +99,6 @@ class DynamicSpeculation:
         self.steps_by_width: collections.Counter = collections.Counter()
         self.mixed_by_width: collections.Counter = collections.Counter()  # mixed steps' decode rows, by their cap
         self.num_decode_steps = 0
-        self.mixed_steps = 0
         self.num_scheduled_drafts = 0
 
     # ---- what the engine reports ---------------------------------------------------------
@@ -198,9 +197,7 @@ class DynamicSpeculation:
         nothing tried, probed or timed for it. A verified draft there takes a prompt
         token's place in the step's budget; at many rows (compute-bound) that is the
         trade a wide decode call makes too, at few rows it costs the step little."""
-        if mixed:
-            self.mixed_steps += 1
-        else:
+        if not mixed:
             self.num_decode_steps += 1
         rids = [r[0] for r in rows]
         room = np.array([r[1] for r in rows], np.int64)
@@ -231,7 +228,7 @@ class DynamicSpeculation:
             return 1
         if rates is None:
             return full
-        if explore and self._probe.get(N):  # plain for probe_off_every steps: two steps of the best drafting width
+        if explore and self._probe.get(N):  # plain probe_off_every steps: two steps of the best drafting width
             self._probe[N] -= 1
             return self.current[N]
         cur = self.current.get(N, full)
@@ -278,7 +275,7 @@ class DynamicSpeculation:
     def stats(self) -> dict:
         """Counters for LLMEngine.stats: decode calls by width, mixed steps by their rows' cap, drafts
         scheduled per step with decode rows."""
-        n = self.num_decode_steps + self.mixed_steps
+        n = self.num_decode_steps + sum(self.mixed_by_width.values())
         return {"decode_steps_by_width": dict(sorted(self.steps_by_width.items())),
                 "mixed_steps_by_width": dict(sorted(self.mixed_by_width.items())),
                 "num_decode_steps": self.num_decode_steps, "num_scheduled_drafts": self.num_scheduled_drafts,

@@ -142,7 +142,8 @@ class LLMEngine:
         widths = decode_widths(self.K, dynamic, off_at) if self.K else ()
         self.policy = DynamicSpeculation(self.K, widths, dynamic, off_at) if self.K else None
         if mix and (dynamic or off_at):
-            self.scheduler.mixed_drafts = self._mixed_widths
+            self.scheduler.mixed_drafts = lambda dec: self._widths(
+                dec, [r.num_new - 1 for r in dec.seqs], mixed=True)[1]
         shapes = FlatShapes.create(c.max_num_seqs, min(sched_cfg.max_num_batched_tokens, most), chunk, q=self.K + 1,
                                    widths=widths)
         self.runner = FlatRunner(mc, params, kv, shapes, width=pages_per_seq, dtype=dtype, plan=plan, spec=self.spec,
@@ -333,27 +334,19 @@ class LLMEngine:
         out = self.runner.dispatch(sched, f.steps, prev=f.out, q=q)
         return _InFlight(sched, f.steps, out, q=q, t0=time.monotonic(), c0=self.runner.num_compilations)
 
-    def _widths(self, sched: SchedulerOutput, have: list[int]) -> tuple[int | None, SchedulerOutput]:
+    def _widths(self, sched: SchedulerOutput, have: list[int],
+                mixed: bool = False) -> tuple[int | None, SchedulerOutput]:
         """A speculative decode call's row width (dynamic speculation, ``DynamicSpeculation.choose``)
-        and its rows, each verifying the drafts chosen for it of the ``have`` it holds.
-        Without a drafter: (None, sched)."""
+        and its rows, each verifying the drafts chosen for it of the ``have`` it holds (``mixed``:
+        a step that also prefills, Scheduler.mixed_drafts). Without a drafter: (None, sched)."""
         if not self.K or sched.kind != "decode":
             return None, sched
         rows = sched.seqs
         N = self.runner.shapes.decode_shape(len(rows)).seqs
         q, ks = self.policy.choose([(r.seq.request_id, self._draft_room(r.seq.num_tokens), h)
-                                    for r, h in zip(rows, have)], N, fixed=any_grammar(rows))
+                                    for r, h in zip(rows, have)], N, fixed=any_grammar(rows), mixed=mixed)
         rows = [ScheduledSeq(r.seq, 1 + k, r.sample) for r, k in zip(rows, ks)]
         return q, SchedulerOutput("decode", rows, sched.preempted)
-
-    def _mixed_widths(self, dec: SchedulerOutput) -> SchedulerOutput:
-        """The decode rows of a step that also prefills, each verifying the drafts dynamic
-        speculation keeps of those it holds (``DynamicSpeculation.choose(mixed=True)``)."""
-        N = self.runner.shapes.decode_shape(len(dec.seqs)).seqs
-        _, ks = self.policy.choose([(r.seq.request_id, self._draft_room(r.seq.num_tokens), r.num_new - 1)
-                                    for r in dec.seqs], N, fixed=any_grammar(dec.seqs), mixed=True)
-        return SchedulerOutput("decode", [ScheduledSeq(r.seq, 1 + k, r.sample) for r, k in zip(dec.seqs, ks)],
-                               dec.preempted)
 
     def _collect(self, f: _InFlight) -> list[RequestOutput]:
         """Read a dispatched call (waits for the device) and apply its tokens. Rows that

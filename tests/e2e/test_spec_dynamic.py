@@ -73,7 +73,7 @@ def test_random_widths_are_lossless(name, k, asyn, mixed):
     assert d["mean_acceptance_length"] > 1.3, d  # drafts were verified and accepted, not only plain steps
     if asyn:
         assert eng.stats()["num_chained_calls"] > 0
-    assert (eng.policy.mixed_steps > 0) == mixed  # the policy chose for mixed steps' rows
+    assert bool(eng.policy.stats()["mixed_steps_by_width"]) == mixed  # the policy chose for mixed steps' rows
 
 
 def _proposals(llm, prompts, sp, widths_seed: int | None):
