@@ -97,18 +97,19 @@ class FlatRunner:
         # `filtering` ("off" | "on": does any request use top-k / top-p) is decided on the
         # host per step: a device-side lax.cond would read its predicate on the host (a
         # ~50 us sync per step on the H200). Top-k / top-p traffic compiles a second variant.
-        self._step = jax.jit(self._step_impl, donate_argnums=(2,), compiler_options=opts,
-                             static_argnames=("layout", "steps", "filtering"))
-        self._fwd = jax.jit(self._forward_impl, donate_argnums=(1,), static_argnames=("layout",),
-                            compiler_options=opts)
+        def step_and_forward(options):
+            return (jax.jit(self._step_impl, donate_argnums=(2,), compiler_options=options,
+                            static_argnames=("layout", "steps", "filtering")),
+                    jax.jit(self._forward_impl, donate_argnums=(1,), static_argnames=("layout",),
+                            compiler_options=options))
+
+        self._step, self._fwd = step_and_forward(opts)
         self._tail = jax.jit(self._tail_impl, donate_argnums=(1,), static_argnames=("layout", "filtering"),
                              compiler_options=opts)
         many = self.plan.many_rows_options  # steps of more than FP8_GEMM_MIN_ROWS tokens (W8A8)
-        if many is not None:
-            self._step_many = jax.jit(self._step_impl, donate_argnums=(2,), compiler_options=many,
-                                      static_argnames=("layout", "steps", "filtering"))
-            self._fwd_many = jax.jit(self._forward_impl, donate_argnums=(1,), static_argnames=("layout",),
-                                     compiler_options=many)
+        self._many_rows = many is not None
+        if self._many_rows:
+            self._step_many, self._fwd_many = step_and_forward(many)
         self.state = EngineState(kv, dkv, probs)
         self._no_prev: dict = {}  # (N, steps) -> zeros: the ``prev`` of an unchained fed-back call
         # (jitted function's name, its static arguments) -> the executable warmup.prepare made
@@ -377,7 +378,8 @@ class FlatRunner:
             prev = self._no_prev_for(inp.sample.shape[0], steps)
         filtering = filtering or filtering_mode(self.cfg.vocab_size, inp)
         kw = dict(layout=self._layout_id(layout), steps=steps, filtering=filtering)
-        return self._jit_name("_step", inp), (self.params, self.dparams, self.state, self.synthetic_rates, ints, floats, prev), kw
+        args = (self.params, self.dparams, self.state, self.synthetic_rates, ints, floats, prev)
+        return self._jit_name("_step", inp), args, kw
 
     def dispatch(self, sched: SchedulerOutput, steps: int = 0, prev: jax.Array | None = None,
                  running: set | None = None, q: int | None = None):
@@ -457,8 +459,7 @@ class FlatRunner:
         """The jitted function of a step over ``inp``: ``name``, or its twin compiled with the
         plan's options for many rows (``KernelPlan.many_rows_options``) past FP8_GEMM_MIN_ROWS
         tokens."""
-        many = self.plan.many_rows_options is not None and inp.tokens.shape[-1] > FP8_GEMM_MIN_ROWS
-        return name + "_many" if many else name
+        return name + "_many" if self._many_rows and inp.tokens.shape[-1] > FP8_GEMM_MIN_ROWS else name
 
     def dispatch_tail(self, split: Split, sched: SchedulerOutput):
         """The rest of a split step from the host state now (the step before it read): each
