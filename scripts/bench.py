@@ -313,6 +313,8 @@ def main():
     ap.add_argument("--methods", default="dflash,peagle", help="parallel / llm sections: which drafters")
     ap.add_argument("--llm-ctx", type=int, default=512, help="llm section: prompt tokens")
     ap.add_argument("--llm-new", type=int, default=256, help="llm section: generated tokens")
+    ap.add_argument("--dynamic", action="store_true", help="llm section: speculative_config 'dynamic' (each "
+                    "decode step's width chosen as pays, as at saturation), to show batch 1 keeps its speedup")
     ap.add_argument("--warm-batch", type=int, default=4, help="warmup section: max_num_seqs")
     ap.add_argument("--llm-reps", type=int, default=1, help="llm / structured sections: timed runs per figure "
                     "(their median; each run's time printed when more than one)")

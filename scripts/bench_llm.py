@@ -43,7 +43,7 @@ def llm_section(args, bw):
 
     ctx, new = (64, 32) if args.quick else (args.llm_ctx, args.llm_new)
     batches = [int(b) for b in args.spec_batches.split(",")] if not args.quick else [1, 2]
-    plan = {"eagle3": [(3, [2.5, 3.5]), (7, [3.5, 5.0])], "peagle": [(7, [3.5])], "dflash": [(15, [4.24, 6.5])],
+    plan = {"eagle3": [(3, [2.5, 3.5]), (7, [3.5, 5.0])], "peagle": [(7, [3.5, 4.5])], "dflash": [(15, [4.24, 6.5])],
             "ngram": [(3, [2.5, 3.5]), (7, [3.5, 5.0])],  # ngram: no drafter weights, its ideal is tau
             "draft_model": [(3, [2.5, 3.5])]}  # Llama-3.2-1B's shape drafting for Llama-3.1-8B's
     ks = {int(k) for k in args.ks.split(",")} if args.ks else None
@@ -73,7 +73,8 @@ def llm_section(args, bw):
             if ks is not None and K not in ks:
                 continue
             spec = {"method": kind, **({} if kind == "ngram" else {"model": ddir}), "num_speculative_tokens": K,
-                    "rejection_sample_method": "synthetic", "synthetic_acceptance_length": lengths[0]}
+                    "rejection_sample_method": "synthetic", "synthetic_acceptance_length": lengths[0],
+                    **({"dynamic": True} if getattr(args, "dynamic", False) else {})}
             llm = jspec.LLM(tdir, speculative_config=spec, **{**common, "max_model_len": ctx + new + 64 + 2 * (K + 1)})
             eng = llm.engine
             dbytes = drafter_stream_bytes(cfg, eng.dcfg, eng.runner.dparams)
@@ -84,21 +85,25 @@ def llm_section(args, bw):
                     conditional_rates(synthetic_rates_from_length(length, K)), jnp.float32)
                 for B in batches:
                     eng.spec_metrics.__init__()
+                    before = eng.stats().get("decode_steps_by_width", {})
                     tot, pf = llm_run(llm, B, ctx, new, rng)
+                    widths = {q: n - before.get(q, 0) for q, n in eng.stats().get("decode_steps_by_width", {}).items()}
                     tau = eng.spec_metrics.mean_acceptance_length
                     ptot, ppf = plain_cache[cfg.family][B]
                     t1 = (ptot - ppf) / (new - 1)
                     ideal = physical_ideal(tau, t1, dbytes, bw["best_TBps"] * 1e12)
                     dec = (ptot - ppf) / (tot - pf)
-                    row = dict(method=kind, batch=B, K=K, synthetic_length=length, tau=tau, ctx=ctx, new=new,
+                    row = dict(method=kind, dynamic=bool(getattr(args, "dynamic", False)), batch=B, K=K, synthetic_length=length, tau=tau, ctx=ctx, new=new,
                                tok_s=B * new / tot, plain_tok_s=B * new / ptot, speedup_e2e=ptot / tot,
                                speedup_decode=dec, ideal=ideal, of_ideal=dec / ideal, t1_ms=t1 * 1e3,
-                               draft_bound_ms=dbytes / (bw["best_TBps"] * 1e12) * 1e3, drafter_bytes=dbytes)
+                               draft_bound_ms=dbytes / (bw["best_TBps"] * 1e12) * 1e3, drafter_bytes=dbytes,
+                               decode_steps_by_width=widths)
                     rows.append(row)
                     print(f"llm {kind} B={B:2d} K={K:2d} L={length}: tau {tau:.2f} {row['tok_s']:8.1f} tok/s with "
                           f"prefill (plain {row['plain_tok_s']:7.1f}, {row['speedup_e2e']:.2f}x); decode speedup "
                           f"{dec:.2f}x, physical ideal {ideal:.2f}x -> {dec / ideal:5.1%} (T1 {t1 * 1e3:.2f} ms, "
-                          f"drafter bytes/bw {row['draft_bound_ms']:.2f} ms)", flush=True)
+                          f"drafter bytes/bw {row['draft_bound_ms']:.2f} ms)" + (f"; decode steps by width {widths}" if widths else ""),
+                          flush=True)
             del llm, eng
             gc.collect()
     return dict(rows=rows)
