@@ -16,6 +16,8 @@ import jspec
 from tests.helpers import spec_e2e as h
 from tests.helpers.engine import drive
 
+pytestmark = pytest.mark.production_buckets  # about the real shape buckets (tests/conftest.py)
+
 # (drafter, K): every method (a draft model, n-gram), and plain decoding
 CASES = [(None, None), ("eagle3", 3), ("peagle", 3), ("dflash4", 3), ("draft_llama", 3), ("ngram", 3)]
 

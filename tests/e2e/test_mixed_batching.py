@@ -17,6 +17,8 @@ import jspec
 from tests.helpers.engine import drive, precompile_then_warmup
 from tests.helpers.targets import hf_greedy, random_prompt
 
+pytestmark = pytest.mark.production_buckets  # about the real shape buckets (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def llm(llama_ckpt):

@@ -19,6 +19,8 @@ import jspec
 from tests.helpers import spec_e2e as h
 from tests.helpers.engine import drive, precompile_then_warmup
 
+pytestmark = pytest.mark.production_buckets  # about the real shape buckets (tests/conftest.py)
+
 # Engines whose unmixed shapes other files compile too (one compilation per CI run, through
 # the persistent cache): test_spec_warmup's EAGLE3, test_spec_lossless's DFlash.
 CASES = [("eagle3", 3, {"draft_sample_method": "probabilistic"}), ("dflash4", 3, {})]

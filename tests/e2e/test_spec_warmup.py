@@ -12,6 +12,8 @@ from jspec.engine.warmup import lower_shape
 from tests.helpers import spec_e2e as h
 from tests.helpers.engine import precompile_then_warmup
 
+pytestmark = pytest.mark.production_buckets  # about the real shape buckets (tests/conftest.py)
+
 CASES = [("eagle3", 3, {"draft_sample_method": "probabilistic"}), ("peagle", 3, {}), ("dflash8_zlab", 7, {})]
 
 

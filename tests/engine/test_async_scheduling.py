@@ -59,6 +59,7 @@ def test_async_scheduling_matches_sync_and_transformers(llama_ckpt, steps):
     assert again.token_ids == ref0[:10]
 
 
+@pytest.mark.production_buckets
 def test_async_warmup_compiles_every_decode_shape_once(llama_ckpt):
     """With one step per call every decode step is the fed-back call: warmup compiles it in
     place of the plain decode step, and traffic compiles nothing more."""

@@ -119,6 +119,7 @@ def test_seeded_sampling_reproducible_across_runs_and_batches(llama_ckpt):
     assert other_seed != alone
 
 
+@pytest.mark.production_buckets
 def test_compilations_stay_fixed_as_requests_come_and_go(llama_ckpt):
     llm = jspec.LLM(llama_ckpt[0], max_num_seqs=2, max_model_len=64, page_size=16, max_prefill_chunk=32)
     eng = llm.engine

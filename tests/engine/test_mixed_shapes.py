@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from jspec.engine.flat_input import FlatShapes, describe_shapes
 from jspec.engine.flat_runner import FlatRunner
 from jspec.serve.cli import build_parser, engine_kwargs, log_shapes
+
+pytestmark = pytest.mark.production_buckets  # about the real shape buckets (tests/conftest.py)
 
 
 def server_shapes(partial_prefills: int, *, max_num_seqs=64, chunk=256, K=0):

@@ -194,6 +194,7 @@ def test_a_structured_step_is_dispatched_before_its_masks_are_built(llm, monkeyp
     assert split.count("frtm") >= 4 and split.count("f") == split.count("frtm"), events
 
 
+@pytest.mark.production_buckets
 def test_warmup_compiles_the_masked_steps_when_asked(monkeypatch):
     from jspec.serve.cli import build_parser, engine_kwargs
 
@@ -211,6 +212,7 @@ def test_warmup_compiles_the_masked_steps_when_asked(monkeypatch):
     assert eng.runner.num_compilations + eng.runner.num_loaded == n and eng.num_chained_calls > 0
 
 
+@pytest.mark.production_buckets
 def test_warmup_compiles_the_masked_mixed_steps(monkeypatch):
     """A mixing engine: warmup also compiles the masked general steps, and a mixed step with a
     grammar in one row masks every row (all tokens allowed in the others), so it runs the

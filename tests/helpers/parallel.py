@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from tests.conftest import bucket_mode
 from tests.helpers import spec_e2e as e2e
 from tests.helpers.drafters import fill_random, speculators_config
 
@@ -140,7 +141,7 @@ def llm(kind: str, name: str | None, tp: int, draft_tp: int | None = None, vocab
     if draft_tp is not None:
         extra["draft_tensor_parallel_size"] = draft_tp
     args = {**ENGINE_KW, **({"async_scheduling": False} if name else {}), **kw}
-    key = ("llm", kind, name, tp, draft_tp, vocab, tuple(sorted(args.items())))
+    key = ("llm", kind, name, tp, draft_tp, vocab, tuple(sorted(args.items())), bucket_mode())
     if key not in _CACHE:
         folder, _ = target(kind, vocab)
         _CACHE[key] = jspec.LLM(folder, speculative_config=spec_config(kind, name, vocab, **extra),

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from jspec.engine.sequence import spec_stats_delta as stats_delta  # noqa: F401 (the tests' h.stats_delta)
+from tests.conftest import bucket_mode
 from tests.helpers.drafters import fill_random, set_vocab_map, speculators_config
 
 V, H, HEADS, KVH, HD, L = 64, 64, 4, 2, 16, 4
@@ -227,7 +228,7 @@ def llm(name: str | None, k: int | None = None, *, spec_extra: dict | None = Non
     import jspec
 
     args = {**ENGINE_KW, **kw}
-    key = ("llm", name, k, tuple(sorted((spec_extra or {}).items())), tuple(sorted(args.items())))
+    key = ("llm", name, k, tuple(sorted((spec_extra or {}).items())), tuple(sorted(args.items())), bucket_mode())
     if key not in _CACHE:
         folder, _ = target()
         sc = None if name is None else spec_config(name, k, **(spec_extra or {}))
