@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from tests.helpers import buckets
 from tests.helpers.targets import hf_checkpoint
 
 # CI has no accelerator: the CPU unless JAX_PLATFORMS says otherwise. The GPU check's lines
@@ -26,47 +27,19 @@ def pytest_addoption(parser):
                      help="timed steps per row of the GPU check's performance table (tests/gpu/test_perf.py)")
 
 
-# One shape bucket per family on the CPU: the suite is mostly XLA's CPU compiler, one
-# program per (token, sequence) bucket an engine meets, so every engine here pads each step
-# to its largest bucket (FlatShapes.create, wrapped below): the steps' results must not
-# depend on padding, and every step is padded. The production bucket sets stay under test
-# where a test is about them (warmup, the compile closure, shape counts: marked
-# ``production_buckets``, whole files by ``pytestmark``), in child processes (servers,
-# nodes: they import jspec afresh) and on the GPU (scripts/gpu_check.py passes --gpu-ckpts:
-# nothing is wrapped). tests/engine took 268 s with every bucket, 180 s so (2026-11-30).
-_BUCKETS = {"mode": "production"}
-
-
-def _one_bucket_per_family():
-    from jspec.engine import flat_input
-
-    create = flat_input.FlatShapes.create.__func__
-
-    def create_for_tests(cls, *args, **kwargs):
-        shapes = create(cls, *args, **kwargs)
-        if _BUCKETS["mode"] == "production":
-            return shapes
-        return cls(shapes.batch[-1:], shapes.tokens[-1:], shapes.q, shapes.max_chunk, shapes.widths)
-
-    flat_input.FlatShapes.create = classmethod(create_for_tests)
-
-
-def bucket_mode() -> str:
-    """"one" or "production": what FlatShapes.create makes for the running test (part of
-    the key of engines cached across tests)."""
-    return _BUCKETS["mode"]
-
-
+# Fewer shape buckets for the CPU tests' engines (tests/helpers/buckets.py: a third less
+# compiling; tests/engine took 268 s with every bucket, 180 s so, 2026-11-30), the real
+# sets for a test marked production_buckets and on the GPU.
 def pytest_configure(config):
     if not config.getoption("--gpu-ckpts"):
-        _one_bucket_per_family()
+        buckets.wrap_flat_shapes()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     # before any fixture of the test is set up: module-scoped engines are built in its mode
-    gpu = item.config.getoption("--gpu-ckpts")
-    _BUCKETS["mode"] = "production" if gpu or item.get_closest_marker("production_buckets") else "one"
+    real = item.config.getoption("--gpu-ckpts") or item.get_closest_marker("production_buckets")
+    buckets.set_mode("production" if real else "one")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -31,7 +31,9 @@ def main():
     rank, port, folder, cases, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), \
         sys.argv[5]
     import jspec
+    from tests.helpers import buckets
 
+    buckets.from_env()  # the parent test's shape buckets
     kw = dict(max_num_seqs=2, max_model_len=48, page_size=64, max_prefill_chunk=16, max_num_batched_tokens=32)
     results = []
     for case in cases:

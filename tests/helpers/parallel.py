@@ -22,8 +22,8 @@ import os
 
 import torch
 
-from tests.conftest import bucket_mode
 from tests.helpers import spec_e2e as e2e
+from tests.helpers.buckets import bucket_mode
 from tests.helpers.drafters import fill_random, speculators_config
 
 V, H, L, HEADS, KVH = 64, 64, 2, 8, 2

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from jspec.engine.sequence import spec_stats_delta as stats_delta  # noqa: F401 (the tests' h.stats_delta)
-from tests.conftest import bucket_mode
+from tests.helpers.buckets import bucket_mode
 from tests.helpers.drafters import fill_random, set_vocab_map, speculators_config
 
 V, H, HEADS, KVH, HD, L = 64, 64, 4, 2, 16, 4

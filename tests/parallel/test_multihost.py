@@ -19,6 +19,7 @@ import sys
 
 import pytest
 
+from tests.helpers import buckets
 from tests.helpers import parallel as h
 
 PROMPTS = h.prompts(3, 4, 15, seed=0)
@@ -46,7 +47,7 @@ def run_nodes(tmp_path, cases, timeout=300):
     out = str(tmp_path / "out.json")
     # 2 devices a process (the pytest process's 8 are its own XLA_FLAGS)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": REPO}
+           "PYTHONPATH": REPO, **buckets.child_env()}
     port = free_port_pair()
     procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.multihost_node", str(r), str(port), folder,
                                json.dumps(cases), out], env=env, cwd=REPO, stdout=subprocess.PIPE,
