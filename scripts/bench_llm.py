@@ -87,13 +87,15 @@ def llm_section(args, bw):
                     eng.spec_metrics.__init__()
                     before = eng.stats().get("decode_steps_by_width", {})
                     tot, pf = llm_run(llm, B, ctx, new, rng)
-                    widths = {q: n - before.get(q, 0) for q, n in eng.stats().get("decode_steps_by_width", {}).items()}
+                    after = eng.stats().get("decode_steps_by_width", {})
+                    widths = {q: n - before.get(q, 0) for q, n in after.items()}
                     tau = eng.spec_metrics.mean_acceptance_length
                     ptot, ppf = plain_cache[cfg.family][B]
                     t1 = (ptot - ppf) / (new - 1)
                     ideal = physical_ideal(tau, t1, dbytes, bw["best_TBps"] * 1e12)
                     dec = (ptot - ppf) / (tot - pf)
-                    row = dict(method=kind, dynamic=bool(getattr(args, "dynamic", False)), batch=B, K=K, synthetic_length=length, tau=tau, ctx=ctx, new=new,
+                    row = dict(method=kind, dynamic=bool(getattr(args, "dynamic", False)), batch=B, K=K,
+                               synthetic_length=length, tau=tau, ctx=ctx, new=new,
                                tok_s=B * new / tot, plain_tok_s=B * new / ptot, speedup_e2e=ptot / tot,
                                speedup_decode=dec, ideal=ideal, of_ideal=dec / ideal, t1_ms=t1 * 1e3,
                                draft_bound_ms=dbytes / (bw["best_TBps"] * 1e12) * 1e3, drafter_bytes=dbytes,
@@ -102,8 +104,8 @@ def llm_section(args, bw):
                     print(f"llm {kind} B={B:2d} K={K:2d} L={length}: tau {tau:.2f} {row['tok_s']:8.1f} tok/s with "
                           f"prefill (plain {row['plain_tok_s']:7.1f}, {row['speedup_e2e']:.2f}x); decode speedup "
                           f"{dec:.2f}x, physical ideal {ideal:.2f}x -> {dec / ideal:5.1%} (T1 {t1 * 1e3:.2f} ms, "
-                          f"drafter bytes/bw {row['draft_bound_ms']:.2f} ms)" + (f"; decode steps by width {widths}" if widths else ""),
-                          flush=True)
+                          f"drafter bytes/bw {row['draft_bound_ms']:.2f} ms)"
+                          + (f"; decode steps by width {widths}" if widths else ""), flush=True)
             del llm, eng
             gc.collect()
     return dict(rows=rows)

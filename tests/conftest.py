@@ -39,7 +39,7 @@ def pytest_configure(config):
 def pytest_runtest_setup(item):
     # before any fixture of the test is set up: module-scoped engines are built in its mode
     real = item.config.getoption("--gpu-ckpts") or item.get_closest_marker("production_buckets")
-    buckets.set_mode("production" if real else "one")
+    buckets.set_mode("production" if real else "fewer")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,8 +11,8 @@
 - lowering: the custom calls (Pallas kernels) of a function lowered for GPU or TPU;
 - sampling: reference loops that apply the logits processors to transformers' logits;
 - structured: the varied JSON schemas of the structured-outputs tests, and their validator;
-- buckets: one shape bucket per family for the CPU tests' engines (conftest.py), and for
-  the child processes they start;
+- buckets: fewer shape buckets for the CPU tests' engines (conftest.py), and for the
+  child processes they start;
 - parallel: 8-head Llama / Qwen3 targets and their drafters, engines cached per tensor
   parallel size (tests/parallel).
 """

@@ -5,9 +5,10 @@ meets. Wrapped here, FlatShapes.create folds the small buckets of each family in
 smallest bucket of at least 8 sequences / 64 tokens, or the largest where the engine's are
 smaller: the tests' small engines get one bucket per family), so most steps are padded: a
 step's results must not depend on its padding. Larger buckets stay (an engine of 256
-sequences padding every step to them would run longer than it compiles). The production bucket sets stay under test where a test is about them (marker
-``production_buckets``: warmup, the compile closure, shape counts) and on the GPU
-(scripts/gpu_check.py passes --gpu-ckpts: nothing is wrapped). A child process a test starts
+sequences padding every step to them would run longer than it compiles). The production
+bucket sets stay under test where a test is about them (marker ``production_buckets``:
+warmup, the compile closure, shape counts) and on the GPU (scripts/gpu_check.py passes
+--gpu-ckpts: nothing is wrapped). A child process a test starts
 (tests.helpers.multihost_node) follows the test's mode through JSPEC_TEST_BUCKETS."""
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ def _fold(buckets: tuple[int, ...], least: int) -> tuple[int, ...]:
 
 
 def set_mode(mode: str):
-    assert mode in ("one", "production"), mode
+    assert mode in ("fewer", "production"), mode
     _MODE["mode"] = mode
 
 
 def bucket_mode() -> str:
-    """"one" or "production": what FlatShapes.create makes now (part of the key of the
+    """"fewer" or "production": what FlatShapes.create makes now (part of the key of the
     engines tests cache across tests)."""
     return _MODE["mode"]
 
@@ -58,6 +59,6 @@ def child_env() -> dict:
 
 def from_env():
     """In a child process: the parent test's mode (production when unset)."""
-    if os.environ.get("JSPEC_TEST_BUCKETS") == "one":
+    if os.environ.get("JSPEC_TEST_BUCKETS") == "fewer":
         wrap_flat_shapes()
-        set_mode("one")
+        set_mode("fewer")
