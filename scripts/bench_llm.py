@@ -74,7 +74,7 @@ def llm_section(args, bw):
                 continue
             spec = {"method": kind, **({} if kind == "ngram" else {"model": ddir}), "num_speculative_tokens": K,
                     "rejection_sample_method": "synthetic", "synthetic_acceptance_length": lengths[0],
-                    **({"dynamic": True} if getattr(args, "dynamic", False) else {})}
+                    **({"dynamic": True} if args.dynamic else {})}
             llm = jspec.LLM(tdir, speculative_config=spec, **{**common, "max_model_len": ctx + new + 64 + 2 * (K + 1)})
             eng = llm.engine
             dbytes = drafter_stream_bytes(cfg, eng.dcfg, eng.runner.dparams)
@@ -94,7 +94,7 @@ def llm_section(args, bw):
                     t1 = (ptot - ppf) / (new - 1)
                     ideal = physical_ideal(tau, t1, dbytes, bw["best_TBps"] * 1e12)
                     dec = (ptot - ppf) / (tot - pf)
-                    row = dict(method=kind, dynamic=bool(getattr(args, "dynamic", False)), batch=B, K=K,
+                    row = dict(method=kind, dynamic=args.dynamic, batch=B, K=K,
                                synthetic_length=length, tau=tau, ctx=ctx, new=new,
                                tok_s=B * new / tot, plain_tok_s=B * new / ptot, speedup_e2e=ptot / tot,
                                speedup_decode=dec, ideal=ideal, of_ideal=dec / ideal, t1_ms=t1 * 1e3,
