@@ -7,7 +7,8 @@ smaller: the tests' small engines get one bucket per family), so most steps are 
 step's results must not depend on its padding. Larger buckets stay (an engine of 256
 sequences padding every step to them would run longer than it compiles). The production
 bucket sets stay under test where a test is about them (marker ``production_buckets``:
-warmup, the compile closure, shape counts) and on the GPU (scripts/gpu_check.py passes
+warmup, the compile closure, shape counts; the newcomer and README files, as a user runs
+them) and on the GPU (scripts/gpu_check.py passes
 --gpu-ckpts: nothing is wrapped). A child process a test starts
 (tests.helpers.multihost_node) follows the test's mode through JSPEC_TEST_BUCKETS."""
 
