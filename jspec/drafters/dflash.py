@@ -44,7 +44,7 @@ from jspec.drafters.loader import add_layer_specs, load_from_spec
 from jspec.drafters.method import Method
 from jspec.drafters.propose import ProposeInputs, create_kv_cache, gather_rows, no_drafts, pick_drafts, span_metadata
 from jspec.kv_cache import AttentionMetadata, KVCache
-from jspec.models.layers import Linear, RMSNorm
+from jspec.models.layers import Linear, RMSNorm, param
 from jspec.models.transformer import next_input_norm
 from jspec.ops import KernelPlan
 
@@ -65,10 +65,10 @@ class DFlashDrafter(DraftVocab, nn.Module):
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.uses_target_lm_head:
             Vd = ops.vocab_rows(self.plan, c.draft_vocab_size)  # padded under tensor parallelism
-            self.lm_head = self.param("lm_head", nn.initializers.normal(0.02),
-                                      ops.weight_shape(self.plan, Vd, c.hidden_size), self.dtype)
+            self.lm_head = param(self, "lm_head", nn.initializers.normal(0.02),
+                                 ops.weight_shape(self.plan, Vd, c.hidden_size), self.dtype)
         if c.has_d2t:
-            self.d2t = self.param("d2t", nn.initializers.zeros, (c.draft_vocab_size,), jnp.int32)
+            self.d2t = param(self, "d2t", nn.initializers.zeros, (c.draft_vocab_size,), jnp.int32)
 
     def write_context(
         self,

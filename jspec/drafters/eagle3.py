@@ -39,7 +39,7 @@ from jspec.drafters.loader import add_layer_specs, load_from_spec
 from jspec.drafters.method import Method
 from jspec.drafters.propose import ProposeInputs, create_kv_cache, gather_rows, no_drafts, pick, span_metadata
 from jspec.kv_cache import AttentionMetadata, KVCache
-from jspec.models.layers import Linear, RMSNorm
+from jspec.models.layers import Linear, RMSNorm, param
 from jspec.models.transformer import DecoderLayer, next_input_norm
 from jspec.ops import KernelPlan
 
@@ -96,21 +96,21 @@ class Eagle3Drafter(DraftVocab, nn.Module):
             self.input_norm = RMSNorm(c.rms_norm_eps, self.dtype)
         self.fc = Linear(c.hidden_size, c.fc_in_features, False, self.dtype, self.plan)
         if c.has_own_embeddings:
-            self.embed_tokens = self.param("embed_tokens", _normal,
-                                           (ops.vocab_rows(self.plan, c.target_vocab_size), c.hidden_size), self.dtype)
+            self.embed_tokens = param(self, "embed_tokens", _normal,
+                                      (ops.vocab_rows(self.plan, c.target_vocab_size), c.hidden_size), self.dtype)
         self.layers = [Eagle3FirstLayer(lc, c.norm_before_residual, self.dtype, self.plan, name="layers_0")] + [
             DecoderLayer(lc, self.dtype, self.plan, name=f"layers_{i}") for i in range(1, c.num_layers)
         ]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         # A bare [Vd, H] array, never tied to the embeddings (reduced vocab rows differ);
         # Vd padded under tensor parallelism (ops.vocab_rows), sliced off by logits().
-        self.lm_head = self.param("lm_head", _normal,
-                                  ops.weight_shape(self.plan, ops.vocab_rows(self.plan, c.draft_vocab_size),
-                                                   c.hidden_size), self.dtype)
+        self.lm_head = param(self, "lm_head", _normal,
+                             ops.weight_shape(self.plan, ops.vocab_rows(self.plan, c.draft_vocab_size),
+                                              c.hidden_size), self.dtype)
         if c.has_d2t:
-            self.d2t = self.param("d2t", nn.initializers.zeros, (c.draft_vocab_size,), jnp.int32)
+            self.d2t = param(self, "d2t", nn.initializers.zeros, (c.draft_vocab_size,), jnp.int32)
         if c.method == "peagle":
-            self.mask_hidden = self.param("mask_hidden", _normal, (c.fc_in_features,), self.dtype)
+            self.mask_hidden = param(self, "mask_hidden", _normal, (c.fc_in_features,), self.dtype)
 
     def __call__(
         self,

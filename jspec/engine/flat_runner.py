@@ -367,7 +367,8 @@ class FlatRunner:
 
     def no_prev(self, key: tuple[int, int]):
         if key not in self._no_prev:
-            self._no_prev[key] = replicate(jnp.zeros(key, jnp.int32), self.plan.mesh)
+            # numpy: a jnp.zeros of each new shape compiles a small program (warmup's main thread)
+            self._no_prev[key] = replicate(jax.device_put(np.zeros(key, np.int32)), self.plan.mesh)
         return self._no_prev[key]
 
     def _call(self, inp: FlatInput, steps: int, prev, filtering: str | None = None):

@@ -30,7 +30,7 @@ from flax import linen as nn
 from jspec import ops
 from jspec.config import ModelConfig
 from jspec.kv_cache import AttentionMetadata, KVCache
-from jspec.models.layers import GatedMLP, Linear, MoE, NormWeight, RMSNorm, rope_for
+from jspec.models.layers import GatedMLP, Linear, MoE, NormWeight, RMSNorm, param, rope_for
 from jspec.ops import KernelPlan
 
 
@@ -54,7 +54,7 @@ class Attention(nn.Module):
             self.q_norm = NormWeight(c.head_dim, self.dtype)
             self.k_norm = NormWeight(c.head_dim, self.dtype)
         if c.attention_sinks:  # gpt-oss: a logit per head in every softmax (ops.attention)
-            self.sinks = self.param("sinks", nn.initializers.zeros, (c.num_heads,), self.dtype)
+            self.sinks = param(self, "sinks", nn.initializers.zeros, (c.num_heads,), self.dtype)
 
     def qk_norms(self):  # Qwen3's per-head norm weights [D] ([None, None] without)
         return (self.q_norm.weight, self.k_norm.weight) if self.cfg.qk_norm else (None, None)
@@ -166,8 +166,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
             # a bare [V, H] array so logits can accumulate in float32 (see logits()).
-            self.lm_head = self.param("lm_head", nn.initializers.normal(0.02),
-                                      ops.weight_shape(self.plan, V, c.hidden_size), self.dtype)
+            self.lm_head = param(self, "lm_head", nn.initializers.normal(0.02),
+                                 ops.weight_shape(self.plan, V, c.hidden_size), self.dtype)
 
     def __call__(
         self,
