@@ -12,6 +12,7 @@ mismatch.
 
     python scripts/tp_check.py --tps 1,2          # two GPUs
     python scripts/tp_check.py --tps 1,2,4,8
+    python scripts/tp_check.py --tps 4            # tp 4 against tp 1's plain outputs
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ def main(argv=None) -> int:
     want, ok = None, True
     cases = [None] + [{"method": m} for m in ("eagle3", "peagle", "dflash")] + [
         {"method": "eagle3", "draft_tensor_parallel_size": 1}]
-    for tp in [int(t) for t in a.tps.split(",")]:
+    tps = [int(t) for t in a.tps.split(",")]
+    if tps[0] != 1:  # tp 1's plain outputs are the reference all the same
+        want = [o.token_ids for o in jspec.LLM(None, **kw).generate(prompts, sp)]
+        print("tp=1 plain (the reference)", flush=True)
+    for tp in tps:
         for spec in cases:
             if spec is not None and spec.get("draft_tensor_parallel_size") == 1 and tp == 1:
                 continue

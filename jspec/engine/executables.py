@@ -72,6 +72,13 @@ def environment_digest() -> str:
     return h.hexdigest()[:24]
 
 
+def executable_device_ids(compiled) -> list[int]:
+    """The ids of the devices ``compiled`` runs on in this process, in its device order."""
+    ex = compiled.runtime_executable()
+    devices = ex.local_devices() if hasattr(ex, "local_devices") else ex.addressable_devices()
+    return [d.id for d in devices]
+
+
 def _abstract(x):
     if isinstance(x, jax.Array):
         return (x.shape, str(x.dtype), stable_repr(x.sharding), tuple(sorted(d.id for d in x.sharding.device_set)))
@@ -115,8 +122,11 @@ class Store:
         path = self._path(key)
         try:
             with open(path, "rb") as f:
-                blob, in_tree, out_tree = pickle.load(f)
-            compiled = deserialize_and_load(blob, in_tree, out_tree)
+                blob, in_tree, out_tree, ids = pickle.load(f)
+            by_id = {d.id: d for d in jax.devices()}
+            # its own devices, in its order: jax's default, every device of the backend, makes a
+            # one-device step of a 4-GPU host expect 4 shards of each argument
+            compiled = deserialize_and_load(blob, in_tree, out_tree, execution_devices=[by_id[i] for i in ids])
         except FileNotFoundError:
             return None
         except Exception as e:  # a truncated or foreign file: compile instead, and replace it
@@ -150,7 +160,7 @@ class Store:
         from jax.experimental.serialize_executable import serialize
 
         try:
-            blob = pickle.dumps(serialize(compiled))
+            blob = pickle.dumps((*serialize(compiled), executable_device_ids(compiled)))
         except Exception as e:  # an executable the platform cannot serialize: nothing kept
             logger.debug("compiled step not kept (%s: %s)", type(e).__name__, e)
             return
