@@ -26,6 +26,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tps", default="1,2")
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--skip", default="", help="cases not run, by their printed names (e.g. 'plain,eagle3 draft_tp=4')")
     a = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import jax
@@ -48,6 +49,8 @@ def main(argv=None) -> int:
             if spec is not None and spec.get("draft_tensor_parallel_size") == 1 and tp == 1:
                 continue
             name = "plain" if spec is None else f"{spec['method']} draft_tp={spec.get('draft_tensor_parallel_size', tp)}"
+            if name in a.skip.split(","):
+                continue
             try:
                 llm = jspec.LLM(None, speculative_config=spec, tensor_parallel_size=tp, **kw)
             except ValueError as e:  # a size that does not split this model or drafter
