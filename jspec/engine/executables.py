@@ -74,9 +74,7 @@ def environment_digest() -> str:
 
 def executable_device_ids(compiled) -> list[int]:
     """The ids of the devices ``compiled`` runs on in this process, in its device order."""
-    ex = compiled.runtime_executable()
-    devices = ex.local_devices() if hasattr(ex, "local_devices") else ex.addressable_devices()
-    return [d.id for d in devices]
+    return [d.id for d in compiled.runtime_executable().local_devices()]
 
 
 def _abstract(x):

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -85,12 +86,13 @@ class LLMEngine:
         self.default_sampling = {} if preloaded is not None else sampling_defaults(c.generation_config, c.model)
         if preloaded is None:
             t = time.monotonic()
-            self.model_cfg, params = load_target(c.model, c.dtype, self.par.placement(sharding),
-                                                 load_format=c.load_format, quantization=c.quantization,
-                                                 kv_cache_scales=fp8_kv_cache(c))
-            logger.info("target loaded in %.1f s (%s)", time.monotonic() - t, c.load_format)
-            self.tokenizer = load_tokenizer(c.tokenizer or c.model, required=c.tokenizer is not None)
-            gen_eos = generation_eos(c.model)
+            with ThreadPoolExecutor(1) as pool:  # the tokenizer (seconds of the host's) read beside the weights
+                tokenizer = pool.submit(load_tokenizer, c.tokenizer or c.model, required=c.tokenizer is not None)
+                self.model_cfg, params = load_target(c.model, c.dtype, self.par.placement(sharding),
+                                                     load_format=c.load_format, quantization=c.quantization,
+                                                     kv_cache_scales=fp8_kv_cache(c))
+                logger.info("target loaded in %.1f s (%s)", time.monotonic() - t, c.load_format)
+                self.tokenizer, gen_eos = tokenizer.result(), generation_eos(c.model)
         else:
             (self.model_cfg, params), self.tokenizer, gen_eos = preloaded, None, ()
             if c.quantization is not None:
@@ -200,9 +202,8 @@ class LLMEngine:
             if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < V:
                 raise ValueError(f"prompt token {i} = {t!r} is not a token id in [0, {V})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate"
-            )
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room "
+                             "to generate")
         params.verify(V, self.tokenizer, self.config.max_logprobs)
         self.grammars.check(params)
         return [int(t) for t in ids]

@@ -13,6 +13,7 @@ runs every call once; ``time_decode_calls`` times the decode programs for dynami
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import jax
@@ -77,7 +78,7 @@ def prepare(runner: FlatRunner, calls, threads: int = 1, store: Store | None = N
     from tqdm.auto import tqdm
 
     context = trace_context(runner) if store is not None else ""
-    loads, compiles = [], []
+    loads, compiles, load_s = [], [], 0.0
     with ThreadPoolExecutor(max(threads, 1)) as pool, tqdm(
             total=len(calls), desc="compiling steps", unit="step", disable=not progress) as bar:
 
@@ -94,7 +95,10 @@ def prepare(runner: FlatRunner, calls, threads: int = 1, store: Store | None = N
                 bar.update(1)
                 continue
             key = store.key(context, name, args, kw) if store is not None else None
-            if key is not None and (exe := store.load(key)) is not None:
+            t = time.monotonic()
+            exe = store.load(key) if key is not None else None
+            load_s += time.monotonic() - t
+            if exe is not None:
                 runner._executables[slot] = exe
                 loads.append(slot)
                 bar.update(1)
@@ -103,6 +107,8 @@ def prepare(runner: FlatRunner, calls, threads: int = 1, store: Store | None = N
         for slot, job in compiles:
             runner._executables[slot] = job.result()
     runner.num_loaded += len(loads)
+    if loads:
+        logger.debug("loaded %d stored steps in %.1f s", len(loads), load_s)
     return len(compiles), len(loads)
 
 
@@ -162,7 +168,8 @@ def warm_engine(eng, progress: bool = False):
     """LLMEngine.warmup: every step's executable loaded from disk when this code, model,
     configuration and device made it before (with jspec's compilation cache on:
     jspec/engine/executables.py), else compiled (several at once on an accelerator) and
-    then written there; dynamic speculation's decode calls timed. ``progress``: a progress bar."""
+    then written there by a thread of its own; dynamic speculation's decode calls timed.
+    ``progress``: a progress bar."""
     t = time.monotonic()
     eng.runner.log_compiles = False
     store = Store.open()
@@ -175,6 +182,9 @@ def warm_engine(eng, progress: bool = False):
     finally:
         eng.runner.log_compiles = True
         if store is not None:
-            store.flush()
+            # written while the first requests run: serializing an executable holds the host for
+            # a moment (the 8B server's 30 steps: 4.1-4.8 s of its start on the H200, 2026-11-30);
+            # not a daemon, so the process writes them all before it exits
+            threading.Thread(target=store.flush, name="jspec-keep-steps").start()
     logger.info("warmup: %d step programs ready in %.1f s (%d compiled, %d loaded from the cache)",
                 compiled + loaded, time.monotonic() - t, compiled, loaded)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
@@ -84,19 +85,21 @@ class DecoderLayer(nn.Module):
     """Pre-norm decoder layer: h = x + attn(norm1(x)); out = h + mlp(norm2(h)). Each norm
     goes unapplied (ops.Normed) into the projection after it, and each residual add into the
     projection before it, so the ops may fuse them into their kernels. Under tensor
-    parallelism (ops.layer_per_shard) the layer runs once per device: _layer_on_shard."""
+    parallelism (ops.layer_per_shard) the layer runs once per device: _layer_on_shard.
+    A Transformer runs its layers through ``apply_layer``."""
 
     cfg: ModelConfig
     dtype: jnp.dtype
     plan: KernelPlan = KernelPlan()
-    index: int = 0  # which layer: a Qwen3-MoE layer's MLP is its experts (cfg.moe_layers)
+    window: int = 0  # keys a query sees (gpt-oss's sliding layers: ModelConfig.window); 0: all
+    moe: bool = False  # the MLP is experts (a Qwen3-MoE layer: ModelConfig.is_moe)
 
     def setup(self):
         c = self.cfg
         self.input_layernorm = NormWeight(c.hidden_size, self.dtype)
         self.post_attention_layernorm = NormWeight(c.hidden_size, self.dtype)
-        self.attn = Attention(c, self.dtype, self.plan, window=c.window(self.index))
-        if c.is_moe(self.index):
+        self.attn = Attention(c, self.dtype, self.plan, window=self.window)
+        if self.moe:
             self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
                            c.norm_topk_prob, self.dtype, self.plan, c.moe_bias, c.swiglu_limit, c.swiglu_alpha, c.mxfp4)
         else:
@@ -130,6 +133,24 @@ class DecoderLayer(nn.Module):
         return ops.per_shard_layer(self.plan, fn, weights, splits, x, meta, k_pages, v_pages, rope)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _apply_layer(c: ModelConfig, dtype, plan: KernelPlan, window: int, moe: bool, params, *args):
+    return DecoderLayer(c, dtype, plan, window, moe, parent=None).apply({"params": params}, *args)
+
+
+def apply_layer(layer: DecoderLayer, *args):
+    """``layer(*args)`` as a call of one jitted function of the layer's kind (config, plan,
+    window, experts) given the layer's parameters: jax traces it once for all the layers of
+    a kind at a shape and lowers it once per program, a call that XLA inlines (the compiled
+    program is the same). Unrolled, the 8B step's 32 layers were most of what warmup spends
+    tracing and lowering on the server's main thread (docs/decisions.md). While parameters
+    are being created (init) the layer is called as it is."""
+    if layer.is_initializing():
+        return layer(*args)
+    return _apply_layer(layer.cfg, layer.dtype, layer.plan, layer.window, layer.moe, layer.variables["params"],
+                        *args)
+
+
 def next_input_norm(layers, i: int):
     """The input-norm weight [H] of ``layers[i + 1]``, which layers[i]'s MLP may hand over
     (``next_norm``); None after the last layer, whose output stays un-normed."""
@@ -148,7 +169,7 @@ def _layer_on_shard(c: ModelConfig, plan: KernelPlan, tp: int, w: dict, x, meta,
                                              meta.slot_mapping, k_pages, v_pages, w.get("q_norm"), w.get("k_norm"),
                                              num_heads=c.num_heads // tp, eps=eps)
     o = ops.attention(plan, q, k_pages, v_pages, meta, sm_scale=c.head_dim**-0.5).reshape(B, Q, -1)
-    h = ops.reduce_add(ops.linear(plan, o, w["o"], out_dtype=f32), x, w.get("o_b"))
+    h = ops.reduce_add(ops.partial_linear(plan, o, w["o"]), x, w.get("o_b"))
     y = ops.mlp(plan, ops.Normed(h, w["norm2"], eps), w["gate_up"], w.get("gate_up_b"), w["down"], None, out_dtype=f32)
     return ops.reduce_add(y, h, w.get("down_b")), k_pages, v_pages
 
@@ -162,7 +183,8 @@ class Transformer(nn.Module):
         c = self.cfg
         V = ops.vocab_rows(self.plan, c.vocab_size)  # padded under tensor parallelism: logits() slices it off
         self.embed_tokens = nn.Embed(V, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
-        self.layers = [DecoderLayer(c, self.dtype, self.plan, i, name=f"layers_{i}") for i in range(c.num_layers)]
+        self.layers = [DecoderLayer(c, self.dtype, self.plan, c.window(i), c.is_moe(i), name=f"layers_{i}")
+                       for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
             # a bare [V, H] array so logits can accumulate in float32 (see logits()).
@@ -188,7 +210,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 captured[i] = stream(x)
-            x, ks[i], vs[i] = layer(x, meta, ks[i], vs[i], rope, next_norm=next_input_norm(self.layers, i))
+            x, ks[i], vs[i] = apply_layer(layer, x, meta, ks[i], vs[i], rope, next_input_norm(self.layers, i))
         if L in aux_layers:
             captured[L] = x
         aux = jnp.stack([captured[c] for c in aux_layers], axis=2) if aux_layers else None
