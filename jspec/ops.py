@@ -452,6 +452,18 @@ def _quant_partition(plan: KernelPlan, split: str | None, w: QuantWeight) -> Qua
     return QuantWeight(spec, scale, w.block, w.dtype)
 
 
+def partial_linear(plan: KernelPlan, x, w):
+    """One device's part of a row-parallel projection (o_proj in a per-shard layer): f32
+    partial sums x @ w.T for ``reduce_add``. Nothing to fuse, yet one row takes the one-row
+    kernel: on 2 x H200 (jax 0.11.2, 2026-12-01, bench_tp --procs --profile, batch 1) the 70B's
+    shard [8192, 4096] took 18.7 us a layer against XLA's 19.7, and the 8B's tp 2 step 3.52 ms
+    against 4.36 (docs/decisions.md)."""
+    if (plan.in_out_weights or _rows(x) != 1 or (isinstance(w, QuantWeight) and w.block is not None)
+            or not linear_kernel(plan, 1, w.shape, fused=True, dtype=_stored_dtype(w))):
+        return linear(plan, x, w, out_dtype=jnp.float32)
+    return _fused_linear(plan, x, w, kernel=True, out_dtype=jnp.float32)
+
+
 def reduce_add(y, residual, bias=None):
     """residual + (sum over the devices of each one's partial y [+ bias]): a row-parallel
     projection's output (f32 partial sums, rounded once, after the sum, as tp 1 rounds its

@@ -234,7 +234,9 @@ def test_layer_per_shard_runs_the_glue_kernels(tmp_path, monkeypatch):
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-4 * np.abs(w).max())
     # per device at the decode step: [q|k|v] of 4 heads + 1 KV head (16 wide), gate|up 2 x 64
-    # rows, down 64 rows (no residual: the partial sums are all-reduced first)
+    # rows, down 64 rows (no residual: the partial sums are all-reduced first), o_proj's
+    # partial sums over its 4 heads (ops.partial_linear)
     assert ("qkv_rope_kv_write_gpu", None, (96, 64)) in seen
+    assert ("fused_linear_gpu", "none", (64, 64)) in seen
     assert ("fused_linear_gpu", "rmsnorm", (128, 64)) in seen
     assert ("fused_linear_gpu", "silu_mul", (64, 64)) in seen
