@@ -127,8 +127,15 @@ def linear_kernel(plan: KernelPlan, rows: int, w_shape, *, fused: bool, dtype=No
     XLA), at most MAX_KERNEL_FEATURES outputs, and either one row (batch-1 decode:
     fused_linear's kernel) or 2 to 16 rows of a ``dtype`` weight with no prologue
     (fused_linear_rows' kernel: a verification step's K + 1 rows; more rows are a GEMM,
-    faster through XLA, and its in-kernel RMSNorm or SwiGLU was slower than XLA's: see there)."""
-    if not (isinstance(plan.linear, GPU) and fused and w_shape[0] <= MAX_KERNEL_FEATURES):
+    faster through XLA, and its in-kernel RMSNorm or SwiGLU was slower than XLA's: see there).
+    Besides, one row of an FP8 weight whose float16 tensor-core tile the device has
+    (gate_up's width, fused or not: XLA's dot converts the weight through f32, 42 us against
+    the kernel's 30.5 on the H200; kernels_pallas/tuning.py ``linear_fp8_mma``)."""
+    if not isinstance(plan.linear, GPU):
+        return False
+    if rows == 1 and dtype is not None and _pa.is_fp8(dtype) and _fl.default_mma_blocks(*w_shape, dtype):
+        return True
+    if not (fused and w_shape[0] <= MAX_KERNEL_FEATURES):
         return False
     if rows == 1:
         return _fl.supports(1, w_shape)

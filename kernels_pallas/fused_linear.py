@@ -36,8 +36,10 @@ FP8 weights (float8_e4m3fn, weight-only: jspec/quantization.py) with ``w_scale``
 scale per output channel: each tile enters the dot converted to the activations' dtype (every
 e4m3 value is exact in bf16 / f16 / f32), the f32 result times the scale before its
 rounding; the weight streams at a byte an element (dot_dtype). FP8 weights take the
-elementwise stream by default: through the tensor-core dot each tile is converted on its
-way to the MMA, slower at every shape measured (kernels_pallas/tuning.py, ``linear_fp8``).
+elementwise stream, except the widest (gate_up: kernels_pallas/tuning.py, ``linear_fp8_mma``),
+whose tiles go through a float16 tensor-core dot (F16_SHIFT): on the H200 gate_up [28672, 4096]
+30.5 us against the elementwise 40.7 and XLA's 42; qkv, o, down 11.7 / 9.5 / 29.2 against the
+elementwise 10.9 / 7.5 / 23.6 (2026-12-01, docs/decisions.md).
 
 Numerics: f32 accumulation, the output rounded to the activation dtype, then bias and
 residual added in that dtype, as the reference's XLA ops do. The SwiGLU product is rounded
@@ -247,24 +249,28 @@ def default_mma_blocks(F: int, K: int, dtype):
     The device's tensor-core row (kernels_pallas/tuning.py). On the H200 (2026-11-21, GPU
     time, scripts/bench_linear.py --sweep; raw results in git history, commit 2f4c831):
     o [4096, 4096] 11.3 us vs 11.8 elementwise, qkv [6144, 4096] + RMSNorm 15.4-16.0 vs
-    17.5, down [4096, 14336] + SwiGLU 31.9 vs 33.1. bf16 / f16 only (an f32 dot would run in
-    TF32); None where no row takes the shape (narrower weights: the elementwise stream is
-    faster there) or no tile divides it (then default_blocks)."""
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    17.5, down [4096, 14336] + SwiGLU 31.9 vs 33.1. bf16 / f16, and FP8 (float16 dots) where a
+    ``linear_fp8_mma`` row takes the shape (an f32 dot would run in TF32); None where no row
+    takes the shape (narrower weights: the elementwise stream is faster there) or no tile
+    divides it (then default_blocks)."""
+    fp8 = is_fp8(dtype)
+    if not fp8 and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return None
-    t = device_tuning().linear_tile(F, K, mma=True)
+    t = device_tuning().linear_tile(F, K, mma=True, fp8=fp8)
     if t is None:
         return None
     bf, bd = _pow2_divisor(F, t.block_f, 16), k_block(K, t.block_d)
     return (bf, bd, t.num_warps, t.num_stages, True) if bf and bd else None
 
 
-def one_row_blocks(F: int, K: int, dtype):
+def one_row_blocks(F: int, K: int, dtype, x_dtype=None):
     """The one-row stream's tiles for a ``dtype`` weight [F, K]: (block_f, block_d, num_warps,
-    num_stages, mma), default_mma_blocks where they divide it (bf16 / f16), else
-    default_blocks with mma False (FP8: its own rows); None where no tile divides it.
-    fused_linear_gpu's default, and moe_experts' for each expert's projection."""
-    t = default_mma_blocks(F, K, dtype) or default_blocks(F, K, fp8=is_fp8(dtype))
+    num_stages, mma), default_mma_blocks where they divide it (bf16 / f16; FP8 where its float16
+    row does, unless ``x_dtype``, the activations', is float32), else default_blocks with mma
+    False (FP8: its own rows); None where no tile divides it. fused_linear_gpu's default, and
+    moe_experts' for each expert's projection."""
+    f32_fp8 = is_fp8(dtype) and x_dtype is not None and jnp.dtype(x_dtype) == jnp.float32  # (no float16 dot)
+    t = (None if f32_fp8 else default_mma_blocks(F, K, dtype)) or default_blocks(F, K, fp8=is_fp8(dtype))
     return None if t is None else (*t[:4], len(t) > 4)
 
 
@@ -278,6 +284,14 @@ def silu_mul_rounded(g, u, dtype):
     return rnd(g * sig) * u
 
 
+# An FP8 tile's tensor-core dot runs in float16: sm_89+ converts e4m3 pairs to f16 pairs in one
+# instruction, where Triton takes e4m3 to bf16 through f16 and f32 (three conversions a value, on
+# the SM's 16-a-clock unit: gate_up [28672, 4096] 30.5 us against 44-47 on the H200). h enters it
+# times 2^-F16_SHIFT (exact), so the float16 holds |h| < 2^20 (bf16 activations' values from
+# 2^-13 up exactly), and the f32 sums are scaled back.
+F16_SHIFT = 4
+
+
 def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False, scale=None):
     """The weight stream of one program: for each w_ref (rows [n, K] of W), its rows
     times prologue(x), f32 [n], the RMSNorm's 1 / rms applied. A w_ref may also be
@@ -289,10 +303,12 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
     scale: an f32 scalar the silu_mul prologue's gate and up values are first multiplied by
     (rounded to x's dtype): the 1 / rms of an RMSNorm handed over (ref_fused_linear).
     A K that block_d does not divide (k_block) ends with one chunk whose loads past K are
-    masked to zeros, which add nothing to the dot, the sum of squares or the SwiGLU."""
+    masked to zeros, which add nothing to the dot, the sum of squares or the SwiGLU.
+    An FP8 weight's tensor-core dot runs in float16 (F16_SHIFT)."""
     f32 = jnp.float32
     w_refs = [w if isinstance(w, tuple) else (w, slice(None)) for w in w_refs]
     dt = dot_dtype(x_ref.dtype, w_refs[0][0].dtype)  # an FP8 tile enters the dot in x's dtype
+    f16_dot = mma and is_fp8(w_refs[0][0].dtype)
     rows_of = [w.shape[0] if isinstance(r, slice) else r.size for w, r in w_refs]
 
     def chunk(d0, carry, live):  # live: [block_d] bool, the last chunk's columns inside K (k_loop)
@@ -327,8 +343,11 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
         else:
             h = xs.astype(dt)
         if mma:
-            hm = jnp.where(lax.broadcasted_iota(jnp.int32, (16, block_d), 0) == 0, h[None, :], jnp.zeros((), dt))
-            return tuple(a + plt.dot(hm, ld(w, r, pl.ds(d0, block_d)).astype(dt), trans_b=True)
+            mdt = jnp.float16 if f16_dot else dt
+            if f16_dot:
+                h = (h.astype(f32) * f32(2.0**-F16_SHIFT)).astype(mdt)
+            hm = jnp.where(lax.broadcasted_iota(jnp.int32, (16, block_d), 0) == 0, h[None, :], jnp.zeros((), mdt))
+            return tuple(a + plt.dot(hm, ld(w, r, pl.ds(d0, block_d)).astype(mdt), trans_b=True)
                          for a, (w, r) in zip(accs, w_refs)), ss
         hf = h.astype(f32)[None, :]
         return tuple(a + ld(w, r, pl.ds(d0, block_d)).astype(f32) * hf for a, (w, r) in zip(accs, w_refs)), ss
@@ -339,6 +358,8 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
     accs, ss = k_loop(K, block_d, chunk, init)
     if mma:  # row 0 holds h @ W.T
         ys = [jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, a.shape, 0) == 0, a, 0.0), axis=0) for a in accs]
+        if f16_dot:
+            ys = [y * f32(2.0**F16_SHIFT) for y in ys]
     else:
         ys = [jnp.sum(a, axis=1) for a in accs]
     if prologue == "rmsnorm":
@@ -395,7 +416,7 @@ def fused_linear_gpu(x, w, norm_w=None, bias=None, residual=None, *, prologue="n
     it returns (y, y * next_norm_w, f32[1, programs]), one partial sum per program. A sumsq
     whose n is not a power of two is zero-padded here (Triton loads power-of-two blocks)."""
     F, K = w.shape
-    bf, bd, warps, stages, *mma = blocks or one_row_blocks(F, K, w.dtype)
+    bf, bd, warps, stages, *mma = blocks or one_row_blocks(F, K, w.dtype, x.dtype)
     mma = bool(mma and mma[0])
     whole = pl.BlockSpec()
     sumsq = None if sumsq is None else pad_sumsq(sumsq)

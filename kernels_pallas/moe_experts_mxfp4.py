@@ -24,9 +24,13 @@ masked: gpt-oss's G = 2880 / 32 = 90 has no large power-of-two divisor):
      (split outside: each byte's two nibbles meet them without an interleave in the kernel),
      f32 accumulation, the scale applied per block; bias and SwiGLU -> act [P, I];
   2. grid (pairs, H / block_f): the down rows against act's even and odd values; bias -> y.
-Decode (``fp4_as_f16``): each code's bits moved into a float16's and converted, times the
-block's 2^(scale - 127 + 14); a block scale above 240 (weights beyond 2^113) is out of its
-range. Tiles: kernels_pallas/tuning.py (``moe_mxfp4``). Not yet measured on a GPU.
+Decode on the GPU (``fp4_f32_bits``): each code's bits moved into an f32's, the activations
+times 2^64, the block's 2^(scale - 127 + 62) on each block's sum; a block scale above 192
+(weights beyond 2^65) is out of its range. In interpret mode (XLA's CPU flushes subnormals, and
+0.5 lands on one) ``fp4_as_f16``: the bits moved into a float16's and converted. H200, gpt-oss-20b's
+layer at one token (scripts/bench_moe_mxfp4.py, 2026-12-01): 71.0 us with fp4_as_f16, 63.0
+with fp4_f32_bits, 50.0 at the tuned tile; its bytes take 12.2 us. Tiles:
+kernels_pallas/tuning.py (``moe_mxfp4``).
 
 Numerics: the weights exact in f32 (an FP4 value times a power of two), f32 accumulation,
 each projection rounded to x's dtype, then the bias and the SwiGLU op by op in that
@@ -81,6 +85,26 @@ def fp4_as_f16(blk):
     return to_f32(lo), to_f32(hi)
 
 
+# e2m1's bits placed in an f32's (fp4_f32_bits) read as the value times 2^-126 (its exponent
+# bias is 1, f32's 127); the activations enter the product times 2^X_SHIFT, so that every
+# product of interest stays a normal f32, and the block scale carries the rest (2^(s - 127 + 62):
+# a block scale s above 192, weights beyond 2^65, is out of range).
+FP4_F32_SHIFT, X_SHIFT = 126, 64
+
+
+def fp4_f32_bits(blk):
+    """i32 bytes [...] -> (low nibble's values, high nibble's), f32 [...] each, times 2^-126:
+    an e2m1 code's sign moved to bit 31, its exponent and mantissa bits to bits 24-22 (0.5, its
+    subnormal, lands on an f32 subnormal): three integer ops a value and no conversion, where
+    fp4_as_f16's float16 -> f32 conversion runs on the SM's 16-a-clock unit. Exact where
+    arithmetic keeps subnormals (the GPU's Triton kernels; XLA's CPU flushes them, so interpret
+    mode takes fp4_as_f16)."""
+    to_f32 = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)  # noqa: E731
+    lo = lax.shift_left(blk & 0x08, 28) | lax.shift_left(blk & 0x07, 22)
+    hi = lax.shift_left(blk & 0x80, 24) | lax.shift_left(blk & 0x70, 18)
+    return to_f32(lo), to_f32(hi)
+
+
 def power_of_two(scales):
     """i32 biased exponents s (0..255) -> f32 2^(s - 127), the exponent field itself (exact;
     s = 0 gives 0, where 2^-127 is a subnormal: a block of such weights is all but zero)."""
@@ -119,23 +143,25 @@ def validate(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, top_k: 
             raise ValueError(f"moe_experts_mxfp4: {k} must be uint8, got {a.dtype}")
 
 
-def _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, rows, G, block_f, block_g):
+def _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, rows, G, block_f, block_g, bits):
     """f32[block_f]: the packed rows ``rows`` (a pl.ds of the stacked rows) times the vector
     whose even values are lo_ref and odd values hi_ref ([G, 16] each), over G blocks,
-    ``block_g`` a step (the last masked)."""
+    ``block_g`` a step (the last masked). bits: decode by fp4_f32_bits (the GPU), else
+    fp4_as_f16."""
     f32 = jnp.float32
+    decode, x_scale, shift = (fp4_f32_bits, 2.0**X_SHIFT, FP4_F32_SHIFT - X_SHIFT) if bits else (fp4_as_f16, 1.0, 14)
 
     def body(i, acc):
         g0 = i * block_g
         live = lambda *shape: g0 + lax.broadcasted_iota(jnp.int32, shape, len(shape) - 2) < G  # noqa: E731
         gs = pl.ds(g0, block_g)
-        lo = plt.load(lo_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32)  # [block_g, 16]
-        hi = plt.load(hi_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32)
+        lo = plt.load(lo_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32) * f32(x_scale)  # [block_g, 16]
+        hi = plt.load(hi_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32) * f32(x_scale)
         blk = plt.load(blk_ref.at[rows, gs, :], mask=live(block_f, block_g, 16),
                        other=0).astype(jnp.int32)  # [block_f, block_g, 16]
         sc = plt.load(sc_ref.at[rows, gs, :], mask=live(block_f, block_g, 1), other=0).astype(jnp.int32)
-        w_lo, w_hi = fp4_as_f16(blk)
-        return acc + (w_lo * lo[None] + w_hi * hi[None]) * power_of_two(sc + 14)  # fp4_as_f16's 2^-14 undone
+        w_lo, w_hi = decode(blk)
+        return acc + (w_lo * lo[None] + w_hi * hi[None]) * power_of_two(sc + shift)  # the decode's 2^-n undone
 
     acc = lax.fori_loop(0, pl.cdiv(G, block_g), body, jnp.zeros((block_f, block_g, 16), f32))
     return jnp.sum(jnp.sum(acc, axis=2), axis=1)
@@ -153,26 +179,26 @@ def swiglu_rounded(g, u, dtype, limit: float, alpha: float):
 
 
 def _gate_up_kernel(idx_ref, lo_ref, hi_ref, blk_ref, sc_ref, b_ref, o_ref, *, I, G, block_f, block_g, limit,
-                    alpha):
+                    alpha, bits):
     # idx_ref i32[P]; lo_ref / hi_ref [G, 16] (the pair's token: even / odd values);
     # blk_ref u8[E 2I, G, 16], sc_ref u8[E 2I, G, 1], b_ref [E 2I] (whole); o_ref [1, I].
     p, j = pl.program_id(0), pl.program_id(1)
     row = idx_ref[p] * (2 * I) + j * block_f
     dt, f32 = o_ref.dtype, jnp.float32
     rnd = lambda a: a.astype(dt).astype(f32)  # noqa: E731
-    g, u = (rnd(_row_stream(blk_ref, sc_ref, lo_ref, hi_ref, pl.ds(r, block_f), G, block_f, block_g))
+    g, u = (rnd(_row_stream(blk_ref, sc_ref, lo_ref, hi_ref, pl.ds(r, block_f), G, block_f, block_g, bits))
             for r in (row, row + I))
     g, u = rnd(g + b_ref[pl.ds(row, block_f)].astype(f32)), rnd(u + b_ref[pl.ds(row + I, block_f)].astype(f32))
     o_ref[0, pl.ds(pl.multiple_of(j * block_f, block_f), block_f)] = swiglu_rounded(g, u, dt, limit, alpha).astype(dt)
 
 
-def _down_kernel(idx_ref, lo_ref, hi_ref, blk_ref, sc_ref, b_ref, o_ref, *, H, G, block_f, block_g):
+def _down_kernel(idx_ref, lo_ref, hi_ref, blk_ref, sc_ref, b_ref, o_ref, *, H, G, block_f, block_g, bits):
     # idx_ref i32[P]; lo_ref / hi_ref [G, 16] (the pair's act); blk_ref u8[E H, G, 16],
     # sc_ref u8[E H, G, 1], b_ref [E H] (whole); o_ref [1, H].
     p, j = pl.program_id(0), pl.program_id(1)
     row = idx_ref[p] * H + j * block_f
     dt, f32 = o_ref.dtype, jnp.float32
-    y = _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, pl.ds(row, block_f), G, block_f, block_g).astype(dt)
+    y = _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, pl.ds(row, block_f), G, block_f, block_g, bits).astype(dt)
     y = (y.astype(f32) + b_ref[pl.ds(row, block_f)].astype(f32)).astype(dt)
     o_ref[0, pl.ds(pl.multiple_of(j * block_f, block_f), block_f)] = y
 
@@ -223,9 +249,10 @@ def moe_experts_mxfp4_gpu(x, experts, gu_blocks, gu_scales, down_blocks, down_sc
 
     token = lambda n: pl.BlockSpec((None, n, 16), lambda p, j: (p // top_k, 0, 0))  # noqa: E731
     pair = lambda n: pl.BlockSpec((None, n, 16), lambda p, j: (p, 0, 0))  # noqa: E731
-    act = call(functools.partial(_gate_up_kernel, I=I, G=G, block_f=bf, block_g=bg, limit=limit, alpha=alpha),
+    act = call(functools.partial(_gate_up_kernel, I=I, G=G, block_f=bf, block_g=bg, limit=limit, alpha=alpha,
+                                 bits=not interpret),
                token, I, "gate_up", *_evens_odds(x, G), gu_blocks, gu_scales, b_gate_up)
-    return call(functools.partial(_down_kernel, H=H, G=GI, block_f=bf, block_g=bg), pair, H, "down",
+    return call(functools.partial(_down_kernel, H=H, G=GI, block_f=bf, block_g=bg, bits=not interpret), pair, H, "down",
                 *_evens_odds(act, GI), down_blocks, down_scales, b_down)
 
 

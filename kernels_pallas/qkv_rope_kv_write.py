@@ -118,7 +118,7 @@ def kernel_blocks(F: int, K: int, D: int, dtype):
     pairs = _pow2_divisor(F, t.block_f, 32) // 2 if t else 0
     if pairs and (D // 2) % pairs == 0:
         return (pairs, k_block(K, t.block_d), t.num_warps, t.num_stages, True)
-    b = default_mma_blocks(F, K, dtype)
+    b = None if is_fp8(dtype) else default_mma_blocks(F, K, dtype)  # (the FP8 tensor-core row is gate_up's)
     if b is not None and b[0] // 2 >= 16 and (D // 2) % (b[0] // 2) == 0:
         return (b[0] // 2,) + tuple(b[1:])
     b = default_blocks(F, K, fp8=is_fp8(dtype))

@@ -1,12 +1,13 @@
 """Per-device kernel tuning: the tiles and grid facts the GPU kernels use, by
 ``jax.Device.device_kind``, as tables (no tile rule lives in a kernel file).
 
-- ``linear`` / ``linear_mma`` / ``linear_fp8``: tiles of the one-row projection kernels
+- ``linear`` / ``linear_mma`` / ``linear_fp8`` / ``linear_fp8_mma``: tiles of the one-row projection kernels
   (fused_linear.py, qkv_rope_kv_write.py, moe_experts.py) by weight shape [F, K]: the first
   row whose ``min_k`` / ``min_f`` the shape meets wins. ``linear_mma`` is the tensor-core
   weight stream (bf16 / f16), for the shapes one of its rows takes; ``linear`` the
   elementwise one (any dtype, every shape, and the rest of bf16 / f16); ``linear_fp8`` the
-  elementwise one for FP8 weights.
+  elementwise one for FP8 weights, ``linear_fp8_mma`` their float16 tensor-core stream (the
+  shapes its rows take).
 - ``attn_*``: paged_attention_gpu.py's fixed choices (its kv splits and warps follow the
   grid size and ``num_sms``).
 - ``rejection``: rejection_sampling's GPU statistics kernel.
@@ -44,6 +45,7 @@ class DeviceTuning:
     linear: tuple[LinearTile, ...]  # elementwise weight stream
     linear_mma: tuple[LinearTile, ...]  # tensor-core weight stream (bf16 / f16)
     linear_fp8: tuple[LinearTile, ...] = ()  # elementwise stream of FP8 weights (empty: ``linear``'s rows)
+    linear_fp8_mma: tuple[LinearTile, ...] = ()  # FP8 weights through float16 tensor-core dots (the shapes listed)
     linear_rows: tuple[LinearTile, ...] = ()  # 2-16 rows (fused_linear_rows.py; bf16 / f16)
     linear_rows_swiglu: tuple[LinearTile, ...] = ()  # ... a gate|up weight with its SwiGLU (block_f: per half)
     # qkv_rope_kv_write.py's tensor-core tile (block_f: rows a program streams, both halves of its
@@ -53,14 +55,17 @@ class DeviceTuning:
     attn_max_block_rows: int = 128  # query rows per program (all rows of a kv head up to this)
     rejection: tuple[int, int, int] = (1, 2, 1)  # (blocks_per_program, num_warps, num_stages)
     # moe_experts_mxfp4.py: (block_f rows, block_g blocks of 32 values a step, num_warps,
-    # num_stages); a first guess, not yet measured on a GPU (a program streams block_f x
-    # block_g x 16 bytes a step: 4 KB)
-    moe_mxfp4: tuple[int, int, int, int] = (32, 8, 4, 2)
+    # num_stages). H200, 2026-12-01, scripts/bench_moe_mxfp4.py --shape 20b --tiles (one token,
+    # top 4; raw docs/bench/2026-12-01_moe_mxfp4_tiles_h200.log): 8 x 16, 3 stages 50.0 us;
+    # 16 x 8 x 3 51.9; the first guess 32 x 8 x 2 58.8; 64 x 4 107
+    moe_mxfp4: tuple[int, int, int, int] = (8, 16, 4, 3)
 
     def linear_tile(self, F: int, K: int, mma: bool, fp8: bool = False) -> LinearTile | None:
         """The first row that takes [F, K]; None where no tensor-core row does (mma). fp8: an
-        FP8 weight's elementwise stream."""
-        for t in self.linear_mma if mma else (self.linear_fp8 + self.linear if fp8 else self.linear):
+        FP8 weight's stream."""
+        table = (self.linear_fp8_mma if fp8 else self.linear_mma) if mma else \
+            (self.linear_fp8 + self.linear if fp8 else self.linear)
+        for t in table:
             if K >= t.min_k and F >= t.min_f:
                 return t
         if mma:
@@ -102,6 +107,11 @@ H200_LINEAR_MMA = (LinearTile(8192, 8192, 32, 256, 4, 4), LinearTile(8192, 4096,
 # down [4096, 14336] 16 x 1024, 8 warps 23.7; gate_up [28672, 4096] 8 x 1024 40.7 (8 x 512: 44.2).
 H200_LINEAR_FP8 = (LinearTile(8192, 0, 16, 1024, 8, 4), LinearTile(4096, 16384, 8, 1024, 4, 4),
                    LinearTile(4096, 6144, 8, 512, 4, 4), LinearTile(0, 0, 8, 1024, 4, 4))
+# FP8 through float16 tensor-core dots (2026-12-01, H200, exp script of the session, tiles timed as
+# bench_linear.py --fp8 --sweep does): gate_up [28672, 4096] 128 x 256, 3 stages 30.5 us (64 x 256:
+# 31.9; elementwise 40.7, XLA 42.1); the narrower weights stay elementwise (qkv 64 x 256 11.7 against
+# 10.9, o 9.5 against 7.5, down 29.2 against 23.6).
+H200_LINEAR_FP8_MMA = (LinearTile(4096, 16384, 128, 256, 4, 3),)
 # 2-16 rows (fused_linear_rows.py), H100 sweep at 16 rows (2026-11-27, scripts/bench_linear.py
 # --rows 16 --sweep; docs/bench/2026-11-27_linear_rows_h100.log), GPU time per call: qkv
 # [6144, 4096] 32 x 128, 5 stages 19.6 us (32 x 256: 20.2); o [4096, 4096] and down
@@ -118,8 +128,8 @@ H200_LINEAR_ROWS_SWIGLU = (LinearTile(4096, 16384, 64, 256, 4, 3), LinearTile(0,
 
 def _h200_rows(num_sms: int) -> DeviceTuning:
     return DeviceTuning(num_sms=num_sms, linear=H200_LINEAR, linear_mma=H200_LINEAR_MMA, linear_fp8=H200_LINEAR_FP8,
-                        linear_rows=H200_LINEAR_ROWS, linear_rows_swiglu=H200_LINEAR_ROWS_SWIGLU,
-                        qkv_rope_mma=H200_QKV_ROPE_MMA)
+                        linear_fp8_mma=H200_LINEAR_FP8_MMA, linear_rows=H200_LINEAR_ROWS,
+                        linear_rows_swiglu=H200_LINEAR_ROWS_SWIGLU, qkv_rope_mma=H200_QKV_ROPE_MMA)
 
 
 # NVIDIA's published SM counts.

@@ -612,12 +612,15 @@ def test_masked_k_chunk(on_gpu, record_property):
                               + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
 
 
-@line("peagle", "one-row kernels on FP8 weights (per-channel scale, the elementwise stream) == reference")
+@line("peagle", "one-row kernels on FP8 weights (per-channel scale; elementwise, gate_up's float16 tensor-core "
+                "stream) == reference")
 def test_fp8_one_row_kernels(on_gpu, record_property):
     """fused_linear (RMSNorm, none + residual, SwiGLU + residual) and qkv_rope_kv_write on
     per-channel FP8 weights at Llama-3.1-8B's widths, their default tiles (the FP8 rows of
     kernels_pallas/tuning.py), == their jnp references, bf16 activations and f32 ones (the
-    FP8 checkpoint lines' models); a CPU smoke run: interpreted, narrow weights."""
+    FP8 checkpoint lines' models; gate_up [2I, K], bare as the RMSNorm hand-over runs it, takes
+    the float16 tensor-core stream with bf16 activations); a CPU smoke run: interpreted, narrow
+    weights."""
     import jax
     import jax.numpy as jnp
 
@@ -640,6 +643,7 @@ def test_fp8_one_row_kernels(on_gpu, record_property):
     wqkv, sqkv = fp8(ks[0], ((H + 2 * KVH) * D, K))
     wo, so = fp8(ks[1], (F, K))
     wd, sd = fp8(ks[2], (F, I))
+    wg, sg = fp8(ks[3], (2 * I, K))
     errs = {}
     for dt in (jnp.bfloat16, jnp.float32):
         x = (2 * jax.random.normal(ks[3], (1, 2 * I))).astype(dt)
@@ -647,7 +651,8 @@ def test_fp8_one_row_kernels(on_gpu, record_property):
         res = jax.random.normal(ks[5], (1, F)).astype(dt)
         for name, xin, w, s, kw in (("qkv + rmsnorm", x[:, :K], wqkv, sqkv, {"prologue": "rmsnorm", "norm_w": nw}),
                                     ("o + residual", x[:, :K], wo, so, {"residual": res}),
-                                    ("down + swiglu + residual", x, wd, sd, {"prologue": "silu_mul", "residual": res})):
+                                    ("down + swiglu + residual", x, wd, sd, {"prologue": "silu_mul", "residual": res}),
+                                    ("gate_up", x[:, :K], wg, sg, {})):
             got = fused_linear(xin, w, w_scale=s, eps=1e-5, interpret=not on_gpu, **kw)
             with jax.default_matmul_precision("highest"):  # XLA's f32 dots on the GPU default to TF32
                 want = ref_fused_linear(xin, w, w_scale=s, eps=1e-5, **kw)

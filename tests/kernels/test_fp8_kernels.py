@@ -76,6 +76,28 @@ def test_one_row_kernel(prologue, blocks):
     assert got.dtype == BF16 and rel(got, ref_fused_linear(x, w8, w_scale=s, **kw)) < 2e-2
 
 
+def test_tensor_core_stream_holds_large_activations():
+    """The FP8 tensor-core stream's dot runs in float16 with h times 2^-F16_SHIFT: activations
+    past float16's range (6.5e4) come out right, and the widest FP8 weight at one row takes
+    the kernel even with nothing to fuse (ops.linear_kernel), the narrower ones not."""
+    from jspec.ops import GPU, KernelPlan, linear_kernel
+    x, w, kw = linear_inputs(14, 96, 256, "none", BF16)
+    x = (x[0].astype(jnp.float32) * 2e5).astype(BF16)
+    w8, s = fp8(w)
+    got = fused_linear_gpu(x, w8, blocks=(32, 128, 4, 4, True), interpret=True, w_scale=s)
+    want = ref_fused_linear(x, w8, w_scale=s)
+    assert bool(jnp.all(jnp.isfinite(f32(got)))) and rel(got, want) < 2e-2
+    from kernels_pallas.fused_linear import default_mma_blocks, one_row_blocks
+    assert default_mma_blocks(28672, 4096, FP8) == (128, 256, 4, 3, True)  # the H200's row (the CPU's default)
+    assert default_mma_blocks(6144, 4096, FP8) is None
+    assert one_row_blocks(28672, 4096, FP8, jnp.float32)[-1] is False  # f32 activations: elementwise
+    plan = KernelPlan(linear=GPU())
+    assert linear_kernel(plan, 1, (28672, 4096), fused=False, dtype=FP8)
+    assert not linear_kernel(plan, 1, (28672, 4096), fused=False, dtype=BF16)
+    assert not linear_kernel(plan, 1, (6144, 4096), fused=False, dtype=FP8)
+    assert not linear_kernel(plan, 4, (28672, 4096), fused=False, dtype=FP8)
+
+
 @pytest.mark.parametrize("epilogue", ["bias_residual", "norm_in_handoff", "swiglu"])
 def test_rows_kernel(epilogue):
     R, F, K = 5, 128, 256

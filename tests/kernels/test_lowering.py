@@ -153,14 +153,15 @@ def ragged_gpu_splits(dtype):
 # Weight shapes by stream: bf16 / f16 weights of 8B widths take the tensor-core stream; narrower
 # ones, and f32, the elementwise one (kernels_pallas/tuning.py). Lowering costs the same at any size.
 MMA_FK, NARROW_FK = (4096, 4096), (64, 128)
+FP8_MMA_FK = (28672, 4096)  # gate_up's width: FP8 through float16 tensor-core dots (tuning.linear_fp8_mma)
 
 
 def linear(prologue, dtype, *, residual=False, bias=False, handoff=False, narrow=False, fk=None, fp8=False):
     """fused_linear (the kernel) on one row: the kernel with its prologue, through the
     tensor-core stream for bf16 at 8B widths (else the elementwise one); fk: another [F, K]
     (gpt-oss's K = 2880: a masked last chunk); fp8: FP8 weights with their per-channel scale
-    (the elementwise stream, at 8B widths unless narrow)."""
-    mma = dtype == BF16 and not narrow and fk is None and not fp8
+    (the elementwise stream, at 8B widths unless narrow; the float16 tensor-core one at FP8_MMA_FK)."""
+    mma = (dtype == BF16 and not narrow and fk is None and not fp8) or (fp8 and fk == FP8_MMA_FK)
     F, K = fk or (MMA_FK if (mma or fp8) and not narrow else NARROW_FK)
     k_in = 2 * K if prologue == "silu_mul" else K
     shapes = {"x": sds((1, 1, k_in), dtype), "w": sds((F, K), FP8 if fp8 else dtype)}
@@ -351,6 +352,7 @@ GPU_CASES = {
     # FP8 weights (per-channel scale): the one-row kernels' elementwise stream (their default) at
     # 8B widths; fused_linear_rows' tensor-core stream (tiles given: XLA's dots by default)
     "fused_linear-rmsnorm-fp8": lambda: linear("rmsnorm", BF16, fp8=True),
+    "fused_linear-none-fp8-mma": lambda: linear("none", BF16, fp8=True, fk=FP8_MMA_FK),
     "fused_linear-silu_mul-residual-handoff-fp8": lambda: linear("silu_mul", BF16, residual=True, handoff=True,
                                                                  fp8=True),
     "fused_linear-none-narrow-fp8": lambda: linear("none", BF16, narrow=True, residual=True, fp8=True),

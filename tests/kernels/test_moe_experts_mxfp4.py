@@ -5,6 +5,7 @@ plan == on XLA. gpt-oss end to end against transformers: tests/e2e/test_gpt_oss.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from kernels_pallas.moe_experts import ref_moe_experts
 from kernels_pallas.moe_experts_mxfp4 import (
     dequantize,
     fp4_as_f16,
+    fp4_f32_bits,
     fp4_values,
     moe_experts_mxfp4,
     moe_experts_mxfp4_gpu,
@@ -135,3 +137,13 @@ def test_ops_moe_gpu_plan_streams_packed_experts_as_xla_does(N):
     want = ops.moe(KernelPlan(), x, w_router, wg, wd, **args)
     assert calls, "the GPU plan did not take the MXFP4 kernels"
     np.testing.assert_allclose(f32(got), f32(want), rtol=2e-2, atol=2e-2 * float(np.abs(f32(want)).max()))
+
+
+def test_gpu_decode_bits():
+    """fp4_f32_bits (the GPU kernels' decode) places every code's value times 2^-126 in an f32,
+    0.5 as a subnormal: its bits checked here (numpy keeps subnormals; the kernels on the CPU
+    take fp4_as_f16, since XLA's CPU flushes them)."""
+    b = jnp.arange(256, dtype=jnp.int32)
+    lo, hi = jax.jit(fp4_f32_bits)(b)
+    for got, codes in ((lo, b & 15), (hi, b >> 4)):
+        np.testing.assert_array_equal(np.asarray(got).astype(np.float64) * 2.0**126, np.asarray(fp4_values(codes)))
