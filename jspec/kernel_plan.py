@@ -72,6 +72,15 @@ class KernelPlan:
     # (QuantConfig.activations) and the GPU has FP8 tensor cores (fp8_tensor_cores), unless
     # JSPEC_FP8_GEMM=0 (jspec/envs.py).
     fp8_gemm: bool = False
+    # XLA options of the steps of more than FP8_GEMM_MIN_ROWS tokens (jitted twins of the
+    # steps: jspec/engine/flat_runner.py), set by plan_kernels on a GPU. An unquantized model:
+    # _GPU_MANY_ROWS_OPTIONS (no autotuning). Under fp8_gemm every FP8 dot there is W8A8, which
+    # cuBLASLt's FP8 GEMM serves: XLA's Triton GEMMs stay off in them, whose autotuning over
+    # FP8 configurations compiled an 8B step of 16,384 tokens in over 30 s (H200, jax 0.11.2,
+    # 2026-11-30, scripts/bench_compile.py), 5-6 s without. Fewer rows keep them: an FP8
+    # weight's weight-only dot is a Triton fusion that converts it in the GEMM (dequantized
+    # first by cuBLAS's path: 206 us against 34-43).
+    many_rows_xla_options: tuple = ()
 
     @property
     def compiler_options(self) -> dict | None:
@@ -81,15 +90,9 @@ class KernelPlan:
     @property
     def many_rows_options(self) -> dict | None:
         """The compiler options of the steps of more than FP8_GEMM_MIN_ROWS tokens where they
-        differ from ``compiler_options`` (None: they do not). Under fp8_gemm every FP8 dot
-        there is W8A8, which cuBLASLt's FP8 GEMM serves: XLA's Triton GEMMs stay off in them,
-        whose autotuning over FP8 configurations compiled an 8B step of 16,384 tokens in
-        over 30 s (H200, jax 0.11.2, 2026-11-30, scripts/bench_compile.py), 5-6 s without.
-        Fewer rows keep them: an FP8 weight's weight-only dot is a Triton fusion that
-        converts it in the GEMM (dequantized first by cuBLAS's path: 206 us against 34-43)."""
-        if not self.fp8_gemm:
-            return None
-        return {**dict(self.xla_options), "xla_gpu_enable_triton_gemm": False}
+        differ from ``compiler_options`` (None: they do not): ``many_rows_xla_options`` over
+        ``xla_options``."""
+        return {**dict(self.xla_options), **dict(self.many_rows_xla_options)} if self.many_rows_xla_options else None
 
     def for_draft_model(self, cfg: ModelConfig) -> KernelPlan:
         """The plan of every drafter: a draft model's (an ordinary Llama / Qwen3 of shape
@@ -118,21 +121,24 @@ def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str 
         linear = sample = XLA()
     handoff = _norm_handoff(linear, cfg)
     in_out = backend == "cpu" and not isinstance(linear, GPU)  # the GPU kernels read [out, in] weights
+    q = cfg.quantization
     options = _cpu_xla_options() if backend == "cpu" else ()
     threads = 1 if backend == "cpu" else min(8, os.cpu_count() or 1)
-    q = cfg.quantization
     fp8_gemm = bool(envs.JSPEC_FP8_GEMM and backend == "gpu" and q is not None and q.activations and q.block is None
                     and fp8_tensor_cores())
     return KernelPlan(attn=attn, linear=linear, sample=sample, norm_handoff=handoff, in_out_weights=in_out,
                       xla_options=options, tp=tp, draft_tp=draft_tp, mesh=mesh, shard_linear=shard_linear,
-                      compile_threads=threads, fp8_gemm=fp8_gemm)
+                      compile_threads=threads, fp8_gemm=fp8_gemm,
+                      many_rows_xla_options=(("xla_gpu_enable_triton_gemm", False),) if fp8_gemm
+                      else _GPU_MANY_ROWS_OPTIONS if backend == "gpu" and q is None else ())
 
 
 # Rows beyond which an FP8 weight's dot may run W8A8 (KernelPlan.fp8_gemm): more than the
 # projection kernels take (one row; 2 to MAX_ROWS in fused_linear_rows), where XLA runs a GEMM. On the
 # H200 (jax 0.11.2, 2026-11-30, scripts/bench_fp8_gemm.py) the 8B's qkv at 8192 rows took
 # 397 us this way (cuBLASLt's FP8 GEMM, the activations' quantization included) against 582
-# weight-only (XLA converts the weight, then a bf16 GEMM) and 560 in bf16.
+# weight-only (XLA converts the weight, then a bf16 GEMM) and 560 in bf16. Also where the
+# steps' twins with many_rows_options begin.
 FP8_GEMM_MIN_ROWS = _flr.MAX_ROWS
 
 
@@ -151,6 +157,16 @@ def fp8_tensor_cores(device=None) -> bool:
 # one-row plain step about the same (python -m jspec, 2026-11-25).
 _CPU_XLA_OPTIONS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
 _cpu_options_checked: tuple | None = None
+
+# An unquantized model's steps of many rows on a GPU: XLA's dots as cuBLAS GEMMs at their
+# heuristic algorithms, nothing timed while compiling. XLA's autotuning (Triton GEMM
+# configurations and cuBLAS algorithms, each timed on the one GPU) made compiles running on
+# warmup's threads wait on each other: the 8B EAGLE3 server's 30 programs took 327 s of
+# compiling on 8 threads, warmup 50 s; with none of it 120 s and 32 s (H200, jax 0.11.2,
+# 2026-12-01, docs/decisions.md), prefill and decode at 32 / 64 rows as fast or faster. Steps
+# of up to FP8_GEMM_MIN_ROWS tokens keep it: a one-row lm_head through cuBLAS's heuristic
+# took batch 1 from 4.17 to 5.26 ms a token.
+_GPU_MANY_ROWS_OPTIONS = (("xla_gpu_autotune_level", 0), ("xla_gpu_enable_triton_gemm", False))
 
 
 def _cpu_xla_options() -> tuple:

@@ -106,7 +106,7 @@ class FlatRunner:
         self._step, self._fwd = step_and_forward(opts)
         self._tail = jax.jit(self._tail_impl, donate_argnums=(1,), static_argnames=("layout", "filtering"),
                              compiler_options=opts)
-        many = self.plan.many_rows_options  # steps of more than FP8_GEMM_MIN_ROWS tokens (W8A8)
+        many = self.plan.many_rows_options  # steps of more than FP8_GEMM_MIN_ROWS tokens
         self._many_rows = many is not None
         if self._many_rows:
             self._step_many, self._fwd_many = step_and_forward(many)

@@ -20,6 +20,7 @@ from jspec.kernel_backend import GPU, TPU, XLA, parse_impl, platform_kernels
 from jspec.kv_cache import AttentionMetadata, KVCache
 from jspec.models.transformer import Transformer
 from jspec.ops import KernelPlan, plan_kernels
+from jspec.quantization import QuantConfig
 from tests.helpers.lowering import custom_calls, lower
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -45,6 +46,12 @@ def test_auto_resolves_by_backend(monkeypatch):
     assert (tpu.attn, tpu.linear, tpu.sample, tpu.norm_handoff) == (TPU(), TPU(), TPU(), False)
     assert not gpu.in_out_weights and not tpu.in_out_weights  # HF [out, in] weights off the CPU
     assert gpu.compiler_options is None and tpu.compiler_options is None  # XLA's defaults there
+    # an unquantized model's GPU steps of many rows: cuBLAS GEMMs, no autotuning while compiling;
+    # weight-only FP8 weights keep XLA's defaults there, W8A8 ones its cuBLASLt GEMMs
+    assert gpu.many_rows_options == {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+    assert tpu.many_rows_options is None and cpu.many_rows_options is None
+    fp8 = dataclasses.replace(LLAMA, quantization=QuantConfig("fp8", "online"))
+    assert plan_kernels(fp8, backend="gpu").many_rows_options is None
     # warmup compiles on several threads off the CPU (jspec/engine/warmup.py, prepare)
     assert cpu.compile_threads == 1 and gpu.compile_threads == tpu.compile_threads == min(8, os.cpu_count() or 1)
     # an impl named in the config wins; the hand-over needs the GPU projection kernels
@@ -194,8 +201,8 @@ def test_fp8_gemm_where_the_checkpoint_and_the_gpu_have_fp8_activations(monkeypa
     capability >= 8.9) for a checkpoint whose projections take FP8 activations (its
     input_activations, the "fp8" format, online FP8), unless JSPEC_FP8_GEMM=0; never for a
     weight-only or block-scaled checkpoint, an older GPU, the CPU or the TPU. Its steps of many
-    rows compile without XLA's Triton GEMMs (many_rows_options); other plans have no such
-    options."""
+    rows compile without XLA's Triton GEMMs (many_rows_options); an unquantized model's without
+    autotuning too, a weight-only FP8 one's with XLA's defaults."""
     from types import SimpleNamespace
 
     from jspec import kernel_plan
@@ -223,6 +230,8 @@ def test_fp8_gemm_where_the_checkpoint_and_the_gpu_have_fp8_activations(monkeypa
             plan = plan_kernels(cfg, backend="gpu")
             on = want and env in (None, "1")
             assert plan.fp8_gemm is on, (q, cores, env)
-            assert plan.many_rows_options == ({"xla_gpu_enable_triton_gemm": False} if on else None)
+            unquantized = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+            assert plan.many_rows_options == ({"xla_gpu_enable_triton_gemm": False} if on else
+                                              unquantized if q is None else None)
             assert plan_kernels(cfg, backend="cpu").fp8_gemm is False and not plan_kernels(cfg, backend="tpu").fp8_gemm
             assert plan_kernels(cfg, backend="cpu").many_rows_options is None
