@@ -228,8 +228,8 @@ def test_w8a8_steps_of_many_rows_compile_on_their_twin(ckpt_root, monkeypatch):
     sp = jspec.SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     kw = dict(max_num_seqs=1, max_model_len=64, page_size=8)
     plan_kernels = llm_engine.plan_kernels
-    monkeypatch.setattr(llm_engine, "plan_kernels", lambda *a, **k: dataclasses.replace(
-        plan_kernels(*a, **k), fp8_gemm=True))
+    monkeypatch.setattr(llm_engine, "plan_kernels", lambda *a, **k: dataclasses.replace(  # plan_kernels on such a GPU
+        plan_kernels(*a, **k), fp8_gemm=True, many_rows_xla_options=(("xla_gpu_enable_triton_gemm", False),)))
     llm = jspec.LLM(folder, **kw)
     r = llm.engine.runner
     assert r.plan.many_rows_options["xla_gpu_enable_triton_gemm"] is False
