@@ -308,6 +308,18 @@ def physical_ideal(tau, t1, drafter_bytes, bw_bytes_per_s) -> float:
 
 
 
+def settle():
+    """Wait for jspec's executable writes: warmup hands the steps it compiled to a thread
+    ("jspec-keep-steps", jspec/engine/warmup.py warm_engine) that serializes them while the
+    first requests run, holding the host for ~0.4 s an 8B step (jspec/engine/executables.py).
+    A timed run that starts before it ends shares the host with it: steady-state figures wait."""
+    import threading
+
+    for t in threading.enumerate():
+        if t.name == "jspec-keep-steps":
+            t.join()
+
+
 def llm_run(llm, B, ctx, new, rng, structured=None, reps=None):
     """Seconds of llm.generate for B fresh random prompts of ctx tokens and ``new`` greedy
     tokens each (prefill included), and of the same with 1 new token (prefill alone), under
@@ -330,6 +342,7 @@ def llm_run(llm, B, ctx, new, rng, structured=None, reps=None):
             llm.generate(prompts(), sp, use_tqdm=False)
             if r.num_compilations == c0:
                 break
+        settle()
         ts = []
         for _ in range(reps + 3):  # up to 3 runs that compiled, timed again
             p, c0 = prompts(), r.num_compilations

@@ -37,7 +37,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_common import LLAMA_1B, LLAMA_8B, QWEN3_8B, TINY, drafter_config, measure_bandwidth, timeit
+from bench_common import LLAMA_1B, LLAMA_8B, QWEN3_8B, TINY, drafter_config, measure_bandwidth, settle, timeit
 from bench_llm_folders import write_folders, write_target_folder
 
 # Drafters as the llm section runs them: EAGLE3 / n-gram / a draft model on the Llama shape,
@@ -141,6 +141,7 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
     prompts = prompts_of(args, cfg, rng, llm.engine.tokenizer, max(sizes))
     sp = jspec.SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], sp, use_tqdm=False)  # (every shape is compiled: LLM's warmup) first-call costs
+    settle()  # warmup's executables written before the clock starts
     rows = []
     waits = ReadWaits(llm.engine.runner)
     clock = PhaseClock(llm.engine.scheduler)

@@ -52,3 +52,18 @@ def test_the_issue_workload_on_an_h200(bench):
     common, bt = bench
     b = bt.workload_bound(common.LLAMA_8B, 512, 1024, 256, 256, 790e12, 4.4e12)
     assert 9.0 < b.prefill_s < 10.0 and 5.9 < b.decode_s < 6.5
+
+
+def test_settle_waits_for_warmups_writer(bench):
+    """bench_common.settle joins the thread warmup writes its executables on (by its name in
+    jspec/engine/warmup.py), so that timed runs do not share the host with it."""
+    import threading
+    import time
+
+    bench_common, _ = bench
+    with open(os.path.join(ROOT, "jspec", "engine", "warmup.py")) as f:
+        assert 'name="jspec-keep-steps"' in f.read()
+    writer = threading.Thread(target=time.sleep, args=(0.3,), name="jspec-keep-steps")
+    writer.start()
+    bench_common.settle()
+    assert not writer.is_alive()
