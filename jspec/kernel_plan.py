@@ -72,8 +72,8 @@ class KernelPlan:
     # (QuantConfig.activations) and the GPU has FP8 tensor cores (fp8_tensor_cores), unless
     # JSPEC_FP8_GEMM=0 (jspec/envs.py).
     fp8_gemm: bool = False
-    # XLA options of the steps of more than FP8_GEMM_MIN_ROWS tokens (jitted twins of the
-    # steps: jspec/engine/flat_runner.py), set by plan_kernels on a GPU. An unquantized model:
+    # XLA options the steps of more than FP8_GEMM_MIN_ROWS tokens compile with besides
+    # ``xla_options`` (FlatRunner.compile_options), set by plan_kernels on a GPU. An unquantized model:
     # _GPU_MANY_ROWS_OPTIONS (no autotuning). Under fp8_gemm every FP8 dot there is W8A8, which
     # cuBLASLt's FP8 GEMM serves: XLA's Triton GEMMs stay off in them, whose autotuning over
     # FP8 configurations compiled an 8B step of 16,384 tokens in over 30 s (H200, jax 0.11.2,
@@ -138,7 +138,7 @@ def plan_kernels(cfg: ModelConfig, *, attn_impl: str = "auto", linear_impl: str 
 # H200 (jax 0.11.2, 2026-11-30, scripts/bench_fp8_gemm.py) the 8B's qkv at 8192 rows took
 # 397 us this way (cuBLASLt's FP8 GEMM, the activations' quantization included) against 582
 # weight-only (XLA converts the weight, then a bf16 GEMM) and 560 in bf16. Also where the
-# steps' twins with many_rows_options begin.
+# steps compiled with many_rows_xla_options begin.
 FP8_GEMM_MIN_ROWS = _flr.MAX_ROWS
 
 
@@ -164,8 +164,8 @@ _cpu_options_checked: tuple | None = None
 # warmup's threads wait on each other: the 8B EAGLE3 server's 30 programs took 327 s of
 # compiling on 8 threads, warmup 50 s; with none of it 120 s and 32 s (H200, jax 0.11.2,
 # 2026-12-01, docs/decisions.md), prefill and decode at 32 / 64 rows as fast or faster. Steps
-# of up to FP8_GEMM_MIN_ROWS tokens keep it: a one-row lm_head through cuBLAS's heuristic
-# took batch 1 from 4.17 to 5.26 ms a token.
+# of up to FP8_GEMM_MIN_ROWS tokens keep it: with none, batch 1 took 5.26 ms a token against
+# 4.17 (likely its one-row lm_head, the only XLA dot there, at cuBLAS's heuristic).
 _GPU_MANY_ROWS_OPTIONS = (("xla_gpu_autotune_level", 0), ("xla_gpu_enable_triton_gemm", False))
 
 

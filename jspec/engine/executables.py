@@ -216,8 +216,9 @@ def _on_event(event: str, **_kw):
         _compiling.hit = True  # jax records it on the thread that compiles
 
 
-def compile_and_keep(store: Store | None, key: str | None, lowered):
-    """``lowered`` compiled, and kept in ``store`` under ``key`` (``Store.keep``), unless jax's persistent
+def compile_and_keep(store: Store | None, key: str | None, lowered, options: dict | None = None):
+    """``lowered`` compiled (with XLA ``options`` added to its jitted function's), and kept in
+    ``store`` under ``key`` (``Store.keep``), unless jax's persistent
     cache answered the compile: an executable loaded from jax's cache is not serialized
     again (on XLA:CPU such a copy fails to run: "Function ... not found", jax 0.10.2)."""
     global _listening
@@ -227,7 +228,7 @@ def compile_and_keep(store: Store | None, key: str | None, lowered):
     t = time.monotonic()
     _compiling.active, _compiling.hit = True, False
     try:
-        compiled = lowered.compile()
+        compiled = lowered.compile(options)
     finally:
         _compiling.active = False
     if store is not None and key is not None and not _compiling.hit:

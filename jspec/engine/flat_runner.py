@@ -33,7 +33,7 @@ from jspec.engine.engine_state import EngineState
 from jspec.engine.flat_input import FlatInput, FlatShape, FlatShapes, build_flat_input
 from jspec.engine.logits_processing import extend_history
 from jspec.engine.logprobs import logprob_info
-from jspec.engine.packing import pack, unpack
+from jspec.engine.packing import layout_tokens, pack, unpack
 from jspec.engine.sampling_step import (
     SampleInput,
     Split,
@@ -97,19 +97,13 @@ class FlatRunner:
         # `filtering` ("off" | "on": does any request use top-k / top-p) is decided on the
         # host per step: a device-side lax.cond would read its predicate on the host (a
         # ~50 us sync per step on the H200). Top-k / top-p traffic compiles a second variant.
-        def step_and_forward(options):
-            return (jax.jit(self._step_impl, donate_argnums=(2,), compiler_options=options,
-                            static_argnames=("layout", "steps", "filtering")),
-                    jax.jit(self._forward_impl, donate_argnums=(1,), static_argnames=("layout",),
-                            compiler_options=options))
-
-        self._step, self._fwd = step_and_forward(opts)
+        # (a step or forward of many tokens compiles with more options: compile_options)
+        self._step = jax.jit(self._step_impl, donate_argnums=(2,), compiler_options=opts,
+                             static_argnames=("layout", "steps", "filtering"))
+        self._fwd = jax.jit(self._forward_impl, donate_argnums=(1,), static_argnames=("layout",),
+                            compiler_options=opts)
         self._tail = jax.jit(self._tail_impl, donate_argnums=(1,), static_argnames=("layout", "filtering"),
                              compiler_options=opts)
-        many = self.plan.many_rows_options  # steps of more than FP8_GEMM_MIN_ROWS tokens
-        self._many_rows = many is not None
-        if self._many_rows:
-            self._step_many, self._fwd_many = step_and_forward(many)
         self.state = EngineState(kv, dkv, probs)
         self._no_prev: dict = {}  # (N, steps) -> zeros: the ``prev`` of an unchained fed-back call
         # (jitted function's name, its static arguments) -> the executable warmup.prepare made
@@ -355,10 +349,21 @@ class FlatRunner:
         return res
 
     def _invoke_here(self, name: str, args, kw):
-        """The executable ``prepare`` made for these static arguments, else the jitted
-        function itself (traced and compiled on first use)."""
-        exe = self._executables.get(exe_key(name, kw))
+        """The executable ``prepare`` made for these static arguments, else one made here:
+        where ``compile_options`` adds options, lowered and compiled with them (and kept),
+        else the jitted function itself (traced and compiled on first use)."""
+        key = exe_key(name, kw)
+        exe = self._executables.get(key)
+        if exe is None and (options := self.compile_options(kw)) is not None:
+            exe = self._executables[key] = getattr(self, name).lower(*args, **kw).compile(options)
         return exe(*args) if exe is not None else getattr(self, name)(*args, **kw)
+
+    def compile_options(self, kw: dict) -> dict | None:
+        """The XLA options a call's compile adds to its jitted function's: the plan's
+        ``many_rows_xla_options`` for a step or forward of more than FP8_GEMM_MIN_ROWS tokens
+        (``kw``: the call's static arguments), else None."""
+        many = self.plan.many_rows_xla_options
+        return dict(many) if many and layout_tokens(self._layouts[kw["layout"]]) > FP8_GEMM_MIN_ROWS else None
 
     def _no_prev_for(self, N: int, steps: int):
         """Zeros in the shape of the ``prev`` of a call chained behind ``steps`` fed-back decode
@@ -380,7 +385,7 @@ class FlatRunner:
         filtering = filtering or filtering_mode(self.cfg.vocab_size, inp)
         kw = dict(layout=self._layout_id(layout), steps=steps, filtering=filtering)
         args = (self.params, self.dparams, self.state, self.synthetic_rates, ints, floats, prev)
-        return self._jit_name("_step", inp), args, kw
+        return "_step", args, kw
 
     def dispatch(self, sched: SchedulerOutput, steps: int = 0, prev: jax.Array | None = None,
                  running: set | None = None, q: int | None = None):
@@ -453,14 +458,8 @@ class FlatRunner:
 
     def _forward_call(self, inp: FlatInput, prev):
         ints, floats, layout = pack(inp)
-        return self._jit_name("_fwd", inp), (self.params, self.state, ints, floats, prev), dict(
+        return "_fwd", (self.params, self.state, ints, floats, prev), dict(
             layout=self._layout_id(layout))
-
-    def _jit_name(self, name: str, inp: FlatInput) -> str:
-        """The jitted function of a step over ``inp``: ``name``, or its twin compiled with the
-        plan's options for many rows (``KernelPlan.many_rows_options``) past FP8_GEMM_MIN_ROWS
-        tokens."""
-        return name + "_many" if self._many_rows and inp.tokens.shape[-1] > FP8_GEMM_MIN_ROWS else name
 
     def dispatch_tail(self, split: Split, sched: SchedulerOutput):
         """The rest of a split step from the host state now (the step before it read): each

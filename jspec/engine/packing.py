@@ -40,3 +40,11 @@ def unpack(ints, floats, layout):
             x, oi = ints[oi : oi + n], oi + n
         leaves.append(x.reshape(shape).astype(jnp.dtype(dt)))
     return jax.tree.unflatten(treedef, leaves)
+
+
+def layout_tokens(layout) -> int:
+    """The length T of a packed tree's ``tokens`` leaf (a FlatInput's i32[T]) from its layout;
+    0 for a tree without one (a split step's tail's SampleInput)."""
+    treedef, items = layout
+    shape = getattr(jax.tree.unflatten(treedef, [shape for _, shape, _ in items]), "tokens", None)
+    return shape[-1] if shape else 0

@@ -84,7 +84,7 @@ def prepare(runner: FlatRunner, calls, threads: int = 1, store: Store | None = N
 
         def compile_later(slot, name, args, kw, key):
             lowered = getattr(runner, name).lower(*args, **kw)
-            job = pool.submit(compile_and_keep, store, key, lowered)
+            job = pool.submit(compile_and_keep, store, key, lowered, runner.compile_options(kw))
             job.add_done_callback(lambda _: bar.update(1))
             compiles.append((slot, job))
 

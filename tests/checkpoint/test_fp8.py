@@ -211,13 +211,13 @@ def test_fp8_dots_equal_the_dequantized_weight(rows, block):
     np.testing.assert_allclose(np.asarray(ops.linear(ops.KernelPlan(), normed, w)), want, rtol=2e-5, atol=2e-5)
 
 
-def test_w8a8_steps_of_many_rows_compile_on_their_twin(ckpt_root, monkeypatch):
+def test_w8a8_steps_of_many_rows_compile_with_the_plans_options(ckpt_root, monkeypatch):
     """Under a plan with fp8_gemm (a GPU with FP8 tensor cores; forced here) a step of more
-    than FP8_GEMM_MIN_ROWS tokens runs the runner's twin jitted with the plan's
-    many_rows_options (no Triton GEMMs: cuBLASLt's FP8 GEMM, compiled without autotuning
-    Triton's FP8 configurations), a step of fewer tokens the plain one. (W8A8's own maths:
-    tests/kernels/test_fp8_kernels.py and the GPU line; its tokens may part from weight-only's
-    at near-ties, so none are compared here.)"""
+    than FP8_GEMM_MIN_ROWS tokens compiles with the plan's many_rows_xla_options added (no
+    Triton GEMMs: cuBLASLt's FP8 GEMM, compiled without autotuning Triton's FP8
+    configurations), a step of fewer tokens with the jitted function's own, through the same
+    three jitted functions. (W8A8's own maths: tests/kernels/test_fp8_kernels.py and the GPU
+    line; its tokens may part from weight-only's at near-ties, so none are compared here.)"""
     import dataclasses
 
     from jspec.engine import llm_engine
@@ -232,10 +232,19 @@ def test_w8a8_steps_of_many_rows_compile_on_their_twin(ckpt_root, monkeypatch):
         plan_kernels(*a, **k), fp8_gemm=True, many_rows_xla_options=(("xla_gpu_enable_triton_gemm", False),)))
     llm = jspec.LLM(folder, **kw)
     r = llm.engine.runner
-    assert r.plan.many_rows_options["xla_gpu_enable_triton_gemm"] is False
-    names = []
+    assert not hasattr(r, "_step_many") and r.plan.many_rows_options["xla_gpu_enable_triton_gemm"] is False
+    calls, compiled = [], []
     invoke = r._invoke_here
-    monkeypatch.setattr(r, "_invoke_here", lambda name, args, kw: names.append(name) or invoke(name, args, kw))
+    monkeypatch.setattr(r, "_invoke_here", lambda name, args, kw: calls.append((name, r.compile_options(kw)))
+                        or invoke(name, args, kw))
+    from jax.stages import Lowered
+
+    lowered_compile = Lowered.compile
+    monkeypatch.setattr(Lowered, "compile", lambda self, options=None, **k: compiled.append(options)
+                        or lowered_compile(self, options, **k))
     got = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
-    assert names[0] == "_step_many" and set(names[1:]) == {"_step"}, names  # the prompt, then one-row decodes
+    many = {"xla_gpu_enable_triton_gemm": False}
+    # the prompt's step, then one-row decodes
+    assert calls[0] == ("_step", many) and {c for c in calls[1:]} == {("_step", None)}, calls
+    assert compiled.count(many) == 1, compiled  # the prompt's step, compiled once with them
     assert len(got) == NEW
