@@ -63,6 +63,7 @@ from jspec.parallel.mesh import TP_AXIS
 from jspec.quantization import QuantWeight
 from kernels_pallas import fused_linear as _fl
 from kernels_pallas import fused_linear_rows as _flr
+from kernels_pallas import fused_linear_split_k as _flk
 from kernels_pallas import paged_attention as _pa
 from kernels_pallas import qkv_rope_kv_write as _qkv
 from kernels_pallas import rejection_sampling as _rs
@@ -109,8 +110,9 @@ def _kernel_weight(w):
 
 def _fused_linear(plan: KernelPlan, x, w, *, kernel: bool, prologue="none", norm_w=None, **kw):
     """With ``kernel`` (linear_kernel said yes: the plan's GPU kernels) fused_linear's kernel
-    (one row) or fused_linear_rows' (2-16 rows, no prologue), else the reference. w may be a
-    per-channel FP8 QuantWeight."""
+    (one row; split over K where the device lists the shape: fused_linear_split_k) or
+    fused_linear_rows' (2-16 rows, no prologue), else the reference. w may be a per-channel
+    FP8 QuantWeight."""
     w, kw["w_scale"] = _kernel_weight(w)
     if not kernel:
         x_fp8 = (plan.fp8_gemm and kw["w_scale"] is not None and _rows(x) > FP8_GEMM_MIN_ROWS
@@ -118,6 +120,8 @@ def _fused_linear(plan: KernelPlan, x, w, *, kernel: bool, prologue="none", norm
         return _fl.ref_fused_linear(x, w, prologue=prologue, norm_w=norm_w, x_fp8=x_fp8, **kw)
     if _rows(x) > 1:
         return _flr.fused_linear_rows(x, w, interpret=plan.linear.interpret, **kw)
+    if prologue != "rmsnorm" and kw.get("next_norm_w") is None and _flk.split_k_blocks(*w.shape, w.dtype, x.dtype):
+        return _flk.fused_linear_split_k(x, w, prologue=prologue, interpret=plan.linear.interpret, **kw)
     return _fl.fused_linear(x, w, prologue=prologue, norm_w=norm_w, interpret=plan.linear.interpret, **kw)
 
 

@@ -292,7 +292,7 @@ def silu_mul_rounded(g, u, dtype):
 F16_SHIFT = 4
 
 
-def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False, scale=None):
+def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False, scale=None, x0=0, up=None):
     """The weight stream of one program: for each w_ref (rows [n, K] of W), its rows
     times prologue(x), f32 [n], the RMSNorm's 1 / rms applied. A w_ref may also be
     (ref, pl.ds(row0, n)): those rows of a whole weight (Triton takes one indexer per
@@ -304,8 +304,11 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
     (rounded to x's dtype): the 1 / rms of an RMSNorm handed over (ref_fused_linear).
     A K that block_d does not divide (k_block) ends with one chunk whose loads past K are
     masked to zeros, which add nothing to the dot, the sum of squares or the SwiGLU.
-    An FP8 weight's tensor-core dot runs in float16 (F16_SHIFT)."""
+    An FP8 weight's tensor-core dot runs in float16 (F16_SHIFT). x0: where x's columns of this
+    stream begin (a slice of K: fused_linear_split_k.py; no rmsnorm prologue); up: where x's
+    up half begins for silu_mul (default K)."""
     f32 = jnp.float32
+    up = K if up is None else up
     w_refs = [w if isinstance(w, tuple) else (w, slice(None)) for w in w_refs]
     dt = dot_dtype(x_ref.dtype, w_refs[0][0].dtype)  # an FP8 tile enters the dot in x's dtype
     f16_dot = mma and is_fp8(w_refs[0][0].dtype)
@@ -322,7 +325,7 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
             n = ref.shape[0] if isinstance(rows, slice) else rows.size
             return plt.load(ref.at[rows, cols], mask=jnp.broadcast_to(live[None, :], (n, block_d)), other=0)
 
-        xs = ld(x_ref, 0, pl.ds(d0, block_d)).astype(f32)  # [block_d]
+        xs = ld(x_ref, 0, pl.ds(x0 + d0, block_d)).astype(f32)  # [block_d]
         if prologue == "rmsnorm":
             # RMSNorm factored out of the dot: W (nw * x) accumulates in this same pass
             # while sum(x^2) does, and 1 / rms scales the result at the end. A first pass for
@@ -336,7 +339,7 @@ def stream_rows(x_ref, w_refs, norm_ref, *, prologue, K, block_d, eps, mma=False
                                                                               mask=live, other=0)
             h = (xs * nw.astype(f32)).astype(dt)
         elif prologue == "silu_mul":
-            us = ld(x_ref, 0, pl.ds(K + d0, block_d)).astype(f32)
+            us = ld(x_ref, 0, pl.ds(up + x0 + d0, block_d)).astype(f32)
             if scale is not None:
                 xs, us = (xs * scale).astype(x_ref.dtype).astype(f32), (us * scale).astype(x_ref.dtype).astype(f32)
             h = silu_mul_rounded(xs, us, x_ref.dtype).astype(dt)

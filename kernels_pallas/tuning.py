@@ -7,7 +7,7 @@
   weight stream (bf16 / f16), for the shapes one of its rows takes; ``linear`` the
   elementwise one (any dtype, every shape, and the rest of bf16 / f16); ``linear_fp8`` the
   elementwise one for FP8 weights, ``linear_fp8_mma`` their float16 tensor-core stream (the
-  shapes its rows take).
+  shapes its rows take), ``linear_fp8_split_k`` that stream split over K (fused_linear_split_k.py).
 - ``attn_*``: paged_attention_gpu.py's fixed choices (its kv splits and warps follow the
   grid size and ``num_sms``).
 - ``rejection``: rejection_sampling's GPU statistics kernel.
@@ -46,6 +46,7 @@ class DeviceTuning:
     linear_mma: tuple[LinearTile, ...]  # tensor-core weight stream (bf16 / f16)
     linear_fp8: tuple[LinearTile, ...] = ()  # elementwise stream of FP8 weights (empty: ``linear``'s rows)
     linear_fp8_mma: tuple[LinearTile, ...] = ()  # FP8 weights through float16 tensor-core dots (the shapes listed)
+    linear_fp8_split_k: tuple[tuple[int, int, int, LinearTile], ...] = ()  # (F, K, splits, tile): exact shapes
     linear_rows: tuple[LinearTile, ...] = ()  # 2-16 rows (fused_linear_rows.py; bf16 / f16)
     linear_rows_swiglu: tuple[LinearTile, ...] = ()  # ... a gate|up weight with its SwiGLU (block_f: per half)
     # qkv_rope_kv_write.py's tensor-core tile (block_f: rows a program streams, both halves of its
@@ -71,6 +72,10 @@ class DeviceTuning:
         if mma:
             return None
         raise AssertionError("the elementwise table must end with a row for every shape (min_k = min_f = 0)")
+
+    def split_k_tile(self, F: int, K: int) -> tuple[int, LinearTile] | None:
+        """(splits, tile) of the ``linear_fp8_split_k`` row of exactly [F, K], or None."""
+        return next(((n, t) for f, k, n, t in self.linear_fp8_split_k if (f, k) == (F, K)), None)
 
     def qkv_rope_tile(self, F: int, K: int) -> LinearTile | None:
         """The first ``qkv_rope_mma`` row that takes [F, K], or None (then the projection's tile)."""
@@ -107,11 +112,17 @@ H200_LINEAR_MMA = (LinearTile(8192, 8192, 32, 256, 4, 4), LinearTile(8192, 4096,
 # down [4096, 14336] 16 x 1024, 8 warps 23.7; gate_up [28672, 4096] 8 x 1024 40.7 (8 x 512: 44.2).
 H200_LINEAR_FP8 = (LinearTile(8192, 0, 16, 1024, 8, 4), LinearTile(4096, 16384, 8, 1024, 4, 4),
                    LinearTile(4096, 6144, 8, 512, 4, 4), LinearTile(0, 0, 8, 1024, 4, 4))
-# FP8 through float16 tensor-core dots (2026-12-01, H200, exp script of the session, tiles timed as
-# bench_linear.py --fp8 --sweep does): gate_up [28672, 4096] 128 x 256, 3 stages 30.5 us (64 x 256:
+# FP8 through float16 tensor-core dots (2026-12-01, H200, tiles timed as bench_linear.py --fp8 --sweep
+# does; raw docs/bench/2026-12-01_linear_fp8_mma_tiles_h200.log): gate_up [28672, 4096] 128 x 256, 3 stages 30.5 us (64 x 256:
 # 31.9; elementwise 40.7, XLA 42.1); the narrower weights stay elementwise (qkv 64 x 256 11.7 against
 # 10.9, o 9.5 against 7.5, down 29.2 against 23.6).
 H200_LINEAR_FP8_MMA = (LinearTile(4096, 16384, 128, 256, 4, 3),)
+# FP8 one row split over K (fused_linear_split_k.py), measured shapes only, (F, K, splits, tile
+# of the float16 tensor-core stream); 2026-12-01, H200, scripts/probe_fp8_splitk.py (git history,
+# 25f5322; raw docs/bench/2026-12-01_linear_fp8_splitk_probe_h200.log), + residual, XLA's sum
+# included: down [4096, 14336] 4 x 64 x 256, 4 stages 18.27 us against the one-pass 22.33
+# (S 2: 19.2; elementwise S 4: 21.0); qkv gained 0.5 us, o lost 0.2: neither listed.
+H200_LINEAR_FP8_SPLIT_K = ((4096, 14336, 4, LinearTile(0, 0, 64, 256, 4, 4)),)
 # 2-16 rows (fused_linear_rows.py), H100 sweep at 16 rows (2026-11-27, scripts/bench_linear.py
 # --rows 16 --sweep; docs/bench/2026-11-27_linear_rows_h100.log), GPU time per call: qkv
 # [6144, 4096] 32 x 128, 5 stages 19.6 us (32 x 256: 20.2); o [4096, 4096] and down
@@ -128,7 +139,8 @@ H200_LINEAR_ROWS_SWIGLU = (LinearTile(4096, 16384, 64, 256, 4, 3), LinearTile(0,
 
 def _h200_rows(num_sms: int) -> DeviceTuning:
     return DeviceTuning(num_sms=num_sms, linear=H200_LINEAR, linear_mma=H200_LINEAR_MMA, linear_fp8=H200_LINEAR_FP8,
-                        linear_fp8_mma=H200_LINEAR_FP8_MMA, linear_rows=H200_LINEAR_ROWS,
+                        linear_fp8_mma=H200_LINEAR_FP8_MMA, linear_fp8_split_k=H200_LINEAR_FP8_SPLIT_K,
+                        linear_rows=H200_LINEAR_ROWS,
                         linear_rows_swiglu=H200_LINEAR_ROWS_SWIGLU, qkv_rope_mma=H200_QKV_ROPE_MMA)
 
 

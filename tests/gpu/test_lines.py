@@ -619,8 +619,8 @@ def test_fp8_one_row_kernels(on_gpu, record_property):
     per-channel FP8 weights at Llama-3.1-8B's widths, their default tiles (the FP8 rows of
     kernels_pallas/tuning.py), == their jnp references, bf16 activations and f32 ones (the
     FP8 checkpoint lines' models; gate_up [2I, K], bare as the RMSNorm hand-over runs it, takes
-    the float16 tensor-core stream with bf16 activations); a CPU smoke run: interpreted, narrow
-    weights."""
+    the float16 tensor-core stream with bf16 activations; down_proj split over K too,
+    fused_linear_split_k); a CPU smoke run: interpreted, narrow weights."""
     import jax
     import jax.numpy as jnp
 
@@ -665,6 +665,13 @@ def test_fp8_one_row_kernels(on_gpu, record_property):
             want = ref_qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, w_scale=sqkv)
         got = qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, interpret=not on_gpu, w_scale=sqkv)
         errs[f"qkv_rope_kv_write {jnp.dtype(dt).name}"] = max(rel(g, r) for g, r in zip(got, want))
+    # down_proj split over K (fused_linear_split_k: the device's split at 8B widths), bf16 activations
+    from kernels_pallas.fused_linear_split_k import fused_linear_split_k
+    x = (2 * jax.random.normal(ks[3], (1, 2 * I))).astype(jnp.bfloat16)
+    res = jax.random.normal(ks[5], (1, F)).astype(jnp.bfloat16)
+    kw = dict(prologue="silu_mul", residual=res, w_scale=sd, eps=1e-5)
+    got = fused_linear_split_k(x, wd, blocks=None if on_gpu else (2, 16, 128, 4, 3, True), interpret=not on_gpu, **kw)
+    errs["down split over K bfloat16"] = rel(got, ref_fused_linear(x, wd, **kw))
     assert all(e < (2e-2 if "bfloat16" in k else 1e-4) for k, e in errs.items()), errs
     record_property("detail", f"largest relative error {max(errs.values()):.1e}: "
                               + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))

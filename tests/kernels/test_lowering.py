@@ -21,6 +21,7 @@ Kernels (grep -n pallas_call kernels_pallas/*.py):
   ragged_paged_attention_tpu.py  flat-token-batch attention         TPU
   fused_linear.py          batch-1 projection (+ norm / SwiGLU)     GPU
   fused_linear_rows.py     2-16-row projection (+ norms, residual)  GPU
+  fused_linear_split_k.py  one-row projection split over K (FP8)    GPU
   rope_kv_write.py         RoPE + paged KV write                    GPU
   qkv_rope_kv_write.py     RMSNorm + qkv + RoPE + KV write          GPU
   moe_experts.py           few-token MoE: gate_up + SwiGLU, down    GPU
@@ -42,6 +43,7 @@ from kernels_pallas import paged_attention as pa
 from kernels_pallas import ragged_paged_attention as rpa
 from kernels_pallas.fused_linear import fused_linear
 from kernels_pallas.fused_linear_rows import fused_linear_rows
+from kernels_pallas.fused_linear_split_k import fused_linear_split_k
 from kernels_pallas.moe_experts import moe_experts, moe_experts_gpu
 from kernels_pallas.moe_experts_mxfp4 import moe_experts_mxfp4
 from kernels_pallas.moe_router import router_top_k
@@ -192,6 +194,17 @@ def linear_sumsq(dtype):
         return fused_linear(x, w, prologue="silu_mul", sumsq=sumsq, residual=res)
     shapes = [sds((1, 1, 2 * K), dtype), sds((F, K), dtype), sds((1, 1, 3), F32), sds((1, 1, F), dtype)]
     return fn, shapes, [(TRITON, r"fused_linear_silu_mul_f\d+_d\d+_mma")]
+
+
+def linear_split_k():
+    """fused_linear_split_k (its public entry, the device's split) on the 8B's FP8 down_proj:
+    SwiGLU on the handed-over norm, per-channel scale, residual."""
+    F, K = 4096, 14336
+
+    def fn(x, w, w_scale, sumsq, res):
+        return fused_linear_split_k(x, w, prologue="silu_mul", sumsq=sumsq, residual=res, w_scale=w_scale)
+    shapes = [sds((1, 1, 2 * K), BF16), sds((F, K), FP8), sds((F,), F32), sds((1, 1, 3), F32), sds((1, 1, F), BF16)]
+    return fn, shapes, [(TRITON, "fused_linear_split_k_silu_mul_s4_f64_d256_mma_fp8")]
 
 
 def linear_rows(R, *, norm_in=False, handoff=False, bias=False, fk=MMA_FK, fp8=False):
@@ -356,6 +369,7 @@ GPU_CASES = {
     "fused_linear-silu_mul-residual-handoff-fp8": lambda: linear("silu_mul", BF16, residual=True, handoff=True,
                                                                  fp8=True),
     "fused_linear-none-narrow-fp8": lambda: linear("none", BF16, narrow=True, residual=True, fp8=True),
+    "fused_linear_split_k-silu_mul-sumsq-fp8": linear_split_k,
     "fused_linear_rows-16-norm_in-fp8": lambda: linear_rows(16, norm_in=True, fp8=True),
     "fused_linear_rows-8-swiglu-fp8": lambda: linear_rows_swiglu(8, fp8=True),
     "qkv_rope_kv_write-fp8": lambda: qkv_rope_write(BF16, bias=False, fp8=True),
@@ -432,6 +446,7 @@ def test_every_pallas_call_is_covered():
     assert sites == {
         "fused_linear.py": 1,
         "fused_linear_rows.py": 1,
+        "fused_linear_split_k.py": 1,
         "moe_experts.py": 2,
         "moe_experts_mxfp4.py": 1,  # gate_up's and down's kernels through one call site
         "moe_router.py": 1,
