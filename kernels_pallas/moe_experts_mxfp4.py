@@ -149,14 +149,15 @@ def _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, rows, G, block_f, block_g, bits
     ``block_g`` a step (the last masked). bits: decode by fp4_f32_bits (the GPU), else
     fp4_as_f16."""
     f32 = jnp.float32
-    decode, x_scale, shift = (fp4_f32_bits, 2.0**X_SHIFT, FP4_F32_SHIFT - X_SHIFT) if bits else (fp4_as_f16, 1.0, 14)
+    decode, shift = (fp4_f32_bits, FP4_F32_SHIFT - X_SHIFT) if bits else (fp4_as_f16, 14)
+    scaled = (lambda v: v * f32(2.0**X_SHIFT)) if bits else (lambda v: v)  # noqa: E731
 
     def body(i, acc):
         g0 = i * block_g
         live = lambda *shape: g0 + lax.broadcasted_iota(jnp.int32, shape, len(shape) - 2) < G  # noqa: E731
         gs = pl.ds(g0, block_g)
-        lo = plt.load(lo_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32) * f32(x_scale)  # [block_g, 16]
-        hi = plt.load(hi_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32) * f32(x_scale)
+        lo = scaled(plt.load(lo_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32))  # [block_g, 16]
+        hi = scaled(plt.load(hi_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32))
         blk = plt.load(blk_ref.at[rows, gs, :], mask=live(block_f, block_g, 16),
                        other=0).astype(jnp.int32)  # [block_f, block_g, 16]
         sc = plt.load(sc_ref.at[rows, gs, :], mask=live(block_f, block_g, 1), other=0).astype(jnp.int32)

@@ -310,13 +310,15 @@ def physical_ideal(tau, t1, drafter_bytes, bw_bytes_per_s) -> float:
 
 def settle():
     """Wait for jspec's executable writes: warmup hands the steps it compiled to a thread
-    ("jspec-keep-steps", jspec/engine/warmup.py warm_engine) that serializes them while the
+    (WRITER_THREAD, jspec/engine/warmup.py warm_engine) that serializes them while the
     first requests run, holding the host for ~0.4 s an 8B step (jspec/engine/executables.py).
     A timed run that starts before it ends shares the host with it: steady-state figures wait."""
     import threading
 
+    from jspec.engine.warmup import WRITER_THREAD
+
     for t in threading.enumerate():
-        if t.name == "jspec-keep-steps":
+        if t.name == WRITER_THREAD:
             t.join()
 
 

@@ -24,6 +24,10 @@ from jspec.engine.flat_runner import FlatRunner, exe_key
 from jspec.engine.sampling_step import Split, allow_all, empty_sample_input
 from jspec.engine.scheduler import SchedulerOutput
 
+# The thread warm_engine writes its compiled steps on (benchmarks join it before timing:
+# scripts/bench_common.py settle)
+WRITER_THREAD = "jspec-keep-steps"
+
 logger = logging.getLogger("jspec.engine")
 
 
@@ -185,6 +189,6 @@ def warm_engine(eng, progress: bool = False):
             # written while the first requests run: serializing an executable holds the host for
             # a moment (the 8B server's 30 steps: 4.1-4.8 s of its start on the H200, 2026-11-30);
             # not a daemon, so the process writes them all before it exits
-            threading.Thread(target=store.flush, name="jspec-keep-steps").start()
+            threading.Thread(target=store.flush, name=WRITER_THREAD).start()
     logger.info("warmup: %d step programs ready in %.1f s (%d compiled, %d loaded from the cache)",
                 compiled + loaded, time.monotonic() - t, compiled, loaded)

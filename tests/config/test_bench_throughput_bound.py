@@ -55,15 +55,15 @@ def test_the_issue_workload_on_an_h200(bench):
 
 
 def test_settle_waits_for_warmups_writer(bench):
-    """bench_common.settle joins the thread warmup writes its executables on (by its name in
-    jspec/engine/warmup.py), so that timed runs do not share the host with it."""
+    """bench_common.settle joins the thread warmup writes its executables on (its name:
+    jspec/engine/warmup.py WRITER_THREAD), so that timed runs do not share the host with it."""
     import threading
     import time
 
+    from jspec.engine.warmup import WRITER_THREAD
+
     bench_common, _ = bench
-    with open(os.path.join(ROOT, "jspec", "engine", "warmup.py")) as f:
-        assert 'name="jspec-keep-steps"' in f.read()
-    writer = threading.Thread(target=time.sleep, args=(0.3,), name="jspec-keep-steps")
+    writer = threading.Thread(target=time.sleep, args=(0.3,), name=WRITER_THREAD)
     writer.start()
     bench_common.settle()
     assert not writer.is_alive()
