@@ -58,6 +58,9 @@ def parse(argv=None):
     ap.add_argument("--greedy", type=int, default=0, help="new tokens of the greedy comparison across tp (0: off)")
     ap.add_argument("--spec-batches", default="", help="batch sizes of the speculative rows (default: --batches)")
     ap.add_argument("--dtype", default="bfloat16", help="the weights' dtype (the greedy comparison: float32 too)")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="the target's projections as FP8, quantized per output channel as they load (the drafter "
+                         "stays unquantized); the bounds count the bytes each device holds")
     ap.add_argument("--label", default="", help="a tag for this run's rows (e.g. the XLA flags it ran with)")
     ap.add_argument("--procs", action="store_true", help="one process per device (module docstring)")
     ap.add_argument("--master-port", type=int, default=29533, help="--procs: node 0's coordinator port")
@@ -280,8 +283,9 @@ def main(argv=None):
           f"{new} new tokens", flush=True)
     root, rng, rows = tempfile.mkdtemp(prefix="jspec_bench_tp_"), np.random.default_rng(0), result["rows"]
     num_pages = max(batches + [4]) * (-(-(ctx + new + 128) // 16) + 2) + 8
-    common = dict(dtype=args.dtype, load_format="dummy", max_num_seqs=max(batches + [4]), enable_prefix_caching=False,
-                  max_model_len=ctx + new + 96, num_pages=num_pages)
+    common = dict(dtype=args.dtype, load_format="dummy", quantization=args.quantization,
+                  max_num_seqs=max(batches + [4]), enable_prefix_caching=False, max_model_len=ctx + new + 96,
+                  num_pages=num_pages)
     greedy_prompts = [[int(t) for t in np.random.default_rng(100 + i).integers(0, cfg.vocab_size, 64)]
                       for i in range(4)]
     greedy_ref = None
