@@ -44,10 +44,12 @@ LLAMA_70B_TP2 = [("qkv", 5120, 8192, "rmsnorm", False), ("o", 8192, 4096, "none"
                  ("gate_up", 28672, 8192, "rmsnorm", False), ("down", 8192, 14336, "silu_mul", True)]
 LLAMA_8B_TP2 = [("qkv", 3072, 4096, "rmsnorm", False), ("o", 4096, 2048, "none", True),
                 ("gate_up", 14336, 4096, "rmsnorm", False), ("down", 4096, 7168, "silu_mul", True)]
+LLAMA_70B = [("qkv", 10240, 8192, "rmsnorm", False), ("o", 8192, 8192, "none", True),
+             ("gate_up", 57344, 8192, "rmsnorm", False), ("down", 8192, 28672, "silu_mul", True)]
 SHAPES = {"llama-8b": LLAMA_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "llama-1b": LLAMA_1B, "llama-70b-tp2": LLAMA_70B_TP2,
-          "llama-8b-tp2": LLAMA_8B_TP2}
+          "llama-8b-tp2": LLAMA_8B_TP2, "llama-70b": LLAMA_70B}
 HEADS = {"llama-8b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128), "llama-1b": (32, 8, 64),
-         "llama-70b-tp2": (32, 4, 128), "llama-8b-tp2": (16, 4, 128)}  # (H, KVH, D)
+         "llama-70b-tp2": (32, 4, 128), "llama-8b-tp2": (16, 4, 128), "llama-70b": (64, 8, 128)}  # (H, KVH, D)
 TINY = [("qkv", 256, 128, "rmsnorm", False), ("gate_up", 256, 128, "rmsnorm", False), ("down", 128, 256, "silu_mul", True), ("lm_head", 512, 128, "none", False)]
 
 

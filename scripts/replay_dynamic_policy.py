@@ -42,7 +42,7 @@ def step_times(path: str, method: str) -> tuple[dict[tuple[int, int], float], tu
             p.record_time(q, n, ms / 1e3)
         else:
             p.warm[(q, n)] = ms / 1e3
-    pairs = set(p.times) | {(q, n) for q, n in p.warm if (1, n) in p.times}
+    pairs = set(p.times) | set(p.warm)  # a pair never measured: warmup's time, scaled where width 1 was measured
     return {(q, n): p._time(q, n, 1) for q, n in pairs}, pow2_buckets(1, rows[-1]["max_num_seqs"])
 
 
