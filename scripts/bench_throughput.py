@@ -174,12 +174,15 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
                    bound_prefill_s=bound.prefill_s, bound_decode_s=bound.decode_s, of_bound=bound.seconds / secs,
                    vs_plain=plain[n] / secs if n in plain else None, decode_steps_by_width=widths,
                    step_ms=step_times(llm.engine), read_wait_s=waits.seconds, reads=waits.calls,
+                   reads_by_width={str(q): v for q, v in waits.by_width().items()},
                    prefill_phase_s=clock.prefill_s, decode_steps=clock.decode_steps,
                    **({"policy_trace": trace.steps} if trace else {}))
         label = "plain" if spec is None else f"{method} K={K} tau {measured:.2f}"
         vs = "" if row["vs_plain"] is None else f"; {row['vs_plain']:.2f}x plain"
         vs += f"; decode steps by width {widths}" if widths else ""
         vs += f"; {waits.calls} reads waited {waits.seconds:.2f} s"
+        vs += "; by width, reads / ms between / ms waited (medians) " + ", ".join(
+            f"{q}: {c} / {i:.2f} / {w:.2f}" for q, (c, i, w) in waits.by_width().items())
         vs += f"; prefill phase {clock.prefill_s:.2f} s" if clock.prefill_s is not None else ""
         print(f"{label}: {n} x ({args.input_len} -> {args.output_len}), {secs:.2f} s: "
               f"{row['requests_per_s']:.2f} req/s, {row['output_tok_s']:.0f} output tok/s, {row['total_tok_s']:.0f} "
@@ -198,23 +201,37 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
 class ReadWaits:
     """Time the host spends in the runner's reads (waiting for the device, then the copy):
     what is left of a run's seconds is the host's own work. A run of many reads that
-    waited little is bound by the host, not the device."""
+    waited little is bound by the host, not the device. By the width of the call read
+    (``q``; None: a plain engine's, or a step that prefills), each read's wait and the time
+    from the read before it returned to this one's return (with async scheduling, a call's
+    share of the wall clock): ``by_width``."""
 
     def __init__(self, runner):
-        self.runner, self.read, self.seconds, self.calls = runner, runner.read, 0.0, 0
+        self.runner, self.read = runner, runner.read
+        self.reset()
 
         def timed(*a, **kw):
             t = time.perf_counter()
             try:
                 return self.read(*a, **kw)
             finally:
-                self.seconds += time.perf_counter() - t
+                now = time.perf_counter()
+                self.seconds += now - t
                 self.calls += 1
+                q = a[3] if len(a) > 3 else kw.get("q")
+                if self._last is not None:
+                    self._per_width.setdefault(q, []).append((now - self._last, now - t))
+                self._last = now
 
         runner.read = timed
 
     def reset(self):
-        self.seconds, self.calls = 0.0, 0
+        self.seconds, self.calls, self._last, self._per_width = 0.0, 0, None, {}
+
+    def by_width(self) -> dict:
+        """{q: (reads, median ms between read returns, median ms waited in the read)}."""
+        return {q: (len(v), 1e3 * float(np.median([i for i, _ in v])), 1e3 * float(np.median([w for _, w in v])))
+                for q, v in sorted(self._per_width.items(), key=lambda kv: -1 if kv[0] is None else kv[0])}
 
     def close(self):
         del self.runner.read  # the class's method again

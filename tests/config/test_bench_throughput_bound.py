@@ -67,3 +67,28 @@ def test_settle_waits_for_warmups_writer(bench):
     writer.start()
     bench_common.settle()
     assert not writer.is_alive()
+
+
+def test_read_waits_split_each_width(bench):
+    """ReadWaits times every read by the width of the call it reads: the wait inside it and
+    the interval since the read before returned (a call's share of the wall clock)."""
+    import time
+
+    _, bt = bench
+
+    class Runner:
+        def read(self, out, n, steps, q=None):
+            time.sleep(out)
+            return out
+
+    r = Runner()
+    waits = bt.ReadWaits(r)
+    for out, q in [(0.0, None), (0.02, 2), (0.02, 2), (0.005, 1)]:
+        r.read(out, 4, 1, q)
+        time.sleep(0.01)  # the host's own work between reads
+    by = waits.by_width()
+    assert list(by) == [1, 2] and by[2][0] == 2 and by[1][0] == 1  # the first read has no interval
+    assert 19 <= by[2][2] < 40 and by[2][1] >= by[2][2] + 9  # waited 20 ms; 10 ms of host work besides
+    assert 4 <= by[1][2] < 20
+    waits.close()
+    assert r.read(0.0, 1, 1) == 0.0 and waits.calls == 4
