@@ -163,6 +163,7 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
                                kv_itemsize=1 if args.kv_cache_dtype == "fp8" else None)
         measured = llm.engine.spec_metrics.mean_acceptance_length if spec else None
         after = llm.engine.stats()
+        reads = waits.by_width()
         widths = {q: n_q - before.get("decode_steps_by_width", {}).get(q, 0)
                   for q, n_q in after.get("decode_steps_by_width", {}).items()}
         row = dict(method=method, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
@@ -174,7 +175,7 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
                    bound_prefill_s=bound.prefill_s, bound_decode_s=bound.decode_s, of_bound=bound.seconds / secs,
                    vs_plain=plain[n] / secs if n in plain else None, decode_steps_by_width=widths,
                    step_ms=step_times(llm.engine), read_wait_s=waits.seconds, reads=waits.calls,
-                   reads_by_width={str(q): v for q, v in waits.by_width().items()},
+                   reads_by_width={str(q): v for q, v in reads.items()},
                    prefill_phase_s=clock.prefill_s, decode_steps=clock.decode_steps,
                    **({"policy_trace": trace.steps} if trace else {}))
         label = "plain" if spec is None else f"{method} K={K} tau {measured:.2f}"
@@ -182,7 +183,7 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
         vs += f"; decode steps by width {widths}" if widths else ""
         vs += f"; {waits.calls} reads waited {waits.seconds:.2f} s"
         vs += "; by width, reads / ms between / ms waited (medians) " + ", ".join(
-            f"{q}: {c} / {i:.2f} / {w:.2f}" for q, (c, i, w) in waits.by_width().items())
+            f"{q}: {c} / {i:.2f} / {w:.2f}" for q, (c, i, w) in reads.items())
         vs += f"; prefill phase {clock.prefill_s:.2f} s" if clock.prefill_s is not None else ""
         print(f"{label}: {n} x ({args.input_len} -> {args.output_len}), {secs:.2f} s: "
               f"{row['requests_per_s']:.2f} req/s, {row['output_tok_s']:.0f} output tok/s, {row['total_tok_s']:.0f} "
