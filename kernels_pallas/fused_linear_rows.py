@@ -26,8 +26,7 @@ masked to the R rows. Every program reads all of x from L2 besides its weight ro
 swiglu each program streams its block of gate rows and the matching up rows (two row blocks
 of one weight) into two accumulators. bf16 / f16 weights only (an f32 dot runs in TF32), or
 FP8 ones with bf16 / f16 activations and a per-channel ``w_scale`` (fused_linear's FP8 form:
-the tile and x times 2^-F16_SHIFT through a float16 dot, as fused_linear's one-row tensor-core
-stream, the scale and 2^F16_SHIFT on its f32 result).
+each tile converted to x's dtype for the dot, the scale on its f32 result).
 
 No prologue: a first version applied the RMSNorm (per-row sums of x^2 accumulated in the
 loop) and down_proj's SwiGLU inside the loop, as fused_linear does at one row. On the H100
@@ -56,10 +55,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas.fused_linear import (
-    F16_SHIFT,
     _pow2_divisor,
     dot_dtype,
-    is_fp8,
     k_block,
     k_loop,
     pad_sumsq,
@@ -105,15 +102,12 @@ def _kernel(*refs, R, K, block_f, block_d, eps, has_scale, has_sumsq, has_bias, 
     f32, M = jnp.float32, _MMA_ROWS
     live = lambda n: lax.broadcasted_iota(jnp.int32, (M, n), 0) < R  # noqa: E731
     rows = lambda ref, cols: ref.at[pl.ds(0, M), cols]  # noqa: E731  (a [16, n] view; rows >= R masked)
-    # an FP8 tile's dot runs in float16, x times 2^-F16_SHIFT (fused_linear.F16_SHIFT)
-    f16_dot = is_fp8(w_refs[0].dtype)
-    dt = jnp.dtype(jnp.float16) if f16_dot else dot_dtype(x_ref.dtype, w_refs[0].dtype)
+    dt = dot_dtype(x_ref.dtype, w_refs[0].dtype)  # an FP8 tile enters the dot in x's dtype
 
     def chunk(d0, accs, inside):  # inside: the last chunk's columns within K (fused_linear.k_loop)
         cols = pl.ds(d0, block_d)
         xmask = live(block_d) if inside is None else live(block_d) & inside[None, :]
-        xs = plt.load(rows(x_ref, cols), mask=xmask, other=0.0)  # [M, block_d]
-        xs = (xs.astype(f32) * f32(2.0**-F16_SHIFT)).astype(dt) if f16_dot else xs.astype(dt)
+        xs = plt.load(rows(x_ref, cols), mask=xmask, other=0.0).astype(dt)  # [M, block_d]
         if inside is None:
             return tuple(a + plt.dot(xs, w[:, cols].astype(dt), trans_b=True) for a, w in zip(accs, w_refs))
         wmask = jnp.broadcast_to(inside[None, :], (block_f, block_d))
@@ -121,8 +115,6 @@ def _kernel(*refs, R, K, block_f, block_d, eps, has_scale, has_sumsq, has_bias, 
                      for a, w in zip(accs, w_refs))
 
     ys = k_loop(K, block_d, chunk, tuple(jnp.zeros((M, block_f), f32) for _ in w_refs))  # [M, block_f]
-    if f16_dot:
-        ys = tuple(y * f32(2.0**F16_SHIFT) for y in ys)
     if has_sumsq:  # each row's handed-over 1 / rms: the input was norm_w * h
         n = sumsq_ref.shape[1]
         ss = plt.load(rows(sumsq_ref, slice(None)), mask=live(n), other=0.0)
