@@ -16,8 +16,7 @@ most tokens per second:
   each later one at the position before's).
 - t(Q, N): the measured time of a decode call of width Q at the batch bucket N (from its
   dispatch, or the read of the call before it, to its read: with async scheduling the
-  host's work counts where the device waits for it), after a call of the same width and
-  bucket (LLMEngine._timed): a width tried is run twice. A width not yet run at N: the time
+  host's work counts where the device waits for it). A width not yet run at N: the time
   warmup measured for it on empty rows (``warm``: no context, no host, but a lone call's
   launch), scaled by what the width in use measured against its own warm time; a width
   with neither (no warmup: a CPU) is tried once.
@@ -97,7 +96,6 @@ class DynamicSpeculation:
         self.current: dict[int, int] = {}  # N -> the width in use
         self._plain: dict[int, int] = {}  # N -> steps at width 1 since the last probe
         self._probe: dict[int, int] = {}  # N -> probe steps left
-        self._again: dict[int, int] = {}  # N -> a width tried once, to run once more (its second call is timed)
         self.steps_by_width: collections.Counter = collections.Counter()
         self.mixed_by_width: collections.Counter = collections.Counter()  # mixed steps' decode rows, by their cap
         self.num_decode_steps = 0
@@ -230,8 +228,6 @@ class DynamicSpeculation:
             return 1
         if rates is None:
             return full
-        if explore and (q := self._again.pop(N, None)):
-            return q
         if explore and self._probe.get(N):  # plain probe_off_every steps: two steps of the best drafting width
             self._probe[N] -= 1
             return self.current[N]
@@ -243,7 +239,7 @@ class DynamicSpeculation:
             t = self._time(q, N, cur)
             if t is None and not explore:
                 continue
-            if t is None:  # never run at this batch: run it (until timed: a switch's first call is not)
+            if t is None:  # never run at this batch: run it once
                 self.current[N] = q
                 return q
             values[q] = E[rows, np.minimum(room, q - 1)].sum() / max(t, 1e-9)
@@ -259,15 +255,13 @@ class DynamicSpeculation:
         if not explore:
             return best
         # A width close behind is timed when it never was at N (its estimate is warmup's, scaled),
-        # and again after refresh_every steps, two calls each time; plain's calls are left alone
-        # but for the first.
+        # and again after refresh_every steps; plain's calls are left alone but for the first.
         stale = [q for q in values if q != best and values[q] > 0.8 * values[best]
                  and ((q, N) not in self.times or best != 1)
                  and self.num_decode_steps - self._measured_at.get((q, N), -self.refresh_every - 1) > self.refresh_every]
         if stale:
             best = max(stale, key=values.get)
             self._measured_at[(best, N)] = self.num_decode_steps  # once, even if its time is not recorded
-            self._again[N] = best
             return best
         if best == 1:
             self._plain[N] = self._plain.get(N, 0) + 1

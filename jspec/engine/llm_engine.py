@@ -26,7 +26,12 @@ from jspec.engine.dynamic_spec import DynamicSpeculation, decode_widths
 from jspec.engine.engine_config import EngineConfig, checked_max_model_len, default_token_budget, fp8_kv_cache
 from jspec.engine.flat_input import FlatShapes
 from jspec.engine.flat_runner import FlatRunner
-from jspec.engine.kv_memory import claim_device_memory, create_pools, device_bytes_in_use, log_device_memory_claim
+from jspec.engine.kv_memory import (
+    claim_device_memory,
+    create_pools,
+    device_bytes_in_use,
+    log_device_memory_claim,
+)
 from jspec.engine.logprobs import record_logprobs, record_prompt_logprobs
 from jspec.engine.outputs import CompletionOutput, RequestOutput, SampleGroups, make_output  # noqa: F401 (re-exported)
 from jspec.engine.recovery import restore_after_failure
@@ -157,8 +162,8 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_chained_calls = 0  # decode calls dispatched before the previous one was read
-        # when the host last read a call's output (time.monotonic), the runner's compilations then, that call's (Q, N)
-        self._last_read, self._compiles_at_read, self._last_shape = 0.0, 0, None
+        self._last_read = 0.0  # when the host last read a call's output (time.monotonic)
+        self._compiles_at_read = 0  # the runner's compilations then
         logger.info("engine ready in %.1f s", time.monotonic() - t0)
 
     # ---- requests ---------------------------------------------------------------------
@@ -354,17 +359,15 @@ class LLMEngine:
                 if ok and (o := self._advance(r.seq, toks, n, lp)) is not None]
 
     def _timed(self, f: _InFlight):
-        """Record a speculative decode call's time for dynamic speculation: from its dispatch, or
-        the read before it when later (chained calls wait for the host's work), to its read;
-        only after a call of its width and batch bucket (a switch's first call carries the
-        switch: on an H200 an 8B's width-1 calls after width-2 ones 8.3 ms, in a run 6.9), and
-        not when anything compiled meanwhile (a first call of a shape, without warmup)."""
+        """Record a speculative decode call's time for dynamic speculation: from its dispatch,
+        or the read of the call before it when that came later (the host's work between
+        reads counts: chained calls wait for it), to its own read; not when anything
+        compiled meanwhile (a first call of a shape, without warmup)."""
         now, compiles = time.monotonic(), self.runner.num_compilations
         start, c_start = (f.t0, f.c0) if f.t0 > self._last_read else (self._last_read, self._compiles_at_read)
-        shape = (f.q, self.runner.shapes.decode_shape(len(f.sched.seqs)).seqs)
-        if f.q is not None and compiles == c_start and shape == self._last_shape:
-            self.policy.record_time(*shape, now - start)
-        self._last_read, self._compiles_at_read, self._last_shape = now, compiles, shape
+        if f.q is not None and compiles == c_start:
+            self.policy.record_time(f.q, self.runner.shapes.decode_shape(len(f.sched.seqs)).seqs, now - start)
+        self._last_read, self._compiles_at_read = now, compiles
 
     def _running_ids(self) -> set:
         """Ids of the running requests (the runner keeps their draft-probability rows)."""

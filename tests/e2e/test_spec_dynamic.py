@@ -62,13 +62,11 @@ def test_random_widths_are_lossless(name, k, asyn, mixed):
     eng = llm.engine
     assert eng.policy.widths == (1, 2, 4) + ((8,) if k == 7 else ())
     choose = random_widths(eng, seed=k)
-    log = timing_log(eng)
     try:
         before = eng.stats()
         outs = llm.generate(PROMPTS, jspec.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     finally:
         eng.policy.choose = choose
-        del eng.runner.read, eng.policy.record_time
     d = h.stats_delta(before, eng.stats())
     for p, o, w in zip(PROMPTS, outs, want):
         assert o.token_ids == w, f"prompt of length {len(p)}: dynamic speculation's output differs"
@@ -76,31 +74,6 @@ def test_random_widths_are_lossless(name, k, asyn, mixed):
     if asyn:
         assert eng.stats()["num_chained_calls"] > 0
     assert bool(eng.policy.stats()["mixed_steps_by_width"]) == mixed  # the policy chose for mixed steps' rows
-    # a call's time is recorded only after a call of its width and batch bucket (LLMEngine._timed)
-    assert any(e[0] == "timed" for e in log), log
-    before = last = None
-    for e in log:
-        if e[0] == "read":
-            before, last = last, e
-        else:
-            assert before is not None and before[1:] == last[1:] == e[1:], (before, last, e)
-
-
-def timing_log(eng):
-    """Log each read of a call ("read", width, bucket) and each time recorded ("timed", width, bucket)."""
-    log, read, record = [], eng.runner.read, eng.policy.record_time
-    bucket = lambda n: eng.runner.shapes.decode_shape(n).seqs  # noqa: E731
-
-    def logged_read(out, n, steps, q=None, *a, **kw):
-        log.append(("read", q, bucket(n)))
-        return read(out, n, steps, q, *a, **kw)
-
-    def logged_record(q, N, seconds):
-        log.append(("timed", q, N))
-        return record(q, N, seconds)
-
-    eng.runner.read, eng.policy.record_time = logged_read, logged_record
-    return log
 
 
 def _proposals(llm, prompts, sp, widths_seed: int | None):
