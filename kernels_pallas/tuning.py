@@ -58,7 +58,8 @@ class DeviceTuning:
     # moe_experts_mxfp4.py: (block_f rows, block_g blocks of 32 values a step, num_warps,
     # num_stages). H200, 2026-12-01, scripts/bench_moe_mxfp4.py --shape 20b --tiles (one token,
     # top 4; raw docs/bench/2026-12-01_moe_mxfp4_tiles_h200.log): 8 x 16, 3 stages 50.0 us;
-    # 16 x 8 x 3 51.9; the first guess 32 x 8 x 2 58.8; 64 x 4 107
+    # 16 x 8 x 3 51.9; the first guess 32 x 8 x 2 58.8; 64 x 4 107. With the three-op decode (raw
+    # docs/bench/2026-12-01_moe_mxfp4_decode_shift_h200.log): 8 x 16 x 3 48.0, the rest 50.2-60.3
     moe_mxfp4: tuple[int, int, int, int] = (8, 16, 4, 3)
 
     def linear_tile(self, F: int, K: int, mma: bool, fp8: bool = False) -> LinearTile | None:
