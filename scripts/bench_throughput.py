@@ -177,7 +177,7 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
                    step_ms=step_times(llm.engine), read_wait_s=waits.seconds, reads=waits.calls,
                    reads_by_width={str(q): v for q, v in reads.items()},
                    prefill_phase_s=clock.prefill_s, decode_steps=clock.decode_steps,
-                   **({"policy_trace": trace.steps} if trace else {}))
+                   **({"policy_trace": trace.steps, "read_sequence": waits.sequence} if trace else {}))
         label = "plain" if spec is None else f"{method} K={K} tau {measured:.2f}"
         vs = "" if row["vs_plain"] is None else f"; {row['vs_plain']:.2f}x plain"
         vs += f"; decode steps by width {widths}" if widths else ""
@@ -205,7 +205,8 @@ class ReadWaits:
     waited little is bound by the host, not the device. By the width of the call read
     (``q``; None: a plain engine's, or a step that prefills), each read's wait and the time
     from the read before it returned to this one's return (with async scheduling, a call's
-    share of the wall clock): ``by_width``."""
+    share of the wall clock): ``by_width``; ``sequence``: every read in order, (q, ms between,
+    ms waited), for what a switch of width costs the calls after it (--trace-policy)."""
 
     def __init__(self, runner):
         self.runner, self.read = runner, runner.read
@@ -222,12 +223,13 @@ class ReadWaits:
                 q = a[3] if len(a) > 3 else kw.get("q")
                 if self._last is not None:
                     self._per_width.setdefault(q, []).append((now - self._last, now - t))
+                    self.sequence.append((q, round(1e3 * (now - self._last), 3), round(1e3 * (now - t), 3)))
                 self._last = now
 
         runner.read = timed
 
     def reset(self):
-        self.seconds, self.calls, self._last, self._per_width = 0.0, 0, None, {}
+        self.seconds, self.calls, self._last, self._per_width, self.sequence = 0.0, 0, None, {}, []
 
     def by_width(self) -> dict:
         """{q: (reads, median ms between read returns, median ms waited in the read)}."""

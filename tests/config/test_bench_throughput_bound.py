@@ -90,5 +90,7 @@ def test_read_waits_split_each_width(bench):
     assert list(by) == [1, 2] and by[2][0] == 2 and by[1][0] == 1  # the first read has no interval
     assert 19 <= by[2][2] < 40 and by[2][1] >= by[2][2] + 9  # waited 20 ms; 10 ms of host work besides
     assert 4 <= by[1][2] < 20
+    assert [q for q, _, _ in waits.sequence] == [2, 2, 1]  # every read after the first, in order
+    assert all(between >= waited for _, between, waited in waits.sequence)
     waits.close()
     assert r.read(0.0, 1, 1) == 0.0 and waits.calls == 4
