@@ -25,6 +25,7 @@ from jspec import ops
 from jspec.quantization import QuantWeight, quantize_fp8
 from kernels_pallas.fused_linear import fused_linear, fused_linear_gpu, ref_fused_linear
 from kernels_pallas.fused_linear_rows import fused_linear_rows, fused_linear_rows_gpu, ref_fused_linear_rows
+from kernels_pallas.fused_linear_split_k import fused_linear_split_k, split_k_blocks
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write, ref_qkv_rope_kv_write
 from kernels_pallas.rope_kv_write import ref_rope_kv_write, rope_kv_write, rope_tables
 
@@ -84,17 +85,29 @@ def linear_inputs(name, F, K, prologue, residual, M, copies):
 
 
 def linear_case(name, F, K, prologue, residual, M, interpret, quick, timing):
-    """fused_linear (the kernel where the model's ops would run it, else XLA) vs the unfused
-    reference."""
+    """fused_linear (the kernel where the model's ops would run it, one row split over K where
+    the device lists the shape, else XLA) vs the unfused reference; at one row also XLA on x
+    padded to 8 rows (``xla_pad8``: XLA's GEMM in place of its one-row dot)."""
     x, ws, kw = linear_inputs(name, F, K, prologue, residual, M, 1 if quick else 4)
-    kernel = ops.linear_kernel(ops.KernelPlan(linear=ops.GPU(interpret)), M, (F, K), fused=prologue != "none" or residual)
-    fused = jax.jit(lambda x, w: fused_linear(x, split(w)[0], w_scale=split(w)[1], interpret=interpret, **kw)
+    w_dtype = split(ws[0])[0].dtype
+    kernel = ops.linear_kernel(ops.KernelPlan(linear=ops.GPU(interpret)), M, (F, K), fused=prologue != "none" or residual,
+                               dtype=w_dtype if M == 1 else None)  # (the one-row FP8 exceptions: the model's choice)
+    split_k = M == 1 and prologue != "rmsnorm" and split_k_blocks(F, K, w_dtype, x.dtype) is not None
+    one_row = fused_linear_split_k if split_k else fused_linear
+    fused = jax.jit(lambda x, w: one_row(x, split(w)[0], w_scale=split(w)[1], interpret=interpret, **kw)
                     if kernel else ref_fused_linear(x, split(w)[0], w_scale=split(w)[1], **kw))
     ref = jax.jit(lambda x, w: ref_fused_linear(x, split(w)[0], w_scale=split(w)[1], **kw))
-    row = dict(name=name, F=F, K=K, prologue=prologue, residual=residual, M=M, kernel=kernel,
+    row = dict(name=name, F=F, K=K, prologue=prologue, residual=residual, M=M, kernel=kernel, split_k=split_k,
                rel_err=rel_err(fused(x, ws[0]), ref(x, ws[0])))
+    fns = [("fused", fused), ("xla", ref)]
+    if M == 1:
+        pad = lambda a: None if a is None else jnp.pad(a, ((0, 7), (0, 0)))  # noqa: E731
+        kw8 = dict(kw, residual=pad(kw["residual"]))
+        fns.append(("xla_pad8", jax.jit(lambda x, w: ref_fused_linear(pad(x), split(w)[0], w_scale=split(w)[1],
+                                                                      **kw8)[:1])))
+        row["rel_err_pad8"] = rel_err(fns[-1][1](x, ws[0]), ref(x, ws[0]))
     if timing:
-        time_into(row, (("fused", fused), ("xla", ref)), x, ws, weight_bytes(F, K))
+        time_into(row, fns, x, ws, weight_bytes(F, K))
     return row
 
 
@@ -271,6 +284,7 @@ def main():
             out["linear"].append(r)
             t = f" fused {r['fused_us']:7.1f} us ({r['fused_TBps']:.2f} TB/s) xla {r['xla_us']:7.1f} us " \
                 f"({r['xla_TBps']:.2f} TB/s, {r['xla_kernels']} kernels)" if gpu else ""
+            t += f" xla padded to 8 rows {r['xla_pad8_us']:7.1f} us" if gpu and M == 1 else ""
             print(f"linear {name:8s} M={M:2d} {pro:8s} res={int(res)} kernel={int(r['kernel'])} "
                   f"err {r['rel_err']:.2e}{t}", flush=True)
     if args.sweep and gpu and not args.qkv_rope_only:
