@@ -216,8 +216,7 @@ def k_loop(K: int, block_d: int, chunk, carry):
     past K to zeros). That last chunk is a loop of one trip: its start traced, since JAX
     refuses a static slice past a ref's end."""
     full = K // block_d
-    if full:  # (none: block_d past K, whose unmasked chunk would not even trace)
-        carry = lax.fori_loop(0, full, lambda i, c: chunk(pl.multiple_of(i * block_d, block_d), c, None), carry)
+    carry = lax.fori_loop(0, full, lambda i, c: chunk(pl.multiple_of(i * block_d, block_d), c, None), carry)
     if K % block_d:
         iota = lax.broadcasted_iota(jnp.int32, (block_d,), 0)
         carry = lax.fori_loop(full, full + 1, lambda i, c: chunk(i * block_d, c, i * block_d + iota < K), carry)

@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.fused_linear import _pow2_divisor, k_loop, silu_mul_rounded
+from kernels_pallas.fused_linear import _pow2_divisor, silu_mul_rounded
 from kernels_pallas.moe_experts import ref_moe_experts
 from kernels_pallas.tuning import device_tuning
 
@@ -148,29 +148,25 @@ def validate(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, top_k: 
 def _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, rows, G, block_f, block_g, bits):
     """f32[block_f]: the packed rows ``rows`` (a pl.ds of the stacked rows) times the vector
     whose even values are lo_ref and odd values hi_ref ([G, 16] each), over G blocks,
-    ``block_g`` a step (fused_linear.k_loop: whole steps unmasked, then one masked step where
-    block_g does not divide G). bits: decode by fp4_f32_bits (the GPU), else fp4_as_f16."""
+    ``block_g`` a step (the last masked). bits: decode by fp4_f32_bits (the GPU), else
+    fp4_as_f16."""
     f32 = jnp.float32
     decode, shift = (fp4_f32_bits, FP4_F32_SHIFT - X_SHIFT) if bits else (fp4_as_f16, 14)
     scaled = (lambda v: v * f32(2.0**X_SHIFT)) if bits else (lambda v: v)  # noqa: E731
 
-    def chunk(g0, acc, inside):  # inside: the last step's blocks within G (fused_linear.k_loop), else None
+    def body(i, acc):
+        g0 = i * block_g
+        live = lambda *shape: g0 + lax.broadcasted_iota(jnp.int32, shape, len(shape) - 2) < G  # noqa: E731
         gs = pl.ds(g0, block_g)
-
-        def load(ref, idx, shape, other):  # the blocks past G masked in the last step only
-            if inside is None:
-                return ref[idx]
-            mask = jnp.broadcast_to(inside.reshape((1,) * (len(shape) - 2) + (block_g, 1)), shape)
-            return plt.load(ref.at[idx], mask=mask, other=other)
-
-        lo = scaled(load(lo_ref, (gs, slice(None)), (block_g, 16), 0.0).astype(f32))  # [block_g, 16]
-        hi = scaled(load(hi_ref, (gs, slice(None)), (block_g, 16), 0.0).astype(f32))
-        blk = load(blk_ref, (rows, gs, slice(None)), (block_f, block_g, 16), 0).astype(jnp.int32)  # [block_f, block_g, 16]
-        sc = load(sc_ref, (rows, gs, slice(None)), (block_f, block_g, 1), 0).astype(jnp.int32)
+        lo = scaled(plt.load(lo_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32))  # [block_g, 16]
+        hi = scaled(plt.load(hi_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32))
+        blk = plt.load(blk_ref.at[rows, gs, :], mask=live(block_f, block_g, 16),
+                       other=0).astype(jnp.int32)  # [block_f, block_g, 16]
+        sc = plt.load(sc_ref.at[rows, gs, :], mask=live(block_f, block_g, 1), other=0).astype(jnp.int32)
         w_lo, w_hi = decode(blk)
         return acc + (w_lo * lo[None] + w_hi * hi[None]) * power_of_two(sc + shift)  # the decode's 2^-n undone
 
-    acc = k_loop(G, block_g, chunk, jnp.zeros((block_f, block_g, 16), f32))
+    acc = lax.fori_loop(0, pl.cdiv(G, block_g), body, jnp.zeros((block_f, block_g, 16), f32))
     return jnp.sum(jnp.sum(acc, axis=2), axis=1)
 
 
