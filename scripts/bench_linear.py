@@ -25,7 +25,6 @@ from jspec import ops
 from jspec.quantization import QuantWeight, quantize_fp8
 from kernels_pallas.fused_linear import fused_linear, fused_linear_gpu, ref_fused_linear
 from kernels_pallas.fused_linear_rows import fused_linear_rows, fused_linear_rows_gpu, ref_fused_linear_rows
-from kernels_pallas.fused_linear_split_k import fused_linear_split_k, split_k_blocks
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write, ref_qkv_rope_kv_write
 from kernels_pallas.rope_kv_write import ref_rope_kv_write, rope_kv_write, rope_tables
 
@@ -89,15 +88,12 @@ def linear_case(name, F, K, prologue, residual, M, interpret, quick, timing):
     the device lists the shape, else XLA) vs the unfused reference; at one row also XLA on x
     padded to 8 rows (``xla_pad8``: XLA's GEMM in place of its one-row dot)."""
     x, ws, kw = linear_inputs(name, F, K, prologue, residual, M, 1 if quick else 4)
-    w_dtype = split(ws[0])[0].dtype
-    kernel = ops.linear_kernel(ops.KernelPlan(linear=ops.GPU(interpret)), M, (F, K), fused=prologue != "none" or residual,
-                               dtype=w_dtype if M == 1 else None)  # (the one-row FP8 exceptions: the model's choice)
-    split_k = M == 1 and prologue != "rmsnorm" and split_k_blocks(F, K, w_dtype, x.dtype) is not None
-    one_row = fused_linear_split_k if split_k else fused_linear
-    fused = jax.jit(lambda x, w: one_row(x, split(w)[0], w_scale=split(w)[1], interpret=interpret, **kw)
-                    if kernel else ref_fused_linear(x, split(w)[0], w_scale=split(w)[1], **kw))
+    plan = ops.KernelPlan(linear=ops.GPU(interpret))
+    kernel = ops.linear_kernel(plan, M, (F, K), fused=prologue != "none" or residual,
+                               dtype=split(ws[0])[0].dtype if M == 1 else None)  # (one row: the FP8 exceptions too)
+    fused = jax.jit(lambda x, w: ops._fused_linear(plan, x, w, kernel=kernel, **kw))  # the model's routing, split-K too
     ref = jax.jit(lambda x, w: ref_fused_linear(x, split(w)[0], w_scale=split(w)[1], **kw))
-    row = dict(name=name, F=F, K=K, prologue=prologue, residual=residual, M=M, kernel=kernel, split_k=split_k,
+    row = dict(name=name, F=F, K=K, prologue=prologue, residual=residual, M=M, kernel=kernel,
                rel_err=rel_err(fused(x, ws[0]), ref(x, ws[0])))
     fns = [("fused", fused), ("xla", ref)]
     if M == 1:

@@ -177,7 +177,8 @@ def run(args, method: str, folders, cfg, bw, peak, plain: dict, tau: float) -> l
                    step_ms=step_times(llm.engine), read_wait_s=waits.seconds, reads=waits.calls,
                    reads_by_width={str(q): v for q, v in reads.items()},
                    prefill_phase_s=clock.prefill_s, decode_steps=clock.decode_steps,
-                   **({"policy_trace": trace.steps, "read_sequence": waits.sequence} if trace else {}))
+                   **({"policy_trace": trace.steps,
+                       "read_sequence": [(q, round(b, 3), round(w, 3)) for q, b, w in waits.sequence]} if trace else {}))
         label = "plain" if spec is None else f"{method} K={K} tau {measured:.2f}"
         vs = "" if row["vs_plain"] is None else f"; {row['vs_plain']:.2f}x plain"
         vs += f"; decode steps by width {widths}" if widths else ""
@@ -222,19 +223,21 @@ class ReadWaits:
                 self.calls += 1
                 q = a[3] if len(a) > 3 else kw.get("q")
                 if self._last is not None:
-                    self._per_width.setdefault(q, []).append((now - self._last, now - t))
-                    self.sequence.append((q, round(1e3 * (now - self._last), 3), round(1e3 * (now - t), 3)))
+                    self.sequence.append((q, 1e3 * (now - self._last), 1e3 * (now - t)))
                 self._last = now
 
         runner.read = timed
 
     def reset(self):
-        self.seconds, self.calls, self._last, self._per_width, self.sequence = 0.0, 0, None, {}, []
+        self.seconds, self.calls, self._last, self.sequence = 0.0, 0, None, []
 
     def by_width(self) -> dict:
         """{q: (reads, median ms between read returns, median ms waited in the read)}."""
-        return {q: (len(v), 1e3 * float(np.median([i for i, _ in v])), 1e3 * float(np.median([w for _, w in v])))
-                for q, v in sorted(self._per_width.items(), key=lambda kv: -1 if kv[0] is None else kv[0])}
+        per = {}
+        for q, between, waited in self.sequence:
+            per.setdefault(q, []).append((between, waited))
+        return {q: (len(v), float(np.median([i for i, _ in v])), float(np.median([w for _, w in v])))
+                for q, v in sorted(per.items(), key=lambda kv: -1 if kv[0] is None else kv[0])}
 
     def close(self):
         del self.runner.read  # the class's method again
