@@ -133,8 +133,9 @@ def linear_kernel(plan: KernelPlan, rows: int, w_shape, *, fused: bool, dtype=No
     (fused_linear_rows' kernel: a verification step's K + 1 rows; more rows are a GEMM,
     faster through XLA, and its in-kernel RMSNorm or SwiGLU was slower than XLA's: see there).
     Besides, one row of an FP8 weight whose float16 tensor-core tile the device has
-    (gate_up's width, fused or not: XLA's dot converts the weight through f32, 42 us against
-    the kernel's 30.5 on the H200; kernels_pallas/tuning.py ``linear_fp8_mma``)."""
+    (kernels_pallas/tuning.py ``linear_fp8_mma``: the 8B's gate_up, the 70B's gate_up and o),
+    fused or not: XLA's dot converts the weight through f32 (the 8B's gate_up 42 us against
+    the kernel's 30.5 on the H200)."""
     if not isinstance(plan.linear, GPU):
         return False
     if rows == 1 and dtype is not None and _pa.is_fp8(dtype) and _fl.default_mma_blocks(*w_shape, dtype):

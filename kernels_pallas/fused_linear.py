@@ -36,8 +36,8 @@ FP8 weights (float8_e4m3fn, weight-only: jspec/quantization.py) with ``w_scale``
 scale per output channel: each tile enters the dot converted to the activations' dtype (every
 e4m3 value is exact in bf16 / f16 / f32), the f32 result times the scale before its
 rounding; the weight streams at a byte an element (dot_dtype). FP8 weights take the
-elementwise stream, except the widest (gate_up: kernels_pallas/tuning.py, ``linear_fp8_mma``),
-whose tiles go through a float16 tensor-core dot (F16_SHIFT): on the H200 gate_up [28672, 4096]
+elementwise stream, except the shapes tuning.py's ``linear_fp8_mma`` lists (the 8B's gate_up, the
+70B's gate_up and o), whose tiles go through a float16 tensor-core dot (F16_SHIFT): on the H200 gate_up [28672, 4096]
 30.5 us against the elementwise 40.7 and XLA's 42; qkv, o, down 11.7 / 9.5 / 29.2 against the
 elementwise 10.9 / 7.5 / 23.6 (2026-12-01, docs/decisions.md).
 

@@ -113,12 +113,14 @@ def kernel_blocks(F: int, K: int, D: int, dtype):
     default_blocks; FP8 weights: its FP8 rows, on the H200 2 x 4 rows x 512 13.1 us against
     21-22 through the tensor-core dot, 2026-11-30, scripts/bench_linear.py --fp8 --sweep),
     both by the whole projection's shape, unless the device's ``qkv_rope_mma`` row takes it
-    first (kernels_pallas/tuning.py); None when the head cannot be split that way."""
-    t = device_tuning().qkv_rope_tile(F, K) if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else None
+    first (``qkv_rope_fp8_mma`` for FP8: float16 dots; kernels_pallas/tuning.py); None when the
+    head cannot be split that way."""
+    fp8 = is_fp8(dtype)
+    t = device_tuning().qkv_rope_tile(F, K, fp8) if fp8 or jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else None
     pairs = _pow2_divisor(F, t.block_f, 32) // 2 if t else 0
     if pairs and (D // 2) % pairs == 0:
         return (pairs, k_block(K, t.block_d), t.num_warps, t.num_stages, True)
-    b = None if is_fp8(dtype) else default_mma_blocks(F, K, dtype)  # (the FP8 tensor-core row is gate_up's)
+    b = None if is_fp8(dtype) else default_mma_blocks(F, K, dtype)  # (FP8: its own rows above only)
     if b is not None and b[0] // 2 >= 16 and (D // 2) % (b[0] // 2) == 0:
         return (b[0] // 2,) + tuple(b[1:])
     b = default_blocks(F, K, fp8=is_fp8(dtype))

@@ -52,6 +52,7 @@ class DeviceTuning:
     # qkv_rope_kv_write.py's tensor-core tile (block_f: rows a program streams, both halves of its
     # RoPE pairs), ahead of the projection's own ``linear_mma`` row
     qkv_rope_mma: tuple[LinearTile, ...] = ()
+    qkv_rope_fp8_mma: tuple[LinearTile, ...] = ()  # ... for FP8 weights (float16 dots; the shapes listed)
     attn_block_kv: int = 64  # keys per inner-loop step of paged attention
     attn_max_block_rows: int = 128  # query rows per program (all rows of a kv head up to this)
     rejection: tuple[int, int, int] = (1, 2, 1)  # (blocks_per_program, num_warps, num_stages)
@@ -78,9 +79,11 @@ class DeviceTuning:
         """(splits, tile) of the ``linear_fp8_split_k`` row of exactly [F, K], or None."""
         return next(((n, t) for f, k, n, t in self.linear_fp8_split_k if (f, k) == (F, K)), None)
 
-    def qkv_rope_tile(self, F: int, K: int) -> LinearTile | None:
-        """The first ``qkv_rope_mma`` row that takes [F, K], or None (then the projection's tile)."""
-        return next((t for t in self.qkv_rope_mma if K >= t.min_k and F >= t.min_f), None)
+    def qkv_rope_tile(self, F: int, K: int, fp8: bool = False) -> LinearTile | None:
+        """The first ``qkv_rope_mma`` (fp8: ``qkv_rope_fp8_mma``) row that takes [F, K], or None
+        (then the projection's tile)."""
+        table = self.qkv_rope_fp8_mma if fp8 else self.qkv_rope_mma
+        return next((t for t in table if K >= t.min_k and F >= t.min_f), None)
 
     def rows_tile(self, F: int, K: int, swiglu: bool = False) -> LinearTile | None:
         """The first ``linear_rows`` (``linear_rows_swiglu``) row that takes [F, K], or None."""
@@ -117,13 +120,21 @@ H200_LINEAR_FP8 = (LinearTile(8192, 0, 16, 1024, 8, 4), LinearTile(4096, 16384, 
 # does; raw docs/bench/2026-12-01_linear_fp8_mma_tiles_h200.log): gate_up [28672, 4096] 128 x 256, 3 stages 30.5 us (64 x 256:
 # 31.9; elementwise 40.7, XLA 42.1); the narrower weights stay elementwise (qkv 64 x 256 11.7 against
 # 10.9, o 9.5 against 7.5, down 29.2 against 23.6).
-H200_LINEAR_FP8_MMA = (LinearTile(4096, 16384, 128, 256, 4, 3),)
+# Llama-3.3-70B's widths (2026-12-01, H200, bench_linear.py --fp8 --shapes llama-70b --sweep; raw
+# docs/bench/2026-12-01_linear_fp8_70b_sweep_h200.log): gate_up [57344, 8192] 128 x 256, 4 stages 115.0 us
+# (3 stages, the 8B's row: 143.7; bytes 107); o [8192, 8192] 64 x 512, 4 stages 20.4 (elementwise 16 x 1024:
+# 25.2): o_proj hands the next norm over, so it takes this row, not the split below (19.5).
+H200_LINEAR_FP8_MMA = (LinearTile(8192, 16384, 128, 256, 4, 4), LinearTile(8192, 8192, 64, 512, 4, 4),
+                       LinearTile(4096, 16384, 128, 256, 4, 3))
 # FP8 one row split over K (fused_linear_split_k.py), measured shapes only, (F, K, splits, tile
 # of the float16 tensor-core stream); 2026-12-01, H200, scripts/probe_fp8_splitk.py (git history,
 # 25f5322; raw docs/bench/2026-12-01_linear_fp8_splitk_probe_h200.log), + residual, XLA's sum
 # included: down [4096, 14336] 4 x 64 x 256, 4 stages 18.27 us against the one-pass 22.33
 # (S 2: 19.2; elementwise S 4: 21.0); qkv gained 0.5 us, o lost 0.2: neither listed.
-H200_LINEAR_FP8_SPLIT_K = ((4096, 14336, 4, LinearTile(0, 0, 64, 256, 4, 4)),)
+# The 70B's down [8192, 28672] (+ SwiGLU; the sweep above): 4 x 128 x 256, 3 stages 57.2 us against
+# the one-pass elementwise 85.2 (bytes 53.4).
+H200_LINEAR_FP8_SPLIT_K = ((4096, 14336, 4, LinearTile(0, 0, 64, 256, 4, 4)),
+                           (8192, 28672, 4, LinearTile(0, 0, 128, 256, 4, 3)))
 # 2-16 rows (fused_linear_rows.py), H100 sweep at 16 rows (2026-11-27, scripts/bench_linear.py
 # --rows 16 --sweep; docs/bench/2026-11-27_linear_rows_h100.log), GPU time per call: qkv
 # [6144, 4096] 32 x 128, 5 stages 19.6 us (32 x 256: 20.2); o [4096, 4096] and down
@@ -135,6 +146,10 @@ H200_LINEAR_ROWS = (LinearTile(4096, 6144, 32, 128, 4, 5), LinearTile(4096, 0, 3
 # 4 stages 26.3 us against 49.1 at the projection's 2 x 16 rows x 512, 6 stages (bytes: 19.2 us;
 # 2 x 16 rows at any depth: 46.7-69.5). The 8B's [6144, 4096] already takes 2 x 32 rows (64 x 256).
 H200_QKV_ROPE_MMA = (LinearTile(8192, 4096, 64, 512, 4, 4),)
+# ... FP8 weights through float16 dots: the 70B's [10240, 8192] (the sweep above, --fp8) 2 x 64 rows x 256,
+# 4 stages 31.1 us against 38.7 at the elementwise 2 x 8 rows x 1024 (bytes 19.1). Narrower FP8 weights
+# stay elementwise (the 8B's 2 x 4 rows x 512: kernels_pallas/qkv_rope_kv_write.py).
+H200_QKV_ROPE_FP8_MMA = (LinearTile(8192, 8192, 128, 256, 4, 4),)
 H200_LINEAR_ROWS_SWIGLU = (LinearTile(4096, 16384, 64, 256, 4, 3), LinearTile(0, 0, 16, 128, 4, 3))
 
 
@@ -142,7 +157,8 @@ def _h200_rows(num_sms: int) -> DeviceTuning:
     return DeviceTuning(num_sms=num_sms, linear=H200_LINEAR, linear_mma=H200_LINEAR_MMA, linear_fp8=H200_LINEAR_FP8,
                         linear_fp8_mma=H200_LINEAR_FP8_MMA, linear_fp8_split_k=H200_LINEAR_FP8_SPLIT_K,
                         linear_rows=H200_LINEAR_ROWS,
-                        linear_rows_swiglu=H200_LINEAR_ROWS_SWIGLU, qkv_rope_mma=H200_QKV_ROPE_MMA)
+                        linear_rows_swiglu=H200_LINEAR_ROWS_SWIGLU, qkv_rope_mma=H200_QKV_ROPE_MMA,
+                        qkv_rope_fp8_mma=H200_QKV_ROPE_FP8_MMA)
 
 
 # NVIDIA's published SM counts.

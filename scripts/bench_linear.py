@@ -24,6 +24,7 @@ import numpy as np
 from jspec import ops
 from jspec.quantization import QuantWeight, quantize_fp8
 from kernels_pallas.fused_linear import fused_linear, fused_linear_gpu, ref_fused_linear
+from kernels_pallas.fused_linear_split_k import fused_linear_split_k_gpu
 from kernels_pallas.fused_linear_rows import fused_linear_rows, fused_linear_rows_gpu, ref_fused_linear_rows
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write, ref_qkv_rope_kv_write
 from kernels_pallas.rope_kv_write import ref_rope_kv_write, rope_kv_write, rope_tables
@@ -126,10 +127,18 @@ def sweep_case(name, F, K, prologue, residual):
                    for warps in (4, 8)]
     mma = [(bf, bd, 4, stages, True) for bf in (16, 32, 64, 128) for bd in (256, 512) + ((1024,) if FP8 else ())
            for stages in (3, 4, 5, 6)] + [(32, 256, 8, 4, True), (64, 256, 8, 4, True)]
-    return time_tilings(lambda b: jax.jit(lambda x, w: fused_linear_gpu(
-        x, split(w)[0], kw["norm_w"], None, kw["residual"], prologue=prologue, eps=1e-5, blocks=b,
-        w_scale=split(w)[1])),
-        elementwise + mma, [(x, w) for w in ws])
+    # FP8, no RMSNorm prologue: fused_linear_split_k's tiles too, (S, block_f, block_d, warps, stages, mma)
+    split_k = [(S, bf, bd, 4, stages, True) for S in (2, 4, 8) for bf in (32, 64, 128) for bd in (256,)
+               for stages in (3, 4) if K % (S * bd) == 0] if FP8 and prologue != "rmsnorm" else []
+
+    def make(b):
+        if len(b) == 6:
+            return jax.jit(lambda x, w: fused_linear_split_k_gpu(
+                x, split(w)[0], None, kw["residual"], prologue=prologue, eps=1e-5, blocks=b, w_scale=split(w)[1]))
+        return jax.jit(lambda x, w: fused_linear_gpu(
+            x, split(w)[0], kw["norm_w"], None, kw["residual"], prologue=prologue, eps=1e-5, blocks=b,
+            w_scale=split(w)[1]))
+    return time_tilings(make, elementwise + mma + split_k, [(x, w) for w in ws])
 
 
 def rows_case(name, F, K, prologue, residual, M, interpret, timing, sweep=False):

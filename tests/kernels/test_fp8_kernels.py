@@ -76,6 +76,34 @@ def test_one_row_kernel(prologue, blocks):
     assert got.dtype == BF16 and rel(got, ref_fused_linear(x, w8, w_scale=s, **kw)) < 2e-2
 
 
+def test_one_row_tensor_core_stream_hands_the_norm_over():
+    """o_proj's one row on an FP8 weight through the float16 tensor-core stream (the 70B's o
+    takes it: tuning.linear_fp8_mma) with the residual and the next norm handed over == the
+    reference: h, h * next_norm_w and the sum of h^2."""
+    x, w, kw = linear_inputs(16, 128, 256, "none", BF16, residual=True)
+    w8, s = fp8(w)
+    nw = (1 + 0.1 * jax.random.normal(jax.random.PRNGKey(17), (128,))).astype(BF16)
+    got = fused_linear(x, w8, w_scale=s, interpret=True, blocks=(32, 128, 4, 4, True), next_norm_w=nw, **kw)
+    want = ref_fused_linear(x, w8, w_scale=s, next_norm_w=nw, **kw)
+    for a, b in zip((got[0], got[1], got[2].sum(-1)), (want[0], want[1], want[2].sum(-1))):
+        assert a.shape == b.shape and rel(a, b) < 2e-2
+
+
+def test_one_row_tiles_of_the_70b():
+    """The H200's rows for Llama-3.3-70B's FP8 one-row projections (the CPU's default):
+    gate_up and o through float16 dots, down split over K, qkv + RoPE + KV write 2 x 64 rows
+    through float16 dots; the 8B's shapes keep theirs."""
+    from kernels_pallas.fused_linear import one_row_blocks
+    from kernels_pallas.fused_linear_split_k import split_k_blocks
+    from kernels_pallas.qkv_rope_kv_write import kernel_blocks
+    assert one_row_blocks(57344, 8192, FP8, BF16) == (128, 256, 4, 4, True)
+    assert one_row_blocks(8192, 8192, FP8, BF16) == (64, 512, 4, 4, True)
+    assert split_k_blocks(8192, 28672, FP8, BF16) == (4, 128, 256, 4, 3, True)
+    assert kernel_blocks(10240, 8192, 128, FP8) == (64, 256, 4, 4, True)
+    assert one_row_blocks(28672, 4096, FP8, BF16) == (128, 256, 4, 3, True)
+    assert one_row_blocks(4096, 4096, FP8, BF16)[-1] is False and kernel_blocks(6144, 4096, 128, FP8)[-1] is False
+
+
 def test_tensor_core_stream_holds_large_activations():
     """The FP8 tensor-core stream's dot runs in float16 with h times 2^-F16_SHIFT: activations
     past float16's range (6.5e4) come out right, and the widest FP8 weight at one row takes
