@@ -120,12 +120,16 @@ H200_LINEAR_FP8 = (LinearTile(8192, 0, 16, 1024, 8, 4), LinearTile(4096, 16384, 
 # does; raw docs/bench/2026-12-01_linear_fp8_mma_tiles_h200.log): gate_up [28672, 4096] 128 x 256, 3 stages 30.5 us (64 x 256:
 # 31.9; elementwise 40.7, XLA 42.1); the narrower weights stay elementwise (qkv 64 x 256 11.7 against
 # 10.9, o 9.5 against 7.5, down 29.2 against 23.6).
-# Llama-3.3-70B's widths (2026-12-01, H200, bench_linear.py --fp8 --shapes llama-70b --sweep; raw
-# docs/bench/2026-12-01_linear_fp8_70b_sweep_h200.log): gate_up [57344, 8192] 128 x 256, 4 stages 115.0 us
-# (3 stages, the 8B's row: 143.7; bytes 107); o [8192, 8192] 64 x 512, 4 stages 20.4 (elementwise 16 x 1024:
-# 25.2): o_proj hands the next norm over, so it takes this row, not the split below (19.5).
-H200_LINEAR_FP8_MMA = (LinearTile(8192, 16384, 128, 256, 4, 4), LinearTile(8192, 8192, 64, 512, 4, 4),
-                       LinearTile(4096, 16384, 128, 256, 4, 3))
+# Llama-3.3-70B's widths (2026-12-01, H200, bench_linear.py --fp8 --shapes llama-70b[-tp2] [--sweep]; raw
+# docs/bench/2026-12-01_linear_fp8_70b_sweep_h200.log, ..._linear_fp8_70b_tp2_h200.log), first row that takes
+# the shape wins: gate_up [57344, 8192] 128 x 256, 4 stages 115.0 us (3 stages, the 8B's row: 143.7; bytes
+# 107); its tp-2 shard [28672, 8192] keeps the 8B's row (57.8 against 62.5 at 4 stages); qkv [10240, 8192]
+# (fused_linear with its norm; Llama's decode takes qkv_rope_fp8_mma below) 128 x 256, 5 stages 29.4
+# (elementwise 34.7, the o row 41.2); o [8192, 8192] 64 x 512, 4 stages 20.4 (elementwise 25.2): o_proj
+# hands the next norm over, so it takes this row, not a split over K (19.5); the tp-2 down shard
+# [8192, 14336] (+ SwiGLU) takes it too: 35.3 against the elementwise 45.2.
+H200_LINEAR_FP8_MMA = (LinearTile(8192, 32768, 128, 256, 4, 4), LinearTile(4096, 16384, 128, 256, 4, 3),
+                       LinearTile(8192, 10240, 128, 256, 4, 5), LinearTile(8192, 8192, 64, 512, 4, 4))
 # FP8 one row split over K (fused_linear_split_k.py), measured shapes only, (F, K, splits, tile
 # of the float16 tensor-core stream); 2026-12-01, H200, scripts/probe_fp8_splitk.py (git history,
 # 25f5322; raw docs/bench/2026-12-01_linear_fp8_splitk_probe_h200.log), + residual, XLA's sum

@@ -91,12 +91,14 @@ def test_one_row_tensor_core_stream_hands_the_norm_over():
 
 def test_one_row_tiles_of_the_70b():
     """The H200's rows for Llama-3.3-70B's FP8 one-row projections (the CPU's default):
-    gate_up and o through float16 dots, down split over K, qkv + RoPE + KV write 2 x 64 rows
-    through float16 dots; the 8B's shapes keep theirs."""
+    gate_up, qkv and o through float16 dots, down split over K, qkv + RoPE + KV write 2 x 64
+    rows through float16 dots; the 8B's shapes keep theirs."""
     from kernels_pallas.fused_linear import one_row_blocks
     from kernels_pallas.fused_linear_split_k import split_k_blocks
     from kernels_pallas.qkv_rope_kv_write import kernel_blocks
     assert one_row_blocks(57344, 8192, FP8, BF16) == (128, 256, 4, 4, True)
+    assert one_row_blocks(28672, 8192, FP8, BF16) == (128, 256, 4, 3, True)  # its tp-2 shard: the 8B's row
+    assert one_row_blocks(10240, 8192, FP8, BF16) == (128, 256, 4, 5, True)
     assert one_row_blocks(8192, 8192, FP8, BF16) == (64, 512, 4, 4, True)
     assert split_k_blocks(8192, 28672, FP8, BF16) == (4, 128, 256, 4, 3, True)
     assert kernel_blocks(10240, 8192, 128, FP8) == (64, 256, 4, 4, True)

@@ -50,13 +50,14 @@ def test_matches_the_reference(weights, mma, splits, prologue, bias, residual, h
 
 
 def test_which_shapes_split():
-    """The device's rows list exact shapes (the H200's: the 8B's FP8 down_proj, the CPU's
-    default); bf16 weights and float32 activations keep the one-pass stream; bad calls are
-    errors naming what is wrong."""
+    """The device's rows list exact shapes (the H200's: the 8B's and the 70B's FP8 down_proj,
+    the CPU's default); bf16 weights and float32 activations keep the one-pass stream; bad
+    calls are errors naming what is wrong."""
     assert split_k_blocks(4096, 14336, FP8, BF16) == (4, 64, 256, 4, 4, True)
     assert split_k_blocks(4096, 14336, BF16, BF16) is None
     assert split_k_blocks(4096, 14336, FP8, jnp.float32) is None  # no float16 dot for f32 activations
-    assert split_k_blocks(6144, 4096, FP8, BF16) is None and split_k_blocks(8192, 28672, FP8, BF16) is None
+    assert split_k_blocks(8192, 28672, FP8, BF16) == (4, 128, 256, 4, 3, True)
+    assert split_k_blocks(6144, 4096, FP8, BF16) is None and split_k_blocks(8192, 14336, FP8, BF16) is None
     x, w, kw = linear_inputs(1, 64, 1024, "rmsnorm", BF16)
     with pytest.raises(ValueError, match=r"prologue in \('none', 'silu_mul'\).*prologue 'rmsnorm'"):
         fused_linear_split_k(x, w, prologue="rmsnorm", interpret=True, blocks=(2, 16, 128, 4, 3, True))
