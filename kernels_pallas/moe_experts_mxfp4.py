@@ -99,8 +99,9 @@ def fp4_f32_bits(blk):
     subnormal, lands on an f32 subnormal), with no conversion, where fp4_as_f16's float16 -> f32
     conversion runs on the SM's 16-a-clock unit. A nibble shifted to the word's top and shifted
     back 6 places arithmetically lands its sign on bits 31-25 and its magnitude on 24-22; one AND
-    keeps bits 31 and 24-22: three integer ops a value, on the SM's 64-a-clock integer unit,
-    which bounds the kernel at one token. Exact where arithmetic keeps subnormals (the GPU's
+    keeps bits 31 and 24-22: three integer ops a value, on the SM's 64-a-clock integer unit
+    (five before: 54.2 -> 48.0 us at one token, so the integer work is a share of the kernel's
+    time, not its only bound: docs/decisions.md). Exact where arithmetic keeps subnormals (the GPU's
     Triton kernels; XLA's CPU flushes them, so interpret mode takes fp4_as_f16)."""
     keep = jnp.int32(-0x7E400000)  # 0x81C00000: bit 31 and bits 24-22
     value = lambda top: lax.bitcast_convert_type(lax.shift_right_arithmetic(top, 6) & keep, jnp.float32)  # noqa: E731
