@@ -5,8 +5,6 @@ larger-batch projections): each Llama-3.1-8B layer projection at M rows, three w
     w8a16  x bf16 @ (w fp8 -> bf16) * w_scale                (jspec's FP8 path today: XLA's dot)
     w8a8   (x / x_scale -> fp8) @ w fp8, f32 out * x_scale * w_scale
            (dynamic per-token activation scales, per-channel weight scales: vLLM's W8A8)
-    w8a8x2 x as two e4m3 terms, hi + lo / 16, stacked into one FP8 GEMM of 2M rows: weight-only's
-           product (x exact within 2^14 of each row's largest value) on FP8 tensor cores
 
 each beside the run's bf16 and FP8 matrix peaks (square GEMMs through XLA, measured in the same
 run), with its relative error against the float32 product of the quantized weight (w8a8's
@@ -51,20 +49,6 @@ def w8a8(x, wq, s):
     return (y * xs * s).astype(x.dtype)
 
 
-def w8a8x2(x, wq, s):
-    """x as two e4m3 terms (hi + lo / 16, a power-of-two scale per row) in one FP8 GEMM of 2M
-    rows: bf16's 8 significant bits in e4m3's 4 + 4, exact for the values within 2^14 of the
-    row's largest, so the product is weight-only's (w8a16) on FP8 tensor cores."""
-    f32 = jnp.float32
-    xf = x.astype(f32)
-    xs = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(jnp.max(jnp.abs(xf), axis=1, keepdims=True), 1e-30) / 448.0)))
-    hi = (xf / xs).astype(F8)
-    lo = ((xf / xs - hi.astype(f32)) * 16.0).astype(F8)
-    y = jax.lax.dot_general(jnp.concatenate([hi, lo]), wq, DN, preferred_element_type=f32)
-    M = x.shape[0]
-    return ((y[:M] + y[M:] * (1 / 16.0)) * xs * s).astype(x.dtype)
-
-
 def timed(fn, args, gpu: bool) -> tuple[float, list]:
     """(GPU time per call in s, the top kernels) on a GPU; else (wall-clock median, [])."""
     if gpu:
@@ -102,7 +86,7 @@ def case(M: int, F: int, K: int, gpu: bool) -> dict:
     ref = jax.lax.dot_general(x.astype(jnp.float32), wd, DN, precision=jax.lax.Precision.HIGHEST)
     row = dict(M=M, F=F, K=K)
     for name, fn, args in (("bf16", bf16, (x, wd.astype(jnp.bfloat16))), ("w8a16", w8a16, (x, wq, s)),
-                           ("w8a8", w8a8, (x, wq, s)), ("w8a8x2", w8a8x2, (x, wq, s))):
+                           ("w8a8", w8a8, (x, wq, s))):
         t = time.perf_counter()  # XLA's compile, its GEMM autotuning included (the engine's warmup pays it per shape)
         fj = jax.jit(fn).lower(*args).compile()
         compile_s = time.perf_counter() - t
@@ -134,7 +118,7 @@ def main(argv=None):
                 f"{k} {r[k]['us']:8.1f} us (compiled in {r[k]['compile_s']:.1f} s) {r[k]['flops'] / 1e12:5.0f} TFLOP/s "
                 f"({r[k]['flops'] / pk['bf16']:.0%} of bf16's peak, {r[k]['flops'] / pk['fp8']:.0%} of fp8's) "
                 f"err {r[k]['rel_err']:.1e} {r[k]['kernels'][:2]}"
-                for k in ("bf16", "w8a16", "w8a8", "w8a8x2")), flush=True)
+                for k in ("bf16", "w8a16", "w8a8")), flush=True)
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "bench_fp8_gemm.json"), "w") as f:

@@ -146,7 +146,7 @@ def decode_profile(llm, ctx: int, new: int, rng) -> dict:
 
     V = llm.engine.model_cfg.vocab_size
     prompt = [[int(t) for t in rng.integers(0, V, ctx)]]
-    per = {}
+    per, by_name = {}, {}
     for n in (new, 1):
         sp = jspec.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         llm.generate(prompt, sp, use_tqdm=False)  # compiled already (llm_run); warm
@@ -163,9 +163,10 @@ def decode_profile(llm, ctx: int, new: int, rng) -> dict:
             names[name] += ns
         starts = [t0 for _, _, t0 in events]
         c["span"] = max(t0 + ns for _, ns, t0 in events) - min(starts)
-        per[n] = c
-        if n == new:
-            top = [(k[:90], round(v / 1e3 / (new - 1), 1)) for k, v in names.most_common(8)]
+        per[n], by_name[n] = c, names
+    # each kernel's time in the decode steps: the 1-token run's (its prefill) taken off, as for the totals
+    names = collections.Counter({k: v - by_name[1].get(k, 0) for k, v in by_name[new].items()})
+    top = [(k[:90], round(v / 1e3 / (new - 1), 1)) for k, v in names.most_common(8)]
     # the devices this process traced: all tp of them, or its own under --procs
     ndev, steps = min(llm.engine.runner.plan.tp, jax.local_device_count()), new - 1
     f = lambda k: (per[new][k] - per[1][k]) / steps / ndev  # noqa: E731
