@@ -24,8 +24,8 @@ import numpy as np
 from jspec import ops
 from jspec.quantization import QuantWeight, quantize_fp8
 from kernels_pallas.fused_linear import fused_linear, fused_linear_gpu, ref_fused_linear
-from kernels_pallas.fused_linear_split_k import fused_linear_split_k_gpu
 from kernels_pallas.fused_linear_rows import fused_linear_rows, fused_linear_rows_gpu, ref_fused_linear_rows
+from kernels_pallas.fused_linear_split_k import fused_linear_split_k_gpu
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write, ref_qkv_rope_kv_write
 from kernels_pallas.rope_kv_write import ref_rope_kv_write, rope_kv_write, rope_tables
 
@@ -47,9 +47,12 @@ LLAMA_8B_TP2 = [("qkv", 3072, 4096, "rmsnorm", False), ("o", 4096, 2048, "none",
                 ("gate_up", 14336, 4096, "rmsnorm", False), ("down", 4096, 7168, "silu_mul", True)]
 LLAMA_70B = [("qkv", 10240, 8192, "rmsnorm", False), ("o", 8192, 8192, "none", True),
              ("gate_up", 57344, 8192, "rmsnorm", False), ("down", 8192, 28672, "silu_mul", True)]
-SHAPES = {"llama-8b": LLAMA_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "llama-1b": LLAMA_1B, "llama-70b-tp2": LLAMA_70B_TP2,
+# gpt-oss-20b / -120b's attention (hidden 2880, 64 x 64 query heads, 8 kv heads; their MLPs are the MXFP4
+# experts, kernels_pallas/moe_experts_mxfp4.py): K = 2880 takes a masked last chunk
+GPT_OSS = [("qkv", 5120, 2880, "rmsnorm", False), ("o", 2880, 4096, "none", True)]
+SHAPES = {"gpt-oss": GPT_OSS, "llama-8b": LLAMA_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "llama-1b": LLAMA_1B, "llama-70b-tp2": LLAMA_70B_TP2,
           "llama-8b-tp2": LLAMA_8B_TP2, "llama-70b": LLAMA_70B}
-HEADS = {"llama-8b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128), "llama-1b": (32, 8, 64),
+HEADS = {"gpt-oss": (64, 8, 64), "llama-8b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128), "llama-1b": (32, 8, 64),
          "llama-70b-tp2": (32, 4, 128), "llama-8b-tp2": (16, 4, 128), "llama-70b": (64, 8, 128)}  # (H, KVH, D)
 TINY = [("qkv", 256, 128, "rmsnorm", False), ("gate_up", 256, 128, "rmsnorm", False), ("down", 128, 256, "silu_mul", True), ("lm_head", 512, 128, "none", False)]
 
@@ -236,6 +239,9 @@ def qkv_rope_case(H, KVH, D, K, interpret, timing, copies=4, sweep=False):
 
             from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write_gpu
             tiles = ([(4, 512, 4, 4, False), (8, 1024, 4, 4, False), (4, 2048, 8, 4, False)]
+                     # narrower weights (gpt-oss's [5120, 2880]): fewer rows a program, more programs
+                     + [(2, 512, 4, 4, False), (2, 1024, 4, 4, False), (4, 1024, 4, 4, False), (4, 512, 8, 4, False),
+                        (4, 1024, 4, 2, False), (8, 512, 4, 4, False)]
                      + [(p, bd, 4, st, True) for p in (8, 16, 32) for bd in (256, 512, 1024) for st in (3, 4)]
                      # around the K >= 8192 row (2 x 32 rows x 512, 4 stages): deeper, wider, 8 warps, 2 x 64 rows
                      + [(32, 256, 4, 5, True), (32, 256, 4, 6, True), (32, 512, 8, 4, True), (32, 256, 8, 4, True),
