@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import inspect
 import json
 import os
 import tempfile
@@ -212,6 +213,7 @@ class ReadWaits:
     def __init__(self, runner):
         self.runner, self.read = runner, runner.read
         self.reset()
+        sig = inspect.signature(self.read)  # q by its name in runner.read's signature, however it is passed
 
         def timed(*a, **kw):
             t = time.perf_counter()
@@ -221,7 +223,7 @@ class ReadWaits:
                 now = time.perf_counter()
                 self.seconds += now - t
                 self.calls += 1
-                q = a[3] if len(a) > 3 else kw.get("q")
+                q = sig.bind(*a, **kw).arguments.get("q")
                 if self._last is not None:
                     self.sequence.append((q, 1e3 * (now - self._last), 1e3 * (now - t)))
                 self._last = now

@@ -83,8 +83,8 @@ def test_read_waits_split_each_width(bench):
 
     r = Runner()
     waits = bt.ReadWaits(r)
-    for out, q in [(0.0, None), (0.02, 2), (0.02, 2), (0.005, 1)]:
-        r.read(out, 4, 1, q)
+    for i, (out, q) in enumerate([(0.0, None), (0.02, 2), (0.02, 2), (0.005, 1)]):
+        r.read(out, 4, 1, q) if i % 2 else r.read(out, 4, steps=1, q=q)  # q positional or by name
         time.sleep(0.01)  # the host's own work between reads
     by = waits.by_width()
     assert list(by) == [1, 2] and by[2][0] == 2 and by[1][0] == 1  # the first read has no interval
