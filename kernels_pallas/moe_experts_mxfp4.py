@@ -147,32 +147,28 @@ def validate(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, top_k: 
 
 
 def _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, rows, G, block_f, block_g, bits):
-    """(f32[block_f], ...): for each of ``rows`` (pl.ds's of the stacked rows, as many as a
-    program streams: gate_up's gate and up blocks), those packed rows times the vector whose
-    even values are lo_ref and odd values hi_ref ([G, 16] each), over G blocks, ``block_g`` a
-    step (the last masked), in one loop: each step's activations loaded once for all of
-    them. bits: decode by fp4_f32_bits (the GPU), else fp4_as_f16."""
+    """f32[block_f]: the packed rows ``rows`` (a pl.ds of the stacked rows) times the vector
+    whose even values are lo_ref and odd values hi_ref ([G, 16] each), over G blocks,
+    ``block_g`` a step (the last masked). bits: decode by fp4_f32_bits (the GPU), else
+    fp4_as_f16."""
     f32 = jnp.float32
     decode, shift = (fp4_f32_bits, FP4_F32_SHIFT - X_SHIFT) if bits else (fp4_as_f16, 14)
     scaled = (lambda v: v * f32(2.0**X_SHIFT)) if bits else (lambda v: v)  # noqa: E731
 
-    def body(i, accs):
+    def body(i, acc):
         g0 = i * block_g
         live = lambda *shape: g0 + lax.broadcasted_iota(jnp.int32, shape, len(shape) - 2) < G  # noqa: E731
         gs = pl.ds(g0, block_g)
         lo = scaled(plt.load(lo_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32))  # [block_g, 16]
         hi = scaled(plt.load(hi_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32))
-        out = []
-        for r, acc in zip(rows, accs):
-            blk = plt.load(blk_ref.at[r, gs, :], mask=live(block_f, block_g, 16),
-                           other=0).astype(jnp.int32)  # [block_f, block_g, 16]
-            sc = plt.load(sc_ref.at[r, gs, :], mask=live(block_f, block_g, 1), other=0).astype(jnp.int32)
-            w_lo, w_hi = decode(blk)
-            out.append(acc + (w_lo * lo[None] + w_hi * hi[None]) * power_of_two(sc + shift))  # the decode's 2^-n undone
-        return tuple(out)
+        blk = plt.load(blk_ref.at[rows, gs, :], mask=live(block_f, block_g, 16),
+                       other=0).astype(jnp.int32)  # [block_f, block_g, 16]
+        sc = plt.load(sc_ref.at[rows, gs, :], mask=live(block_f, block_g, 1), other=0).astype(jnp.int32)
+        w_lo, w_hi = decode(blk)
+        return acc + (w_lo * lo[None] + w_hi * hi[None]) * power_of_two(sc + shift)  # the decode's 2^-n undone
 
-    accs = lax.fori_loop(0, pl.cdiv(G, block_g), body, tuple(jnp.zeros((block_f, block_g, 16), f32) for _ in rows))
-    return tuple(jnp.sum(jnp.sum(acc, axis=2), axis=1) for acc in accs)
+    acc = lax.fori_loop(0, pl.cdiv(G, block_g), body, jnp.zeros((block_f, block_g, 16), f32))
+    return jnp.sum(jnp.sum(acc, axis=2), axis=1)
 
 
 def swiglu_rounded(g, u, dtype, limit: float, alpha: float):
@@ -194,8 +190,8 @@ def _gate_up_kernel(idx_ref, lo_ref, hi_ref, blk_ref, sc_ref, b_ref, o_ref, *, I
     row = idx_ref[p] * (2 * I) + j * block_f
     dt, f32 = o_ref.dtype, jnp.float32
     rnd = lambda a: a.astype(dt).astype(f32)  # noqa: E731
-    g, u = (rnd(y) for y in _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, (pl.ds(row, block_f), pl.ds(row + I, block_f)),
-                                         G, block_f, block_g, bits))
+    g, u = (rnd(_row_stream(blk_ref, sc_ref, lo_ref, hi_ref, pl.ds(r, block_f), G, block_f, block_g, bits))
+            for r in (row, row + I))
     g, u = rnd(g + b_ref[pl.ds(row, block_f)].astype(f32)), rnd(u + b_ref[pl.ds(row + I, block_f)].astype(f32))
     o_ref[0, pl.ds(pl.multiple_of(j * block_f, block_f), block_f)] = swiglu_rounded(g, u, dt, limit, alpha).astype(dt)
 
@@ -206,8 +202,7 @@ def _down_kernel(idx_ref, lo_ref, hi_ref, blk_ref, sc_ref, b_ref, o_ref, *, H, G
     p, j = pl.program_id(0), pl.program_id(1)
     row = idx_ref[p] * H + j * block_f
     dt, f32 = o_ref.dtype, jnp.float32
-    (y,) = _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, (pl.ds(row, block_f),), G, block_f, block_g, bits)
-    y = y.astype(dt)
+    y = _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, pl.ds(row, block_f), G, block_f, block_g, bits).astype(dt)
     y = (y.astype(f32) + b_ref[pl.ds(row, block_f)].astype(f32)).astype(dt)
     o_ref[0, pl.ds(pl.multiple_of(j * block_f, block_f), block_f)] = y
 
