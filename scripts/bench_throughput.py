@@ -213,7 +213,8 @@ class ReadWaits:
     def __init__(self, runner):
         self.runner, self.read = runner, runner.read
         self.reset()
-        sig = inspect.signature(self.read)  # q by its name in runner.read's signature, however it is passed
+        # q's place in runner.read's signature, found once: each read then takes it by position or by name
+        qi = list(inspect.signature(self.read).parameters).index("q")
 
         def timed(*a, **kw):
             t = time.perf_counter()
@@ -223,7 +224,7 @@ class ReadWaits:
                 now = time.perf_counter()
                 self.seconds += now - t
                 self.calls += 1
-                q = sig.bind(*a, **kw).arguments.get("q")
+                q = a[qi] if len(a) > qi else kw.get("q")
                 if self._last is not None:
                     self.sequence.append((q, 1e3 * (now - self._last), 1e3 * (now - t)))
                 self._last = now

@@ -165,7 +165,7 @@ def decode_profile(llm, ctx: int, new: int, rng) -> dict:
         c["span"] = max(t0 + ns for _, ns, t0 in events) - min(starts)
         per[n], by_name[n] = c, names
     # each kernel's time in the decode steps: the 1-token run's (its prefill) taken off, as for the totals
-    names = collections.Counter({k: v - by_name[1].get(k, 0) for k, v in by_name[new].items()})
+    names = by_name[new] - by_name[1]
     top = [(k[:90], round(v / 1e3 / (new - 1), 1)) for k, v in names.most_common(8)]
     # the devices this process traced: all tp of them, or its own under --procs
     ndev, steps = min(llm.engine.runner.plan.tp, jax.local_device_count()), new - 1
