@@ -15,7 +15,8 @@ Why: gpt-oss-120b's experts are ~61 GB packed and ~230 GB in bf16; at batch 1 a 
 4 experts a layer, and the bytes-per-token bound counts them at 4.25 bits a weight. Streaming
 them packed reads 3.8x fewer bytes than bf16 weights would. XLA's way (the reference below:
 gather the pairs' experts, dequantize, dot) reads them packed too only if XLA fuses the
-dequantization into its dots: scripts/bench_moe_mxfp4.py measures both (not yet run on a GPU).
+dequantization into its dots: scripts/bench_moe_mxfp4.py measures both (H200, one token: XLA's
+way 402 us, this kernel 52).
 
 Kernels (Pallas, Triton backend), two calls, each program one pair and ``block_f`` rows of
 its expert, looping over the row's blocks of 32 values ``block_g`` at a time (the last step
@@ -31,7 +32,9 @@ times 2^64, the block's 2^(scale - 127 + 62) on each block's sum; a block scale 
 layer at one token (scripts/bench_moe_mxfp4.py, 2026-12-01): 71.0 us with fp4_as_f16, 63.0
 with fp4_f32_bits, 50.0 at the tuned tile, 48.0 with fp4_f32_bits' three integer ops a value
 (five before; 54.2 for those in that call's other process; at 8 tokens 294 against 309); its
-bytes take 12.2 us. Tiles: kernels_pallas/tuning.py (``moe_mxfp4``).
+bytes take 12.2 us. Gate and up rows streamed in one loop (each step's activations loaded once
+for both), 2026-12-01: 51.8 against 52.8 us at one token, 281.5 against 293.8 at 8 (the tree
+before in the same call). Tiles: kernels_pallas/tuning.py (``moe_mxfp4``).
 
 Numerics: the weights exact in f32 (an FP4 value times a power of two), f32 accumulation,
 each projection rounded to x's dtype, then the bias and the SwiGLU op by op in that
@@ -100,8 +103,8 @@ def fp4_f32_bits(blk):
     conversion runs on the SM's 16-a-clock unit. A nibble shifted to the word's top and shifted
     back 6 places arithmetically lands its sign on bits 31-25 and its magnitude on 24-22; one AND
     keeps bits 31 and 24-22: three integer ops a value, on the SM's 64-a-clock integer unit
-    (five before: 54.2 -> 48.0 us at one token, so the integer work is a share of the kernel's
-    time, not its only bound: docs/decisions.md). Exact where arithmetic keeps subnormals (the GPU's
+    (five before; the module docstring has the times: the integer work is a share of the
+    kernel's time, not its only bound, docs/decisions.md). Exact where arithmetic keeps subnormals (the GPU's
     Triton kernels; XLA's CPU flushes them, so interpret mode takes fp4_as_f16)."""
     keep = jnp.int32(-0x7E400000)  # 0x81C00000: bit 31 and bits 24-22
     value = lambda top: lax.bitcast_convert_type(lax.shift_right_arithmetic(top, 6) & keep, jnp.float32)  # noqa: E731
@@ -147,28 +150,32 @@ def validate(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, top_k: 
 
 
 def _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, rows, G, block_f, block_g, bits):
-    """f32[block_f]: the packed rows ``rows`` (a pl.ds of the stacked rows) times the vector
-    whose even values are lo_ref and odd values hi_ref ([G, 16] each), over G blocks,
-    ``block_g`` a step (the last masked). bits: decode by fp4_f32_bits (the GPU), else
-    fp4_as_f16."""
+    """(f32[block_f], ...): for each of ``rows`` (pl.ds's of the stacked rows, as many as a
+    program streams: gate_up's gate and up blocks), those packed rows times the vector whose
+    even values are lo_ref and odd values hi_ref ([G, 16] each), over G blocks, ``block_g`` a
+    step (the last masked), in one loop: each step's activations loaded once for all of
+    them. bits: decode by fp4_f32_bits (the GPU), else fp4_as_f16."""
     f32 = jnp.float32
     decode, shift = (fp4_f32_bits, FP4_F32_SHIFT - X_SHIFT) if bits else (fp4_as_f16, 14)
     scaled = (lambda v: v * f32(2.0**X_SHIFT)) if bits else (lambda v: v)  # noqa: E731
 
-    def body(i, acc):
+    def body(i, accs):
         g0 = i * block_g
         live = lambda *shape: g0 + lax.broadcasted_iota(jnp.int32, shape, len(shape) - 2) < G  # noqa: E731
         gs = pl.ds(g0, block_g)
         lo = scaled(plt.load(lo_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32))  # [block_g, 16]
         hi = scaled(plt.load(hi_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32))
-        blk = plt.load(blk_ref.at[rows, gs, :], mask=live(block_f, block_g, 16),
-                       other=0).astype(jnp.int32)  # [block_f, block_g, 16]
-        sc = plt.load(sc_ref.at[rows, gs, :], mask=live(block_f, block_g, 1), other=0).astype(jnp.int32)
-        w_lo, w_hi = decode(blk)
-        return acc + (w_lo * lo[None] + w_hi * hi[None]) * power_of_two(sc + shift)  # the decode's 2^-n undone
+        out = []
+        for r, acc in zip(rows, accs):
+            blk = plt.load(blk_ref.at[r, gs, :], mask=live(block_f, block_g, 16),
+                           other=0).astype(jnp.int32)  # [block_f, block_g, 16]
+            sc = plt.load(sc_ref.at[r, gs, :], mask=live(block_f, block_g, 1), other=0).astype(jnp.int32)
+            w_lo, w_hi = decode(blk)
+            out.append(acc + (w_lo * lo[None] + w_hi * hi[None]) * power_of_two(sc + shift))  # the decode's 2^-n undone
+        return tuple(out)
 
-    acc = lax.fori_loop(0, pl.cdiv(G, block_g), body, jnp.zeros((block_f, block_g, 16), f32))
-    return jnp.sum(jnp.sum(acc, axis=2), axis=1)
+    accs = lax.fori_loop(0, pl.cdiv(G, block_g), body, tuple(jnp.zeros((block_f, block_g, 16), f32) for _ in rows))
+    return tuple(jnp.sum(jnp.sum(acc, axis=2), axis=1) for acc in accs)
 
 
 def swiglu_rounded(g, u, dtype, limit: float, alpha: float):
@@ -190,8 +197,8 @@ def _gate_up_kernel(idx_ref, lo_ref, hi_ref, blk_ref, sc_ref, b_ref, o_ref, *, I
     row = idx_ref[p] * (2 * I) + j * block_f
     dt, f32 = o_ref.dtype, jnp.float32
     rnd = lambda a: a.astype(dt).astype(f32)  # noqa: E731
-    g, u = (rnd(_row_stream(blk_ref, sc_ref, lo_ref, hi_ref, pl.ds(r, block_f), G, block_f, block_g, bits))
-            for r in (row, row + I))
+    g, u = (rnd(y) for y in _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, (pl.ds(row, block_f), pl.ds(row + I, block_f)),
+                                         G, block_f, block_g, bits))
     g, u = rnd(g + b_ref[pl.ds(row, block_f)].astype(f32)), rnd(u + b_ref[pl.ds(row + I, block_f)].astype(f32))
     o_ref[0, pl.ds(pl.multiple_of(j * block_f, block_f), block_f)] = swiglu_rounded(g, u, dt, limit, alpha).astype(dt)
 
@@ -202,7 +209,8 @@ def _down_kernel(idx_ref, lo_ref, hi_ref, blk_ref, sc_ref, b_ref, o_ref, *, H, G
     p, j = pl.program_id(0), pl.program_id(1)
     row = idx_ref[p] * H + j * block_f
     dt, f32 = o_ref.dtype, jnp.float32
-    y = _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, pl.ds(row, block_f), G, block_f, block_g, bits).astype(dt)
+    (y,) = _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, (pl.ds(row, block_f),), G, block_f, block_g, bits)
+    y = y.astype(dt)
     y = (y.astype(f32) + b_ref[pl.ds(row, block_f)].astype(f32)).astype(dt)
     o_ref[0, pl.ds(pl.multiple_of(j * block_f, block_f), block_f)] = y
 
