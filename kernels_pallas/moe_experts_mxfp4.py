@@ -25,6 +25,12 @@ masked: gpt-oss's G = 2880 / 32 = 90 has no large power-of-two divisor):
      (split outside: each byte's two nibbles meet them without an interleave in the kernel),
      f32 accumulation, the scale applied per block; bias and SwiGLU -> act [P, I];
   2. grid (pairs, H / block_f): the down rows against act's even and odd values; bias -> y.
+Two streams of a program's rows: on CUDA cores (``_row_stream``, up to ``use_mma``'s pair count,
+and for float32 activations) and through float16 tensor-core dots (``_row_stream_mma``: codes
+decoded by PTX, each block's sum kept apart by a block-diagonal activation operand). H200,
+gpt-oss-20b's layer (scripts/bench_moe_mxfp4.py, 2026-12-01): at 1 / 2 / 4 / 8 / 32 tokens
+46.9 / 80.7 / 146.2 / 272.8 / 1005 us on CUDA cores, 47.0 / 61.4 / 108.2 / 176.0 / 617 us on
+tensor cores.
 Decode on the GPU (``fp4_f32_bits``): each code's bits moved into an f32's, the activations
 times 2^64, the block's 2^(scale - 127 + 62) on each block's sum; a block scale above 192
 (weights beyond 2^65) is out of its range. In interpret mode (XLA's CPU flushes subnormals, and
@@ -178,6 +184,69 @@ def _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, rows, G, block_f, block_g, bits
     return tuple(jnp.sum(jnp.sum(acc, axis=2), axis=1) for acc in accs)
 
 
+# The tensor-core path's decode on the GPU: PTX moving each byte's nibbles into float16 bits
+# (the value times 2^-14, as fp4_as_f16), two values a 32-bit register: four bytes (Triton packs
+# them into one register) -> four low-nibble values or four high-nibble ones, in ~8 integer ops
+# where fp4_f32_bits takes 3 a value. prmt orders the bytes 0, 2, 1, 3 so that a register's two
+# float16 halves are consecutive elements.
+_F16_ASM = {
+    "lo": """{
+.reg .b32 r, a, b;
+prmt.b32 r, $2, 0, 0x3120;
+shl.b32 a, r, 12; and.b32 a, a, 0x80008000; shl.b32 b, r, 9; and.b32 b, b, 0x0E000E00; or.b32 $0, a, b;
+shl.b32 a, r, 4; and.b32 a, a, 0x80008000; shl.b32 b, r, 1; and.b32 b, b, 0x0E000E00; or.b32 $1, a, b;
+}""",
+    "hi": """{
+.reg .b32 r, a, b;
+prmt.b32 r, $2, 0, 0x3120;
+shl.b32 a, r, 8; and.b32 a, a, 0x80008000; shl.b32 b, r, 5; and.b32 b, b, 0x0E000E00; or.b32 $0, a, b;
+and.b32 a, r, 0x80008000; shr.b32 b, r, 3; and.b32 b, b, 0x0E000E00; or.b32 $1, a, b;
+}"""}
+MMA_X_SHIFT = 4  # the activations enter the float16 dot times 2^-4: exact for bf16 values in [2^-13, 2^20)
+
+
+def fp4_f16(blk, asm: bool):
+    """u8 bytes [...] -> (low nibbles' values, high nibbles'), float16 [...] each, times 2^-14
+    (exact). asm: the PTX above (the GPU); else fp4_as_f16 (interpret mode)."""
+    if asm:
+        sds = jax.ShapeDtypeStruct(blk.shape, jnp.float16)
+        # one output an asm: Pallas' lowering of a two-output elementwise_inline_asm fails (jax 0.11.2)
+        return tuple(plt.elementwise_inline_asm(_F16_ASM[k], args=[blk], constraints="=r,=r,r", pack=4,
+                                                result_shape_dtypes=[sds])[0] for k in ("lo", "hi"))
+    return tuple(v.astype(jnp.float16) for v in fp4_as_f16(blk.astype(jnp.int32)))
+
+
+def _row_stream_mma(blk_ref, sc_ref, lo_ref, hi_ref, rows, G, block_f, block_g, bits):
+    """_row_stream through tensor cores: blk_ref u8[E R, G 16], sc_ref u8[E R, G], lo_ref /
+    hi_ref [G 16] (flat). A step's packed rows [block_f, block_g 16] decoded to float16 go
+    through one dot with a block-diagonal [block_g 16, block_g] operand (column g holds block
+    g's activations, zeros elsewhere), so that each (row, block) sum comes out apart and takes
+    its block's scale: f32 [block_f, block_g] accumulated, summed over blocks at the end."""
+    f32, f16 = jnp.float32, jnp.float16
+    W = block_g * 16  # bytes of a row a step
+    iota = lambda shape, d: lax.broadcasted_iota(jnp.int32, shape, d)  # noqa: E731
+    diag = iota((W, block_g), 0) // 16 == iota((W, block_g), 1)
+
+    def body(i, accs):
+        c0, g0 = i * W, i * block_g
+        xcol = c0 + iota((W,), 0) < G * 16
+        xs = [plt.load(r.at[pl.ds(c0, W)], mask=xcol, other=0.0).astype(f32) * f32(2.0**-MMA_X_SHIFT)
+              for r in (lo_ref, hi_ref)]
+        X_lo, X_hi = (jnp.where(diag, x.astype(f16)[:, None], jnp.zeros((), f16)) for x in xs)
+        out = []
+        for r, acc in zip(rows, accs):
+            blk = plt.load(blk_ref.at[r, pl.ds(c0, W)], mask=c0 + iota((block_f, W), 1) < G * 16, other=0)
+            sc = plt.load(sc_ref.at[r, pl.ds(g0, block_g)], mask=g0 + iota((block_f, block_g), 1) < G,
+                          other=0).astype(jnp.int32)
+            w_lo, w_hi = fp4_f16(blk, bits)
+            part = plt.dot(w_lo, X_lo) + plt.dot(w_hi, X_hi)  # [block_f, block_g], times 2^-(14 + MMA_X_SHIFT)
+            out.append(acc + part * power_of_two(sc + 14 + MMA_X_SHIFT))
+        return tuple(out)
+
+    accs = lax.fori_loop(0, pl.cdiv(G, block_g), body, tuple(jnp.zeros((block_f, block_g), f32) for _ in rows))
+    return tuple(jnp.sum(a, axis=1) for a in accs)
+
+
 def swiglu_rounded(g, u, dtype, limit: float, alpha: float):
     """moe_experts.swiglu op by op on f32 values of ``dtype`` numbers, each result rounded
     to ``dtype`` as XLA's ops are. -> f32 (of ``dtype`` numbers)."""
@@ -190,38 +259,50 @@ def swiglu_rounded(g, u, dtype, limit: float, alpha: float):
 
 
 def _gate_up_kernel(idx_ref, lo_ref, hi_ref, blk_ref, sc_ref, b_ref, o_ref, *, I, G, block_f, block_g, limit,
-                    alpha, bits):
+                    alpha, bits, stream):
     # idx_ref i32[P]; lo_ref / hi_ref [G, 16] (the pair's token: even / odd values);
     # blk_ref u8[E 2I, G, 16], sc_ref u8[E 2I, G, 1], b_ref [E 2I] (whole); o_ref [1, I].
+    # (The tensor-core stream's refs are flat: [G 16], [E 2I, G 16], [E 2I, G].)
     p, j = pl.program_id(0), pl.program_id(1)
     row = idx_ref[p] * (2 * I) + j * block_f
     dt, f32 = o_ref.dtype, jnp.float32
     rnd = lambda a: a.astype(dt).astype(f32)  # noqa: E731
-    g, u = (rnd(y) for y in _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, (pl.ds(row, block_f), pl.ds(row + I, block_f)),
-                                         G, block_f, block_g, bits))
+    g, u = (rnd(y) for y in stream(blk_ref, sc_ref, lo_ref, hi_ref, (pl.ds(row, block_f), pl.ds(row + I, block_f)),
+                                    G, block_f, block_g, bits))
     g, u = rnd(g + b_ref[pl.ds(row, block_f)].astype(f32)), rnd(u + b_ref[pl.ds(row + I, block_f)].astype(f32))
     o_ref[0, pl.ds(pl.multiple_of(j * block_f, block_f), block_f)] = swiglu_rounded(g, u, dt, limit, alpha).astype(dt)
 
 
-def _down_kernel(idx_ref, lo_ref, hi_ref, blk_ref, sc_ref, b_ref, o_ref, *, H, G, block_f, block_g, bits):
+def _down_kernel(idx_ref, lo_ref, hi_ref, blk_ref, sc_ref, b_ref, o_ref, *, H, G, block_f, block_g, bits, stream):
     # idx_ref i32[P]; lo_ref / hi_ref [G, 16] (the pair's act); blk_ref u8[E H, G, 16],
     # sc_ref u8[E H, G, 1], b_ref [E H] (whole); o_ref [1, H].
     p, j = pl.program_id(0), pl.program_id(1)
     row = idx_ref[p] * H + j * block_f
     dt, f32 = o_ref.dtype, jnp.float32
-    (y,) = _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, (pl.ds(row, block_f),), G, block_f, block_g, bits)
+    (y,) = stream(blk_ref, sc_ref, lo_ref, hi_ref, (pl.ds(row, block_f),), G, block_f, block_g, bits)
     y = y.astype(dt)
     y = (y.astype(f32) + b_ref[pl.ds(row, block_f)].astype(f32)).astype(dt)
     o_ref[0, pl.ds(pl.multiple_of(j * block_f, block_f), block_f)] = y
 
 
-def default_blocks(I: int, H: int):
+def default_blocks(I: int, H: int, mma: bool = False):
     """(block_f, block_g, num_warps, num_stages) for experts [2I, H] / [H, I], or None where
-    no row tile divides I and H: the device's ``moe_mxfp4`` row (kernels_pallas/tuning.py),
-    block_f shrunk to a power of two dividing both."""
-    bf, bg, warps, stages = device_tuning().moe_mxfp4
-    bf = _pow2_divisor(math.gcd(I, H), bf, 8)
+    no row tile divides I and H: the device's ``moe_mxfp4`` row (``moe_mxfp4_mma`` for the
+    tensor-core path; kernels_pallas/tuning.py), block_f shrunk to a power of two dividing
+    both (at least 16, a dot's rows, on the tensor-core path)."""
+    tuning = device_tuning()
+    bf, bg, warps, stages = tuning.moe_mxfp4_mma if mma else tuning.moe_mxfp4
+    bf = _pow2_divisor(math.gcd(I, H), bf, 16 if mma else 8)
     return (bf, bg, warps, stages) if bf else None
+
+
+def use_mma(pairs: int, I: int, H: int, dtype) -> bool:
+    """The tensor-core path from the device's ``moe_mxfp4_mma_min_pairs`` pairs up (below, the
+    CUDA-core path is as fast or faster), for bf16 / float16 activations (float32 ones would
+    lose bits in the float16 dot), where its tile divides I and H."""
+    return pairs >= device_tuning().moe_mxfp4_mma_min_pairs and \
+        jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and \
+        default_blocks(I, H, mma=True) is not None
 
 
 def supports(x_shape, gu_blocks_shape) -> bool:
@@ -238,15 +319,22 @@ def _evens_odds(a, G):
     return a[:, 0::2].reshape(a.shape[0], G, 16), a[:, 1::2].reshape(a.shape[0], G, 16)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "limit", "alpha", "interpret", "blocks"))
+@functools.partial(jax.jit, static_argnames=("top_k", "limit", "alpha", "interpret", "blocks", "mma"))
 def moe_experts_mxfp4_gpu(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, b_gate_up, b_down, *,
-                          top_k: int, limit: float = 0.0, alpha: float = 1.702, interpret: bool = False, blocks=None):
+                          top_k: int, limit: float = 0.0, alpha: float = 1.702, interpret: bool = False, blocks=None,
+                          mma: bool | None = None):
     """The two kernels; b_gate_up [E, 2I] and b_down [E, H] (zeros where a model has none);
-    blocks: (block_f, block_g, num_warps, num_stages) or None for default_blocks."""
+    mma: the tensor-core path (_row_stream_mma), None for use_mma; blocks: (block_f,
+    block_g, num_warps, num_stages) or None for default_blocks."""
     (_, I2, G, _), P, H = gu_blocks.shape, experts.shape[0], x.shape[1]
     I, GI = I2 // 2, down_blocks.shape[2]
-    bf, bg, warps, stages = blocks or default_blocks(I, H)
-    stacked = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731  ([E, rows, ...] -> [E rows, ...])
+    mma = use_mma(P, I, H, x.dtype) if mma is None else mma
+    bf, bg, warps, stages = blocks or default_blocks(I, H, mma)
+    stream = _row_stream_mma if mma else _row_stream
+    # the tensor-core path reads the packed rows, scales and vectors flat ([E R, G 16], [E R, G], [G 16])
+    stacked = (lambda a: a.reshape(-1, a.shape[2] * a.shape[3])) if mma else (lambda a: a.reshape((-1,) + a.shape[2:]))
+    stacked_scales = (lambda a: a.reshape(-1, a.shape[2])) if mma else (lambda a: a.reshape((-1,) + a.shape[2:])[..., None])
+    vectors = (lambda a, G_: tuple(v.reshape(v.shape[0], -1) for v in _evens_odds(a, G_))) if mma else _evens_odds
 
     def call(kernel, vec_block, n, name, lo, hi, codes, scales, bias):  # one of the two kernels -> [P, n]
         G_ = codes.shape[2]
@@ -256,16 +344,20 @@ def moe_experts_mxfp4_gpu(x, experts, gu_blocks, gu_scales, down_blocks, down_sc
             out_specs=pl.BlockSpec((1, n), lambda p, j: (p, 0)),
             out_shape=jax.ShapeDtypeStruct((P, n), x.dtype),
             compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
-            interpret=interpret, name=f"moe_mxfp4_{name}_f{bf}_g{bg}",
-        )(experts, lo, hi, stacked(codes), stacked(scales)[..., None], bias.reshape(-1))
+            interpret=interpret, name=f"moe_mxfp4_{name}_f{bf}_g{bg}" + ("_mma" if mma else ""),
+        )(experts, lo, hi, stacked(codes), stacked_scales(scales), bias.reshape(-1))
 
-    token = lambda n: pl.BlockSpec((None, n, 16), lambda p, j: (p // top_k, 0, 0))  # noqa: E731
-    pair = lambda n: pl.BlockSpec((None, n, 16), lambda p, j: (p, 0, 0))  # noqa: E731
+    if mma:
+        token = lambda n: pl.BlockSpec((None, n * 16), lambda p, j: (p // top_k, 0))  # noqa: E731
+        pair = lambda n: pl.BlockSpec((None, n * 16), lambda p, j: (p, 0))  # noqa: E731
+    else:
+        token = lambda n: pl.BlockSpec((None, n, 16), lambda p, j: (p // top_k, 0, 0))  # noqa: E731
+        pair = lambda n: pl.BlockSpec((None, n, 16), lambda p, j: (p, 0, 0))  # noqa: E731
     act = call(functools.partial(_gate_up_kernel, I=I, G=G, block_f=bf, block_g=bg, limit=limit, alpha=alpha,
-                                 bits=not interpret),
-               token, I, "gate_up", *_evens_odds(x, G), gu_blocks, gu_scales, b_gate_up)
-    return call(functools.partial(_down_kernel, H=H, G=GI, block_f=bf, block_g=bg, bits=not interpret), pair, H, "down",
-                *_evens_odds(act, GI), down_blocks, down_scales, b_down)
+                                 bits=not interpret, stream=stream),
+               token, I, "gate_up", *vectors(x, G), gu_blocks, gu_scales, b_gate_up)
+    return call(functools.partial(_down_kernel, H=H, G=GI, block_f=bf, block_g=bg, bits=not interpret, stream=stream),
+                pair, H, "down", *vectors(act, GI), down_blocks, down_scales, b_down)
 
 
 def moe_experts_mxfp4(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, *, top_k: int, b_gate_up=None,

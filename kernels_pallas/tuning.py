@@ -62,6 +62,13 @@ class DeviceTuning:
     # 16 x 8 x 3 51.9; the first guess 32 x 8 x 2 58.8; 64 x 4 107. With the three-op decode (raw
     # docs/bench/2026-12-01_moe_mxfp4_decode_shift_h200.log): 8 x 16 x 3 48.0, the rest 50.2-60.3
     moe_mxfp4: tuple[int, int, int, int] = (8, 16, 4, 3)
+    # ... through float16 tensor-core dots (moe_experts_mxfp4.py's _row_stream_mma), from
+    # ``min_pairs`` (token, expert) pairs up. H200, 2026-12-01, gpt-oss-20b's layer, top 4 (raw
+    # docs/bench/2026-12-01_moe_mxfp4_mma_tiles_h200.log): 32 x 8, 2 warps, 3 stages 47.1 us at
+    # one token (CUDA cores 47.1), 110.9 / 184.6 at 4 / 8 tokens (146.7 / 278.1); 64 x 8 x 4 x 3
+    # 106.7 / 187.3; 16 rows or 16 blocks a step slower. At 2 tokens (8 pairs) 61.4 against 80.7.
+    moe_mxfp4_mma: tuple[int, int, int, int] = (32, 8, 2, 3)
+    moe_mxfp4_mma_min_pairs: int = 8
 
     def linear_tile(self, F: int, K: int, mma: bool, fp8: bool = False) -> LinearTile | None:
         """The first row that takes [F, K]; None where no tensor-core row does (mma). fp8: an

@@ -4,6 +4,7 @@ rotating over 4 layers' weights (so nothing is served from L2):
 
   kernel   the GPU plan: kernels_pallas/moe_experts_mxfp4.py, the experts streamed packed
            and dequantized in the kernel (up to ops_moe.MXFP4_KERNEL_MAX_FRACTION * E pairs);
+           then the kernels alone on each of their paths (CUDA cores, tensor cores: use_mma);
   xla      the XLA plan: each pair's expert gathered packed, dequantized, applied (at most E
            pairs; above, every expert dequantized densely);
   bf16     the same experts held in bf16 (dequantized once, 3.8x the bytes), the XLA plan;
@@ -89,6 +90,15 @@ def main(argv=None):
             jax.block_until_ready(f(*sets[0]))  # compiled before the probe
             s = _probe_time(f, sets)
             row.append(f"{name} {s * 1e6:8.1f} us ({bound / s:5.1%})")
+        experts = jax.random.randint(jax.random.PRNGKey(N + 1), (N * K,), 0, E, jnp.int32)
+        for mma in (False, True):  # the kernels alone, each path (the plan takes mx.use_mma's)
+            f = jax.jit(lambda x, gu, dn, b, mma=mma, experts=experts: mx.moe_experts_mxfp4_gpu(
+                x, experts, gu.blocks, gu.scales, dn.blocks, dn.scales, b["b_gate_up"], b["b_down"], top_k=K,
+                limit=7.0, mma=mma, interpret=interpret))
+            sets = [(x, gu, dn, b) for _, gu, dn, b in layers]
+            jax.block_until_ready(f(*sets[0]))
+            s = _probe_time(f, sets)
+            row.append(f"{'tensor' if mma else 'CUDA'}-core path {s * 1e6:8.1f} us")
         print(f"tokens {N:3d} ({N * K:3d} pairs, {touched} experts, bound {bound * 1e6:.1f} us): " + ", ".join(row),
               flush=True)
 

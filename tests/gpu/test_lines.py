@@ -562,6 +562,43 @@ def test_rejection(method, with_probs, on_gpu, record_property):
     record_property("detail", f"B={B} K={K} V={V}: tokens and counts equal; counts {sorted(set(n.tolist()))}")
 
 
+# ---- the MXFP4 expert kernels' two paths -----------------------------------------------------
+@line("peagle", "MXFP4 expert kernels at gpt-oss-20b's widths, bf16: the CUDA-core path (4 pairs) and the "
+                "tensor-core one (PTX decode, 16 pairs) == reference")
+def test_mxfp4_kernel_paths(on_gpu, record_property):
+    """kernels_pallas/moe_experts_mxfp4.py at one token (4 pairs: fp4_f32_bits' CUDA-core
+    stream) and four (16 pairs: the float16 tensor-core stream, its PTX decode) == the jnp
+    reference, bf16 activations, gpt-oss's biases and clamped SwiGLU (a CPU smoke run:
+    interpreted, narrow experts, the tensor-core path forced)."""
+    import jax.numpy as jnp
+
+    from kernels_pallas import moe_experts_mxfp4 as mx
+
+    E, I, H = (32, 2880, 2880) if on_gpu else (4, 64, 96)
+    rng = np.random.default_rng(9)
+
+    def packed(*shape):
+        return (jnp.asarray(rng.integers(0, 256, shape[:-1] + (shape[-1] // 32, 16), dtype=np.uint8)),
+                jnp.asarray(rng.integers(118, 124, shape[:-1] + (shape[-1] // 32,), dtype=np.uint8)))
+    gu, dn = packed(E, 2 * I, H), packed(E, H, I)
+    bf = jnp.bfloat16
+    b_gu, b_dn = (jnp.asarray(0.1 * rng.normal(size=s), bf) for s in ((E, 2 * I), (E, H)))
+    errs = {}
+    for N, mma in ((1, False), (4, True)):
+        x = jnp.asarray(rng.normal(size=(N, H)), bf)
+        experts = jnp.asarray(rng.integers(0, E, N * 4), jnp.int32)
+        want = mx.ref_moe_experts_mxfp4(x, experts, *gu, *dn, top_k=4, b_gate_up=b_gu, b_down=b_dn, limit=7.0)
+        if on_gpu:
+            assert mx.use_mma(N * 4, I, H, bf) == mma
+        got = mx.moe_experts_mxfp4_gpu(x, experts, *gu, *dn, b_gu, b_dn, top_k=4, limit=7.0, mma=mma,
+                                       interpret=not on_gpu)
+        w32, g32 = np.asarray(want.astype(jnp.float32)), np.asarray(got.astype(jnp.float32))
+        errs["tensor cores" if mma else "CUDA cores"] = float(np.abs(g32 - w32).max() / np.abs(w32).max())
+    assert all(e < 2e-2 for e in errs.values()), errs
+    record_property("detail", f"E={E} I={I} H={H}, bf16: largest relative error "
+                              + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+
+
 # ---- the one-row kernels over a K no long chunk divides ---------------------------------------
 @line("peagle", "projection kernels over gpt-oss's K = 2880 (the last chunk masked) == reference")
 def test_masked_k_chunk(on_gpu, record_property):

@@ -289,17 +289,19 @@ def moe(dtype, mma=False):
     return fn, shapes, [(TRITON, rf"moe_gate_up_f\d+_d\d+{suffix}"), (TRITON, rf"moe_down_f\d+_d\d+{suffix}")]
 
 
-def moe_mxfp4(dtype):
+def moe_mxfp4(dtype, N=1):
     """moe_experts_mxfp4: the packed gate_up kernel (biases, clamped SwiGLU), then the packed
-    down kernel; gpt-oss's H = 2880 (90 blocks of 32: a masked last step)."""
-    N, K, E, I, H = 1, 4, 4, 64, 2880
+    down kernel; gpt-oss's H = 2880 (90 blocks of 32: a masked last step). N = 2 (8 pairs):
+    the tensor-core path (its PTX decode included)."""
+    K, E, I, H = 4, 4, 64, 2880
 
     def fn(x, experts, gub, gus, db, ds, bgu, bd):
         return moe_experts_mxfp4(x, experts, gub, gus, db, ds, top_k=K, b_gate_up=bgu, b_down=bd, limit=7.0)
     U8 = jnp.uint8
     shapes = [sds((N, H), dtype), sds((N * K,), I32), sds((E, 2 * I, H // 32, 16), U8), sds((E, 2 * I, H // 32), U8),
               sds((E, H, I // 32, 16), U8), sds((E, H, I // 32), U8), sds((E, 2 * I), dtype), sds((E, H), dtype)]
-    return fn, shapes, [(TRITON, r"moe_mxfp4_gate_up_f\d+_g\d+"), (TRITON, r"moe_mxfp4_down_f\d+_g\d+")]
+    suffix = "_mma" if N * K >= 8 else ""
+    return fn, shapes, [(TRITON, rf"moe_mxfp4_gate_up_f\d+_g\d+{suffix}"), (TRITON, rf"moe_mxfp4_down_f\d+_g\d+{suffix}")]
 
 
 def moe_router(E, top_k):
@@ -387,6 +389,7 @@ GPU_CASES = {
     "moe_experts-f32": lambda: moe(F32),
     "moe_experts-mma-bf16": lambda: moe(BF16, mma=True),
     "moe_experts_mxfp4-bf16": lambda: moe_mxfp4(BF16),
+    "moe_experts_mxfp4-mma-bf16": lambda: moe_mxfp4(BF16, N=2),
     "moe_router-128x8": lambda: moe_router(128, 8),
     "moe_router-60x4": lambda: moe_router(60, 4),
     "rejection-stats": lambda: rejection("gpu", V=300, draft_probs=False),

@@ -24,6 +24,7 @@ from kernels_pallas.moe_experts_mxfp4 import (
     moe_experts_mxfp4_gpu,
     ref_moe_experts_mxfp4,
     supports,
+    use_mma,
 )
 
 BF16 = jnp.bfloat16
@@ -83,6 +84,29 @@ def test_kernel_matches_reference(N, top_k, oss, dtype):
     assert got.shape == want.shape == (N * top_k, H) and got.dtype == want.dtype == dtype
     tol = 1e-5 if dtype == jnp.float32 else 2e-2  # f32: summation order; bf16: a rounding or two apart
     np.testing.assert_allclose(f32(got), f32(want), rtol=tol, atol=tol * float(np.abs(f32(want)).max()))
+
+
+@pytest.mark.parametrize("N,top_k,oss", [(2, 3, True), (4, 2, False)])
+def test_tensor_core_path_matches_reference(N, top_k, oss):
+    """The tensor-core path (codes decoded to float16, one dot a step against the block-diagonal
+    activations, each block's sum scaled apart) == the reference, bf16, at the default tile and
+    at tiles with a masked last step (G = 3) and one block a step."""
+    x, experts, gu, dn, b = inputs(N * 10 + top_k + 1, N, top_k, BF16, oss)
+    act = dict(limit=7.0, alpha=1.702) if oss else {}
+    want = ref_moe_experts_mxfp4(x, experts, *gu, *dn, top_k=top_k, **b, **act)
+    b = b or dict(b_gate_up=jnp.zeros((E, 2 * I), BF16), b_down=jnp.zeros((E, H), BF16))
+    for blocks in (None, (16, 2, 4, 1), (32, 1, 4, 1)):
+        got = moe_experts_mxfp4_gpu(x, experts, *gu, *dn, b["b_gate_up"], b["b_down"], top_k=top_k, blocks=blocks,
+                                    mma=True, interpret=True, **act)
+        assert got.shape == want.shape and got.dtype == BF16
+        np.testing.assert_allclose(f32(got), f32(want), rtol=2e-2, atol=2e-2 * float(np.abs(f32(want)).max()),
+                                   err_msg=str(blocks))
+
+
+def test_tensor_core_path_is_taken_from_its_pair_count_on_bf16():
+    assert use_mma(8, 2880, 2880, BF16) and not use_mma(4, 2880, 2880, BF16)
+    assert not use_mma(64, 2880, 2880, jnp.float32)  # float32 activations would lose bits in the float16 dot
+    assert not use_mma(64, 8, 8, BF16)  # no 16-row tile divides I = 8
 
 
 def test_reference_is_the_dense_mlp_on_dequantized_weights():
