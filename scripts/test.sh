@@ -32,7 +32,11 @@ if [ "$#" -gt 0 ]; then exec python3 -m pytest -q "$@"; fi
 # it everywhere, 2403 s without (2026-11-29): tests/engine 339 -> 238 s, the spec warmup 232
 # -> 158, tests/parallel 643 -> 501, but the two files that mostly run programs slowed down
 # (the family's trained acceptance 283 -> 347, structured outputs 306 -> 357): those keep
-# XLA's default (RUN_BOUND). Appended to the caller's flags (tests/parallel's conftest
+# XLA's default (RUN_BOUND). The same processes also take XLA's older CPU fusion emitters
+# (--xla_cpu_use_fusion_emitters=false), which compile faster (2026-12-01, one process on this
+# 2-core machine, a fresh cache each: tests/kernels/test_fused_linear.py 87 -> 47 s,
+# tests/e2e/test_spec_lossless.py 62 -> 50 s) but whose programs run slower (structured outputs,
+# run-bound, 73 -> 109 s: not there). Appended to the caller's flags (tests/parallel's conftest
 # appends its own).
 export RUN_BOUND="tests/e2e/test_family.py tests/e2e/test_structured_outputs.py"
 export XLA_FLAGS_CALLER="${XLA_FLAGS:-}"
@@ -61,7 +65,7 @@ run_job() {  # one pytest process; its output printed whole when it ends (one jo
   local log rc=0 t0=$SECONDS
   log="$logs/$(echo "$1" | tr ' /' '__').log"
   local flags="$XLA_FLAGS_CALLER"
-  [[ " $RUN_BOUND " == *" $1 "* ]] || flags="$flags --xla_backend_optimization_level=0"
+  [[ " $RUN_BOUND " == *" $1 "* ]] || flags="$flags --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
   # shellcheck disable=SC2086
   XLA_FLAGS="$flags" python3 -m pytest -q --durations=5 $1 > "$log" 2>&1 || rc=$?
   {
