@@ -16,7 +16,10 @@ their biases), over the bandwidth probe of the same run.
     PYTHONPATH=.:scripts python3 scripts/bench_moe_mxfp4.py --tiles 32,8,4,2 16,8,4,3 64,4,4,2
 
 --tiles: the kernel alone at each (block_f, block_g, num_warps, num_stages) (one token, top-4),
-for kernels_pallas/tuning.py's ``moe_mxfp4`` row.
+for kernels_pallas/tuning.py's ``moe_mxfp4`` row; a fifth field ``mma`` takes the tensor-core
+path (``moe_mxfp4_mma``: block_f at least 16), at each of --tokens:
+
+    PYTHONPATH=.:scripts python3 scripts/bench_moe_mxfp4.py --tiles 32,8,2,3,mma 16,8,1,3,mma --tokens 1,4
 """
 
 from __future__ import annotations
@@ -62,18 +65,22 @@ def main(argv=None):
           f"expert packed; probe {bw / 1e12:.2f} TB/s", flush=True)
 
     if args.tiles:
-        x = jax.random.normal(jax.random.PRNGKey(7), (1, H), jnp.bfloat16)
-        experts = jnp.arange(K, dtype=jnp.int32)
-        for t in args.tiles:
-            blocks = tuple(int(v) for v in t.split(","))
-            f = jax.jit(lambda x, gu, dn, b, blocks=blocks: mx.moe_experts_mxfp4_gpu(
-                x, experts, gu.blocks, gu.scales, dn.blocks, dn.scales, b["b_gate_up"], b["b_down"], top_k=K,
-                limit=7.0, blocks=blocks, interpret=interpret))
-            sets = [(x, gu, dn, b) for _, gu, dn, b in layers]
-            jax.block_until_ready(f(*sets[0]))  # compiled before the probe
-            s = _probe_time(f, sets)
-            print(f"tiles {blocks}: {s * 1e6:8.1f} us, bound {K * expert_bytes / bw * 1e6:.1f} us -> "
-                  f"{K * expert_bytes / bw / s:5.1%}", flush=True)
+        for N in (int(t) for t in args.tokens.split(",")):
+            x = jax.random.normal(jax.random.PRNGKey(7), (N, H), jnp.bfloat16)
+            experts = (jnp.arange(N * K, dtype=jnp.int32) * 7) % E  # distinct experts while N K <= E
+            bound = min(E, N * K) * expert_bytes / bw
+            for t in args.tiles:
+                fields = t.split(",")
+                mma = fields[4:] == ["mma"]
+                blocks = tuple(int(v) for v in fields[:4])
+                f = jax.jit(lambda x, gu, dn, b, blocks=blocks, mma=mma, experts=experts: mx.moe_experts_mxfp4_gpu(
+                    x, experts, gu.blocks, gu.scales, dn.blocks, dn.scales, b["b_gate_up"], b["b_down"], top_k=K,
+                    limit=7.0, blocks=blocks, mma=mma, interpret=interpret))
+                sets = [(x, gu, dn, b) for _, gu, dn, b in layers]
+                jax.block_until_ready(f(*sets[0]))  # compiled before the probe
+                s = _probe_time(f, sets)
+                print(f"tokens {N:3d} tiles {blocks}{' mma' if mma else ''}: {s * 1e6:8.1f} us, bound "
+                      f"{bound * 1e6:.1f} us -> {bound / s:5.1%}", flush=True)
         return
 
     for N in (int(t) for t in args.tokens.split(",")):
