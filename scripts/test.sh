@@ -52,15 +52,16 @@ for dir in tests/*/; do  # a new test folder must join a group, or CI would neve
   [ "$dir" = tests/helpers ] || [ "$dir" = tests/__pycache__ ] || [ "$dir" = tests/e2e ] \
     || [[ " ${groups[*]} " == *" $dir "* ]] || { echo "scripts/test.sh: $dir is in no group" >&2; exit 1; }
 done
-# Longest first (seconds on the CI machine, 2026-11-29: group 0 ~620, tests/parallel ~500,
-# structured outputs ~305, the family ~285, tests/engine ~240, spec warmup ~160, tests/serve
-# ~155), then the rest of the e2e files: two workers finish together when the last jobs are short.
-jobs=("${groups[0]}" "tests/parallel" "tests/e2e/test_structured_outputs.py" "tests/e2e/test_family.py"
-      "tests/engine" "tests/e2e/test_spec_warmup.py" "tests/serve" "tests/e2e/test_compile_closure.py")
+# Longest first (seconds on this 2-core machine, 2026-12-01, a 1,404 s clean-clone run: group 0 460,
+# tests/parallel 330, the family 195, tests/serve 152, tests/engine 129, compile closure 118, spec
+# warmup 108, newcomer 106, structured outputs 100, the rest of the e2e files and tests/train 21-77):
+# two workers finish together when the last jobs are short.
+jobs=("${groups[0]}" "tests/parallel" "tests/e2e/test_family.py" "tests/serve" "tests/engine"
+      "tests/e2e/test_compile_closure.py" "tests/e2e/test_spec_warmup.py" "tests/e2e/test_newcomer.py"
+      "tests/e2e/test_structured_outputs.py" "tests/e2e/test_executables.py" "tests/train")
 for f in tests/e2e/test_*.py; do
   [[ " ${jobs[*]} " == *" $f "* ]] || jobs+=("$f")
 done
-jobs+=("tests/train")
 run_job() {  # one pytest process; its output printed whole when it ends (one job's at a time)
   local log rc=0 t0=$SECONDS
   log="$logs/$(echo "$1" | tr ' /' '__').log"
