@@ -64,6 +64,16 @@ def main(argv=None):
     print(f"gpt-oss {args.shape} MoE layer: {E} experts, I {I}, H {H}, top {K}; {expert_bytes / 1e6:.2f} MB an "
           f"expert packed; probe {bw / 1e12:.2f} TB/s", flush=True)
 
+    def probe(f, sets):  # seconds a call, compiled before the probe
+        jax.block_until_ready(f(*sets[0]))
+        return _probe_time(f, sets)
+
+    def kernels_alone(x, experts, **kw):  # mx.moe_experts_mxfp4_gpu without ops.moe's router and combine
+        f = jax.jit(lambda x, gu, dn, b: mx.moe_experts_mxfp4_gpu(
+            x, experts, gu.blocks, gu.scales, dn.blocks, dn.scales, b["b_gate_up"], b["b_down"], top_k=K, limit=7.0,
+            interpret=interpret, **kw))
+        return probe(f, [(x, gu, dn, b) for _, gu, dn, b in layers])
+
     if args.tiles:
         for N in (int(t) for t in args.tokens.split(",")):
             x = jax.random.normal(jax.random.PRNGKey(7), (N, H), jnp.bfloat16)
@@ -73,12 +83,7 @@ def main(argv=None):
                 fields = t.split(",")
                 mma = fields[4:] == ["mma"]
                 blocks = tuple(int(v) for v in fields[:4])
-                f = jax.jit(lambda x, gu, dn, b, blocks=blocks, mma=mma, experts=experts: mx.moe_experts_mxfp4_gpu(
-                    x, experts, gu.blocks, gu.scales, dn.blocks, dn.scales, b["b_gate_up"], b["b_down"], top_k=K,
-                    limit=7.0, blocks=blocks, mma=mma, interpret=interpret))
-                sets = [(x, gu, dn, b) for _, gu, dn, b in layers]
-                jax.block_until_ready(f(*sets[0]))  # compiled before the probe
-                s = _probe_time(f, sets)
+                s = kernels_alone(x, experts, blocks=blocks, mma=mma)
                 print(f"tokens {N:3d} tiles {blocks}{' mma' if mma else ''}: {s * 1e6:8.1f} us, bound "
                       f"{bound * 1e6:.1f} us -> {bound / s:5.1%}", flush=True)
         return
@@ -94,21 +99,13 @@ def main(argv=None):
                 sets = [(x, r, gu.dequantize(), dn.dequantize(), b) for r, gu, dn, b in layers]
             f = jax.jit(lambda x, r, gu, dn, b, plan=plans["xla" if name == "bf16" else name]: ops.moe(
                 plan, x, r, gu, dn, top_k=K, norm_topk_prob=True, swiglu_limit=7.0, **b))
-            jax.block_until_ready(f(*sets[0]))  # compiled before the probe
-            s = _probe_time(f, sets)
+            s = probe(f, sets)
             row.append(f"{name} {s * 1e6:8.1f} us ({bound / s:5.1%})")
         experts = jax.random.randint(jax.random.PRNGKey(N + 1), (N * K,), 0, E, jnp.int32)
         for mma in (False, True):  # the kernels alone, each path (the plan takes mx.use_mma's)
-            f = jax.jit(lambda x, gu, dn, b, mma=mma, experts=experts: mx.moe_experts_mxfp4_gpu(
-                x, experts, gu.blocks, gu.scales, dn.blocks, dn.scales, b["b_gate_up"], b["b_down"], top_k=K,
-                limit=7.0, mma=mma, interpret=interpret))
-            sets = [(x, gu, dn, b) for _, gu, dn, b in layers]
-            jax.block_until_ready(f(*sets[0]))
-            s = _probe_time(f, sets)
-            row.append(f"{'tensor' if mma else 'CUDA'}-core path {s * 1e6:8.1f} us")
+            row.append(f"{'tensor' if mma else 'CUDA'}-core path {kernels_alone(x, experts, mma=mma) * 1e6:8.1f} us")
         print(f"tokens {N:3d} ({N * K:3d} pairs, {touched} experts, bound {bound * 1e6:.1f} us): " + ", ".join(row),
               flush=True)
-
 
 if __name__ == "__main__":
     main()
