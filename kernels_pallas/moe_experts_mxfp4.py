@@ -16,31 +16,28 @@ Why: gpt-oss-120b's experts are ~61 GB packed and ~230 GB in bf16; at batch 1 a 
 them packed reads 3.8x fewer bytes than bf16 weights would. XLA's way (the reference below:
 gather the pairs' experts, dequantize, dot) reads them packed too only if XLA fuses the
 dequantization into its dots: scripts/bench_moe_mxfp4.py measures both (H200, one token: XLA's
-way 402 us, this kernel 52).
+way 402 us, these kernels 40 in ops.moe's whole call).
 
 Kernels (Pallas, Triton backend), two calls, each program one pair and ``block_f`` rows of
 its expert, looping over the row's blocks of 32 values ``block_g`` at a time (the last step
 masked: gpt-oss's G = 2880 / 32 = 90 has no large power-of-two divisor):
   1. grid (pairs, I / block_f): the pair's gate and up rows against x's even and odd values
-     (split outside: each byte's two nibbles meet them without an interleave in the kernel),
-     f32 accumulation, the scale applied per block; bias and SwiGLU -> act [P, I];
+     (read through a [..., 2] view of x: each byte's two nibbles meet them without an
+     interleave), f32 accumulation, the scale applied per block; bias and SwiGLU -> act [P, I];
   2. grid (pairs, H / block_f): the down rows against act's even and odd values; bias -> y.
 Two streams of a program's rows: on CUDA cores (``_row_stream``, up to ``use_mma``'s pair count,
-and for float32 activations) and through float16 tensor-core dots (``_row_stream_mma``: codes
-decoded by PTX, each block's sum kept apart by a block-diagonal activation operand). H200,
-gpt-oss-20b's layer (scripts/bench_moe_mxfp4.py, 2026-12-01): at 1 / 2 / 4 / 8 / 32 tokens
-46.9 / 80.7 / 146.2 / 272.8 / 1005 us on CUDA cores, 47.0 / 61.4 / 108.2 / 176.0 / 617 us on
-tensor cores.
-Decode on the GPU (``fp4_f32_bits``): each code's bits moved into an f32's, the activations
-times 2^64, the block's 2^(scale - 127 + 62) on each block's sum; a block scale above 192
-(weights beyond 2^65) is out of its range. In interpret mode (XLA's CPU flushes subnormals, and
-0.5 lands on one) ``fp4_as_f16``: the bits moved into a float16's and converted. H200, gpt-oss-20b's
-layer at one token (scripts/bench_moe_mxfp4.py, 2026-12-01): 71.0 us with fp4_as_f16, 63.0
-with fp4_f32_bits, 50.0 at the tuned tile, 48.0 with fp4_f32_bits' three integer ops a value
-(five before; 54.2 for those in that call's other process; at 8 tokens 294 against 309); its
-bytes take 12.2 us. Gate and up rows streamed in one loop (each step's activations loaded once
-for both), 2026-12-01: 51.8 against 52.8 us at one token, 281.5 against 293.8 at 8 (the tree
-before in the same call). Tiles: kernels_pallas/tuning.py (``moe_mxfp4``).
+and for float32 activations: PTX decodes each byte and forms its two products, each step's
+loads are issued a step ahead) and through float16 tensor-core dots (``_row_stream_mma``:
+codes decoded by PTX, each block's sum kept apart by a block-diagonal activation operand). In
+interpret mode the codes are decoded by ``fp4_as_f16`` (bits moved into a float16's, converted).
+H200, gpt-oss-20b's layer, the kernels alone (scripts/bench_moe_mxfp4.py, raw
+docs/bench/2026-12-01_moe_mxfp4_{paths,cuda_stream}_h200.log): at one token the CUDA-core
+stream 46.5 us before this design (a decode of 3 integer ops a value into f32 bits, the
+products left to XLA's lowering unfused, the even / odd split in 4 XLA slices of 1 us each),
+33.3 us with it (its bytes 12.0; the loads alone, no math, 19-25 us of kernels at these
+tiles; the rest is instructions: Nsight Compute finds issue slots 60-66% busy); at 2 / 8
+tokens 61.5 / 223.3 against the tensor cores' 62.0 / 177.3; at 32, 617 on tensor cores.
+Tiles: kernels_pallas/tuning.py (``moe_mxfp4``, ``moe_mxfp4_mma``).
 
 Numerics: the weights exact in f32 (an FP4 value times a power of two), f32 accumulation,
 each projection rounded to x's dtype, then the bias and the SwiGLU op by op in that
@@ -95,26 +92,42 @@ def fp4_as_f16(blk):
     return to_f32(lo), to_f32(hi)
 
 
-# e2m1's bits placed in an f32's (fp4_f32_bits) read as the value times 2^-126 (its exponent
-# bias is 1, f32's 127); the activations enter the product times 2^X_SHIFT, so that every
-# product of interest stays a normal f32, and the block scale carries the rest (2^(s - 127 + 62):
-# a block scale s above 192, weights beyond 2^65, is out of range).
-FP4_F32_SHIFT, X_SHIFT = 126, 64
+# The CUDA-core path's decode and products on the GPU, in PTX: each byte's two nibbles moved into
+# float16 bits (as fp4_as_f16: the value times 2^-14), two values a 32-bit register, converted to
+# f32 (cvt.f32.f16 runs as a full-rate add on the FMA pipe), and the byte's two products formed,
+# lo * even + hi * odd (mul + fma): four bytes in 19 integer ops, 8 conversions and 8 floating
+# ops, where moving each code into an f32's bits took 3 integer ops a value and XLA's lowering
+# left the products unfused. At one token the kernels are instruction-bound (H200, Nsight
+# Compute: issue slots 60-66% busy, the integer pipe the busiest); the module docstring has the
+# times. Lanes: a register's low half holds bytes 0-1, its high half bytes 2-3.
+_PAIR_ASM = """{
+.reg .b32 a, b, c, d, e, f;
+.reg .b16 l0, l1, l2, l3, h0, h1, h2, h3;
+.reg .f32 p0, p1, p2, p3, q0, q1, q2, q3;
+shl.b32 a, $4, 12; and.b32 a, a, 0x80008000; shl.b32 b, $4, 9; and.b32 b, b, 0x0E000E00; or.b32 c, a, b;
+shl.b32 a, $4, 4; and.b32 a, a, 0x80008000; shl.b32 b, $4, 1; and.b32 b, b, 0x0E000E00; or.b32 d, a, b;
+shl.b32 a, $4, 8; and.b32 a, a, 0x80008000; shl.b32 b, $4, 5; and.b32 b, b, 0x0E000E00; or.b32 e, a, b;
+and.b32 a, $4, 0x80008000; shr.b32 b, $4, 3; and.b32 b, b, 0x0E000E00; or.b32 f, a, b;
+mov.b32 {l0, l2}, c; mov.b32 {l1, l3}, d; mov.b32 {h0, h2}, e; mov.b32 {h1, h3}, f;
+cvt.f32.f16 p0, l0; cvt.f32.f16 p1, l1; cvt.f32.f16 p2, l2; cvt.f32.f16 p3, l3;
+cvt.f32.f16 q0, h0; cvt.f32.f16 q1, h1; cvt.f32.f16 q2, h2; cvt.f32.f16 q3, h3;
+mul.f32 p0, p0, $5; fma.rn.f32 $0, q0, $9, p0;
+mul.f32 p1, p1, $6; fma.rn.f32 $1, q1, $10, p1;
+mul.f32 p2, p2, $7; fma.rn.f32 $2, q2, $11, p2;
+mul.f32 p3, p3, $8; fma.rn.f32 $3, q3, $12, p3;
+}"""
 
 
-def fp4_f32_bits(blk):
-    """i32 bytes [...] -> (low nibble's values, high nibble's), f32 [...] each, times 2^-126:
-    an e2m1 code's sign moved to bit 31, its exponent and mantissa bits to bits 24-22 (0.5, its
-    subnormal, lands on an f32 subnormal), with no conversion, where fp4_as_f16's float16 -> f32
-    conversion runs on the SM's 16-a-clock unit. A nibble shifted to the word's top and shifted
-    back 6 places arithmetically lands its sign on bits 31-25 and its magnitude on 24-22; one AND
-    keeps bits 31 and 24-22: three integer ops a value, on the SM's 64-a-clock integer unit
-    (five before; the module docstring has the times: the integer work is a share of the
-    kernel's time, not its only bound, docs/decisions.md). Exact where arithmetic keeps subnormals (the GPU's
-    Triton kernels; XLA's CPU flushes them, so interpret mode takes fp4_as_f16)."""
-    keep = jnp.int32(-0x7E400000)  # 0x81C00000: bit 31 and bits 24-22
-    value = lambda top: lax.bitcast_convert_type(lax.shift_right_arithmetic(top, 6) & keep, jnp.float32)  # noqa: E731
-    return value(lax.shift_left(blk, 28)), value(lax.shift_left(blk, 24))
+def fp4_pair_products(blk, lo, hi, asm: bool):
+    """u8 bytes [..., 16] against f32 vectors lo / hi [..., 16] (broadcast over the leading
+    dims) -> f32 [..., 16]: each byte's low-nibble value times lo plus its high-nibble value
+    times hi, times 2^-14. asm: the PTX above (the GPU); else fp4_as_f16 (interpret mode)."""
+    lo, hi = jnp.broadcast_to(lo, blk.shape), jnp.broadcast_to(hi, blk.shape)
+    if asm:
+        return plt.elementwise_inline_asm(_PAIR_ASM, args=[blk, lo, hi], constraints="=r,=r,=r,=r" + ",r" * 9,
+                                          pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(blk.shape, jnp.float32)])[0]
+    w_lo, w_hi = fp4_as_f16(blk.astype(jnp.int32))
+    return w_lo * lo + w_hi * hi
 
 
 def power_of_two(scales):
@@ -155,39 +168,46 @@ def validate(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, top_k: 
             raise ValueError(f"moe_experts_mxfp4: {k} must be uint8, got {a.dtype}")
 
 
-def _row_stream(blk_ref, sc_ref, lo_ref, hi_ref, rows, G, block_f, block_g, bits):
+def _row_stream(blk_ref, sc_ref, v_ref, rows, G, block_f, block_g, asm):
     """(f32[block_f], ...): for each of ``rows`` (pl.ds's of the stacked rows, as many as a
-    program streams: gate_up's gate and up blocks), those packed rows times the vector whose
-    even values are lo_ref and odd values hi_ref ([G, 16] each), over G blocks, ``block_g`` a
-    step (the last masked), in one loop: each step's activations loaded once for all of
-    them. bits: decode by fp4_f32_bits (the GPU), else fp4_as_f16."""
+    program streams: gate_up's gate and up blocks), those packed rows (blk_ref u8[E R, G, 16],
+    sc_ref u8[E R, G]) times the vector v_ref [G, 16, 2] (a block's 16 bytes against its 16
+    even and 16 odd values), over G blocks, ``block_g`` a step (the last masked), in one loop:
+    each step's activations loaded once for all of them. Each step's loads are issued before
+    the step before it is computed (carried in the loop), so their latency hides behind that
+    math; each (row, block) sum takes its scale once, after its 16 lanes are added. asm: the
+    PTX of fp4_pair_products (the GPU), else fp4_as_f16."""
     f32 = jnp.float32
-    decode, shift = (fp4_f32_bits, FP4_F32_SHIFT - X_SHIFT) if bits else (fp4_as_f16, 14)
-    scaled = (lambda v: v * f32(2.0**X_SHIFT)) if bits else (lambda v: v)  # noqa: E731
 
-    def body(i, accs):
+    def loads(i):  # step i's activations, packed rows and scales (past G masked: no traffic)
         g0 = i * block_g
-        live = lambda *shape: g0 + lax.broadcasted_iota(jnp.int32, shape, len(shape) - 2) < G  # noqa: E731
+        live = lambda shape, axis: g0 + lax.broadcasted_iota(jnp.int32, shape, axis) < G  # noqa: E731
         gs = pl.ds(g0, block_g)
-        lo = scaled(plt.load(lo_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32))  # [block_g, 16]
-        hi = scaled(plt.load(hi_ref.at[gs, :], mask=live(block_g, 16), other=0.0).astype(f32))
-        out = []
-        for r, acc in zip(rows, accs):
-            blk = plt.load(blk_ref.at[r, gs, :], mask=live(block_f, block_g, 16),
-                           other=0).astype(jnp.int32)  # [block_f, block_g, 16]
-            sc = plt.load(sc_ref.at[r, gs, :], mask=live(block_f, block_g, 1), other=0).astype(jnp.int32)
-            w_lo, w_hi = decode(blk)
-            out.append(acc + (w_lo * lo[None] + w_hi * hi[None]) * power_of_two(sc + shift))  # the decode's 2^-n undone
-        return tuple(out)
+        vec = tuple(plt.load(v_ref.at[gs, :, jnp.int32(k)], mask=live((block_g, 16), 0), other=0.0)
+                    for k in (0, 1))
+        blks = tuple(plt.load(blk_ref.at[r, gs, :], mask=live((block_f, block_g, 16), 1), other=0) for r in rows)
+        scs = tuple(plt.load(sc_ref.at[r, gs], mask=live((block_f, block_g), 1), other=0) for r in rows)
+        return vec, blks, scs
 
-    accs = lax.fori_loop(0, pl.cdiv(G, block_g), body, tuple(jnp.zeros((block_f, block_g, 16), f32) for _ in rows))
-    return tuple(jnp.sum(jnp.sum(acc, axis=2), axis=1) for acc in accs)
+    def body(i, carry):
+        accs, ((lo, hi), blks, scs) = carry
+        nxt = loads(i + 1)
+        lo, hi = lo.astype(f32), hi.astype(f32)
+        out = []
+        for acc, blk, sc in zip(accs, blks, scs):
+            part = jnp.sum(fp4_pair_products(blk, lo[None], hi[None], asm), axis=2)  # [block_f, block_g], x 2^-14
+            out.append(acc + part * power_of_two(sc.astype(jnp.int32) + 14))
+        return tuple(out), nxt
+
+    accs, _ = lax.fori_loop(0, pl.cdiv(G, block_g), body,
+                            (tuple(jnp.zeros((block_f, block_g), f32) for _ in rows), loads(0)))
+    return tuple(jnp.sum(a, axis=1) for a in accs)
 
 
 # The tensor-core path's decode on the GPU: PTX moving each byte's nibbles into float16 bits
-# (the value times 2^-14, as fp4_as_f16), two values a 32-bit register: four bytes (Triton packs
-# them into one register) -> four low-nibble values or four high-nibble ones, in ~8 integer ops
-# where fp4_f32_bits takes 3 a value. prmt orders the bytes 0, 2, 1, 3 so that a register's two
+# (the value times 2^-14, as fp4_as_f16), two values a 32-bit register, as _PAIR_ASM without its
+# conversions and products: four bytes (Triton packs them into one register) -> four low-nibble values (11
+# ops) or four high-nibble ones (10). prmt orders the bytes 0, 2, 1, 3 so that a register's two
 # float16 halves are consecutive elements.
 _F16_ASM = {
     "lo": """{
@@ -216,9 +236,9 @@ def fp4_f16(blk, asm: bool):
     return tuple(v.astype(jnp.float16) for v in fp4_as_f16(blk.astype(jnp.int32)))
 
 
-def _row_stream_mma(blk_ref, sc_ref, lo_ref, hi_ref, rows, G, block_f, block_g, bits):
-    """_row_stream through tensor cores: blk_ref u8[E R, G 16], sc_ref u8[E R, G], lo_ref /
-    hi_ref [G 16] (flat). A step's packed rows [block_f, block_g 16] decoded to float16 go
+def _row_stream_mma(blk_ref, sc_ref, v_ref, rows, G, block_f, block_g, asm):
+    """_row_stream through tensor cores: blk_ref u8[E R, G 16], sc_ref u8[E R, G], v_ref
+    [G 16, 2] (flat: a byte's even and odd value). A step's packed rows [block_f, block_g 16] decoded to float16 go
     through one dot with a block-diagonal [block_g 16, block_g] operand (column g holds block
     g's activations, zeros elsewhere), so that each (row, block) sum comes out apart and takes
     its block's scale: f32 [block_f, block_g] accumulated, summed over blocks at the end."""
@@ -230,15 +250,15 @@ def _row_stream_mma(blk_ref, sc_ref, lo_ref, hi_ref, rows, G, block_f, block_g, 
     def body(i, accs):
         c0, g0 = i * W, i * block_g
         xcol = c0 + iota((W,), 0) < G * 16
-        xs = [plt.load(r.at[pl.ds(c0, W)], mask=xcol, other=0.0).astype(f32) * f32(2.0**-MMA_X_SHIFT)
-              for r in (lo_ref, hi_ref)]
+        xs = [plt.load(v_ref.at[pl.ds(c0, W), jnp.int32(k)], mask=xcol, other=0.0).astype(f32) * f32(2.0**-MMA_X_SHIFT)
+              for k in (0, 1)]
         X_lo, X_hi = (jnp.where(diag, x.astype(f16)[:, None], jnp.zeros((), f16)) for x in xs)
         out = []
         for r, acc in zip(rows, accs):
             blk = plt.load(blk_ref.at[r, pl.ds(c0, W)], mask=c0 + iota((block_f, W), 1) < G * 16, other=0)
             sc = plt.load(sc_ref.at[r, pl.ds(g0, block_g)], mask=g0 + iota((block_f, block_g), 1) < G,
                           other=0).astype(jnp.int32)
-            w_lo, w_hi = fp4_f16(blk, bits)
+            w_lo, w_hi = fp4_f16(blk, asm)
             part = plt.dot(w_lo, X_lo) + plt.dot(w_hi, X_hi)  # [block_f, block_g], times 2^-(14 + MMA_X_SHIFT)
             out.append(acc + part * power_of_two(sc + 14 + MMA_X_SHIFT))
         return tuple(out)
@@ -258,28 +278,28 @@ def swiglu_rounded(g, u, dtype, limit: float, alpha: float):
     return rnd(rnd(jnp.clip(u, -limit, limit) + 1.0) * rnd(g * sig))
 
 
-def _gate_up_kernel(idx_ref, lo_ref, hi_ref, blk_ref, sc_ref, b_ref, o_ref, *, I, G, block_f, block_g, limit,
-                    alpha, bits, stream):
-    # idx_ref i32[P]; lo_ref / hi_ref [G, 16] (the pair's token: even / odd values);
-    # blk_ref u8[E 2I, G, 16], sc_ref u8[E 2I, G, 1], b_ref [E 2I] (whole); o_ref [1, I].
-    # (The tensor-core stream's refs are flat: [G 16], [E 2I, G 16], [E 2I, G].)
+def _gate_up_kernel(idx_ref, v_ref, blk_ref, sc_ref, b_ref, o_ref, *, I, G, block_f, block_g, limit, alpha, asm,
+                    stream):
+    # idx_ref i32[P]; v_ref [G, 16, 2] (the pair's token); blk_ref u8[E 2I, G, 16], sc_ref
+    # u8[E 2I, G], b_ref [E 2I] (whole); o_ref [1, I]. (The tensor-core stream's v_ref and
+    # blk_ref are flat: [G 16, 2], [E 2I, G 16].)
     p, j = pl.program_id(0), pl.program_id(1)
     row = idx_ref[p] * (2 * I) + j * block_f
     dt, f32 = o_ref.dtype, jnp.float32
     rnd = lambda a: a.astype(dt).astype(f32)  # noqa: E731
-    g, u = (rnd(y) for y in stream(blk_ref, sc_ref, lo_ref, hi_ref, (pl.ds(row, block_f), pl.ds(row + I, block_f)),
-                                    G, block_f, block_g, bits))
+    g, u = (rnd(y) for y in stream(blk_ref, sc_ref, v_ref, (pl.ds(row, block_f), pl.ds(row + I, block_f)),
+                                    G, block_f, block_g, asm))
     g, u = rnd(g + b_ref[pl.ds(row, block_f)].astype(f32)), rnd(u + b_ref[pl.ds(row + I, block_f)].astype(f32))
     o_ref[0, pl.ds(pl.multiple_of(j * block_f, block_f), block_f)] = swiglu_rounded(g, u, dt, limit, alpha).astype(dt)
 
 
-def _down_kernel(idx_ref, lo_ref, hi_ref, blk_ref, sc_ref, b_ref, o_ref, *, H, G, block_f, block_g, bits, stream):
-    # idx_ref i32[P]; lo_ref / hi_ref [G, 16] (the pair's act); blk_ref u8[E H, G, 16],
-    # sc_ref u8[E H, G, 1], b_ref [E H] (whole); o_ref [1, H].
+def _down_kernel(idx_ref, v_ref, blk_ref, sc_ref, b_ref, o_ref, *, H, G, block_f, block_g, asm, stream):
+    # idx_ref i32[P]; v_ref [G, 16, 2] (the pair's act); blk_ref u8[E H, G, 16], sc_ref
+    # u8[E H, G], b_ref [E H] (whole); o_ref [1, H].
     p, j = pl.program_id(0), pl.program_id(1)
     row = idx_ref[p] * H + j * block_f
     dt, f32 = o_ref.dtype, jnp.float32
-    (y,) = stream(blk_ref, sc_ref, lo_ref, hi_ref, (pl.ds(row, block_f),), G, block_f, block_g, bits)
+    (y,) = stream(blk_ref, sc_ref, v_ref, (pl.ds(row, block_f),), G, block_f, block_g, asm)
     y = y.astype(dt)
     y = (y.astype(f32) + b_ref[pl.ds(row, block_f)].astype(f32)).astype(dt)
     o_ref[0, pl.ds(pl.multiple_of(j * block_f, block_f), block_f)] = y
@@ -314,11 +334,6 @@ def supports(x_shape, gu_blocks_shape) -> bool:
         default_blocks(I2 // 2, H) is not None
 
 
-def _evens_odds(a, G):
-    """[R, G * 32] -> its even and odd values, [R, G, 16] each (a byte's low and high nibble)."""
-    return a[:, 0::2].reshape(a.shape[0], G, 16), a[:, 1::2].reshape(a.shape[0], G, 16)
-
-
 @functools.partial(jax.jit, static_argnames=("top_k", "limit", "alpha", "interpret", "blocks", "mma"))
 def moe_experts_mxfp4_gpu(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, b_gate_up, b_down, *,
                           top_k: int, limit: float = 0.0, alpha: float = 1.702, interpret: bool = False, blocks=None,
@@ -330,34 +345,31 @@ def moe_experts_mxfp4_gpu(x, experts, gu_blocks, gu_scales, down_blocks, down_sc
     I, GI = I2 // 2, down_blocks.shape[2]
     mma = use_mma(P, I, H, x.dtype) if mma is None else mma
     bf, bg, warps, stages = blocks or default_blocks(I, H, mma)
-    stream = _row_stream_mma if mma else _row_stream
-    # the tensor-core path reads the packed rows, scales and vectors flat ([E R, G 16], [E R, G], [G 16])
-    stacked = (lambda a: a.reshape(-1, a.shape[2] * a.shape[3])) if mma else (lambda a: a.reshape((-1,) + a.shape[2:]))
-    stacked_scales = (lambda a: a.reshape(-1, a.shape[2])) if mma else (lambda a: a.reshape((-1,) + a.shape[2:])[..., None])
-    vectors = (lambda a, G_: tuple(v.reshape(v.shape[0], -1) for v in _evens_odds(a, G_))) if mma else _evens_odds
+    # The kernels read a vector's even and odd values (a byte's two nibbles meet them) through
+    # a view of it as [..., 2]; the tensor-core stream reads the packed rows and vectors flat.
+    if mma:
+        stream, rows = _row_stream_mma, (lambda a: a.reshape(-1, a.shape[2] * a.shape[3]))
+        vec = lambda a, G_: a.reshape(a.shape[0], G_ * 16, 2)  # noqa: E731
+    else:
+        stream, rows = _row_stream, (lambda a: a.reshape((-1,) + a.shape[2:]))
+        vec = lambda a, G_: a.reshape(a.shape[0], G_, 16, 2)  # noqa: E731
 
-    def call(kernel, vec_block, n, name, lo, hi, codes, scales, bias):  # one of the two kernels -> [P, n]
-        G_ = codes.shape[2]
+    def call(kernel, owner, n, name, v, codes, scales, bias):  # one of the two kernels -> [P, n]
+        vec_block = pl.BlockSpec((None,) + v.shape[1:], lambda p, j: (owner(p),) + (0,) * (v.ndim - 1))
         return pl.pallas_call(
             kernel, grid=(P, n // bf),
-            in_specs=[pl.BlockSpec(), vec_block(G_), vec_block(G_)] + [pl.BlockSpec()] * 3,
+            in_specs=[pl.BlockSpec(), vec_block] + [pl.BlockSpec()] * 3,
             out_specs=pl.BlockSpec((1, n), lambda p, j: (p, 0)),
             out_shape=jax.ShapeDtypeStruct((P, n), x.dtype),
             compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
             interpret=interpret, name=f"moe_mxfp4_{name}_f{bf}_g{bg}" + ("_mma" if mma else ""),
-        )(experts, lo, hi, stacked(codes), stacked_scales(scales), bias.reshape(-1))
+        )(experts, v, rows(codes), scales.reshape(-1, scales.shape[2]), bias.reshape(-1))
 
-    if mma:
-        token = lambda n: pl.BlockSpec((None, n * 16), lambda p, j: (p // top_k, 0))  # noqa: E731
-        pair = lambda n: pl.BlockSpec((None, n * 16), lambda p, j: (p, 0))  # noqa: E731
-    else:
-        token = lambda n: pl.BlockSpec((None, n, 16), lambda p, j: (p // top_k, 0, 0))  # noqa: E731
-        pair = lambda n: pl.BlockSpec((None, n, 16), lambda p, j: (p, 0, 0))  # noqa: E731
     act = call(functools.partial(_gate_up_kernel, I=I, G=G, block_f=bf, block_g=bg, limit=limit, alpha=alpha,
-                                 bits=not interpret, stream=stream),
-               token, I, "gate_up", *vectors(x, G), gu_blocks, gu_scales, b_gate_up)
-    return call(functools.partial(_down_kernel, H=H, G=GI, block_f=bf, block_g=bg, bits=not interpret, stream=stream),
-                pair, H, "down", *vectors(act, GI), down_blocks, down_scales, b_down)
+                                 asm=not interpret, stream=stream),
+               lambda p: p // top_k, I, "gate_up", vec(x, G), gu_blocks, gu_scales, b_gate_up)
+    return call(functools.partial(_down_kernel, H=H, G=GI, block_f=bf, block_g=bg, asm=not interpret, stream=stream),
+                lambda p: p, H, "down", vec(act, GI), down_blocks, down_scales, b_down)
 
 
 def moe_experts_mxfp4(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, *, top_k: int, b_gate_up=None,

@@ -60,13 +60,16 @@ class DeviceTuning:
     # num_stages). H200, 2026-12-01, scripts/bench_moe_mxfp4.py --shape 20b --tiles (one token,
     # top 4; raw docs/bench/2026-12-01_moe_mxfp4_tiles_h200.log): 8 x 16, 3 stages 50.0 us;
     # 16 x 8 x 3 51.9; the first guess 32 x 8 x 2 58.8; 64 x 4 107. With the three-op decode (raw
-    # docs/bench/2026-12-01_moe_mxfp4_decode_shift_h200.log): 8 x 16 x 3 48.0, the rest 50.2-60.3
+    # docs/bench/2026-12-01_moe_mxfp4_decode_shift_h200.log): 8 x 16 x 3 48.0, the rest 50.2-60.3.
+    # The stream of PTX products and loads a step ahead (raw ..._moe_mxfp4_cuda_stream_h200.log):
+    # 8 x 16 x 4 33.3 (1 stage: 33.3), 16 x 16 x 8 35.8, 4 x 32 x 4 36.4, 8 x 32 x 8 37.4.
     moe_mxfp4: tuple[int, int, int, int] = (8, 16, 4, 3)
     # ... through float16 tensor-core dots (moe_experts_mxfp4.py's _row_stream_mma), from
     # ``min_pairs`` (token, expert) pairs up. H200, 2026-12-01, gpt-oss-20b's layer, top 4 (raw
     # docs/bench/2026-12-01_moe_mxfp4_mma_tiles_h200.log): 32 x 8, 2 warps, 3 stages 47.1 us at
     # one token (CUDA cores 47.1), 110.9 / 184.6 at 4 / 8 tokens (146.7 / 278.1); 64 x 8 x 4 x 3
-    # 106.7 / 187.3; 16 rows or 16 blocks a step slower. At 2 tokens (8 pairs) 61.4 against 80.7.
+    # 106.7 / 187.3; 16 rows or 16 blocks a step slower. At 2 tokens (8 pairs) 61.4 against 80.7;
+    # against the CUDA-core stream of PTX products, 62.0 against 61.5 (at 8 tokens 177.3 / 223.3).
     moe_mxfp4_mma: tuple[int, int, int, int] = (32, 8, 2, 3)
     moe_mxfp4_mma_min_pairs: int = 8
 

@@ -566,21 +566,19 @@ def test_rejection(method, with_probs, on_gpu, record_property):
 @line("peagle", "MXFP4 expert kernels at gpt-oss-20b's widths, bf16: the CUDA-core path (4 pairs) and the "
                 "tensor-core one (PTX decode, 16 pairs) == reference")
 def test_mxfp4_kernel_paths(on_gpu, record_property):
-    """kernels_pallas/moe_experts_mxfp4.py at one token (4 pairs: fp4_f32_bits' CUDA-core
-    stream) and four (16 pairs: the float16 tensor-core stream, its PTX decode) == the jnp
+    """kernels_pallas/moe_experts_mxfp4.py at one token (4 pairs: the CUDA-core stream, its
+    PTX decode and products) and four (16 pairs: the float16 tensor-core stream, its PTX decode) == the jnp
     reference, bf16 activations, gpt-oss's biases and clamped SwiGLU (a CPU smoke run:
     interpreted, narrow experts, the tensor-core path forced)."""
     import jax.numpy as jnp
 
     from kernels_pallas import moe_experts_mxfp4 as mx
+    from tests.helpers.mxfp4 import packed
 
     E, I, H = (32, 2880, 2880) if on_gpu else (4, 64, 96)
     rng = np.random.default_rng(9)
 
-    def packed(*shape):
-        return (jnp.asarray(rng.integers(0, 256, shape[:-1] + (shape[-1] // 32, 16), dtype=np.uint8)),
-                jnp.asarray(rng.integers(118, 124, shape[:-1] + (shape[-1] // 32,), dtype=np.uint8)))
-    gu, dn = packed(E, 2 * I, H), packed(E, H, I)
+    gu, dn = packed(rng, E, 2 * I, H), packed(rng, E, H, I)
     bf = jnp.bfloat16
     b_gu, b_dn = (jnp.asarray(0.1 * rng.normal(size=s), bf) for s in ((E, 2 * I), (E, H)))
     errs = {}

@@ -5,7 +5,6 @@ plan == on XLA. gpt-oss end to end against transformers: tests/e2e/test_gpt_oss.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,7 +17,6 @@ from kernels_pallas.moe_experts import ref_moe_experts
 from kernels_pallas.moe_experts_mxfp4 import (
     dequantize,
     fp4_as_f16,
-    fp4_f32_bits,
     fp4_values,
     moe_experts_mxfp4,
     moe_experts_mxfp4_gpu,
@@ -26,17 +24,12 @@ from kernels_pallas.moe_experts_mxfp4 import (
     supports,
     use_mma,
 )
+from tests.helpers.mxfp4 import packed
 
 BF16 = jnp.bfloat16
 # H = 96: G = 3 blocks of 32, so a block_g of 2 leaves a masked last step (gpt-oss's G = 90);
 # I = 64 (GI = 2).
 E, I, H = 6, 64, 96
-
-
-def packed(rng, *shape):
-    blocks = rng.integers(0, 256, shape[:-1] + (shape[-1] // 32, 16), dtype=np.uint8)
-    scales = rng.integers(120, 126, shape[:-1] + (shape[-1] // 32,), dtype=np.uint8)
-    return jnp.asarray(blocks), jnp.asarray(scales)
 
 
 def inputs(seed, N, top_k, dtype, bias):
@@ -161,13 +154,3 @@ def test_ops_moe_gpu_plan_streams_packed_experts_as_xla_does(N):
     want = ops.moe(KernelPlan(), x, w_router, wg, wd, **args)
     assert calls, "the GPU plan did not take the MXFP4 kernels"
     np.testing.assert_allclose(f32(got), f32(want), rtol=2e-2, atol=2e-2 * float(np.abs(f32(want)).max()))
-
-
-def test_gpu_decode_bits():
-    """fp4_f32_bits (the GPU kernels' decode) places every code's value times 2^-126 in an f32,
-    0.5 as a subnormal: its bits checked here (numpy keeps subnormals; the kernels on the CPU
-    take fp4_as_f16, since XLA's CPU flushes them)."""
-    b = jnp.arange(256, dtype=jnp.int32)
-    lo, hi = jax.jit(fp4_f32_bits)(b)
-    for got, codes in ((lo, b & 15), (hi, b >> 4)):
-        np.testing.assert_array_equal(np.asarray(got).astype(np.float64) * 2.0**126, np.asarray(fp4_values(codes)))
