@@ -25,10 +25,13 @@ MOE_DENSE_CHUNK = 512
 # vs 7.14-7.26, batch 16 (128) 21.4 vs 16.7.
 MOE_KERNEL_MIN_FRACTION = 0.5
 # MXFP4 experts take kernels_pallas/moe_experts_mxfp4.py (with the plan's GPU kernels) up to
-# this many pairs per expert: the dense way dequantizes every expert (2 bytes a weight written,
-# then read: 4) where the kernel reads each pair's expert packed (0.53 bytes a weight), equal
-# near 7.5 E pairs; 4 leaves room for the kernel's decoding. Not yet measured on a GPU.
-MXFP4_KERNEL_MAX_FRACTION = 4
+# this many pairs per expert: the dense way dequantizes every expert once, the kernels stream
+# each pair's expert packed. H200, gpt-oss-20b's layer (scripts/bench_moe_mxfp4.py, raw
+# docs/bench/2026-12-01_moe_mxfp4_fraction_h200.log): the kernels 625 / 1,218 / 2,379 us at
+# 4 / 8 / 16 E pairs (32 / 64 / 128 tokens), XLA's dense way 3,244 / 3,262 / 3,300: ~4.7 us a
+# pair against a flat ~3.3 ms, equal near 22 E. Both scale with the expert's bytes, so the
+# fraction holds for gpt-oss-120b's 128 experts.
+MXFP4_KERNEL_MAX_FRACTION = 16
 
 
 def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_topk_prob: bool, residual=None,
