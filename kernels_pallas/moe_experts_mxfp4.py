@@ -173,10 +173,10 @@ def _row_stream(blk_ref, sc_ref, v_ref, rows, G, block_f, block_g, asm):
     program streams: gate_up's gate and up blocks), those packed rows (blk_ref u8[E R, G, 16],
     sc_ref u8[E R, G]) times the vector v_ref [G, 16, 2] (a block's 16 bytes against its 16
     even and 16 odd values), over G blocks, ``block_g`` a step (the last masked), in one loop:
-    each step's activations loaded once for all of them. Each step's loads are issued before
-    the step before it is computed (carried in the loop), so their latency hides behind that
-    math; each (row, block) sum takes its scale once, after its 16 lanes are added. asm: the
-    PTX of fp4_pair_products (the GPU), else fp4_as_f16."""
+    each step's activations loaded once for all of them. Step i + 1's loads are issued before
+    step i's math (carried in the loop), so that their latency hides behind it; each (row,
+    block) sum takes its scale once, after its 16 lanes are added. asm: the PTX of
+    fp4_pair_products (the GPU), else fp4_as_f16."""
     f32 = jnp.float32
 
     def loads(i):  # step i's activations, packed rows and scales (past G masked: no traffic)
@@ -205,10 +205,10 @@ def _row_stream(blk_ref, sc_ref, v_ref, rows, G, block_f, block_g, asm):
 
 
 # The tensor-core path's decode on the GPU: PTX moving each byte's nibbles into float16 bits
-# (the value times 2^-14, as fp4_as_f16), two values a 32-bit register, as _PAIR_ASM without its
-# conversions and products: four bytes (Triton packs them into one register) -> four low-nibble values (11
-# ops) or four high-nibble ones (10). prmt orders the bytes 0, 2, 1, 3 so that a register's two
-# float16 halves are consecutive elements.
+# (the value times 2^-14, as fp4_as_f16), two values a 32-bit register, as _PAIR_ASM without
+# its conversions and products: four bytes (Triton packs them into one register) -> four
+# low-nibble values (11 ops) or four high-nibble ones (10). prmt orders the bytes 0, 2, 1, 3 so
+# that a register's two float16 halves are consecutive elements.
 _F16_ASM = {
     "lo": """{
 .reg .b32 r, a, b;
@@ -238,10 +238,11 @@ def fp4_f16(blk, asm: bool):
 
 def _row_stream_mma(blk_ref, sc_ref, v_ref, rows, G, block_f, block_g, asm):
     """_row_stream through tensor cores: blk_ref u8[E R, G 16], sc_ref u8[E R, G], v_ref
-    [G 16, 2] (flat: a byte's even and odd value). A step's packed rows [block_f, block_g 16] decoded to float16 go
-    through one dot with a block-diagonal [block_g 16, block_g] operand (column g holds block
-    g's activations, zeros elsewhere), so that each (row, block) sum comes out apart and takes
-    its block's scale: f32 [block_f, block_g] accumulated, summed over blocks at the end."""
+    [G 16, 2] (flat: a byte's even and odd value). A step's packed rows [block_f, block_g 16]
+    decoded to float16 go through one dot with a block-diagonal [block_g 16, block_g] operand
+    (column g holds block g's activations, zeros elsewhere), so that each (row, block) sum comes
+    out apart and takes its block's scale: f32 [block_f, block_g] accumulated, summed over
+    blocks at the end."""
     f32, f16 = jnp.float32, jnp.float16
     W = block_g * 16  # bytes of a row a step
     iota = lambda shape, d: lax.broadcasted_iota(jnp.int32, shape, d)  # noqa: E731
