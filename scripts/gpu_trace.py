@@ -7,6 +7,7 @@ start and end on the device, so the sum of a call's kernel durations is what the
 adds to a GPU step whatever the host does.
 
 traced_events(fn, arg_sets, reps) -> the GPU events themselves (scripts/step_profile.py).
+host_times(fn, reps) -> where the host's time goes in back-to-back calls (its profiler planes).
 device_times(fn, arg_sets, reps) -> {"busy_us": mean GPU busy time per call (every kernel,
 memset and copy the call ran), "union_us": the same as the union of their intervals (below
 busy_us only where kernels overlap, as with PDL), "kernels_us": {kernel name: mean us per call}}.
@@ -57,6 +58,32 @@ def traced_events(fn, arg_sets, reps=10):
         seen = {p.name: [ln.name for ln in p.lines][:6] for p in ProfileData.from_file(files[0]).planes}
         raise RuntimeError(f"no GPU stream events in the trace (is this a GPU backend?); planes/lines: {seen}")
     return events
+
+
+def host_times(fn, reps=10):
+    """{host event name: (us a call, events a call)} over reps calls of fn() back to back (one
+    wait at the end, as a decode loop runs), from the profiler's host planes: the runtime's
+    own events (the executable's launch, a CUDA graph's launch and update, argument handling)
+    and Python's frames. Profiled, the host runs slower than unprofiled: compare shares."""
+    jax.block_until_ready(fn())
+    d = tempfile.mkdtemp(prefix="jspec_host_trace_")
+    with jax.profiler.trace(d):
+        out = None
+        for _ in range(reps):
+            out = fn()
+        jax.block_until_ready(out)
+    files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+    tot, cnt = collections.Counter(), collections.Counter()
+    for plane in ProfileData.from_file(files[0]).planes:
+        if plane.name.startswith("/device"):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                if "profiler.py" in ev.name or "contextlib.py" in ev.name:  # the trace's own frames
+                    continue
+                tot[ev.name] += ev.duration_ns
+                cnt[ev.name] += 1
+    return {n: (ns / reps / 1e3, cnt[n] / reps) for n, ns in tot.most_common()}
 
 
 def device_times(fn, arg_sets, reps=10):

@@ -5,13 +5,17 @@ under the profiler.
     PYTHONPATH=.:scripts python3 scripts/step_profile.py --model qwen3-30b-a3b   # H100: XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
     PYTHONPATH=.:scripts python3 scripts/step_profile.py --model tiny            # CPU smoke test (no profile)
     PYTHONPATH=.:scripts python3 scripts/step_profile.py --model gpt-oss-20b     # MXFP4 experts, dummy weights
+    PYTHONPATH=.:scripts python3 scripts/step_profile.py --model gpt-oss-20b --host   # ... and the host's time
     PYTHONPATH=.:scripts python3 scripts/step_profile.py --model llama-8b --quantization fp8   # FP8 projections
 
 --q 16: the target forward of a verification step (16 tokens) instead of the decode step.
 Prints the engine's step time (LLMEngine.step, async scheduling), the jitted step's wall
 time waited and back to back, then from the profiler's kernel records: GPU busy time per
 step, kernels per step, each call's span (first kernel start to last end), and the top
-kernels with their launches per step. Raw results: docs/bench/*_step_profile_*.log.
+kernels with their launches per step. --host: then the host's side of back-to-back steps, each
+host event's time a step (gpu_trace.host_times: the executable's and a CUDA graph's launch and
+update, argument handling, Python frames). Raw results: docs/bench/*_step_profile_*.log,
+*_host_trace_*.log.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from bench_common import (
     timeit,
     verify_schedule,
 )
-from gpu_trace import traced_events
+from gpu_trace import host_times, traced_events
 
 from jspec.checkpoint.target import target_param_spec
 
@@ -86,6 +90,7 @@ def main():
     ap.add_argument("--quantization", choices=["fp8"], default=None,
                     help="the target's projections FP8 per channel, quantized at load (as scripts/bench.py)")
     ap.add_argument("--ctx", type=int, default=512, help="tokens each row has in the KV cache")
+    ap.add_argument("--host", action="store_true", help="also each host event's time a step, back to back")
     args = ap.parse_args()
     bench_common.QUANTIZATION = args.quantization
     rng = np.random.default_rng(0)
@@ -109,6 +114,10 @@ def main():
 
     print(f"jitted step: {timeit(lambda: r.run(inp), reps=30) * 1e3:.3f} ms waited, "
           f"{timeit(ten, reps=5) / 10 * 1e3:.3f} ms back to back", flush=True)
+    if args.host:
+        print(f"host, {args.reps} steps back to back (profiled):", flush=True)
+        for name, (us, n) in list(host_times(lambda: r.run(inp), reps=args.reps).items())[:args.top]:
+            print(f"  {us:8.1f} us/step  x{n:5.1f}  {name[:90]}", flush=True)
     if jax.default_backend() != "gpu":
         return
     events = traced_events(lambda: r.run(inp), [()], reps=args.reps)
