@@ -107,5 +107,6 @@ def main(argv=None):
         print(f"tokens {N:3d} ({N * K:3d} pairs, {touched} experts, bound {bound * 1e6:.1f} us): " + ", ".join(row),
               flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -40,22 +40,31 @@ def _device_events(path):
     return out
 
 
+def _profiled(run) -> str:
+    """The .xplane.pb the profiler writes while run() runs."""
+    d = tempfile.mkdtemp(prefix="jspec_trace_")
+    with jax.profiler.trace(d):
+        run()
+    files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+    if not files:
+        raise RuntimeError(f"the profiler wrote no .xplane.pb under {d}")
+    return files[0]
+
+
 def traced_events(fn, arg_sets, reps=10):
     """(name, duration_ns, start_ns) of every GPU event of len(arg_sets) * reps calls of fn,
     each call waited for (so calls never overlap), after one untimed call per arg set."""
     for args in arg_sets:  # warm (and compile if needed) outside the trace
         jax.block_until_ready(fn(*args))
-    d = tempfile.mkdtemp(prefix="jspec_trace_")
-    with jax.profiler.trace(d):
+
+    def run():
         for _ in range(reps):
             for args in arg_sets:
                 jax.block_until_ready(fn(*args))
-    files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-    if not files:
-        raise RuntimeError(f"the profiler wrote no .xplane.pb under {d}")
-    events = _device_events(files[0])
+    path = _profiled(run)
+    events = _device_events(path)
     if not events:
-        seen = {p.name: [ln.name for ln in p.lines][:6] for p in ProfileData.from_file(files[0]).planes}
+        seen = {p.name: [ln.name for ln in p.lines][:6] for p in ProfileData.from_file(path).planes}
         raise RuntimeError(f"no GPU stream events in the trace (is this a GPU backend?); planes/lines: {seen}")
     return events
 
@@ -66,21 +75,20 @@ def host_times(fn, reps=10):
     own events (the executable's launch, a CUDA graph's launch and update, argument handling)
     and Python's frames. Profiled, the host runs slower than unprofiled: compare shares."""
     jax.block_until_ready(fn())
-    d = tempfile.mkdtemp(prefix="jspec_host_trace_")
-    with jax.profiler.trace(d):
+
+    def run():
         out = None
         for _ in range(reps):
             out = fn()
         jax.block_until_ready(out)
-    files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
     tot, cnt = collections.Counter(), collections.Counter()
-    for plane in ProfileData.from_file(files[0]).planes:
+    for plane in ProfileData.from_file(_profiled(run)).planes:
         if plane.name.startswith("/device"):
             continue
         for line in plane.lines:
             for ev in line.events:
-                if "profiler.py" in ev.name or "contextlib.py" in ev.name:  # the trace's own frames
-                    continue
+                if any(f in ev.name for f in ("profiler.py", "contextlib.py", "gpu_trace.py")):
+                    continue  # the trace's own frames
                 tot[ev.name] += ev.duration_ns
                 cnt[ev.name] += 1
     return {n: (ns / reps / 1e3, cnt[n] / reps) for n, ns in tot.most_common()}

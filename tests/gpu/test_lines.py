@@ -567,9 +567,9 @@ def test_rejection(method, with_probs, on_gpu, record_property):
                 "tensor-core one (PTX decode, 16 pairs) == reference")
 def test_mxfp4_kernel_paths(on_gpu, record_property):
     """kernels_pallas/moe_experts_mxfp4.py at one token (4 pairs: the CUDA-core stream, its
-    PTX decode and products) and four (16 pairs: the float16 tensor-core stream, its PTX decode) == the jnp
-    reference, bf16 activations, gpt-oss's biases and clamped SwiGLU (a CPU smoke run:
-    interpreted, narrow experts, the tensor-core path forced)."""
+    PTX decode and products) and four (16 pairs: the float16 tensor-core stream, its PTX
+    decode) == the jnp reference, bf16 activations, gpt-oss's biases and clamped SwiGLU (a CPU
+    smoke run: interpreted, narrow experts, the tensor-core path forced)."""
     import jax.numpy as jnp
 
     from kernels_pallas import moe_experts_mxfp4 as mx
