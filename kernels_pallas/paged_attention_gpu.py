@@ -110,7 +110,7 @@ def _kernel(
     tokens_per_split: int,  # the most keys of one split (W * S over the splits)
     splits: int,  # kv_splits
     has_causal: bool,
-    has_sinks: bool = False,  # gpt-oss: sinks_ref f32[H] after v_ref (one split: joined here; more: in the combine)
+    has_sinks: bool = False,  # gpt-oss: sinks_ref [H] after v_ref (one split: joined here; more: in the combine)
     window: int = 0,  # gpt-oss's sliding layers: a row sees the window keys up to its last
 ):
     # refs: pt_ref i32[B * W] (flattened page table), pos_ref i32[B * Q], q_ref [N = B*Q*H, D],
@@ -221,7 +221,7 @@ def _combine_kernel(lse_ref, o_ref, *refs, splits: int, rows: int, heads: int = 
     lse_ref f32[splits * rows], o_ref [splits * rows, D] (split s of row n at s * rows + n).
     One launch instead of the 3-4 XLA fusions a jnp combine compiles to (each ~1 us of
     GPU time at batch 1, as much as a third of a decode attention call). ``heads`` > 0: a
-    sinks_ref f32[heads] precedes out_ref, row n's (head n % heads) sink a split of its own
+    sinks_ref [heads] precedes out_ref, row n's (head n % heads) sink a split of its own
     with no keys: its weight joins the denominator only.
     """
     sinks_ref, out_ref = refs if heads else (None, refs[0])
@@ -245,7 +245,7 @@ def _combine_kernel(lse_ref, o_ref, *refs, splits: int, rows: int, heads: int = 
 
 def combine_splits(o_s, lse, n, dtype, *, kernel: bool, num_warps: int = 2, interpret: bool = False, sinks=None):
     """[splits, rows, D] split outputs + f32[splits, rows] log-sum-exps -> [n, D] (first n rows).
-    ``sinks`` f32[H] (gpt-oss): row r's head r % H sink joins its denominator."""
+    ``sinks`` [H] (gpt-oss; any float dtype, taken as f32): row r's head r % H sink joins its denominator."""
     splits, rows, D = o_s.shape
     if not kernel:  # the jnp combine (XLA fusions): the reference the kernel is checked against
         lse, o_s = lse[:, :n], o_s[:, :n].astype(jnp.float32)
@@ -257,7 +257,7 @@ def combine_splits(o_s, lse, n, dtype, *, kernel: bool, num_warps: int = 2, inte
         o = jnp.sum(w[..., None] * o_s, axis=0) / jnp.sum(w, axis=0)[..., None]
         return o.astype(dtype)
     whole = pl.BlockSpec()
-    extra = [] if sinks is None else [sinks.astype(jnp.float32)]
+    extra = [] if sinks is None else [sinks]  # read as f32 in the kernel (an XLA convert: a graph node a layer)
     return pl.pallas_call(
         functools.partial(_combine_kernel, splits=splits, rows=rows, heads=0 if sinks is None else sinks.shape[0]),
         grid=(n,),
@@ -297,7 +297,7 @@ def paged_attention_gpu(
     kv_lens,  # i32[B]; keys valid per sequence (0 = empty slot)
     positions,  # i32[B, Q]; position of each query token (causal rows)
     causal=None,  # bool[B] | None; False = DFlash block (sees all kv_lens keys)
-    sinks=None,  # f32[H] | None: gpt-oss's attention sinks (paged_attention.softmax_with_sinks)
+    sinks=None,  # [H] | None: gpt-oss's attention sinks (paged_attention.softmax_with_sinks), taken as f32
     *,
     sm_scale: float,
     window: int = 0,  # > 0: gpt-oss's sliding window (the reference's)
@@ -357,7 +357,7 @@ def paged_attention_gpu(
         q.reshape(N, D),
         k_pages.reshape(P * S * KVH, D),
         v_pages.reshape(P * S * KVH, D),
-    ] + ([] if sinks is None else [sinks.astype(jnp.float32)])
+    ] + ([] if sinks is None else [sinks])  # in the model's dtype, read as f32 (as combine_splits)
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, page_size=S, kv_heads=KVH, group=G, q_len=Q, table_width=W,
         block_rows=block_rows, block_kv=block_kv, tokens_per_split=tokens_per_split, splits=kv_splits,

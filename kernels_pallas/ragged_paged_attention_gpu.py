@@ -101,7 +101,7 @@ def _kernel(
     tokens_per_split: int,
     splits: int,
     has_causal: bool,
-    has_sinks: bool = False,  # gpt-oss: sinks_ref f32[H] after v_ref (as paged_attention_gpu.py)
+    has_sinks: bool = False,  # gpt-oss: sinks_ref [H] after v_ref (as paged_attention_gpu.py)
     window: int = 0,  # gpt-oss's sliding layers
 ):
     # k_ref/v_ref: [P * S * KVH, D] (row = (page * S + slot) * KVH + head), [sinks_ref]. Outputs: o_ref
@@ -222,7 +222,7 @@ def ragged_paged_attention_gpu(
     page_table,  # i32[N, W]
     num_seqs,  # i32[1]
     causal=None,  # bool[N] | None
-    sinks=None,  # f32[H] | None: gpt-oss's attention sinks (the reference's)
+    sinks=None,  # [H] | None: gpt-oss's attention sinks (the reference's), taken as f32
     *,
     sm_scale: float,
     window: int = 0,  # > 0: gpt-oss's sliding window (the reference's)
@@ -267,7 +267,7 @@ def ragged_paged_attention_gpu(
         q.reshape(T * H, D),  # free reshapes only: no transposes around the call
         k_pages.reshape(P * S * KVH, D),
         v_pages.reshape(P * S * KVH, D),
-    ] + ([] if sinks is None else [sinks.astype(jnp.float32)])
+    ] + ([] if sinks is None else [sinks])  # read as f32 in the kernel
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, page_size=S, kv_heads=KVH, group=G, num_tokens=T, table_width=W,
         block_q=block_q, block_rows=block_rows, block_kv=block_kv, tokens_per_split=blocks_per_split * block_kv,
