@@ -3,6 +3,8 @@ the ops facade, jspec/ops.py, which re-exports ``moe``)."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -58,7 +60,7 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
         1024 (compute-bound there), where the gather re-reads an expert per pair (1.6 ms at
         64) and XLA's grouped GEMM (lax.ragged_dot) took 1.8, 4.3 and 14.6 ms
         (docs/bench/2026-11-27_moe_layer_dense_h100.log).
-    Each token sums its top_k rows (zeros elsewhere add nothing).
+    Each token sums its top_k rows (zeros elsewhere add nothing on the dense way).
     gpt-oss: the router's bias b_router [E], the experts' b_gate_up [E, 2I] and b_down [E, H],
     the clamped SwiGLU (swiglu_limit > 0: kernels_pallas/moe_experts.swiglu); the expert
     kernels take none of them, so those layers run the XLA ways.
@@ -66,17 +68,39 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
     run the XLA ways: at most E pairs each pair's expert gathered still quantized, then
     dequantized; more, every expert dequantized. With the plan's GPU kernels, MXFP4 experts
     at most MXFP4_KERNEL_MAX_FRACTION * E pairs stream packed through
-    kernels_pallas/moe_experts_mxfp4.py (biases and the clamped SwiGLU in the kernel)."""
+    kernels_pallas/moe_experts_mxfp4.py (biases and the clamped SwiGLU in the kernel); for up
+    to moe_router.LOGITS_MAX_TOKENS tokens of a Normed x (the decoder layer's) the norm and
+    the router's projection run as one kernel (moe_router.norm_logits) and down's kernel sums
+    each token's pairs and adds the residual: on gpt-oss-20b at one token (H200, 2026-12-01,
+    scripts/step_profile.py; raw docs/bench/2026-12-01_gpt_oss_step_kernels_h200.log) 8
+    kernels a layer where 13 ran (339 -> 219 a step: each a CUDA graph node the host launches),
+    GPU time 2.04 -> 1.94 ms a step, the jitted step back to back 2.49 -> 2.17 ms.
+    Each token's weighted sum: moe_experts.combine_pairs (f32 over its pairs) on every way."""
     from jspec.ops import Normed, linear  # the facade's (it imports this module)
 
-    x = x.value() if isinstance(x, Normed) else x
     shape, H = x.shape, x.shape[-1]
-    xf = x.reshape(-1, H)  # [N, H]
-    N, E = xf.shape[0], w_gate_up.shape[0]
-    logits = linear(plan, xf, w_router, b_router).astype(jnp.float32)  # [N, E]
+    N, E = math.prod(shape[:-1]), w_gate_up.shape[0]
     oss = dict(b_gate_up=b_gate_up, b_down=b_down, limit=swiglu_limit, alpha=swiglu_alpha)
-    plain_experts = b_gate_up is None and b_down is None and not swiglu_limit
     gpu = isinstance(plan.linear, GPU)
+    mxfp4_kernel = (isinstance(w_gate_up, Mxfp4Weight) and gpu and N * top_k <= MXFP4_KERNEL_MAX_FRACTION * E
+                    and _mxfp4.supports((N, H), w_gate_up.blocks.shape))
+    if mxfp4_kernel and isinstance(x, Normed) and _router.norm_logits_supports(N, H) and \
+            _router.supports(E, top_k) and w_router.shape == (E, H) and not isinstance(w_router, QuantWeight):
+        # a few tokens (decode, a verification block): the norm and the router's projection in
+        # one kernel, each token's weighted sum and the residual in down's: 5 kernels a layer fewer
+        interpret = plan.linear.interpret
+        xn, logits = _router.norm_logits(x.x.reshape(N, H), w_router, norm_w=x.weight, eps=x.eps, bias=b_router,
+                                         interpret=interpret)
+        weights, experts = _router.router_top_k(logits, top_k=top_k, norm=norm_topk_prob, interpret=interpret)
+        out = _mxfp4.moe_experts_mxfp4(
+            xn.astype(w_gate_up.dtype), experts.reshape(-1), w_gate_up.blocks, w_gate_up.scales, w_down.blocks,
+            w_down.scales, top_k=top_k, weights=weights, interpret=interpret,
+            residual=None if residual is None else residual.reshape(N, H), **oss)
+        return out.reshape(shape)
+    x = x.value() if isinstance(x, Normed) else x
+    xf = x.reshape(-1, H)  # [N, H]
+    logits = linear(plan, xf, w_router, b_router).astype(jnp.float32)  # [N, E]
+    plain_experts = b_gate_up is None and b_down is None and not swiglu_limit
     if gpu and _router.supports(E, top_k):
         weights, experts = _router.router_top_k(logits, top_k=top_k, norm=norm_topk_prob,
                                                 interpret=plan.linear.interpret)  # [N, k]
@@ -84,8 +108,6 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
         weights, experts = _router.ref_router_top_k(logits, top_k=top_k, norm=norm_topk_prob)
     weights = weights.astype(x.dtype)
     quant = isinstance(w_gate_up, (QuantWeight, Mxfp4Weight))
-    mxfp4_kernel = (isinstance(w_gate_up, Mxfp4Weight) and gpu and N * top_k <= MXFP4_KERNEL_MAX_FRACTION * E
-                    and _mxfp4.supports(xf.shape, w_gate_up.blocks.shape))
     if N * top_k <= E or mxfp4_kernel:  # y [N k, H]: pair j is token j // k
         if mxfp4_kernel:
             y = _mxfp4.moe_experts_mxfp4(xf.astype(w_gate_up.dtype), experts.reshape(-1), w_gate_up.blocks,
@@ -103,7 +125,7 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
                                  interpret=plan.linear.interpret)
         else:
             y = _moe.ref_moe_experts(xf, experts.reshape(-1), w_gate_up, w_down, top_k=top_k, **oss)
-        out = (y.reshape(N, top_k, H) * weights[..., None]).sum(1)
+        out = _moe.combine_pairs(y, weights)
     else:
         if quant:
             w_gate_up, w_down = w_gate_up.dequantize(), w_down.dequantize()

@@ -75,6 +75,17 @@ def ref_moe_experts(x, experts, w_gate_up, w_down, *, top_k: int, b_gate_up=None
     return y if b_down is None else y + b_down[experts]
 
 
+def combine_pairs(y, weights, *, residual=None):
+    """Each token's weighted sum of its top_k rows: y [N * top_k, H] (pair p is token p // top_k),
+    weights [N, top_k] -> [residual +] sum_j round(weights[n, j] * y[n top_k + j]), the products
+    rounded to y's dtype (as XLA's multiply), summed in f32 in pair order, rounded; then the
+    residual added in y's dtype. moe_experts_mxfp4's down kernel forms it in its epilogue."""
+    N, top_k = weights.shape
+    prod = y.reshape(N, top_k, -1) * weights.astype(y.dtype)[..., None]
+    out = prod.astype(jnp.float32).sum(1).astype(y.dtype)
+    return out if residual is None else residual + out
+
+
 def supports(w_gate_up_shape, w_down_shape, dtype) -> bool:
     """The kernels' contract: tiles that divide [I, H] (gate and up halves) and [H, I], and
     stacked weights addressable with int32 element offsets."""

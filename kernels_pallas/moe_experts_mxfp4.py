@@ -24,7 +24,12 @@ masked: gpt-oss's G = 2880 / 32 = 90 has no large power-of-two divisor):
   1. grid (pairs, I / block_f): the pair's gate and up rows against x's even and odd values
      (read through a [..., 2] view of x: each byte's two nibbles meet them without an
      interleave), f32 accumulation, the scale applied per block; bias and SwiGLU -> act [P, I];
-  2. grid (pairs, H / block_f): the down rows against act's even and odd values; bias -> y.
+  2. grid (pairs, H / block_f): the down rows against act's even and odd values; bias -> y;
+     or, given the pairs' weights [N, top_k] (and a residual [N, H]), grid (tokens, H / block_f):
+     a token's pairs' rows streamed together, each pair's rows as above, then summed as
+     moe_experts.combine_pairs [+ the residual] -> [N, H] (jspec.ops.moe's few-token way: the
+     XLA fusion of that sum goes; at one token of gpt-oss-20b 15.0 us against 12.4 for the
+     pairs apart and that fusion's 1.35, one CUDA graph node a layer fewer).
 Two streams of a program's rows: on CUDA cores (``_row_stream``, up to ``use_mma``'s pair count,
 and for float32 activations: PTX decodes each byte and forms its two products, each step's
 loads are issued a step ahead) and through float16 tensor-core dots (``_row_stream_mma``:
@@ -57,7 +62,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas.fused_linear import _pow2_divisor, silu_mul_rounded
-from kernels_pallas.moe_experts import ref_moe_experts
+from kernels_pallas.moe_experts import combine_pairs, ref_moe_experts
 from kernels_pallas.tuning import device_tuning
 
 BLOCK = 32  # values a scale covers
@@ -137,21 +142,30 @@ def power_of_two(scales):
 
 
 def ref_moe_experts_mxfp4(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, *, top_k: int,
-                          b_gate_up=None, b_down=None, limit: float = 0.0, alpha: float = 1.702):
+                          b_gate_up=None, b_down=None, limit: float = 0.0, alpha: float = 1.702, weights=None,
+                          residual=None):
     """The jnp reference: each pair's expert gathered still packed, dequantized to x's dtype,
-    then moe_experts.ref_moe_experts. Shapes in the module docstring."""
-    validate(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, top_k)
+    then moe_experts.ref_moe_experts; with weights [N, top_k] (and residual [N, H]) each
+    token's pairs combined (moe_experts.combine_pairs) -> [N, H]. Shapes in the module
+    docstring."""
+    validate(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, top_k, weights, residual)
     pairs = jnp.arange(experts.shape[0])
     take = lambda a: None if a is None else a[experts]  # noqa: E731
     gu = dequantize(gu_blocks[experts], gu_scales[experts], x.dtype)
     dn = dequantize(down_blocks[experts], down_scales[experts], x.dtype)
     xs = jnp.repeat(x, top_k, axis=0)  # pair p's token, so that pair p reads row p of the gathered experts
-    return ref_moe_experts(xs, pairs, gu, dn, top_k=1, b_gate_up=take(b_gate_up), b_down=take(b_down),
-                           limit=limit, alpha=alpha)
+    y = ref_moe_experts(xs, pairs, gu, dn, top_k=1, b_gate_up=take(b_gate_up), b_down=take(b_down), limit=limit,
+                        alpha=alpha)
+    return y if weights is None else combine_pairs(y, weights, residual=residual)
 
 
-def validate(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, top_k: int):
+def validate(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, top_k: int, weights=None, residual=None):
     N, H = x.shape
+    if (weights is not None and weights.shape != (N, top_k)) or (residual is not None and (
+            weights is None or residual.shape != (N, H))):
+        raise ValueError(f"moe_experts_mxfp4: weights {None if weights is None else weights.shape} and residual "
+                         f"{None if residual is None else residual.shape} must be [N, top_k] = ({N}, {top_k}) and "
+                         f"[N, H] = ({N}, {H}), the residual only with weights")
     E, I2 = gu_blocks.shape[:2]
     I = I2 // 2
     want = {"gu_blocks": (E, I2, H // BLOCK, BLOCK // 2), "gu_scales": (E, I2, H // BLOCK),
@@ -168,7 +182,14 @@ def validate(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, top_k: 
             raise ValueError(f"moe_experts_mxfp4: {k} must be uint8, got {a.dtype}")
 
 
-def _row_stream(blk_ref, sc_ref, v_ref, rows, G, block_f, block_g, asm):
+def _vector_keys(rows, leads):
+    """(the distinct vectors' leading indices, each row's position among them)."""
+    leads = ((),) * len(rows) if leads is None else tuple(leads)
+    keys = list(dict.fromkeys(leads))
+    return keys, [keys.index(lead) for lead in leads]
+
+
+def _row_stream(blk_ref, sc_ref, v_ref, rows, G, block_f, block_g, asm, leads=None):
     """(f32[block_f], ...): for each of ``rows`` (pl.ds's of the stacked rows, as many as a
     program streams: gate_up's gate and up blocks), those packed rows (blk_ref u8[E R, G, 16],
     sc_ref u8[E R, G]) times the vector v_ref [G, 16, 2] (a block's 16 bytes against its 16
@@ -176,25 +197,29 @@ def _row_stream(blk_ref, sc_ref, v_ref, rows, G, block_f, block_g, asm):
     each step's activations loaded once for all of them. Step i + 1's loads are issued before
     step i's math (carried in the loop), so that their latency hides behind it; each (row,
     block) sum takes its scale once, after its 16 lanes are added. asm: the PTX of
-    fp4_pair_products (the GPU), else fp4_as_f16."""
+    fp4_pair_products (the GPU), else fp4_as_f16. leads: each row's vector, as leading indices
+    into v_ref (a block of several: down's summed pairs, streamed together; one indexer a load,
+    all Triton's lowering takes); None: one vector for all."""
     f32 = jnp.float32
+    keys, key_of = _vector_keys(rows, leads)
 
     def loads(i):  # step i's activations, packed rows and scales (past G masked: no traffic)
         g0 = i * block_g
         live = lambda shape, axis: g0 + lax.broadcasted_iota(jnp.int32, shape, axis) < G  # noqa: E731
         gs = pl.ds(g0, block_g)
-        vec = tuple(plt.load(v_ref.at[gs, :, jnp.int32(k)], mask=live((block_g, 16), 0), other=0.0)
-                    for k in (0, 1))
+        vec = tuple(tuple(plt.load(v_ref.at[(*map(jnp.int32, lead), gs, slice(None), jnp.int32(k))],
+                                   mask=live((block_g, 16), 0), other=0.0) for k in (0, 1)) for lead in keys)
         blks = tuple(plt.load(blk_ref.at[r, gs, :], mask=live((block_f, block_g, 16), 1), other=0) for r in rows)
         scs = tuple(plt.load(sc_ref.at[r, gs], mask=live((block_f, block_g), 1), other=0) for r in rows)
         return vec, blks, scs
 
     def body(i, carry):
-        accs, ((lo, hi), blks, scs) = carry
+        accs, (vecs, blks, scs) = carry
         nxt = loads(i + 1)
-        lo, hi = lo.astype(f32), hi.astype(f32)
+        vecs = [tuple(v.astype(f32) for v in vec) for vec in vecs]
         out = []
-        for acc, blk, sc in zip(accs, blks, scs):
+        for acc, blk, sc, key in zip(accs, blks, scs, key_of):
+            lo, hi = vecs[key]
             part = jnp.sum(fp4_pair_products(blk, lo[None], hi[None], asm), axis=2)  # [block_f, block_g], x 2^-14
             out.append(acc + part * power_of_two(sc.astype(jnp.int32) + 14))
         return tuple(out), nxt
@@ -236,7 +261,7 @@ def fp4_f16(blk, asm: bool):
     return tuple(v.astype(jnp.float16) for v in fp4_as_f16(blk.astype(jnp.int32)))
 
 
-def _row_stream_mma(blk_ref, sc_ref, v_ref, rows, G, block_f, block_g, asm):
+def _row_stream_mma(blk_ref, sc_ref, v_ref, rows, G, block_f, block_g, asm, leads=None):
     """_row_stream through tensor cores: blk_ref u8[E R, G 16], sc_ref u8[E R, G], v_ref
     [G 16, 2] (flat: a byte's even and odd value). A step's packed rows [block_f, block_g 16]
     decoded to float16 go through one dot with a block-diagonal [block_g 16, block_g] operand
@@ -248,14 +273,19 @@ def _row_stream_mma(blk_ref, sc_ref, v_ref, rows, G, block_f, block_g, asm):
     iota = lambda shape, d: lax.broadcasted_iota(jnp.int32, shape, d)  # noqa: E731
     diag = iota((W, block_g), 0) // 16 == iota((W, block_g), 1)
 
+    keys, key_of = _vector_keys(rows, leads)
+
     def body(i, accs):
         c0, g0 = i * W, i * block_g
         xcol = c0 + iota((W,), 0) < G * 16
-        xs = [plt.load(v_ref.at[pl.ds(c0, W), jnp.int32(k)], mask=xcol, other=0.0).astype(f32) * f32(2.0**-MMA_X_SHIFT)
-              for k in (0, 1)]
-        X_lo, X_hi = (jnp.where(diag, x.astype(f16)[:, None], jnp.zeros((), f16)) for x in xs)
+        Xs = []
+        for lead in keys:
+            xs = [plt.load(v_ref.at[(*map(jnp.int32, lead), pl.ds(c0, W), jnp.int32(k))], mask=xcol, other=0.0).astype(f32)
+                  * f32(2.0**-MMA_X_SHIFT) for k in (0, 1)]
+            Xs.append([jnp.where(diag, x.astype(f16)[:, None], jnp.zeros((), f16)) for x in xs])
         out = []
-        for r, acc in zip(rows, accs):
+        for r, acc, key in zip(rows, accs, key_of):
+            X_lo, X_hi = Xs[key]
             blk = plt.load(blk_ref.at[r, pl.ds(c0, W)], mask=c0 + iota((block_f, W), 1) < G * 16, other=0)
             sc = plt.load(sc_ref.at[r, pl.ds(g0, block_g)], mask=g0 + iota((block_f, block_g), 1) < G,
                           other=0).astype(jnp.int32)
@@ -294,16 +324,32 @@ def _gate_up_kernel(idx_ref, v_ref, blk_ref, sc_ref, b_ref, o_ref, *, I, G, bloc
     o_ref[0, pl.ds(pl.multiple_of(j * block_f, block_f), block_f)] = swiglu_rounded(g, u, dt, limit, alpha).astype(dt)
 
 
-def _down_kernel(idx_ref, v_ref, blk_ref, sc_ref, b_ref, o_ref, *, H, G, block_f, block_g, asm, stream):
+def _down_kernel(idx_ref, v_ref, blk_ref, sc_ref, b_ref, *refs, H, G, block_f, block_g, asm, stream, top_k):
     # idx_ref i32[P]; v_ref [G, 16, 2] (the pair's act); blk_ref u8[E H, G, 16], sc_ref
-    # u8[E H, G], b_ref [E H] (whole); o_ref [1, H].
+    # u8[E H, G], b_ref [E H] (whole); o_ref [1, H]. top_k > 0 (the pairs combined): the
+    # program is token n's, v_ref [top_k, G, 16, 2] its pairs' acts, refs = (wt_ref [N top_k]
+    # (whole), res_ref [1, H] | absent, o_ref): moe_experts.combine_pairs over its rows.
     p, j = pl.program_id(0), pl.program_id(1)
-    row = idx_ref[p] * H + j * block_f
+    o_ref = refs[-1]
     dt, f32 = o_ref.dtype, jnp.float32
-    (y,) = stream(blk_ref, sc_ref, v_ref, (pl.ds(row, block_f),), G, block_f, block_g, asm)
-    y = y.astype(dt)
-    y = (y.astype(f32) + b_ref[pl.ds(row, block_f)].astype(f32)).astype(dt)
-    o_ref[0, pl.ds(pl.multiple_of(j * block_f, block_f), block_f)] = y
+    rnd = lambda a: a.astype(dt).astype(f32)  # noqa: E731
+    cols = pl.ds(pl.multiple_of(j * block_f, block_f), block_f)
+
+    pairs = [p] if not top_k else [p * top_k + s for s in range(top_k)]
+    rows = [idx_ref[q] * H + j * block_f for q in pairs]  # each pair's expert's rows
+    ys = stream(blk_ref, sc_ref, v_ref, tuple(pl.ds(r, block_f) for r in rows), G, block_f, block_g, asm,
+                None if not top_k else [(s,) for s in range(top_k)])  # the pairs streamed together
+    ys = [rnd(rnd(y) + b_ref[pl.ds(r, block_f)].astype(f32)) for y, r in zip(ys, rows)]  # + b_down[e]
+    if not top_k:
+        o_ref[0, cols] = ys[0].astype(dt)
+        return
+    acc = jnp.zeros((block_f,), f32)
+    for q, y in zip(pairs, ys):  # in pair order, as combine_pairs sums; the weight rounded to dt
+        acc = acc + rnd(y * rnd(refs[0][q].astype(f32)))
+    out = rnd(acc)
+    if len(refs) == 3:
+        out = rnd(refs[1][0, cols].astype(f32) + out)
+    o_ref[0, cols] = out.astype(dt)
 
 
 def default_blocks(I: int, H: int, mma: bool = False):
@@ -336,12 +382,14 @@ def supports(x_shape, gu_blocks_shape) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "limit", "alpha", "interpret", "blocks", "mma"))
-def moe_experts_mxfp4_gpu(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, b_gate_up, b_down, *,
-                          top_k: int, limit: float = 0.0, alpha: float = 1.702, interpret: bool = False, blocks=None,
-                          mma: bool | None = None):
+def moe_experts_mxfp4_gpu(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, b_gate_up, b_down,
+                          weights=None, residual=None, *, top_k: int, limit: float = 0.0, alpha: float = 1.702,
+                          interpret: bool = False, blocks=None, mma: bool | None = None):
     """The two kernels; b_gate_up [E, 2I] and b_down [E, H] (zeros where a model has none);
-    mma: the tensor-core path (_row_stream_mma), None for use_mma; blocks: (block_f,
-    block_g, num_warps, num_stages) or None for default_blocks."""
+    weights [N, top_k] (and residual [N, H]): down's programs are a token's, each summing its
+    pairs' rows (moe_experts.combine_pairs) -> [N, H]; mma: the tensor-core path
+    (_row_stream_mma), None for use_mma; blocks: (block_f, block_g, num_warps, num_stages) or
+    None for default_blocks."""
     (_, I2, G, _), P, H = gu_blocks.shape, experts.shape[0], x.shape[1]
     I, GI = I2 // 2, down_blocks.shape[2]
     mma = use_mma(P, I, H, x.dtype) if mma is None else mma
@@ -355,34 +403,43 @@ def moe_experts_mxfp4_gpu(x, experts, gu_blocks, gu_scales, down_blocks, down_sc
         stream, rows = _row_stream, (lambda a: a.reshape((-1,) + a.shape[2:]))
         vec = lambda a, G_: a.reshape(a.shape[0], G_, 16, 2)  # noqa: E731
 
-    def call(kernel, owner, n, name, v, codes, scales, bias):  # one of the two kernels -> [P, n]
-        vec_block = pl.BlockSpec((None,) + v.shape[1:], lambda p, j: (owner(p),) + (0,) * (v.ndim - 1))
+    def call(kernel, owner, n, name, v, codes, scales, bias, per=1, extra=()):
+        # one of the two kernels -> [P / per, n]: a program per (owner of ``per`` vectors, row tile)
+        lead = (None,) if per == 1 else (per,)
+        vec_block = pl.BlockSpec(lead + v.shape[1:], lambda p, j: (owner(p),) + (0,) * (v.ndim - 1))
+        extra_specs = [pl.BlockSpec(), pl.BlockSpec((1, n), lambda p, j: (p, 0))][:len(extra)]
         return pl.pallas_call(
-            kernel, grid=(P, n // bf),
-            in_specs=[pl.BlockSpec(), vec_block] + [pl.BlockSpec()] * 3,
+            kernel, grid=(P // per, n // bf),
+            in_specs=[pl.BlockSpec(), vec_block] + [pl.BlockSpec()] * 3 + extra_specs,
             out_specs=pl.BlockSpec((1, n), lambda p, j: (p, 0)),
-            out_shape=jax.ShapeDtypeStruct((P, n), x.dtype),
+            out_shape=jax.ShapeDtypeStruct((P // per, n), x.dtype),
             compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
             interpret=interpret, name=f"moe_mxfp4_{name}_f{bf}_g{bg}" + ("_mma" if mma else ""),
-        )(experts, v, rows(codes), scales.reshape(-1, scales.shape[2]), bias.reshape(-1))
+        )(experts, v, rows(codes), scales.reshape(-1, scales.shape[2]), bias.reshape(-1), *extra)
 
     act = call(functools.partial(_gate_up_kernel, I=I, G=G, block_f=bf, block_g=bg, limit=limit, alpha=alpha,
                                  asm=not interpret, stream=stream),
                lambda p: p // top_k, I, "gate_up", vec(x, G), gu_blocks, gu_scales, b_gate_up)
-    return call(functools.partial(_down_kernel, H=H, G=GI, block_f=bf, block_g=bg, asm=not interpret, stream=stream),
-                lambda p: p, H, "down", vec(act, GI), down_blocks, down_scales, b_down)
+    down = functools.partial(_down_kernel, H=H, G=GI, block_f=bf, block_g=bg, asm=not interpret, stream=stream)
+    if weights is None:
+        return call(functools.partial(down, top_k=0), lambda p: p, H, "down", vec(act, GI), down_blocks, down_scales,
+                    b_down)
+    extra = (weights.reshape(-1),) + (() if residual is None else (residual,))  # weights rounded to x's dtype there
+    return call(functools.partial(down, top_k=top_k), lambda n: n, H, "down_sum", vec(act, GI), down_blocks,
+                down_scales, b_down, per=top_k, extra=extra)  # a block of top_k vectors: token n's pairs
 
 
 def moe_experts_mxfp4(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, *, top_k: int, b_gate_up=None,
-                      b_down=None, limit: float = 0.0, alpha: float = 1.702, interpret: bool = False):
+                      b_down=None, limit: float = 0.0, alpha: float = 1.702, weights=None, residual=None,
+                      interpret: bool = False):
     """Public entry: the kernels (ref_moe_experts_mxfp4's arguments and result), on what
     ``supports`` says; ``interpret``: their bodies in Pallas' interpreter."""
-    validate(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, top_k)
+    validate(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, top_k, weights, residual)
     if not supports(x.shape, gu_blocks.shape):
         raise ValueError(f"moe_experts_mxfp4: no kernel tile divides experts {gu_blocks.shape} over x {x.shape}")
     E, I2 = gu_blocks.shape[:2]
     b_gate_up = jnp.zeros((E, I2), x.dtype) if b_gate_up is None else b_gate_up
     b_down = jnp.zeros((E, x.shape[1]), x.dtype) if b_down is None else b_down
     return moe_experts_mxfp4_gpu(x, experts.astype(jnp.int32), gu_blocks, gu_scales, down_blocks, down_scales,
-                                 b_gate_up, b_down, top_k=top_k, limit=float(limit), alpha=float(alpha),
-                                 interpret=interpret)
+                                 b_gate_up, b_down, weights, residual, top_k=top_k, limit=float(limit),
+                                 alpha=float(alpha), interpret=interpret)

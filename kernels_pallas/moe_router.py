@@ -22,6 +22,20 @@ Numerics: the reference's formulas in f32 (exp(l - max) / sum, then weight / sum
 chosen); the sums' order may differ from XLA's, so a probability may differ in its last
 bit, and the choice only where two probabilities are that close
 (tests/kernels/test_moe_router.py).
+
+``norm_logits``: the logits above for a few tokens in one kernel, from the residual stream
+x [N, H] of the layer (the MoE's input norm not applied yet):
+
+    xn = rms_norm(x, norm_w, eps)             x's dtype [N, H] (the experts' input)
+    logits = f32(xn @ w.T [+ b])              w [E, H], b [E]; rounded to w's dtype, as a Linear's
+
+Why: through XLA these are four kernels a layer (the norm's sum and product, the router's
+dot, its bias and conversion to f32): gpt-oss-20b at one token on the H200
+(scripts/step_profile.py, 2026-12-01): 1.3 + 1.2 + 2.4 + 1.2 us of GPU time a layer, and four
+of a step's ~340 CUDA graph nodes a layer, whose launch the batch-1 step waits on. A program
+(token, experts) loads the token's row, the norm's weight and its experts' rows whole (padded
+to a power of two, masked), each in one load: one program a token looping over the width
+took 13.9 us (a dependent round trip to memory a step).
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas.fused_linear import rms_norm
 from kernels_pallas.paged_attention_gpu import _next_pow2
 
 MAX_EXPERTS = 4096  # one program holds a row of E (padded) f32 values in registers
@@ -111,3 +126,96 @@ def router_top_k(logits, *, top_k: int, norm: bool, interpret: bool = False):
     if not supports(logits.shape[1], top_k):
         raise ValueError(f"router_top_k: the kernel takes at most {MAX_EXPERTS} experts, got {logits.shape[1]}")
     return router_top_k_gpu(logits, top_k=top_k, norm=norm, interpret=interpret)
+
+
+# ---- the norm and the router's projection for a few tokens, in one kernel ---------------------
+LOGITS_MAX_TOKENS = 16  # more tokens: XLA's GEMM (each program here re-reads its experts' rows)
+LOGITS_MAX_WIDTH = 8192  # a program holds its rows' products over the whole (padded) width
+
+
+def ref_norm_logits(x, w, *, norm_w, eps: float, bias=None):
+    """The jnp reference: x [N, H], norm_w [H], w [E, H], bias [E] | None -> (xn [N, H] in x's
+    dtype, logits f32[N, E]), as rms_norm, then a Linear (its dot rounded to w's dtype, then
+    the bias in that dtype), converted to f32."""
+    validate_norm_logits(x, w, norm_w, bias)
+    xn = rms_norm(x, norm_w, eps).astype(x.dtype)
+    logits = jnp.einsum("nh,eh->ne", xn.astype(w.dtype), w)
+    if bias is not None:
+        logits = logits + bias
+    return xn, logits.astype(jnp.float32)
+
+
+def _norm_logits_kernel(x_ref, nw_ref, w_ref, *refs, H, E, eps, block_e):
+    # x_ref [1, H] (the token's), nw_ref [H], w_ref [E, H] (whole), [b_ref [E] (whole)];
+    # xn_ref [1, H], l_ref f32[1, block_e] (this program's experts)
+    *b_ref, xn_ref, l_ref = refs
+    f32, dt, wdt = jnp.float32, xn_ref.dtype, w_ref.dtype
+    Hp, e0 = _next_pow2(H), pl.program_id(1) * block_e
+    col = lax.broadcasted_iota(jnp.int32, (1, Hp), 1)
+    x = plt.load(x_ref.at[pl.ds(0, 1), pl.ds(0, Hp)], mask=col < H, other=0).astype(f32)
+    nw = plt.load(nw_ref.at[pl.ds(0, Hp)], mask=col[0] < H, other=0).astype(f32)[None, :]
+    rows = e0 + lax.broadcasted_iota(jnp.int32, (block_e, Hp), 0)
+    w = plt.load(w_ref.at[pl.ds(e0, block_e), pl.ds(0, Hp)], mask=(rows < E) & (col < H), other=0)  # no wait on x
+    r = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / H + eps)
+    xn = (nw * (x * r).astype(dt).astype(f32)).astype(dt)  # rms_norm: weight * round(x / rms)
+
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+        plt.store(xn_ref.at[pl.ds(0, 1), pl.ds(0, Hp)], xn, mask=col < H)
+
+    logits = jnp.sum(w.astype(f32) * xn.astype(wdt).astype(f32), axis=1)[None, :].astype(wdt)  # the Linear's rounding
+    if b_ref:
+        expert = e0 + lax.broadcasted_iota(jnp.int32, (block_e,), 0)
+        b = plt.load(b_ref[0].at[pl.ds(e0, block_e)], mask=expert < E, other=0)
+        logits = (logits.astype(f32) + b.astype(f32)[None, :]).astype(wdt)
+    l_ref[...] = logits.astype(f32)
+
+
+def logits_block_e(E: int, H: int) -> int:
+    """Experts a program: as many rows as keep its products at 4,096 values over the padded
+    width (32 registers a thread at 4 warps); gpt-oss's 2880-wide router: one row a program."""
+    return max(1, min(_next_pow2(E), 4096 // _next_pow2(H)))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def norm_logits_gpu(x, w, norm_w, bias, *, eps: float, interpret: bool = False):
+    """The kernel (Pallas, Triton backend), same contract as ref_norm_logits."""
+    (N, H), E = x.shape, w.shape[0]
+    be = logits_block_e(E, H)
+    whole = pl.BlockSpec()
+    xn, logits = pl.pallas_call(
+        functools.partial(_norm_logits_kernel, H=H, E=E, eps=eps, block_e=be),
+        grid=(N, pl.cdiv(E, be)),
+        in_specs=[pl.BlockSpec((1, H), lambda n, e: (n, 0)), whole, whole] + ([] if bias is None else [whole]),
+        out_specs=(pl.BlockSpec((1, H), lambda n, e: (n, 0)), pl.BlockSpec((1, be), lambda n, e: (n, e))),
+        out_shape=(jax.ShapeDtypeStruct((N, H), x.dtype), jax.ShapeDtypeStruct((N, pl.cdiv(E, be) * be), jnp.float32)),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="moe_router_logits",
+    )(x, norm_w, w, *([] if bias is None else [bias]))
+    return xn, logits[:, :E]
+
+
+def norm_logits_supports(N: int, H: int) -> bool:
+    """The kernel's contract: 1 to LOGITS_MAX_TOKENS tokens, H up to LOGITS_MAX_WIDTH."""
+    return 1 <= N <= LOGITS_MAX_TOKENS and H <= LOGITS_MAX_WIDTH
+
+
+def validate_norm_logits(x, w, norm_w, bias):
+    """x [N, H], w [E, H], norm_w [H], bias [E] | None."""
+    if x.ndim != 2 or w.ndim != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"norm_logits: x must be [tokens, H] and the router weight [experts, H], got {x.shape} "
+                         f"and {w.shape}")
+    if norm_w.shape != (x.shape[1],) or (bias is not None and bias.shape != (w.shape[0],)):
+        raise ValueError(f"norm_logits: norm weight {norm_w.shape} and bias {None if bias is None else bias.shape} "
+                         f"must be ({x.shape[1]},) and ({w.shape[0]},)")
+
+
+def norm_logits(x, w, *, norm_w, eps: float, bias=None, interpret: bool = False):
+    """Public entry: the kernel (ref_norm_logits' arguments and results), on what
+    ``norm_logits_supports`` says; ``interpret``: its body in Pallas' interpreter."""
+    validate_norm_logits(x, w, norm_w, bias)
+    if not norm_logits_supports(*x.shape):
+        raise ValueError(f"norm_logits: the kernel takes 1 to {LOGITS_MAX_TOKENS} tokens of at most "
+                         f"{LOGITS_MAX_WIDTH} features, got x {x.shape}")
+    return norm_logits_gpu(x, w, norm_w, bias, eps=float(eps), interpret=interpret)

@@ -564,15 +564,20 @@ def test_rejection(method, with_probs, on_gpu, record_property):
 
 # ---- the MXFP4 expert kernels' two paths -----------------------------------------------------
 @line("peagle", "MXFP4 expert kernels at gpt-oss-20b's widths, bf16: the CUDA-core path (4 pairs) and the "
-                "tensor-core one (PTX decode, 16 pairs) == reference")
+                "tensor-core one (PTX decode, 16 pairs), each pair apart and summed per token; the router's "
+                "norm + logits kernel == reference")
 def test_mxfp4_kernel_paths(on_gpu, record_property):
     """kernels_pallas/moe_experts_mxfp4.py at one token (4 pairs: the CUDA-core stream, its
     PTX decode and products) and four (16 pairs: the float16 tensor-core stream, its PTX
-    decode) == the jnp reference, bf16 activations, gpt-oss's biases and clamped SwiGLU (a CPU
-    smoke run: interpreted, narrow experts, the tensor-core path forced)."""
+    decode), each pair's rows apart and (the pairs' weights and a residual given) down summing
+    each token's pairs, == the jnp reference, bf16 activations, gpt-oss's biases and clamped
+    SwiGLU; moe_router.norm_logits (the router's input norm and projection) at gpt-oss-20b's
+    router == its reference (a CPU smoke run: interpreted, narrow experts, the tensor-core
+    path forced)."""
     import jax.numpy as jnp
 
     from kernels_pallas import moe_experts_mxfp4 as mx
+    from kernels_pallas.moe_router import norm_logits, ref_norm_logits
     from tests.helpers.mxfp4 import packed
 
     E, I, H = (32, 2880, 2880) if on_gpu else (4, 64, 96)
@@ -592,7 +597,23 @@ def test_mxfp4_kernel_paths(on_gpu, record_property):
                                        interpret=not on_gpu)
         w32, g32 = np.asarray(want.astype(jnp.float32)), np.asarray(got.astype(jnp.float32))
         errs["tensor cores" if mma else "CUDA cores"] = float(np.abs(g32 - w32).max() / np.abs(w32).max())
+        wts, res = jnp.asarray(rng.random((N, 4)), jnp.float32), jnp.asarray(rng.normal(size=(N, H)), bf)
+        want = mx.ref_moe_experts_mxfp4(x, experts, *gu, *dn, top_k=4, b_gate_up=b_gu, b_down=b_dn, limit=7.0,
+                                        weights=wts, residual=res)
+        got = mx.moe_experts_mxfp4_gpu(x, experts, *gu, *dn, b_gu, b_dn, wts, res, top_k=4, limit=7.0, mma=mma,
+                                       interpret=not on_gpu)
+        w32, g32 = np.asarray(want.astype(jnp.float32)), np.asarray(got.astype(jnp.float32))
+        errs[("tensor cores" if mma else "CUDA cores") + ", summed"] = float(np.abs(g32 - w32).max()
+                                                                            / np.abs(w32).max())
     assert all(e < 2e-2 for e in errs.values()), errs
+    x = jnp.asarray(3 * rng.normal(size=(1, H)), bf)
+    w_router, nw, b_router = (jnp.asarray(a, bf) for a in (0.05 * rng.normal(size=(E, H)),
+                                                          1 + 0.1 * rng.normal(size=H), 0.1 * rng.normal(size=E)))
+    got = norm_logits(x, w_router, norm_w=nw, eps=1e-5, bias=b_router, interpret=not on_gpu)
+    want = ref_norm_logits(x, w_router, norm_w=nw, eps=1e-5, bias=b_router)
+    assert np.array_equal(np.asarray(got[0].astype(jnp.float32)), np.asarray(want[0].astype(jnp.float32)))
+    errs["router logits"] = float(np.abs(np.asarray(got[1] - want[1])).max() / np.abs(np.asarray(want[1])).max())
+    assert errs["router logits"] < 2**-6, errs  # a bf16 rounding apart at most (the f32 sums' order)
     record_property("detail", f"E={E} I={I} H={H}, bf16: largest relative error "
                               + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
 

@@ -26,7 +26,7 @@ Kernels (grep -n pallas_call kernels_pallas/*.py):
   qkv_rope_kv_write.py     RMSNorm + qkv + RoPE + KV write          GPU
   moe_experts.py           few-token MoE: gate_up + SwiGLU, down    GPU
   moe_experts_mxfp4.py     MXFP4 experts, dequantized in-kernel     GPU
-  moe_router.py            MoE router: softmax + top-k              GPU
+  moe_router.py            MoE router: (norm, projection,) top-k    GPU
   rejection_blocks.py      stats + residual kernels: GPU ones (gpu_kernels),
                            TPU ones (tpu_kernels)
 """
@@ -46,7 +46,7 @@ from kernels_pallas.fused_linear_rows import fused_linear_rows
 from kernels_pallas.fused_linear_split_k import fused_linear_split_k
 from kernels_pallas.moe_experts import moe_experts, moe_experts_gpu
 from kernels_pallas.moe_experts_mxfp4 import moe_experts_mxfp4
-from kernels_pallas.moe_router import router_top_k
+from kernels_pallas.moe_router import norm_logits, router_top_k
 from kernels_pallas.paged_attention_gpu import paged_attention_gpu
 from kernels_pallas.paged_attention_tpu import paged_attention_tpu
 from kernels_pallas.qkv_rope_kv_write import qkv_rope_kv_write
@@ -304,11 +304,37 @@ def moe_mxfp4(dtype, N=1):
     return fn, shapes, [(TRITON, rf"moe_mxfp4_gate_up_f\d+_g\d+{suffix}"), (TRITON, rf"moe_mxfp4_down_f\d+_g\d+{suffix}")]
 
 
+def moe_mxfp4_summed(N=1):
+    """moe_experts_mxfp4 with the pairs' weights and the residual: down's programs a token's,
+    summing its pairs (the route kernel's decode path in ops.moe). N = 2: the tensor-core path."""
+    K, E, I, H = 4, 4, 64, 2880
+
+    def fn(x, experts, gub, gus, db, ds, bgu, bd, weights, residual):
+        return moe_experts_mxfp4(x, experts, gub, gus, db, ds, top_k=K, b_gate_up=bgu, b_down=bd, limit=7.0,
+                                 weights=weights, residual=residual)
+    U8 = jnp.uint8
+    shapes = [sds((N, H), BF16), sds((N * K,), I32), sds((E, 2 * I, H // 32, 16), U8), sds((E, 2 * I, H // 32), U8),
+              sds((E, H, I // 32, 16), U8), sds((E, H, I // 32), U8), sds((E, 2 * I), BF16), sds((E, H), BF16),
+              sds((N, K), BF16), sds((N, H), BF16)]
+    suffix = "_mma" if N * K >= 8 else ""
+    return fn, shapes, [(TRITON, rf"moe_mxfp4_gate_up_f\d+_g\d+{suffix}"),
+                        (TRITON, rf"moe_mxfp4_down_sum_f\d+_g\d+{suffix}")]
+
+
 def moe_router(E, top_k):
     """router_top_k: softmax and top-k in one kernel (E not a power of two: padded)."""
     def fn(logits):
         return router_top_k(logits, top_k=top_k, norm=True)
     return fn, [sds((3, E), F32)], [(TRITON, rf"moe_router_top{top_k}")]
+
+
+def moe_norm_logits(E, H, bias):
+    """norm_logits: the norm and the router's projection in one kernel (gpt-oss's H = 2880:
+    padded to 4096, masked; E = 60: a partial last block of experts where a program holds 2)."""
+    def fn(x, w, norm_w, *b):
+        return norm_logits(x, w, norm_w=norm_w, eps=1e-5, bias=b[0] if b else None)
+    shapes = [sds((2, H), BF16), sds((E, H), BF16), sds((H,), BF16)] + ([sds((E,), BF16)] if bias else [])
+    return fn, shapes, [(TRITON, "moe_router_logits")]
 
 
 def rejection(platform, *, V, draft_probs, dtype=F32, bpp=1):
@@ -390,6 +416,10 @@ GPU_CASES = {
     "moe_experts-mma-bf16": lambda: moe(BF16, mma=True),
     "moe_experts_mxfp4-bf16": lambda: moe_mxfp4(BF16),
     "moe_experts_mxfp4-mma-bf16": lambda: moe_mxfp4(BF16, N=2),
+    "moe_experts_mxfp4-summed-bf16": lambda: moe_mxfp4_summed(),
+    "moe_experts_mxfp4-summed-mma-bf16": lambda: moe_mxfp4_summed(N=2),
+    "moe_router_logits-32x2880-bias": lambda: moe_norm_logits(32, 2880, True),
+    "moe_router_logits-60x1024": lambda: moe_norm_logits(60, 1024, False),
     "moe_router-128x8": lambda: moe_router(128, 8),
     "moe_router-60x4": lambda: moe_router(60, 4),
     "rejection-stats": lambda: rejection("gpu", V=300, draft_probs=False),
@@ -452,7 +482,7 @@ def test_every_pallas_call_is_covered():
         "fused_linear_split_k.py": 1,
         "moe_experts.py": 2,
         "moe_experts_mxfp4.py": 1,  # gate_up's and down's kernels through one call site
-        "moe_router.py": 1,
+        "moe_router.py": 2,  # router_top_k's and norm_logits' kernels
         "paged_attention_gpu.py": 2,
         "paged_attention_tpu.py": 1,
         "qkv_rope_kv_write.py": 1,

@@ -5,6 +5,7 @@ plan == on XLA. gpt-oss end to end against transformers: tests/e2e/test_gpt_oss.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from jspec import ops
 from jspec.kernel_backend import GPU
 from jspec.kernel_plan import KernelPlan
 from jspec.mxfp4 import Mxfp4Weight
-from kernels_pallas.moe_experts import ref_moe_experts
+from kernels_pallas.moe_experts import combine_pairs, ref_moe_experts
 from kernels_pallas.moe_experts_mxfp4 import (
     dequantize,
     fp4_as_f16,
@@ -154,3 +155,50 @@ def test_ops_moe_gpu_plan_streams_packed_experts_as_xla_does(N):
     want = ops.moe(KernelPlan(), x, w_router, wg, wd, **args)
     assert calls, "the GPU plan did not take the MXFP4 kernels"
     np.testing.assert_allclose(f32(got), f32(want), rtol=2e-2, atol=2e-2 * float(np.abs(f32(want)).max()))
+
+
+@pytest.mark.parametrize("N", [1, 3])
+def test_ops_moe_routes_a_normed_input_in_one_kernel_and_sums_pairs_in_down(N):
+    """A few tokens of an un-applied norm (ops.Normed, as the decoder layer hands it over) on
+    MXFP4 experts with the GPU plan: the norm and the router's projection in one kernel
+    (moe_router_logits), the top-k in router_top_k's, each token's weighted sum and the residual
+    in down's (moe_mxfp4_down_sum), no XLA dot; == the XLA plan's layer (the norm, router
+    Linear, top-k, experts, combine_pairs, residual as ops)."""
+    x, _, gu, dn, b = inputs(7 + N, N, 2, BF16, True)
+    rng = np.random.default_rng(N)
+    w_router = jnp.asarray(rng.normal(size=(E, H)) * 0.3, BF16)
+    normed = ops.Normed(x[None], jnp.asarray(1 + 0.1 * rng.normal(size=H), BF16), 1e-5)
+    res = jnp.asarray(rng.normal(size=(1, N, H)), BF16)
+    args = dict(top_k=2, norm_topk_prob=True, b_router=jnp.asarray(rng.normal(size=E) * 0.1, BF16),
+                swiglu_limit=7.0, residual=res, **b)
+    wg, wd = Mxfp4Weight(*gu, "bfloat16"), Mxfp4Weight(*dn, "bfloat16")
+    gpu = KernelPlan(linear=GPU(interpret=True))
+    jaxpr = str(jax.make_jaxpr(lambda n: ops.moe(gpu, n, w_router, wg, wd, **args))(normed))
+    for name in ("moe_router_logits", "moe_router_top2", "moe_mxfp4_gate_up", "moe_mxfp4_down_sum"):
+        assert name in jaxpr, name
+    assert "dot_general" not in jaxpr
+    got = ops.moe(gpu, normed, w_router, wg, wd, **args)
+    want = ops.moe(KernelPlan(), normed, w_router, wg, wd, **args)
+    assert got.shape == want.shape == (1, N, H) and got.dtype == BF16
+    np.testing.assert_allclose(f32(got), f32(want), rtol=2e-2, atol=2e-2 * float(np.abs(f32(want)).max()))
+
+
+@pytest.mark.parametrize("mma", [False, True])
+def test_summed_down_matches_combine_pairs(mma):
+    """weights (and a residual): down's programs sum each token's pairs in its epilogue ==
+    the reference's per-pair rows through moe_experts.combine_pairs; without the residual too."""
+    N, top_k = 3, 2
+    x, experts, gu, dn, b = inputs(31, N, top_k, BF16, True)
+    rng = np.random.default_rng(31)
+    wts, res = jnp.asarray(rng.random((N, top_k)), BF16), jnp.asarray(rng.normal(size=(N, H)), BF16)
+    act = dict(limit=7.0, alpha=1.702)
+    for residual in (res, None):
+        want = ref_moe_experts_mxfp4(x, experts, *gu, *dn, top_k=top_k, weights=wts, residual=residual, **b, **act)
+        np.testing.assert_array_equal(f32(want), f32(combine_pairs(
+            ref_moe_experts_mxfp4(x, experts, *gu, *dn, top_k=top_k, **b, **act), wts, residual=residual)))
+        got = moe_experts_mxfp4_gpu(x, experts, *gu, *dn, b["b_gate_up"], b["b_down"], wts, residual, top_k=top_k,
+                                    mma=mma, interpret=True, **act)
+        assert got.shape == (N, H) and got.dtype == BF16
+        np.testing.assert_allclose(f32(got), f32(want), rtol=2e-2, atol=2e-2 * float(np.abs(f32(want)).max()))
+    with pytest.raises(ValueError, match="weights"):
+        moe_experts_mxfp4(x, experts, *gu, *dn, top_k=top_k, weights=wts[:, :1])

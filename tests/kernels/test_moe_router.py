@@ -1,5 +1,6 @@
-"""The MoE router kernel (kernels_pallas/moe_router.py, Pallas interpret mode) == its jnp
-reference (jax.nn.softmax, then jax.lax.top_k), and ops.moe reaches it with the GPU plan.
+"""The MoE router kernels (kernels_pallas/moe_router.py, Pallas interpret mode) == their jnp
+references (jax.nn.softmax, then jax.lax.top_k; rms_norm, then a Linear), and ops.moe reaches
+them with the GPU plan.
 The whole MoE layer against transformers: tests/models/test_moe_op.py."""
 
 from __future__ import annotations
@@ -10,7 +11,14 @@ import numpy as np
 import pytest
 
 from jspec import ops
-from kernels_pallas.moe_router import ref_router_top_k, router_top_k, supports
+from kernels_pallas.moe_router import (
+    norm_logits,
+    norm_logits_supports,
+    ref_norm_logits,
+    ref_router_top_k,
+    router_top_k,
+    supports,
+)
 
 
 @pytest.mark.parametrize("norm", [True, False])
@@ -64,3 +72,28 @@ def test_supports_and_errors():
         router_top_k(logits, top_k=9, norm=True, interpret=True)
     with pytest.raises(ValueError, match=r"\[tokens, experts\]"):
         router_top_k(logits[0], top_k=2, norm=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("N,E,H,bias", [(1, 32, 2880, True), (3, 60, 96, False), (2, 5, 40, True)])
+def test_norm_logits_kernel_matches_reference(N, E, H, bias, dtype):
+    """The norm and the router's projection in one kernel == rms_norm then a Linear: gpt-oss's
+    width (2880: padded to 4096, masked), a width padded within a program's rows (96 -> 128:
+    experts in blocks, 60 a partial last one), a narrow one (5 experts, 40 wide); the normed
+    rows bit for bit in bf16 and the logits to the f32 sums' order (one bf16 rounding)."""
+    k = jax.random.split(jax.random.PRNGKey(N * E + H), 4)
+    x = (3 * jax.random.normal(k[0], (N, H))).astype(dtype)
+    w = (0.05 * jax.random.normal(k[1], (E, H))).astype(dtype)
+    nw = (1 + 0.1 * jax.random.normal(k[2], (H,))).astype(dtype)
+    b = (0.1 * jax.random.normal(k[3], (E,))).astype(dtype) if bias else None
+    xn, logits = norm_logits(x, w, norm_w=nw, eps=1e-5, bias=b, interpret=True)
+    xn_ref, logits_ref = ref_norm_logits(x, w, norm_w=nw, eps=1e-5, bias=b)
+    assert xn.shape == (N, H) and xn.dtype == dtype and logits.shape == (N, E) and logits.dtype == jnp.float32
+    f32 = lambda a: np.asarray(a.astype(jnp.float32))  # noqa: E731
+    tol = 1e-6 if dtype == jnp.float32 else 0.0
+    np.testing.assert_allclose(f32(xn), f32(xn_ref), rtol=tol, atol=tol)
+    ulp = 2e-6 if dtype == jnp.float32 else 2 ** -7  # a rounding apart at most
+    np.testing.assert_allclose(f32(logits), f32(logits_ref), rtol=ulp, atol=ulp)
+    assert norm_logits_supports(16, 2880) and not norm_logits_supports(17, 2880) and not norm_logits_supports(1, 16384)
+    with pytest.raises(ValueError, match="norm weight"):
+        norm_logits(x, w, norm_w=nw[:-1], eps=1e-5)
