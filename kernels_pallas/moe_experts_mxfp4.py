@@ -97,6 +97,20 @@ def fp4_as_f16(blk):
     return to_f32(lo), to_f32(hi)
 
 
+# The PTX decode's shifts (both paths'): a line moves two nibbles of four packed bytes into the
+# two float16 halves of a register, the sign to bit 15 (of each half) and the exponent and
+# mantissa bits to 9-11: (shift of the sign, shift of the magnitude; negative: right) for the
+# low nibbles of bytes 0 and 2, of bytes 1 and 3, then the high nibbles' likewise.
+_NIBBLE_SHIFTS = {"lo": ((12, 9), (4, 1)), "hi": ((8, 5), (0, -3))}
+
+
+def _f16_bits(src: str, dst: str, sign: int, mag: int) -> str:
+    """One line of PTX: ``dst`` = the two float16 bit patterns of a nibble pair of ``src``."""
+    a = f"shl.b32 a, {src}, {sign}; and.b32 a, a, 0x80008000;" if sign else f"and.b32 a, {src}, 0x80008000;"
+    b = f"shl.b32 b, {src}, {mag};" if mag > 0 else f"shr.b32 b, {src}, {-mag};"
+    return f"{a} {b} and.b32 b, b, 0x0E000E00; or.b32 {dst}, a, b;"
+
+
 # The CUDA-core path's decode and products on the GPU, in PTX: each byte's two nibbles moved into
 # float16 bits (as fp4_as_f16: the value times 2^-14), two values a 32-bit register, converted to
 # f32 (cvt.f32.f16 runs as a full-rate add on the FMA pipe), and the byte's two products formed,
@@ -105,22 +119,15 @@ def fp4_as_f16(blk):
 # left the products unfused. At one token the kernels are instruction-bound (H200, Nsight
 # Compute: issue slots 60-66% busy, the integer pipe the busiest); the module docstring has the
 # times. Lanes: a register's low half holds bytes 0-1, its high half bytes 2-3.
-_PAIR_ASM = """{
-.reg .b32 a, b, c, d, e, f;
-.reg .b16 l0, l1, l2, l3, h0, h1, h2, h3;
-.reg .f32 p0, p1, p2, p3, q0, q1, q2, q3;
-shl.b32 a, $4, 12; and.b32 a, a, 0x80008000; shl.b32 b, $4, 9; and.b32 b, b, 0x0E000E00; or.b32 c, a, b;
-shl.b32 a, $4, 4; and.b32 a, a, 0x80008000; shl.b32 b, $4, 1; and.b32 b, b, 0x0E000E00; or.b32 d, a, b;
-shl.b32 a, $4, 8; and.b32 a, a, 0x80008000; shl.b32 b, $4, 5; and.b32 b, b, 0x0E000E00; or.b32 e, a, b;
-and.b32 a, $4, 0x80008000; shr.b32 b, $4, 3; and.b32 b, b, 0x0E000E00; or.b32 f, a, b;
-mov.b32 {l0, l2}, c; mov.b32 {l1, l3}, d; mov.b32 {h0, h2}, e; mov.b32 {h1, h3}, f;
-cvt.f32.f16 p0, l0; cvt.f32.f16 p1, l1; cvt.f32.f16 p2, l2; cvt.f32.f16 p3, l3;
-cvt.f32.f16 q0, h0; cvt.f32.f16 q1, h1; cvt.f32.f16 q2, h2; cvt.f32.f16 q3, h3;
-mul.f32 p0, p0, $5; fma.rn.f32 $0, q0, $9, p0;
-mul.f32 p1, p1, $6; fma.rn.f32 $1, q1, $10, p1;
-mul.f32 p2, p2, $7; fma.rn.f32 $2, q2, $11, p2;
-mul.f32 p3, p3, $8; fma.rn.f32 $3, q3, $12, p3;
-}"""
+_PAIR_ASM = "\n".join([
+    "{", ".reg .b32 a, b, c, d, e, f;", ".reg .b16 l0, l1, l2, l3, h0, h1, h2, h3;",
+    ".reg .f32 p0, p1, p2, p3, q0, q1, q2, q3;",
+    *(_f16_bits("$4", dst, *sh) for dst, sh in zip("cdef", _NIBBLE_SHIFTS["lo"] + _NIBBLE_SHIFTS["hi"])),
+    "mov.b32 {l0, l2}, c; mov.b32 {l1, l3}, d; mov.b32 {h0, h2}, e; mov.b32 {h1, h3}, f;",
+    "cvt.f32.f16 p0, l0; cvt.f32.f16 p1, l1; cvt.f32.f16 p2, l2; cvt.f32.f16 p3, l3;",
+    "cvt.f32.f16 q0, h0; cvt.f32.f16 q1, h1; cvt.f32.f16 q2, h2; cvt.f32.f16 q3, h3;",
+    *(f"mul.f32 p{i}, p{i}, ${5 + i}; fma.rn.f32 ${i}, q{i}, ${9 + i}, p{i};" for i in range(4)),
+    "}"])
 
 
 def fp4_pair_products(blk, lo, hi, asm: bool):
@@ -234,19 +241,9 @@ def _row_stream(blk_ref, sc_ref, v_ref, rows, G, block_f, block_g, asm, leads=No
 # its conversions and products: four bytes (Triton packs them into one register) -> four
 # low-nibble values (11 ops) or four high-nibble ones (10). prmt orders the bytes 0, 2, 1, 3 so
 # that a register's two float16 halves are consecutive elements.
-_F16_ASM = {
-    "lo": """{
-.reg .b32 r, a, b;
-prmt.b32 r, $2, 0, 0x3120;
-shl.b32 a, r, 12; and.b32 a, a, 0x80008000; shl.b32 b, r, 9; and.b32 b, b, 0x0E000E00; or.b32 $0, a, b;
-shl.b32 a, r, 4; and.b32 a, a, 0x80008000; shl.b32 b, r, 1; and.b32 b, b, 0x0E000E00; or.b32 $1, a, b;
-}""",
-    "hi": """{
-.reg .b32 r, a, b;
-prmt.b32 r, $2, 0, 0x3120;
-shl.b32 a, r, 8; and.b32 a, a, 0x80008000; shl.b32 b, r, 5; and.b32 b, b, 0x0E000E00; or.b32 $0, a, b;
-and.b32 a, r, 0x80008000; shr.b32 b, r, 3; and.b32 b, b, 0x0E000E00; or.b32 $1, a, b;
-}"""}
+_F16_ASM = {k: "\n".join(["{", ".reg .b32 r, a, b;", "prmt.b32 r, $2, 0, 0x3120;",
+                             *(_f16_bits("r", f"${i}", *sh) for i, sh in enumerate(_NIBBLE_SHIFTS[k])), "}"])
+            for k in ("lo", "hi")}
 MMA_X_SHIFT = 4  # the activations enter the float16 dot times 2^-4: exact for bf16 values in [2^-13, 2^20)
 
 
