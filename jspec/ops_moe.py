@@ -68,10 +68,10 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
     run the XLA ways: at most E pairs each pair's expert gathered still quantized, then
     dequantized; more, every expert dequantized. With the plan's GPU kernels, MXFP4 experts
     at most MXFP4_KERNEL_MAX_FRACTION * E pairs stream packed through
-    kernels_pallas/moe_experts_mxfp4.py (biases and the clamped SwiGLU in the kernel); for up
-    to moe_router.LOGITS_MAX_TOKENS tokens of a Normed x (the decoder layer's) the norm and
-    the router's projection run as one kernel (moe_router.norm_logits) and down's kernel sums
-    each token's pairs and adds the residual: on gpt-oss-20b at one token (H200, 2026-12-01,
+    kernels_pallas/moe_experts_mxfp4.py (biases and the clamped SwiGLU in the kernel); at the
+    pair counts of its CUDA-core stream (below use_mma's) with a Normed x (the decoder layer's)
+    the norm and the router's projection run as one kernel (moe_router.norm_logits) and down's
+    kernel sums each token's pairs and adds the residual: on gpt-oss-20b at one token (H200, 2026-12-01,
     scripts/step_profile.py; raw docs/bench/2026-12-01_gpt_oss_step_kernels_h200.log) 8
     kernels a layer where 13 ran (339 -> 219 a step: each a CUDA graph node the host launches),
     GPU time 2.04 -> 1.94 ms a step, the jitted step back to back 2.49 -> 2.17 ms.
@@ -85,9 +85,12 @@ def moe(plan: KernelPlan, x, w_router, w_gate_up, w_down, *, top_k: int, norm_to
     mxfp4_kernel = (isinstance(w_gate_up, Mxfp4Weight) and gpu and N * top_k <= MXFP4_KERNEL_MAX_FRACTION * E
                     and _mxfp4.supports((N, H), w_gate_up.blocks.shape))
     if mxfp4_kernel and isinstance(x, Normed) and _router.norm_logits_supports(N, H) and \
-            _router.supports(E, top_k) and w_router.shape == (E, H) and not isinstance(w_router, QuantWeight):
-        # a few tokens (decode, a verification block): the norm and the router's projection in
-        # one kernel, each token's weighted sum and the residual in down's: 5 kernels a layer fewer
+            _router.supports(E, top_k) and w_router.shape == (E, H) and not isinstance(w_router, QuantWeight) \
+            and not _mxfp4.use_mma(N * top_k, w_gate_up.shape[1] // 2, H, x.x.dtype):
+        # the CUDA-core stream's pair counts (batch-1 decode): the norm and the router's
+        # projection in one kernel, each token's weighted sum and the residual in down's: 5
+        # kernels a layer fewer. (Taken on the tensor-core stream too, EAGLE3 K=3 on 20b read
+        # 1.70 ms a token, 78% of its ideal, against 1.55 before on other hosts: not kept there.)
         interpret = plan.linear.interpret
         xn, logits = _router.norm_logits(x.x.reshape(N, H), w_router, norm_w=x.weight, eps=x.eps, bias=b_router,
                                          interpret=interpret)
