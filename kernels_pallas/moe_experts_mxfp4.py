@@ -27,7 +27,7 @@ masked: gpt-oss's G = 2880 / 32 = 90 has no large power-of-two divisor):
   2. grid (pairs, H / block_f): the down rows against act's even and odd values; bias -> y;
      or, given the pairs' weights [N, top_k] (and a residual [N, H]), grid (tokens, H / block_f):
      a token's pairs' rows streamed together, each pair's rows as above, then summed as
-     moe_experts.combine_pairs [+ the residual] -> [N, H] (jspec.ops.moe's few-token way: the
+     moe_experts.combine_pairs [+ the residual] -> [N, H] (jspec.ops.moe's batch-1 decode: the
      XLA fusion of that sum goes; at one token of gpt-oss-20b 15.0 us against 12.4 for the
      pairs apart and that fusion's 1.35, one CUDA graph node a layer fewer).
 Two streams of a program's rows: on CUDA cores (``_row_stream``, up to ``use_mma``'s pair count,
