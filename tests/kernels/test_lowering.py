@@ -105,13 +105,14 @@ def attention_gpu_splits(dtype, split_combine):
 
 
 def attention_gpu_sinks(dtype, kv_splits):
-    """gpt-oss: sinks and a sliding window (in the kernel with one split, in the combine kernel with two)."""
+    """gpt-oss: sinks (in the model's dtype, as ops.attention passes them) and a sliding window
+    (in the kernel with one split, in the combine kernel with two)."""
     def fn(*a):
         return paged_attention_gpu(*a[:-1], a[-1], sm_scale=0.125, block_kv=16, kv_splits=kv_splits, window=24)
     calls = [(TRITON, rf"paged_attention_gpu_r\d+_k16_s{kv_splits}_sinks_w24")]
     if kv_splits > 1:
         calls.append((TRITON, rf"paged_attention_combine_s{kv_splits}"))
-    return fn, attention_shapes(dtype, D=64, S=8, W=4) + [sds((4,), F32)], calls
+    return fn, attention_shapes(dtype, D=64, S=8, W=4) + [sds((4,), dtype)], calls
 
 
 def attention_tpu_blocks(dtype):
@@ -363,7 +364,7 @@ def ragged_gpu_sinks(dtype):
         return ragged_paged_attention_gpu(*a[:-1], a[-1], sm_scale=0.125, block_q=2, block_kv=16, kv_splits=2,
                                           window=24)
     calls = [(TRITON, r"ragged_paged_attention_gpu_q2_k16_s2_sinks_w24"), (TRITON, r"paged_attention_combine_s2")]
-    return fn, ragged_shapes(dtype, D=64, S=8, W=4) + [sds((4,), F32)], calls
+    return fn, ragged_shapes(dtype, D=64, S=8, W=4) + [sds((4,), dtype)], calls
 
 
 GPU_CASES = {
@@ -373,10 +374,12 @@ GPU_CASES = {
     "paged_attention-splits-combine_jnp": lambda: attention_gpu_splits(F32, "jnp"),
     "paged_attention-sinks-window-bf16": lambda: attention_gpu_sinks(BF16, 1),
     "paged_attention-sinks-window-splits-f32": lambda: attention_gpu_sinks(F32, 2),
+    "paged_attention-sinks-window-splits-bf16": lambda: attention_gpu_sinks(BF16, 2),
     "ragged_paged_attention-bf16": lambda: ragged_entry("gpu", BF16, causal=True),
     "ragged_paged_attention-f32-all_causal": lambda: ragged_entry("gpu", F32, causal=False),
     "ragged_paged_attention-splits-combine": lambda: ragged_gpu_splits(BF16),
     "ragged_paged_attention-sinks-window-splits": lambda: ragged_gpu_sinks(F32),
+    "ragged_paged_attention-sinks-window-splits-bf16": lambda: ragged_gpu_sinks(BF16),
     "fused_linear-rmsnorm-bf16": lambda: linear("rmsnorm", BF16, bias=True),
     "fused_linear-rmsnorm-f32": lambda: linear("rmsnorm", F32),
     "fused_linear-rmsnorm-narrow-bf16": lambda: linear("rmsnorm", BF16, narrow=True),

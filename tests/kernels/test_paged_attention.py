@@ -219,3 +219,9 @@ def test_gpu_kernel_takes_sinks_and_window(tuning, window):
     out = paged_attention_gpu(*args, sinks, sm_scale=0.1, window=window, interpret=True, **tuning)
     assert rel_err(out, ref) < TOL[jnp.float32]
     assert rel_err(ref, ref_paged_attention(*args, sm_scale=0.1, window=window)) > 1e-2  # the sinks mattered
+    # the model's bf16 sinks, as ops.attention passes them: read as f32 in the kernels, the
+    # same softmax as their f32 values give
+    sinks16 = sinks.astype(jnp.bfloat16)
+    out16 = paged_attention_gpu(*args, sinks16, sm_scale=0.1, window=window, interpret=True, **tuning)
+    ref16 = ref_paged_attention(*args, sinks16.astype(jnp.float32), sm_scale=0.1, window=window)
+    assert rel_err(out16, ref16) < TOL[jnp.float32]
