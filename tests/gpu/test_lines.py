@@ -586,25 +586,25 @@ def test_mxfp4_kernel_paths(on_gpu, record_property):
     gu, dn = packed(rng, E, 2 * I, H), packed(rng, E, H, I)
     bf = jnp.bfloat16
     b_gu, b_dn = (jnp.asarray(0.1 * rng.normal(size=s), bf) for s in ((E, 2 * I), (E, H)))
+    def rel(got, want):  # largest error over the largest value, in f32
+        g32, w32 = (np.asarray(jnp.asarray(a).astype(jnp.float32)) for a in (got, want))
+        return float(np.abs(g32 - w32).max() / np.abs(w32).max())
+
     errs = {}
     for N, mma in ((1, False), (4, True)):
         x = jnp.asarray(rng.normal(size=(N, H)), bf)
         experts = jnp.asarray(rng.integers(0, E, N * 4), jnp.int32)
-        want = mx.ref_moe_experts_mxfp4(x, experts, *gu, *dn, top_k=4, b_gate_up=b_gu, b_down=b_dn, limit=7.0)
         if on_gpu:
             assert mx.use_mma(N * 4, I, H, bf) == mma
-        got = mx.moe_experts_mxfp4_gpu(x, experts, *gu, *dn, b_gu, b_dn, top_k=4, limit=7.0, mma=mma,
-                                       interpret=not on_gpu)
-        w32, g32 = np.asarray(want.astype(jnp.float32)), np.asarray(got.astype(jnp.float32))
-        errs["tensor cores" if mma else "CUDA cores"] = float(np.abs(g32 - w32).max() / np.abs(w32).max())
-        wts, res = jnp.asarray(rng.random((N, 4)), jnp.float32), jnp.asarray(rng.normal(size=(N, H)), bf)
-        want = mx.ref_moe_experts_mxfp4(x, experts, *gu, *dn, top_k=4, b_gate_up=b_gu, b_down=b_dn, limit=7.0,
-                                        weights=wts, residual=res)
-        got = mx.moe_experts_mxfp4_gpu(x, experts, *gu, *dn, b_gu, b_dn, wts, res, top_k=4, limit=7.0, mma=mma,
-                                       interpret=not on_gpu)
-        w32, g32 = np.asarray(want.astype(jnp.float32)), np.asarray(got.astype(jnp.float32))
-        errs[("tensor cores" if mma else "CUDA cores") + ", summed"] = float(np.abs(g32 - w32).max()
-                                                                            / np.abs(w32).max())
+        path = "tensor cores" if mma else "CUDA cores"
+        combined = dict(weights=jnp.asarray(rng.random((N, 4)), jnp.float32),
+                        residual=jnp.asarray(rng.normal(size=(N, H)), bf))
+        for label, combine in ((path, {}), (path + ", summed", combined)):
+            want = mx.ref_moe_experts_mxfp4(x, experts, *gu, *dn, top_k=4, b_gate_up=b_gu, b_down=b_dn, limit=7.0,
+                                            **combine)
+            got = mx.moe_experts_mxfp4_gpu(x, experts, *gu, *dn, b_gu, b_dn, top_k=4, limit=7.0, mma=mma,
+                                           interpret=not on_gpu, **combine)
+            errs[label] = rel(got, want)
     assert all(e < 2e-2 for e in errs.values()), errs
     x = jnp.asarray(3 * rng.normal(size=(1, H)), bf)
     w_router, nw, b_router = (jnp.asarray(a, bf) for a in (0.05 * rng.normal(size=(E, H)),
@@ -612,7 +612,7 @@ def test_mxfp4_kernel_paths(on_gpu, record_property):
     got = norm_logits(x, w_router, norm_w=nw, eps=1e-5, bias=b_router, interpret=not on_gpu)
     want = ref_norm_logits(x, w_router, norm_w=nw, eps=1e-5, bias=b_router)
     assert np.array_equal(np.asarray(got[0].astype(jnp.float32)), np.asarray(want[0].astype(jnp.float32)))
-    errs["router logits"] = float(np.abs(np.asarray(got[1] - want[1])).max() / np.abs(np.asarray(want[1])).max())
+    errs["router logits"] = rel(got[1], want[1])
     assert errs["router logits"] < 2**-6, errs  # a bf16 rounding apart at most (the f32 sums' order)
     record_property("detail", f"E={E} I={I} H={H}, bf16: largest relative error "
                               + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))

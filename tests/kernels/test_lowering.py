@@ -290,36 +290,25 @@ def moe(dtype, mma=False):
     return fn, shapes, [(TRITON, rf"moe_gate_up_f\d+_d\d+{suffix}"), (TRITON, rf"moe_down_f\d+_d\d+{suffix}")]
 
 
-def moe_mxfp4(dtype, N=1):
+def moe_mxfp4(dtype, N=1, summed=False):
     """moe_experts_mxfp4: the packed gate_up kernel (biases, clamped SwiGLU), then the packed
     down kernel; gpt-oss's H = 2880 (90 blocks of 32: a masked last step). N = 2 (8 pairs):
-    the tensor-core path (its PTX decode included)."""
+    the tensor-core path (its PTX decode included). summed: with the pairs' weights and the
+    residual, down's programs a token's, summing its pairs (ops.moe's batch-1 decode)."""
     K, E, I, H = 4, 4, 64, 2880
 
-    def fn(x, experts, gub, gus, db, ds, bgu, bd):
-        return moe_experts_mxfp4(x, experts, gub, gus, db, ds, top_k=K, b_gate_up=bgu, b_down=bd, limit=7.0)
-    U8 = jnp.uint8
-    shapes = [sds((N, H), dtype), sds((N * K,), I32), sds((E, 2 * I, H // 32, 16), U8), sds((E, 2 * I, H // 32), U8),
-              sds((E, H, I // 32, 16), U8), sds((E, H, I // 32), U8), sds((E, 2 * I), dtype), sds((E, H), dtype)]
-    suffix = "_mma" if N * K >= 8 else ""
-    return fn, shapes, [(TRITON, rf"moe_mxfp4_gate_up_f\d+_g\d+{suffix}"), (TRITON, rf"moe_mxfp4_down_f\d+_g\d+{suffix}")]
-
-
-def moe_mxfp4_summed(N=1):
-    """moe_experts_mxfp4 with the pairs' weights and the residual: down's programs a token's,
-    summing its pairs (the route kernel's decode path in ops.moe). N = 2: the tensor-core path."""
-    K, E, I, H = 4, 4, 64, 2880
-
-    def fn(x, experts, gub, gus, db, ds, bgu, bd, weights, residual):
+    def fn(x, experts, gub, gus, db, ds, bgu, bd, *combine):
+        weights, residual = combine or (None, None)
         return moe_experts_mxfp4(x, experts, gub, gus, db, ds, top_k=K, b_gate_up=bgu, b_down=bd, limit=7.0,
                                  weights=weights, residual=residual)
     U8 = jnp.uint8
-    shapes = [sds((N, H), BF16), sds((N * K,), I32), sds((E, 2 * I, H // 32, 16), U8), sds((E, 2 * I, H // 32), U8),
-              sds((E, H, I // 32, 16), U8), sds((E, H, I // 32), U8), sds((E, 2 * I), BF16), sds((E, H), BF16),
-              sds((N, K), BF16), sds((N, H), BF16)]
+    shapes = [sds((N, H), dtype), sds((N * K,), I32), sds((E, 2 * I, H // 32, 16), U8), sds((E, 2 * I, H // 32), U8),
+              sds((E, H, I // 32, 16), U8), sds((E, H, I // 32), U8), sds((E, 2 * I), dtype), sds((E, H), dtype)]
+    if summed:
+        shapes += [sds((N, K), dtype), sds((N, H), dtype)]
     suffix = "_mma" if N * K >= 8 else ""
-    return fn, shapes, [(TRITON, rf"moe_mxfp4_gate_up_f\d+_g\d+{suffix}"),
-                        (TRITON, rf"moe_mxfp4_down_sum_f\d+_g\d+{suffix}")]
+    down = "down_sum" if summed else "down"
+    return fn, shapes, [(TRITON, rf"moe_mxfp4_gate_up_f\d+_g\d+{suffix}"), (TRITON, rf"moe_mxfp4_{down}_f\d+_g\d+{suffix}")]
 
 
 def moe_router(E, top_k):
@@ -419,8 +408,8 @@ GPU_CASES = {
     "moe_experts-mma-bf16": lambda: moe(BF16, mma=True),
     "moe_experts_mxfp4-bf16": lambda: moe_mxfp4(BF16),
     "moe_experts_mxfp4-mma-bf16": lambda: moe_mxfp4(BF16, N=2),
-    "moe_experts_mxfp4-summed-bf16": lambda: moe_mxfp4_summed(),
-    "moe_experts_mxfp4-summed-mma-bf16": lambda: moe_mxfp4_summed(N=2),
+    "moe_experts_mxfp4-summed-bf16": lambda: moe_mxfp4(BF16, summed=True),
+    "moe_experts_mxfp4-summed-mma-bf16": lambda: moe_mxfp4(BF16, N=2, summed=True),
     "moe_router_logits-32x2880-bias": lambda: moe_norm_logits(32, 2880, True),
     "moe_router_logits-60x1024": lambda: moe_norm_logits(60, 1024, False),
     "moe_router-128x8": lambda: moe_router(128, 8),
