@@ -25,9 +25,9 @@ masked: gpt-oss's G = 2880 / 32 = 90 has no large power-of-two divisor):
      (read through a [..., 2] view of x: each byte's two nibbles meet them without an
      interleave), f32 accumulation, the scale applied per block; bias and SwiGLU -> act [P, I];
   2. grid (pairs, H / block_f): the down rows against act's even and odd values; bias -> y;
-     or, given the pairs' weights [N, top_k] (and a residual [N, H]), grid (tokens, H / block_f):
-     a token's pairs' rows streamed together, each pair's rows as above, then summed as
-     moe_experts.combine_pairs [+ the residual] -> [N, H] (jspec.ops.moe's batch-1 decode: the
+     or, given the pairs' weights [N, top_k] (and a residual [N, H]), grid (tokens, H / block_f),
+     on the CUDA-core stream: a token's pairs' rows streamed together, each pair's rows as
+     above, then summed as moe_experts.combine_pairs [+ the residual] -> [N, H] (jspec.ops.moe's batch-1 decode: the
      XLA fusion of that sum goes; at one token of gpt-oss-20b 15.0 us against 12.4 for the
      pairs apart and that fusion's 1.35, one CUDA graph node a layer fewer).
 Two streams of a program's rows: on CUDA cores (``_row_stream``, up to ``use_mma``'s pair count,
@@ -189,13 +189,6 @@ def validate(x, experts, gu_blocks, gu_scales, down_blocks, down_scales, top_k: 
             raise ValueError(f"moe_experts_mxfp4: {k} must be uint8, got {a.dtype}")
 
 
-def _vector_keys(rows, leads):
-    """(the distinct vectors' leading indices, each row's position among them)."""
-    leads = ((),) * len(rows) if leads is None else tuple(leads)
-    keys = list(dict.fromkeys(leads))
-    return keys, [keys.index(lead) for lead in leads]
-
-
 def _row_stream(blk_ref, sc_ref, v_ref, rows, G, block_f, block_g, asm, leads=None):
     """(f32[block_f], ...): for each of ``rows`` (pl.ds's of the stacked rows, as many as a
     program streams: gate_up's gate and up blocks), those packed rows (blk_ref u8[E R, G, 16],
@@ -208,7 +201,9 @@ def _row_stream(blk_ref, sc_ref, v_ref, rows, G, block_f, block_g, asm, leads=No
     into v_ref (a block of several: down's summed pairs, streamed together; one indexer a load,
     all Triton's lowering takes); None: one vector for all."""
     f32 = jnp.float32
-    keys, key_of = _vector_keys(rows, leads)
+    leads = ((),) * len(rows) if leads is None else tuple(leads)
+    keys = list(dict.fromkeys(leads))  # the distinct vectors, and each row's among them
+    key_of = [keys.index(lead) for lead in leads]
 
     def loads(i):  # step i's activations, packed rows and scales (past G masked: no traffic)
         g0 = i * block_g
@@ -258,33 +253,28 @@ def fp4_f16(blk, asm: bool):
     return tuple(v.astype(jnp.float16) for v in fp4_as_f16(blk.astype(jnp.int32)))
 
 
-def _row_stream_mma(blk_ref, sc_ref, v_ref, rows, G, block_f, block_g, asm, leads=None):
-    """_row_stream through tensor cores: blk_ref u8[E R, G 16], sc_ref u8[E R, G], v_ref
-    [G 16, 2] (flat: a byte's even and odd value). A step's packed rows [block_f, block_g 16]
-    decoded to float16 go through one dot with a block-diagonal [block_g 16, block_g] operand
-    (column g holds block g's activations, zeros elsewhere), so that each (row, block) sum comes
-    out apart and takes its block's scale: f32 [block_f, block_g] accumulated, summed over
-    blocks at the end."""
+def _row_stream_mma(blk_ref, sc_ref, v_ref, rows, G, block_f, block_g, asm):
+    """_row_stream through tensor cores, one vector for all rows: blk_ref u8[E R, G 16],
+    sc_ref u8[E R, G], v_ref [G 16, 2] (flat: a byte's even and odd value). A step's packed
+    rows [block_f, block_g 16] decoded to float16 go through one dot with a block-diagonal
+    [block_g 16, block_g] operand (column g holds block g's activations, zeros elsewhere), so
+    that each (row, block) sum comes out apart and takes its block's scale: f32 [block_f,
+    block_g] accumulated, summed over blocks at the end."""
     f32, f16 = jnp.float32, jnp.float16
     W = block_g * 16  # bytes of a row a step
     iota = lambda shape, d: lax.broadcasted_iota(jnp.int32, shape, d)  # noqa: E731
     diag = iota((W, block_g), 0) // 16 == iota((W, block_g), 1)
 
-    keys, key_of = _vector_keys(rows, leads)
-
     def body(i, accs):
         c0, g0 = i * W, i * block_g
-        xcol = c0 + iota((W,), 0) < G * 16
-        Xs = []
-        for lead in keys:
-            xs = [plt.load(v_ref.at[(*map(jnp.int32, lead), pl.ds(c0, W), jnp.int32(k))], mask=xcol, other=0.0).astype(f32)
-                  * f32(2.0**-MMA_X_SHIFT) for k in (0, 1)]
-            Xs.append([jnp.where(diag, x.astype(f16)[:, None], jnp.zeros((), f16)) for x in xs])
+        live = lambda shape, axis, start, end: start + iota(shape, axis) < end  # noqa: E731  (past G: no traffic)
+        xs = [plt.load(v_ref.at[pl.ds(c0, W), jnp.int32(k)], mask=live((W,), 0, c0, G * 16), other=0.0).astype(f32)
+              * f32(2.0**-MMA_X_SHIFT) for k in (0, 1)]
+        X_lo, X_hi = (jnp.where(diag, x.astype(f16)[:, None], jnp.zeros((), f16)) for x in xs)
         out = []
-        for r, acc, key in zip(rows, accs, key_of):
-            X_lo, X_hi = Xs[key]
-            blk = plt.load(blk_ref.at[r, pl.ds(c0, W)], mask=c0 + iota((block_f, W), 1) < G * 16, other=0)
-            sc = plt.load(sc_ref.at[r, pl.ds(g0, block_g)], mask=g0 + iota((block_f, block_g), 1) < G,
+        for r, acc in zip(rows, accs):
+            blk = plt.load(blk_ref.at[r, pl.ds(c0, W)], mask=live((block_f, W), 1, c0, G * 16), other=0)
+            sc = plt.load(sc_ref.at[r, pl.ds(g0, block_g)], mask=live((block_f, block_g), 1, g0, G),
                           other=0).astype(jnp.int32)
             w_lo, w_hi = fp4_f16(blk, asm)
             part = plt.dot(w_lo, X_lo) + plt.dot(w_hi, X_hi)  # [block_f, block_g], times 2^-(14 + MMA_X_SHIFT)
@@ -334,8 +324,11 @@ def _down_kernel(idx_ref, v_ref, blk_ref, sc_ref, b_ref, *refs, H, G, block_f, b
 
     pairs = [p] if not top_k else [p * top_k + s for s in range(top_k)]
     rows = [idx_ref[q] * H + j * block_f for q in pairs]  # each pair's expert's rows
-    ys = stream(blk_ref, sc_ref, v_ref, tuple(pl.ds(r, block_f) for r in rows), G, block_f, block_g, asm,
-                None if not top_k else [(s,) for s in range(top_k)])  # the pairs streamed together
+    tiles = tuple(pl.ds(r, block_f) for r in rows)
+    if top_k:  # the pairs streamed together, each against its own act (the CUDA-core stream)
+        ys = _row_stream(blk_ref, sc_ref, v_ref, tiles, G, block_f, block_g, asm, [(s,) for s in range(top_k)])
+    else:
+        ys = stream(blk_ref, sc_ref, v_ref, tiles, G, block_f, block_g, asm)
     ys = [rnd(rnd(y) + b_ref[pl.ds(r, block_f)].astype(f32)) for y, r in zip(ys, rows)]  # + b_down[e]
     if not top_k:
         o_ref[0, cols] = ys[0].astype(dt)
@@ -384,12 +377,15 @@ def moe_experts_mxfp4_gpu(x, experts, gu_blocks, gu_scales, down_blocks, down_sc
                           interpret: bool = False, blocks=None, mma: bool | None = None):
     """The two kernels; b_gate_up [E, 2I] and b_down [E, H] (zeros where a model has none);
     weights [N, top_k] (and residual [N, H]): down's programs are a token's, each summing its
-    pairs' rows (moe_experts.combine_pairs) -> [N, H]; mma: the tensor-core path
-    (_row_stream_mma), None for use_mma; blocks: (block_f, block_g, num_warps, num_stages) or
-    None for default_blocks."""
+    pairs' rows (moe_experts.combine_pairs) -> [N, H], on the CUDA-core stream (jspec.ops.moe
+    sums there only at its pair counts: on tensor cores, 4x fewer programs); mma: the
+    tensor-core path (_row_stream_mma), None for use_mma (without weights); blocks: (block_f,
+    block_g, num_warps, num_stages) or None for default_blocks."""
     (_, I2, G, _), P, H = gu_blocks.shape, experts.shape[0], x.shape[1]
     I, GI = I2 // 2, down_blocks.shape[2]
-    mma = use_mma(P, I, H, x.dtype) if mma is None else mma
+    if mma and weights is not None:
+        raise ValueError("moe_experts_mxfp4: the pairs summed in down (weights) stream on CUDA cores, not mma")
+    mma = (weights is None and use_mma(P, I, H, x.dtype)) if mma is None else mma
     bf, bg, warps, stages = blocks or default_blocks(I, H, mma)
     # The kernels read a vector's even and odd values (a byte's two nibbles meet them) through
     # a view of it as [..., 2]; the tensor-core stream reads the packed rows and vectors flat.

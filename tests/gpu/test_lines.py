@@ -563,14 +563,14 @@ def test_rejection(method, with_probs, on_gpu, record_property):
 
 
 # ---- the MXFP4 expert kernels' two paths -----------------------------------------------------
-@line("peagle", "MXFP4 expert kernels at gpt-oss-20b's widths, bf16: the CUDA-core path (4 pairs) and the "
-                "tensor-core one (PTX decode, 16 pairs), each pair apart and summed per token; the router's "
+@line("peagle", "MXFP4 expert kernels at gpt-oss-20b's widths, bf16: the CUDA-core path (4 pairs; each pair "
+                "apart and summed per token) and the tensor-core one (PTX decode, 16 pairs); the router's "
                 "norm + logits kernel == reference")
 def test_mxfp4_kernel_paths(on_gpu, record_property):
     """kernels_pallas/moe_experts_mxfp4.py at one token (4 pairs: the CUDA-core stream, its
-    PTX decode and products) and four (16 pairs: the float16 tensor-core stream, its PTX
-    decode), each pair's rows apart and (the pairs' weights and a residual given) down summing
-    each token's pairs, == the jnp reference, bf16 activations, gpt-oss's biases and clamped
+    PTX decode and products; each pair's rows apart and, the pairs' weights and a residual
+    given, down summing each token's pairs) and four (16 pairs: the float16 tensor-core stream,
+    its PTX decode), == the jnp reference, bf16 activations, gpt-oss's biases and clamped
     SwiGLU; moe_router.norm_logits (the router's input norm and projection) at gpt-oss-20b's
     router == its reference (a CPU smoke run: interpreted, narrow experts, the tensor-core
     path forced)."""
@@ -599,7 +599,7 @@ def test_mxfp4_kernel_paths(on_gpu, record_property):
         path = "tensor cores" if mma else "CUDA cores"
         combined = dict(weights=jnp.asarray(rng.random((N, 4)), jnp.float32),
                         residual=jnp.asarray(rng.normal(size=(N, H)), bf))
-        for label, combine in ((path, {}), (path + ", summed", combined)):
+        for label, combine in ((path, {}),) + (() if mma else ((path + ", summed", combined),)):
             want = mx.ref_moe_experts_mxfp4(x, experts, *gu, *dn, top_k=4, b_gate_up=b_gu, b_down=b_dn, limit=7.0,
                                             **combine)
             got = mx.moe_experts_mxfp4_gpu(x, experts, *gu, *dn, b_gu, b_dn, top_k=4, limit=7.0, mma=mma,

@@ -294,7 +294,8 @@ def moe_mxfp4(dtype, N=1, summed=False):
     """moe_experts_mxfp4: the packed gate_up kernel (biases, clamped SwiGLU), then the packed
     down kernel; gpt-oss's H = 2880 (90 blocks of 32: a masked last step). N = 2 (8 pairs):
     the tensor-core path (its PTX decode included). summed: with the pairs' weights and the
-    residual, down's programs a token's, summing its pairs (ops.moe's batch-1 decode)."""
+    residual, down's programs a token's, summing its pairs (ops.moe's batch-1 decode), on
+    the CUDA-core stream at any pair count."""
     K, E, I, H = 4, 4, 64, 2880
 
     def fn(x, experts, gub, gus, db, ds, bgu, bd, *combine):
@@ -306,7 +307,7 @@ def moe_mxfp4(dtype, N=1, summed=False):
               sds((E, H, I // 32, 16), U8), sds((E, H, I // 32), U8), sds((E, 2 * I), dtype), sds((E, H), dtype)]
     if summed:
         shapes += [sds((N, K), dtype), sds((N, H), dtype)]
-    suffix = "_mma" if N * K >= 8 else ""
+    suffix = "_mma" if N * K >= 8 and not summed else ""
     down = "down_sum" if summed else "down"
     return fn, shapes, [(TRITON, rf"moe_mxfp4_gate_up_f\d+_g\d+{suffix}"), (TRITON, rf"moe_mxfp4_{down}_f\d+_g\d+{suffix}")]
 
@@ -409,7 +410,7 @@ GPU_CASES = {
     "moe_experts_mxfp4-bf16": lambda: moe_mxfp4(BF16),
     "moe_experts_mxfp4-mma-bf16": lambda: moe_mxfp4(BF16, N=2),
     "moe_experts_mxfp4-summed-bf16": lambda: moe_mxfp4(BF16, summed=True),
-    "moe_experts_mxfp4-summed-mma-bf16": lambda: moe_mxfp4(BF16, N=2, summed=True),
+    "moe_experts_mxfp4-summed-n2-bf16": lambda: moe_mxfp4(BF16, N=2, summed=True),
     "moe_router_logits-32x2880-bias": lambda: moe_norm_logits(32, 2880, True),
     "moe_router_logits-60x1024": lambda: moe_norm_logits(60, 1024, False),
     "moe_router-128x8": lambda: moe_router(128, 8),
