@@ -126,7 +126,6 @@ def _kernel(
     h = pl.program_id(1)
     rb = pl.program_id(2)
     split = pl.program_id(3)
-    D = q_ref.shape[1]
     N = q_ref.shape[0]
     H = kv_heads * group
 
@@ -141,6 +140,23 @@ def _kernel(
     row_pos = jnp.where(real, row_pos, -1)  # padding rows see nothing
     kv_len = jnp.minimum(kv_lens_ref[b], table_width * page_size)  # the reference sees W * S keys at most
 
+    attend_split(q_ref, q_row, k_ref, v_ref, out_refs, sinks_ref, lambda slot: pt_ref[b * table_width + slot],
+                 h=h, r=r, group=group, real=real, row_pos=row_pos, kv_len=kv_len, trash_row=N, split=split,
+                 page_size=page_size, kv_heads=kv_heads, table_width=table_width, block_kv=block_kv,
+                 tokens_per_split=tokens_per_split, splits=splits, sm_scale=sm_scale, window=window)
+
+
+def attend_split(q_ref, q_row, k_ref, v_ref, out_refs, sinks_ref, page_of, *, h, r, group, real, row_pos, kv_len,
+                 trash_row, split, page_size, kv_heads, table_width, block_kv, tokens_per_split, splits, sm_scale,
+                 window):
+    """A program's rows against the keys of its kv split, for this kernel and
+    ragged_paged_attention_gpu.py (which set up their rows differently): rows q_row of
+    q_ref [rows of q, D] (padding rows, ``real`` False, write ``trash_row``), ``r`` their
+    index r = token * G + g, row_pos each row's last visible position (-1 padding,
+    NONCAUSAL_POS every key below kv_len); page_of(slot) the page ids of table slots; kv
+    head ``h``. Writes the online softmax over the split's key blocks into out_refs: one
+    split, the normalised output (the head's sink joined); more, this split's output and
+    its log-sum-exp (the combine joins the sinks)."""
     # Keys this program can see: below kv_len, at or before its rows' largest position,
     # inside its split.
     # The splits share this sequence's kv_len evenly (whole blocks each), not the table's
@@ -168,7 +184,7 @@ def _kernel(
         acc, m, l = carry
         t = start + i * block_kv + arange  # i32[block_kv] token indices
         slot = jnp.minimum(lax.div(t, page_size), table_width - 1)  # t >= W*S is masked anyway
-        page = pt_ref[b * table_width + slot]  # per-token page id
+        page = page_of(slot)  # per-token page id
         rows = (page * page_size + lax.rem(t, page_size)) * kv_heads + h
         k = kv_read(k_ref[rows, :], q.dtype)  # [block_kv, D] gather: one contiguous D-row per token
         v = kv_read(v_ref[rows, :], q.dtype)  # (an FP8 cache's converted to q's dtype)
@@ -190,6 +206,7 @@ def _kernel(
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_new, l
 
+    block_rows, D = r.shape[0], q_ref.shape[1]
     acc = jnp.zeros((block_rows, D), jnp.float32)
     m = jnp.full((block_rows,), NEG_INF, jnp.float32)
     l = jnp.zeros((block_rows,), jnp.float32)
@@ -203,9 +220,9 @@ def _kernel(
     carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), (acc, m, l))
     acc, m, l = lax.fori_loop(n_full, num_blocks, body, carry)
 
-    o_row = jnp.where(real, q_row, N)  # padding rows -> trash row N
+    o_row = jnp.where(real, q_row, trash_row)  # padding rows -> the trash row
     o_ref = out_refs[0]
-    if has_sinks and len(out_refs) == 1:  # one split: each row's head's sink joins its denominator
+    if sinks_ref is not None and len(out_refs) == 1:  # one split: each row's head's sink joins its denominator
         sink = sinks_ref[h * group + lax.rem(r, group)].astype(jnp.float32)
         m_all = jnp.maximum(m, sink)
         scale = jnp.exp(m - m_all)

@@ -24,15 +24,19 @@ packing of paged_attention_gpu.py.
   tokens in one block costs the bytes of decoding one. Tiles are powers of 2 >= 16 rows;
   with decode tokens (one per sequence) most rows of a block are padding, which is compute
   a memory-bound call has to spare.
-- Online softmax over ``block_kv`` keys per step within the program's kv split; splits
-  share the sequence's kv_len evenly and a second small kernel merges them
+- Online softmax over ``block_kv`` keys per step within the program's kv split
+  (paged_attention_gpu.attend_split, the same code as that kernel's once the rows are set
+  up); splits share the sequence's kv_len evenly and a second small kernel merges them
   (paged_attention_gpu.combine_splits). A block skips keys past its rows' last position
   (prefill chunks), and only blocks at kv_len or at a causal diagonal pay for the masks.
 - NaN safety as paged_attention_gpu.py: masked scores via ``where``, V rows at or past
   kv_len zeroed before the PV dot; page ids clipped into [0, P) since junk table entries
   are still gathered (for keys that are then masked).
 
-Not measured on a GPU yet (scripts/bench_ragged_attention.py).
+In the engine's steps on the H200 (jax 0.11.2, 2026-12-01, scripts/step_profile.py --q 16 / 4 at
+context 512, batch 1; raw docs/bench/2026-12-01_fp8_verify_step_profile_h200.log): Qwen3-8B's 16-token
+verification 8.2 us a layer + 1.9 for the combine, Llama-3.1-8B's 4 tokens 7.3 + 1.8. Its own
+benchmark (scripts/bench_ragged_attention.py) has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -45,12 +49,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.paged_attention import kv_compute_dtype, kv_read
+from kernels_pallas.paged_attention import kv_compute_dtype
 from kernels_pallas.paged_attention_gpu import (
     MAX_COMBINE_SPLITS,
-    NEG_INF,
     NONCAUSAL_POS,
     _next_pow2,
+    attend_split,
     combine_splits,
     default_kv_splits,
 )
@@ -111,7 +115,6 @@ def _kernel(
     pt_ref, q_ref, k_ref, v_ref, *out_refs = refs
     sinks_ref = out_refs.pop(0) if has_sinks else None
     qb, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    D = q_ref.shape[1]
     N = kv_lens_ref.shape[0]
     T = num_tokens
     H = kv_heads * group
@@ -140,73 +143,12 @@ def _kernel(
         row_pos = jnp.where(causal_ref[seq_c], row_pos, NONCAUSAL_POS)
     row_pos = jnp.where(real, row_pos, -1)  # padding rows see nothing
 
-    # Keys this program can see: below kv_len, at or before its rows' last position, in
-    # its split (splits share kv_len evenly, whole blocks each; tokens_per_split bounds it).
-    end = jnp.minimum(kv_len, jnp.max(row_pos) + 1)
-    base = 0  # a window's first key any row sees, rounded down to a block
-    if window:
-        row_last = jnp.minimum(row_pos, kv_len - 1)
-        base = lax.div(jnp.maximum(jnp.min(jnp.where(real, row_last, kv_len)) - window + 1, 0), block_kv) * block_kv
-    per_split = jnp.minimum(lax.div(kv_len - base + (splits * block_kv - 1), splits * block_kv) * block_kv,
-                            tokens_per_split)
-    start = base + split * per_split
-    end = jnp.minimum(end, start + per_split)
-    num_blocks = jnp.maximum(0, lax.div(end - start + (block_kv - 1), block_kv))
-
-    q = q_ref[q_row, :]  # [block_rows, D]
-    # Triton's default f32 dot is TF32: ask for IEEE f32 when the cache is f32.
-    prec = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
-    arange = jnp.arange(block_kv, dtype=jnp.int32)
     num_pages = k_ref.shape[0] // (page_size * kv_heads)
-
-    def body(j, carry, masked=True):
-        acc, m, l = carry
-        t = start + j * block_kv + arange  # i32[block_kv] key indices
-        slot = jnp.minimum(lax.div(t, page_size), table_width - 1)  # t >= W * S is masked anyway
-        page = jnp.clip(pt_ref[seq_c * table_width + slot], 0, num_pages - 1)  # junk entries: any value
-        rows = (page * page_size + lax.rem(t, page_size)) * kv_heads + h
-        k = kv_read(k_ref[rows, :], q.dtype)  # [block_kv, D] gather: one contiguous D-row per key
-        v = kv_read(v_ref[rows, :], q.dtype)  # (an FP8 cache's converted to q's dtype)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
-        s = s * sm_scale
-        if masked:
-            key_ok = t < kv_len
-            mask = key_ok[None, :] & (t[None, :] <= row_pos[:, None])  # [rows, block_kv]
-            if window:
-                mask = mask & (t[None, :] > row_last[:, None] - window)
-            s = jnp.where(mask, s, NEG_INF)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.exp(s - m_new[:, None])
-        if masked:
-            p = jnp.where(mask, p, 0.0)
-            v = jnp.where(key_ok[:, None], v, jnp.zeros_like(v))  # junk V may be NaN
-        alpha = jnp.exp(m - m_new)
-        l = alpha * l + jnp.sum(p, axis=1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
-                             preferred_element_type=jnp.float32)
-        return acc * alpha[:, None] + pv, m_new, l
-
-    acc = jnp.zeros((block_rows, D), jnp.float32)
-    m = jnp.full((block_rows,), NEG_INF, jnp.float32)
-    l = jnp.zeros((block_rows,), jnp.float32)
-    # Blocks every real row sees whole run unmasked (padding rows compute junk there, which
-    # goes to the trash row); only blocks at the causal diagonal or kv_len are masked.
-    lo = jnp.min(jnp.where(real, row_pos, NONCAUSAL_POS)) + 1
-    full_end = jnp.minimum(jnp.minimum(kv_len, lo), end)
-    n_full = jnp.clip(lax.div(full_end - start, block_kv), 0, num_blocks) if not window else 0  # a window: all masked
-    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), (acc, m, l))
-    acc, m, l = lax.fori_loop(n_full, num_blocks, body, carry)
-
-    o_row = jnp.where(real, q_row, T * H)  # padding rows -> trash row
-    o_ref = out_refs[0]
-    if has_sinks and len(out_refs) == 1:  # one split: each row's head's sink joins its denominator
-        sink = sinks_ref[h * group + lax.rem(r, group)].astype(jnp.float32)
-        m_all = jnp.maximum(m, sink)
-        scale = jnp.exp(m - m_all)
-        acc, l = acc * scale[:, None], l * scale + jnp.exp(sink - m_all)
-    o_ref[o_row, :] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
-    if len(out_refs) == 2:  # a split: its softmax mass too (NEG_INF where it saw no key)
-        out_refs[1][o_row] = jnp.where(l == 0.0, NEG_INF, m + jnp.log(jnp.where(l == 0.0, 1.0, l)))
+    attend_split(q_ref, q_row, k_ref, v_ref, out_refs, sinks_ref,
+                 lambda slot: jnp.clip(pt_ref[seq_c * table_width + slot], 0, num_pages - 1),  # junk entries: any value
+                 h=h, r=r, group=group, real=real, row_pos=row_pos, kv_len=kv_len, trash_row=T * H, split=split,
+                 page_size=page_size, kv_heads=kv_heads, table_width=table_width, block_kv=block_kv,
+                 tokens_per_split=tokens_per_split, splits=splits, sm_scale=sm_scale, window=window)
 
 
 @functools.partial(
