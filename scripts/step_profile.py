@@ -12,16 +12,18 @@ under the profiler.
 Prints the engine's step time (LLMEngine.step, async scheduling), the jitted step's wall
 time waited and back to back, then from the profiler's kernel records: GPU busy time per
 step, kernels per step, each call's span (first kernel start to last end), and the top
-kernels with their launches per step. --host: then the host's side of back-to-back steps, each
-host event's time a step (gpu_trace.host_times: the executable's and a CUDA graph's launch and
-update, argument handling, Python frames). Raw results: docs/bench/*_step_profile_*.log,
-*_host_trace_*.log.
+kernels with their launches per step. --host: then the host's side of back-to-back steps,
+each host event's time a step (gpu_trace.host_times: the executable's and a CUDA graph's
+launch and update, argument handling, Python frames). With OUT set, the printed lines also
+go to $OUT/step_profile_<model>[_<quantization>]_q<Q>_b<batch>.log. Raw results:
+docs/bench/*_step_profile_*.log, *_host_trace_*.log.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 
 import bench_common
 import jax
@@ -51,7 +53,6 @@ GPT_OSS = ("gpt-oss-20b", "gpt-oss-120b", "gpt-oss-tiny")  # config.json written
 def gpt_oss_engine(name, B, ctx):
     """An engine on a gpt-oss config (scripts/bench_gpt_oss.py's) with load_format="dummy", so
     the experts are MXFP4-packed as shipped; KV left as allocated (zeros read as fast)."""
-    import os
     import tempfile
 
     from bench_gpt_oss import target_json, write
@@ -93,6 +94,16 @@ def main():
     ap.add_argument("--host", action="store_true", help="also each host event's time a step, back to back")
     args = ap.parse_args()
     bench_common.QUANTIZATION = args.quantization
+    out_dir = os.environ.get("OUT")
+    log = open(os.path.join(out_dir, f"step_profile_{args.model}{'_' + args.quantization if args.quantization else ''}"
+                                     f"_q{args.q}_b{args.batch}.log"), "w") if out_dir else None
+
+    def say(line: str):  # printed, and kept under $OUT when set
+        print(line, flush=True)
+        if log:
+            log.write(line + "\n")
+            log.flush()
+
     rng = np.random.default_rng(0)
     B, ctx = args.batch, args.ctx
     if args.model in GPT_OSS:
@@ -102,7 +113,7 @@ def main():
         params = random_tree(target_param_spec(cfg), jnp.bfloat16, 0)
         eng = make_engine(cfg, params, max_num_seqs=max(8, B), ctx=ctx, dtype="bfloat16")
     step, tps, _ = engine_decode(eng, B, ctx, rng, 32)
-    print(f"{args.model}: engine step {step * 1e3:.3f} ms ({tps:.1f} tok/s)", flush=True)
+    say(f"{args.model}: engine step {step * 1e3:.3f} ms ({tps:.1f} tok/s)")
     seqs = inject(eng, B, ctx, rng, max_tokens=8)
     r = eng.runner
     inp = step_input(eng, verify_schedule(seqs, args.q), args.q)
@@ -112,12 +123,12 @@ def main():
             out = r.run(inp)
         return out
 
-    print(f"jitted step: {timeit(lambda: r.run(inp), reps=30) * 1e3:.3f} ms waited, "
-          f"{timeit(ten, reps=5) / 10 * 1e3:.3f} ms back to back", flush=True)
+    say(f"jitted step: {timeit(lambda: r.run(inp), reps=30) * 1e3:.3f} ms waited, "
+          f"{timeit(ten, reps=5) / 10 * 1e3:.3f} ms back to back")
     if args.host:
-        print(f"host, {args.reps} steps back to back (profiled):", flush=True)
+        say(f"host, {args.reps} steps back to back (profiled):")
         for name, (us, n) in list(host_times(lambda: r.run(inp), reps=args.reps).items())[:args.top]:
-            print(f"  {us:8.1f} us/step  x{n:5.1f}  {name[:90]}", flush=True)
+            say(f"  {us:8.1f} us/step  x{n:5.1f}  {name[:90]}")
     if jax.default_backend() != "gpu":
         return
     events = traced_events(lambda: r.run(inp), [()], reps=args.reps)
@@ -127,10 +138,10 @@ def main():
         cnt[name] += 1
     # a call's input copies can show as a short span of their own: the reps longest are the steps
     span_us = sorted(((b - a) / 1e3 for a, b in spans(events)), reverse=True)[:args.reps]
-    print(f"GPU busy {sum(tot.values()) / args.reps / 1e3:.1f} us/step, {len(events) / args.reps:.0f} kernels/step, "
-          f"span of a step (median) {span_us[len(span_us) // 2]:.1f} us", flush=True)
+    say(f"GPU busy {sum(tot.values()) / args.reps / 1e3:.1f} us/step, {len(events) / args.reps:.0f} kernels/step, "
+          f"span of a step (median) {span_us[len(span_us) // 2]:.1f} us")
     for name, ns in tot.most_common(args.top):
-        print(f"  {ns / args.reps / 1e3:8.1f} us/step  x{cnt[name] / args.reps:5.1f}  {name[:90]}", flush=True)
+        say(f"  {ns / args.reps / 1e3:8.1f} us/step  x{cnt[name] / args.reps:5.1f}  {name[:90]}")
 
 
 if __name__ == "__main__":
