@@ -124,7 +124,7 @@ def main():
         return out
 
     say(f"jitted step: {timeit(lambda: r.run(inp), reps=30) * 1e3:.3f} ms waited, "
-          f"{timeit(ten, reps=5) / 10 * 1e3:.3f} ms back to back")
+        f"{timeit(ten, reps=5) / 10 * 1e3:.3f} ms back to back")
     if args.host:
         say(f"host, {args.reps} steps back to back (profiled):")
         for name, (us, n) in list(host_times(lambda: r.run(inp), reps=args.reps).items())[:args.top]:
@@ -139,7 +139,7 @@ def main():
     # a call's input copies can show as a short span of their own: the reps longest are the steps
     span_us = sorted(((b - a) / 1e3 for a, b in spans(events)), reverse=True)[:args.reps]
     say(f"GPU busy {sum(tot.values()) / args.reps / 1e3:.1f} us/step, {len(events) / args.reps:.0f} kernels/step, "
-          f"span of a step (median) {span_us[len(span_us) // 2]:.1f} us")
+        f"span of a step (median) {span_us[len(span_us) // 2]:.1f} us")
     for name, ns in tot.most_common(args.top):
         say(f"  {ns / args.reps / 1e3:8.1f} us/step  x{cnt[name] / args.reps:5.1f}  {name[:90]}")
 

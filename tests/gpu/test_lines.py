@@ -562,6 +562,14 @@ def test_rejection(method, with_probs, on_gpu, record_property):
     record_property("detail", f"B={B} K={K} V={V}: tokens and counts equal; counts {sorted(set(n.tolist()))}")
 
 
+def max_rel_err(got, want) -> float:
+    """The largest error over the largest value, in f32 (the kernel lines' measure)."""
+    import jax.numpy as jnp
+
+    g32, w32 = (jnp.asarray(a).astype(jnp.float32) for a in (got, want))
+    return float(jnp.max(jnp.abs(g32 - w32)) / jnp.max(jnp.abs(w32)))
+
+
 # ---- the MXFP4 expert kernels' two paths -----------------------------------------------------
 @line("peagle", "MXFP4 expert kernels at gpt-oss-20b's widths, bf16: the CUDA-core path (4 pairs; each pair "
                 "apart and summed per token) and the tensor-core one (PTX decode, 16 pairs); the router's "
@@ -586,10 +594,6 @@ def test_mxfp4_kernel_paths(on_gpu, record_property):
     gu, dn = packed(rng, E, 2 * I, H), packed(rng, E, H, I)
     bf = jnp.bfloat16
     b_gu, b_dn = (jnp.asarray(0.1 * rng.normal(size=s), bf) for s in ((E, 2 * I), (E, H)))
-    def rel(got, want):  # largest error over the largest value, in f32
-        g32, w32 = (np.asarray(jnp.asarray(a).astype(jnp.float32)) for a in (got, want))
-        return float(np.abs(g32 - w32).max() / np.abs(w32).max())
-
     errs = {}
     for N, mma in ((1, False), (4, True)):
         x = jnp.asarray(rng.normal(size=(N, H)), bf)
@@ -604,7 +608,7 @@ def test_mxfp4_kernel_paths(on_gpu, record_property):
                                             **combine)
             got = mx.moe_experts_mxfp4_gpu(x, experts, *gu, *dn, b_gu, b_dn, top_k=4, limit=7.0, mma=mma,
                                            interpret=not on_gpu, **combine)
-            errs[label] = rel(got, want)
+            errs[label] = max_rel_err(got, want)
     assert all(e < 2e-2 for e in errs.values()), errs
     x = jnp.asarray(3 * rng.normal(size=(1, H)), bf)
     w_router, nw, b_router = (jnp.asarray(a, bf) for a in (0.05 * rng.normal(size=(E, H)),
@@ -612,7 +616,7 @@ def test_mxfp4_kernel_paths(on_gpu, record_property):
     got = norm_logits(x, w_router, norm_w=nw, eps=1e-5, bias=b_router, interpret=not on_gpu)
     want = ref_norm_logits(x, w_router, norm_w=nw, eps=1e-5, bias=b_router)
     assert np.array_equal(np.asarray(got[0].astype(jnp.float32)), np.asarray(want[0].astype(jnp.float32)))
-    errs["router logits"] = rel(got[1], want[1])
+    errs["router logits"] = max_rel_err(got[1], want[1])
     assert errs["router logits"] < 2**-6, errs  # a bf16 rounding apart at most (the f32 sums' order)
     record_property("detail", f"E={E} I={I} H={H}, bf16: largest relative error "
                               + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
@@ -644,25 +648,23 @@ def test_masked_k_chunk(on_gpu, record_property):
     x = (2 * jax.random.normal(ks[0], (1, 2 * K))).astype(bf)
     nw = (1 + 0.1 * jax.random.normal(ks[1], (K,))).astype(bf)
     w = (0.05 * jax.random.normal(ks[2], ((H + 2 * KVH) * D, K))).astype(bf)
-    rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))  # noqa: E731
-                             / jnp.max(jnp.abs(b.astype(jnp.float32))))
     errs = {}
     for prologue, xin, kw in (("rmsnorm", x[:, :K], {"norm_w": nw}), ("silu_mul", x, {})):
         got = fused_linear_gpu(xin, w, kw.get("norm_w"), prologue=prologue, eps=1e-5, blocks=blocks,
                                interpret=not on_gpu)
-        errs[prologue] = rel(got, ref_fused_linear(xin, w, prologue=prologue, eps=1e-5, **kw))
+        errs[prologue] = max_rel_err(got, ref_fused_linear(xin, w, prologue=prologue, eps=1e-5, **kw))
     P, S = 4, 16
     kp, vp = (jax.random.normal(k, (P, S, KVH, D)).astype(bf) for k in ks[3:5])
     cos, sin = rope_tables(jnp.array([29]), rope_inv_freq(RopeConfig(10000.0), D))
     args = (x[:, :K], w, nw, None, cos, sin, jnp.array([19], jnp.int32), kp, vp)
     want = ref_qkv_rope_kv_write(*args, num_heads=H, eps=1e-5)
     got = qkv_rope_kv_write_gpu(*args, num_heads=H, eps=1e-5, blocks=blocks, interpret=not on_gpu)
-    errs["qkv_rope_kv_write"] = max(rel(g, r) for g, r in zip(got, want))
+    errs["qkv_rope_kv_write"] = max(max_rel_err(g, r) for g, r in zip(got, want))
     xr = (2 * jax.random.normal(ks[5], (4, K))).astype(bf)
     rb = rows_blocks(w.shape[0], K, bf) if on_gpu else (32, 128, 4, 2)
     assert K % rb[1]  # a masked last chunk
-    errs["fused_linear_rows"] = rel(fused_linear_rows(xr, w, blocks=None if on_gpu else rb, interpret=not on_gpu),
-                                    ref_fused_linear(xr, w))
+    got = fused_linear_rows(xr, w, blocks=None if on_gpu else rb, interpret=not on_gpu)
+    errs["fused_linear_rows"] = max_rel_err(got, ref_fused_linear(xr, w))
     assert all(e < 2e-2 for e in errs.values()), errs
     record_property("detail", f"K={K}, bf16: largest relative error {max(errs.values()):.1e} "
                               + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
@@ -689,8 +691,6 @@ def test_fp8_one_row_kernels(on_gpu, record_property):
 
     (F, K, I), (H, KVH, D) = ((4096, 4096, 14336), (32, 8, 128)) if on_gpu else ((128, 256, 256), (4, 2, 32))
     ks = jax.random.split(jax.random.PRNGKey(5), 8)
-    rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))  # noqa: E731
-                             / jnp.max(jnp.abs(b.astype(jnp.float32))))
 
     def fp8(key, shape):
         q = quantize_fp8(0.05 * jax.random.normal(key, shape), None, "bfloat16")
@@ -712,7 +712,7 @@ def test_fp8_one_row_kernels(on_gpu, record_property):
             got = fused_linear(xin, w, w_scale=s, eps=1e-5, interpret=not on_gpu, **kw)
             with jax.default_matmul_precision("highest"):  # XLA's f32 dots on the GPU default to TF32
                 want = ref_fused_linear(xin, w, w_scale=s, eps=1e-5, **kw)
-            errs[f"{name} {jnp.dtype(dt).name}"] = rel(got, want)
+            errs[f"{name} {jnp.dtype(dt).name}"] = max_rel_err(got, want)
         P, S = 4, 16
         kp, vp = (jax.random.normal(k, (P, S, KVH, D)).astype(dt) for k in ks[6:8])
         cos, sin = rope_tables(jnp.array([29]), rope_inv_freq(RopeConfig(10000.0), D))
@@ -720,14 +720,14 @@ def test_fp8_one_row_kernels(on_gpu, record_property):
         with jax.default_matmul_precision("highest"):
             want = ref_qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, w_scale=sqkv)
         got = qkv_rope_kv_write(*args, num_heads=H, eps=1e-5, interpret=not on_gpu, w_scale=sqkv)
-        errs[f"qkv_rope_kv_write {jnp.dtype(dt).name}"] = max(rel(g, r) for g, r in zip(got, want))
+        errs[f"qkv_rope_kv_write {jnp.dtype(dt).name}"] = max(max_rel_err(g, r) for g, r in zip(got, want))
     # down_proj split over K (fused_linear_split_k: the device's split at 8B widths), bf16 activations
     from kernels_pallas.fused_linear_split_k import fused_linear_split_k
     x = (2 * jax.random.normal(ks[3], (1, 2 * I))).astype(jnp.bfloat16)
     res = jax.random.normal(ks[5], (1, F)).astype(jnp.bfloat16)
     kw = dict(prologue="silu_mul", residual=res, w_scale=sd, eps=1e-5)
     got = fused_linear_split_k(x, wd, blocks=None if on_gpu else (2, 16, 128, 4, 3, True), interpret=not on_gpu, **kw)
-    errs["down split over K bfloat16"] = rel(got, ref_fused_linear(x, wd, **kw))
+    errs["down split over K bfloat16"] = max_rel_err(got, ref_fused_linear(x, wd, **kw))
     assert all(e < (2e-2 if "bfloat16" in k else 1e-4) for k, e in errs.items()), errs
     record_property("detail", f"largest relative error {max(errs.values()):.1e}: "
                               + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
